@@ -1,0 +1,5 @@
+import sys
+
+from uccl_ep_train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,248 @@
+"""Every user-tunable knob of uccl-ep-train, its environment name, default and validation, in one place.
+
+The UCCL_* names match UCCL-EP's so that cluster settings carry over unchanged; names of our own start with
+UCCL_EP_. Nothing else in the package reads os.environ for these: call :func:`load_settings` and pass the
+resulting dataclasses down (the native module receives plain integers and strings).
+
+docs/settings.md lists the same table for users; `uccl-ep-train doctor` prints the resolved values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+
+class SettingsError(ValueError):
+    """A UCCL_* environment variable holds a value we cannot use. The message names the variable and the fix."""
+
+
+def _meta(env: str, doc: str, parse: Callable[[str], Any] | None = None) -> dict:
+    return {"env": env, "doc": doc, "parse": parse}
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text.strip(), 0)
+        if lo is not None and value < lo:
+            raise ValueError(f"must be >= {lo}")
+        if hi is not None and value > hi:
+            raise ValueError(f"must be <= {hi}")
+        return value
+
+    return parse
+
+
+def _float(lo: float | None = None) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text.strip())
+        if value != value:
+            raise ValueError("must be a number, not NaN")
+        if lo is not None and value < lo:
+            raise ValueError(f"must be >= {lo}")
+        return value
+
+    return parse
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be one of 1/0, true/false, yes/no, on/off")
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11), the format of taskset and /sys/devices/system/cpu/*/cpulist."""
+    cpus: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "-" in part:
+            lo, hi = (int(x) for x in part.split("-", 1))
+            if hi < lo:
+                raise ValueError(f"range {part!r} is backwards")
+            cpus.extend(range(lo, hi + 1))
+        else:
+            cpus.append(int(part))
+    if any(c < 0 for c in cpus):
+        raise ValueError("CPU ids must be >= 0")
+    return tuple(cpus)
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    """'mlx5_0,mlx5_1' or 'mlx5_0:1,mlx5_1:1' (NCCL_IB_HCA style; a leading '=' or '^' is kept on the first name)."""
+    return tuple(filter(None, (p.strip() for p in text.split(","))))
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """How proxies reach remote GPUs: which transport, which NIC, and the NIC-level flow control."""
+
+    transport: str = field(default="auto", metadata=_meta(
+        "UCCL_EP_TRANSPORT", "auto (verbs when an RDMA NIC is usable, else loopback), verbs, or loopback",
+        _choice("auto", "verbs", "loopback")))
+    socket_ifname: Optional[str] = field(default=None, metadata=_meta(
+        "UCCL_SOCKET_IFNAME", "network interface for bootstrap traffic (as NCCL_SOCKET_IFNAME)", str.strip))
+    ib_hca: tuple[str, ...] = field(default=(), metadata=_meta(
+        "UCCL_IB_HCA", "RDMA devices to use, comma separated (mlx5_0,mlx5_1 or rdmap0s31:1); empty: all, nearest first",
+        _name_list))
+    ib_gid_index: int = field(default=-1, metadata=_meta(
+        "UCCL_IB_GID_INDEX", "GID index; -1 picks one the way NCCL does (RoCE v2, IPv4-mapped, else global IPv6)",
+        _int(-1, 255)))
+    ib_sl: Optional[int] = field(default=None, metadata=_meta(
+        "UCCL_IB_SL", "InfiniBand service level (unset: 3 on IB/RoCE, 8 on EFA)", _int(0, 15)))
+    ib_tc: Optional[int] = field(default=None, metadata=_meta(
+        "UCCL_IB_TC", "RoCE traffic class (unset: 104 on IB/RoCE, 0 on EFA)", _int(0, 255)))
+    ib_max_inflight_bytes: Optional[int] = field(default=None, metadata=_meta(
+        "UCCL_IB_MAX_INFLIGHT_BYTES",
+        "bytes in flight per proxy thread (unset: 2 MiB IB/RoCE, 8 MiB EFA; Broadcom Thor-2 wants ~1.5 MiB)",
+        _int(1)))
+    ib_max_inflight_normal: int = field(default=8, metadata=_meta(
+        "UCCL_IB_MAX_INFLIGHT_NORMAL", "writes in flight per proxy thread in normal (HT) mode; Thor-2/Pollara: 1",
+        _int(1)))
+    ib_max_inflight_low_latency: int = field(default=32, metadata=_meta(
+        "UCCL_IB_MAX_INFLIGHT_LOW_LATENCY", "writes in flight per proxy thread in low-latency mode", _int(1)))
+    reorder_window: int = field(default=256, metadata=_meta(
+        "UCCL_EP_REORDER_WINDOW",
+        "sequence numbers a receiving proxy holds while waiting for an earlier one (unordered NICs); "
+        "must exceed the writes in flight", _int(2, 1 << 15)))
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """The CPU proxy threads that drain the GPU's command FIFOs."""
+
+    num_threads: int = field(default=4, metadata=_meta(
+        "UCCL_EP_NUM_PROXY_THREADS", "proxy threads per GPU", _int(1, 64)))
+    fifos_per_thread: int = field(default=8, metadata=_meta(
+        "UCCL_EP_FIFOS_PER_THREAD", "command FIFOs each proxy thread drains", _int(1, 64)))
+    fifo_depth: int = field(default=2048, metadata=_meta(
+        "UCCL_EP_FIFO_DEPTH", "commands per FIFO ring (power of two)", _int(2, 1 << 20)))
+    cpus: tuple[int, ...] = field(default=(), metadata=_meta(
+        "UCCL_EP_PROXY_CPUS", "CPUs to pin proxy threads to, e.g. 0-3,8 (empty: no pinning; doctor suggests cores "
+        "near the NIC)", _cpu_list))
+    idle_backoff_us: int = field(default=0, metadata=_meta(
+        "UCCL_EP_PROXY_IDLE_BACKOFF_US", "sleep this long after an idle poll round (0: busy-poll)", _int(0, 1_000_000)))
+    timeout_secs: float = field(default=100.0, metadata=_meta(
+        "UCCL_EP_CPU_TIMEOUT_SECS", "deadline for any host-side wait (proxy poll, host sync) before it raises",
+        _float(0.001)))
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """GPU-side knobs of dispatch/combine."""
+
+    backend: str = field(default="auto", metadata=_meta(
+        "UCCL_EP_BACKEND", "auto (native kernels when built for this device, else reference), native, reference",
+        _choice("auto", "native", "reference")))
+    num_sms: int = field(default=24, metadata=_meta(
+        "UCCL_EP_NUM_SMS", "SMs used by dispatch/combine kernels (even number)", _int(2, 1024)))
+    gpu_timeout_secs: float = field(default=100.0, metadata=_meta(
+        "UCCL_EP_GPU_TIMEOUT_SECS", "deadline for any GPU spin wait before the kernel reports and traps",
+        _float(0.001)))
+
+
+@dataclass(frozen=True)
+class EmulationSettings:
+    """Make one host's GPUs play several nodes, and make the loopback transport behave like a NIC."""
+
+    ranks_per_node: int = field(default=0, metadata=_meta(
+        "UCCL_EP_RANKS_PER_NODE", "ranks per (emulated) node; 0: LOCAL_WORLD_SIZE, i.e. real nodes", _int(0)))
+    loopback_bandwidth_gbps: float = field(default=0.0, metadata=_meta(
+        "UCCL_EP_LOOPBACK_BW_GBPS", "loopback bandwidth cap per GPU in GB/s (0: uncapped)", _float(0.0)))
+    loopback_reorder: int = field(default=0, metadata=_meta(
+        "UCCL_EP_LOOPBACK_REORDER", "deliver loopback writes shuffled within windows of this many (0/1: in order)",
+        _int(0, 1 << 15)))
+    loopback_delay_us: int = field(default=0, metadata=_meta(
+        "UCCL_EP_LOOPBACK_DELAY_US", "extra delivery delay of each loopback write in microseconds", _int(0)))
+    loopback_seed: int = field(default=0, metadata=_meta(
+        "UCCL_EP_LOOPBACK_SEED", "seed of the loopback reordering", _int(0)))
+
+
+@dataclass(frozen=True)
+class Settings:
+    transport: TransportSettings = field(default_factory=TransportSettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    kernel: KernelSettings = field(default_factory=KernelSettings)
+    emulation: EmulationSettings = field(default_factory=EmulationSettings)
+
+    def validate(self) -> "Settings":
+        """Cross-field rules. Raises SettingsError saying which variables conflict and what to change."""
+        depth = self.proxy.fifo_depth
+        if depth & (depth - 1):
+            raise SettingsError(f"UCCL_EP_FIFO_DEPTH={depth} must be a power of two (e.g. {1 << depth.bit_length()})")
+        inflight = max(self.transport.ib_max_inflight_normal, self.transport.ib_max_inflight_low_latency)
+        if self.transport.reorder_window <= inflight:
+            raise SettingsError(
+                f"UCCL_EP_REORDER_WINDOW={self.transport.reorder_window} must exceed the writes in flight "
+                f"({inflight}, from UCCL_IB_MAX_INFLIGHT_*): raise the window or lower the caps")
+        if self.emulation.loopback_reorder > self.transport.reorder_window:
+            raise SettingsError(
+                f"UCCL_EP_LOOPBACK_REORDER={self.emulation.loopback_reorder} exceeds UCCL_EP_REORDER_WINDOW="
+                f"{self.transport.reorder_window}: the receiver could not restore order; lower the first")
+        if self.kernel.num_sms % 2:
+            raise SettingsError(f"UCCL_EP_NUM_SMS={self.kernel.num_sms} must be even (SMs pair up as send/receive)")
+        return self
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that reproduces these settings (for launchers and for logging a run)."""
+        out: dict[str, str] = {}
+        for group, meta, value in _walk(self):
+            if value is None or value == () or value == group.__dataclass_fields__[meta.name].default:
+                continue
+            if isinstance(value, tuple):
+                value = ",".join(str(v) for v in value)
+            elif isinstance(value, bool):
+                value = "1" if value else "0"
+            out[meta.metadata["env"]] = str(value)
+        return out
+
+
+def _walk(settings: Settings):
+    for group_field in dataclasses.fields(settings):
+        group = getattr(settings, group_field.name)
+        for f in dataclasses.fields(group):
+            yield group, f, getattr(group, f.name)
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(environment name, default, description) for every setting: the table docs/settings.md shows."""
+    rows = []
+    for _, f, value in _walk(Settings()):
+        rows.append((f.metadata["env"], "" if value in (None, ()) else str(value), f.metadata["doc"]))
+    return rows
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read every UCCL_* setting from ``env`` (default os.environ), validate, and return them.
+
+    An unset or empty variable keeps its default; a malformed one raises SettingsError naming it.
+    """
+    env = os.environ if env is None else env
+    groups = {}
+    for group_field in dataclasses.fields(Settings):
+        cls = group_field.default_factory  # type: ignore[misc]
+        values = {}
+        for f in dataclasses.fields(cls):
+            name, parse = f.metadata["env"], f.metadata["parse"]
+            raw = env.get(name)
+            if raw is None or raw.strip() == "":
+                continue
+            try:
+                values[f.name] = parse(raw)
+            except ValueError as exc:
+                raise SettingsError(f"{name}={raw!r}: {exc} ({f.metadata['doc']})") from None
+        groups[group_field.name] = cls(**values)
+    return Settings(**groups).validate()
