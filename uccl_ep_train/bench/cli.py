@@ -22,7 +22,7 @@ def register(subparsers) -> None:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             stub = sub.add_parser(name, help=f"(unavailable: {exc})")
-            stub.set_defaults(func=lambda args, exc=exc: _unavailable(name, exc))
+            stub.set_defaults(func=lambda args, name=name, exc=exc: _unavailable(name, exc))
             continue
         module.add_parser(sub)
 
