@@ -1,0 +1,211 @@
+"""Per-rank bodies of the UCCLTokenDispatcher tests (module level, so tests.distributed can run them in children).
+
+The oracle is a formulation with no communication at all: every rank builds every expert's weights from the same
+seed and computes ``out[t] = sum_k probs[t, e_k] * expert_{e_k}(x[t])`` for its own tokens. The dispatcher path
+runs the six hooks with the experts living only on their owner rank (and, with expert TP, split column/row-wise
+over the TP ranks, each producing a partial sum as Megatron's experts do).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+HIDDEN_DEFAULT = 16
+
+
+def init_megatron(ep: int, etp: int = 1) -> None:
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
+
+
+def make_config(num_experts: int, topk: int, hidden: int, **extra):
+    import megatron_patch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    megatron_patch.apply()
+    values = dict(num_layers=1, hidden_size=hidden, num_attention_heads=4, num_moe_experts=num_experts,
+                  moe_router_topk=topk, moe_ffn_hidden_size=hidden, moe_token_dispatcher_type="uccl",
+                  use_cpu_initialization=True, add_bias_linear=False)
+    values.update(extra)
+    return TransformerConfig(**values)
+
+
+def expert_weights(expert: int, hidden: int, ffn: int, seed: int):
+    g = torch.Generator().manual_seed(seed * 1000 + expert)
+    return torch.randn(hidden, ffn, generator=g) / hidden ** 0.5, torch.randn(ffn, hidden, generator=g) / ffn ** 0.5
+
+
+def expert_fn(x, a, b):
+    return torch.tanh(x @ a) @ b
+
+
+def routing(num_tokens: int, num_experts: int, topk: int, seed: int, kind: str):
+    """(routing_map [T, E] bool, probs [T, E] float32 summing to 1 over each token's experts, 0 elsewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    if kind == "skewed":  # everything on the first EP rank's experts: the other ranks receive nothing
+        logits[:, num_experts // 2:] -= 100.0
+    chosen = logits.topk(topk, dim=1).indices
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, chosen, True)
+    if kind == "dropped":  # the router dropped some slots (capacity): fewer than topk experts for those tokens
+        drop = torch.rand(num_tokens, generator=g) < 0.3
+        routing_map[drop, chosen[drop, 0]] = False
+        routing_map[0] = False  # a token with no expert at all
+    probs = torch.where(routing_map, torch.softmax(logits, dim=1), torch.zeros(()))
+    probs = probs / probs.sum(1, keepdim=True).clamp(min=1e-9)
+    return routing_map, probs
+
+
+def run_local_experts(tokens, tokens_per_expert, probs, weights):
+    counts = [int(c) for c in tokens_per_expert.tolist()]
+    outs, start = [], 0
+    for (a, b), count in zip(weights, counts):
+        seg = tokens[start:start + count]
+        outs.append(expert_fn(seg, a, b) * probs[start:start + count].unsqueeze(-1).to(seg.dtype))
+        start += count
+    outs.append(tokens[start:] * 0)  # sync-free padding rows (and nothing otherwise)
+    return torch.cat(outs)
+
+
+def run_identity_experts(tokens, tokens_per_expert, probs):
+    return tokens * probs.unsqueeze(-1).to(tokens.dtype)
+
+
+def hooks_case(rank: int, world: int, *, ep: int, etp: int, num_experts: int, topk: int, tokens: int,
+               hidden: int = HIDDEN_DEFAULT, kind: str = "random", identity: bool = False, options=None,
+               seed: int = 7, atol: float = 1e-5):
+    """Run the six hooks forward and backward; return max errors against the oracle (asserted by the caller)."""
+    init_megatron(ep, etp)
+    from megatron.core import parallel_state
+    from uccl_ep_train.megatron.dispatcher import UCCLTokenDispatcher, release_buffers
+    from uccl_ep_train.megatron.options import DispatcherOptions
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    cfg = make_config(num_experts, topk, hidden)
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    nle = num_experts // ep
+    local = list(range(ep_rank * nle, (ep_rank + 1) * nle))
+    dispatcher = UCCLTokenDispatcher(nle, local, cfg, pg_collection=get_default_pg_collection(),
+                                     options=options or DispatcherOptions())
+    ffn = 2 * hidden * etp
+    full = [expert_weights(e, hidden, ffn, seed) for e in range(num_experts)]
+    shard = ffn // etp
+    mine = [(a[:, etp_rank * shard:(etp_rank + 1) * shard], b[etp_rank * shard:(etp_rank + 1) * shard])
+            for a, b in (full[e] for e in local)]
+
+    g = torch.Generator().manual_seed(seed * 31 + rank)
+    x = torch.randn(tokens, 1, hidden, generator=g)
+    routing_map, probs = routing(tokens, num_experts, topk, seed * 17 + rank, kind)
+    grad_out = torch.randn(tokens, 1, hidden, generator=g)
+
+    # Dispatcher path.
+    x1, p1 = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+    h, tp = dispatcher.dispatch_preprocess(x1, routing_map, p1)
+    h, tp = dispatcher.token_dispatch(h, tp)
+    tokens_in, tokens_per_expert, permuted_probs = dispatcher.dispatch_postprocess(h, tp)
+    assert tokens_per_expert.dtype == torch.int64
+    sync_free = bool(options is not None and options.sync_free)
+    if not sync_free:
+        assert tokens_per_expert.device.type == "cpu"
+        assert int(tokens_per_expert.sum()) == tokens_in.shape[0]
+    out = (run_identity_experts(tokens_in, tokens_per_expert, permuted_probs) if identity
+           else run_local_experts(tokens_in, tokens_per_expert, permuted_probs, mine))
+    out = dispatcher.combine_preprocess(out)
+    out = dispatcher.token_combine(out)
+    out = dispatcher.combine_postprocess(out)
+    assert out.shape == x.shape
+    (out * grad_out).sum().backward()
+
+    # Oracle path.
+    x2, p2 = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+    flat = x2.view(tokens, hidden)
+    ref = torch.zeros_like(flat)
+    for e in range(num_experts):
+        sel = routing_map[:, e]
+        if sel.any():
+            y = flat[sel] if identity else expert_fn(flat[sel], *full[e])
+            ref = ref.index_add(0, sel.nonzero().squeeze(1), y * p2[sel, e].unsqueeze(-1))
+    ref = ref.view_as(x2)
+    (ref * grad_out).sum().backward()
+
+    release_buffers()
+    parallel_state.destroy_model_parallel()
+    result = {
+        "out_rel": float((out - ref).norm() / ref.norm().clamp(min=1e-12)),
+        "grad_probs_rel": float((p1.grad - p2.grad).norm() / p2.grad.norm().clamp(min=1e-12)),
+        "out": float((out - ref).abs().max()),
+        "grad_x": float((x1.grad - x2.grad).abs().max()),
+        "grad_probs": float((p1.grad - p2.grad).abs().max()),
+        "identity_err": float((out - x).abs()[routing_map.any(1)].max()) if identity else 0.0,
+        "received": int(tokens_in.shape[0]),
+        "expert_major": dispatcher.expert_major,
+    }
+    return result
+
+
+def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int, tokens: int, hidden: int,
+                  seed: int = 3, reference: str = "allgather", device: str = "cpu", bf16: bool = False,
+                  grouped_gemm: bool = False):
+    """Megatron's real MoELayer: uccl against another dispatcher, same weights (same seed), same input."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        # Megatron's router moves CPU weights to torch.cuda.current_device() (and the allgather dispatcher's global
+        # buffer lives there): in this CPU-only child that device is the CPU.
+        torch.cuda.current_device = lambda: "cpu"
+    init_megatron(ep)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from uccl_ep_train.megatron.dispatcher import UCCLTokenDispatcher, release_buffers
+
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    results, outputs = {}, {}
+    for dispatcher_type in ("uccl", reference):
+        extra = dict(moe_token_dispatcher_type=dispatcher_type, moe_router_load_balancing_type="none",
+                     use_cpu_initialization=device == "cpu", moe_router_dtype="fp32")
+        if bf16:
+            extra.update(bf16=True, params_dtype=torch.bfloat16)
+        cfg = make_config(num_experts, topk, hidden, **extra)
+        torch.manual_seed(seed)
+        if device == "cuda":
+            model_parallel_cuda_manual_seed(seed)
+        layer = spec.submodules.mlp(config=cfg)
+        if device == "cuda":
+            layer = layer.cuda()
+        results[dispatcher_type] = type(layer.token_dispatcher).__name__
+        if dispatcher_type == "uccl":
+            assert isinstance(layer.token_dispatcher, UCCLTokenDispatcher)
+        g = torch.Generator().manual_seed(seed * 13 + rank)
+        x = torch.randn(tokens, 1, hidden, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+        out, _ = layer(x)
+        g_out = torch.randn(out.shape, generator=g).to(device=device, dtype=out.dtype)
+        (out.float() * g_out.float()).sum().backward()
+        outputs[dispatcher_type] = (out.detach().float().cpu(), x.grad.float().cpu(),
+                                    [p.grad.float().cpu().clone() for p in layer.parameters()])
+    u, a = outputs["uccl"], outputs[reference]
+    results["out_norm"] = float(u[0].norm())
+    results["out"] = float((u[0] - a[0]).abs().max())
+    results["out_rel"] = float((u[0] - a[0]).norm() / a[0].norm().clamp(min=1e-12))
+    results["grad_x"] = float((u[1] - a[1]).abs().max())
+    results["grad_x_rel"] = float((u[1] - a[1]).norm() / a[1].norm().clamp(min=1e-12))
+    results["grad_params"] = max(float((gu - ga).abs().max()) for gu, ga in zip(u[2], a[2]))
+    results["grad_params_rel"] = max(float((gu - ga).norm() / ga.norm().clamp(min=1e-12))
+                                     for gu, ga in zip(u[2], a[2]))
+    release_buffers()
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+def many_cases(rank: int, world: int, cases: dict):
+    """Run several named cases in one process group (each child imports Megatron once: CI time)."""
+    out = {}
+    for name, (fn_name, kwargs) in cases.items():
+        out[name] = globals()[fn_name](rank, world, **kwargs)
+    return out

@@ -1,0 +1,96 @@
+"""UCCLTokenDispatcher's six hooks in gloo groups on CPU, reference backend, against a communication-free oracle.
+
+Megatron's own MoEAlltoAllTokenDispatcher cannot be the oracle here: its constructor creates a CUDA stream. The
+oracle (tests/megatron/hook_cases.py) computes every token's output from every expert's weights locally, which is
+what an all-to-all formulation computes, without any of the code under test. Megatron's real MoELayer is compared
+against its allgather dispatcher, which does run on CPU.
+
+Cases of one world size share one process group (importing Megatron in every child dominates the run time).
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.megatron import hook_cases
+from uccl_ep_train.megatron.options import DispatcherOptions
+
+pytest.importorskip("uccl_ep_train.buffer")
+
+EXACT = 1e-5
+O = DispatcherOptions
+TWO_RANKS = {
+    "identity": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=12, identity=True)),
+    "expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16, options=O(expert_major=True))),
+    "local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16,
+                                         options=O(expert_major=False))),
+    "sync_free_expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
+                                                  options=O(sync_free=True, expert_major=True))),
+    "sync_free_local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
+                                                   options=O(sync_free=True, expert_major=False))),
+    "fp8": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, hidden=128,
+                               options=O(fp8_dispatch=True))),
+    "moelayer": ("moelayer_case", dict(ep=2, num_experts=4, topk=2, tokens=8, hidden=16)),
+}
+FOUR_RANKS = {
+    "dropped": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=10, kind="dropped")),
+    "expert_tp": ("hooks_case", dict(ep=2, etp=2, num_experts=4, topk=2, tokens=8)),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(hook_cases.many_cases, 2, TWO_RANKS, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(hook_cases.many_cases, 4, FOUR_RANKS, timeout=300)
+
+
+def _assert_matches_oracle(per_rank, name, tol=EXACT):
+    for rank, results in enumerate(per_rank):
+        r = results[name]
+        assert r["out"] < tol and r["grad_x"] < tol and r["grad_probs"] < tol, (name, rank, r)
+
+
+def test_output_equals_input_with_identity_experts_and_probs_summing_to_one(two_ranks):
+    for results in two_ranks:
+        assert results["identity"]["identity_err"] < EXACT
+    _assert_matches_oracle(two_ranks, "identity")
+
+
+@pytest.mark.parametrize("name", ["expert_major", "local_permute"])
+def test_output_and_gradients_to_hidden_and_probs_match_the_oracle(two_ranks, name):
+    _assert_matches_oracle(two_ranks, name)
+    assert all(results[name]["received"] > 0 for results in two_ranks)
+    assert all(results[name]["expert_major"] is (name == "expert_major") for results in two_ranks)
+
+
+@pytest.mark.parametrize("name", ["sync_free_expert_major", "sync_free_local_permute"])
+def test_sync_free_mode_with_a_rank_receiving_nothing_matches_the_oracle(two_ranks, name):
+    _assert_matches_oracle(two_ranks, name)
+
+
+def test_fp8_dispatch_stays_within_fp8_rounding_of_the_oracle(two_ranks):
+    for results in two_ranks:
+        r = results["fp8"]
+        assert 0 < r["out_rel"] < 0.08, r  # e4m3 keeps 3 mantissa bits: a few percent, and never exact
+        assert r["grad_probs_rel"] < 0.08, r
+
+
+def test_megatron_moelayer_with_uccl_matches_allgather_dispatcher_on_cpu(two_ranks):
+    for results in two_ranks:
+        r = results["moelayer"]
+        assert r["uccl"] == "UCCLTokenDispatcher"
+        assert r["out_norm"] > 0
+        assert r["out"] < EXACT and r["grad_x"] < EXACT and r["grad_params"] < EXACT, r
+
+
+def test_four_ranks_with_router_dropped_slots_match_the_oracle(four_ranks):
+    _assert_matches_oracle(four_ranks, "dropped")
+
+
+def test_expert_tensor_parallel_partial_sums_are_combined_over_the_tp_ep_group(four_ranks):
+    # EP 2 x expert-TP 2: every TP rank of the destination receives the token and returns a partial sum.
+    _assert_matches_oracle(four_ranks, "expert_tp")

@@ -1,0 +1,382 @@
+"""UCCLTokenDispatcher: Megatron's MoE token dispatcher contract on top of uccl_ep_train.Buffer.
+
+Selected with ``--moe-token-dispatcher-type uccl`` once :func:`megatron_patch.apply` has run. The six hooks:
+
+1. ``dispatch_preprocess(hidden [S, B, H], routing_map [T, E] bool, probs [T, E])``: flatten to [T, H], turn the
+   multi-hot routing into top-k expert ids (``-1`` for a slot the router dropped) and gather the top-k probs (the
+   gather carries the gradient back to ``probs``). No communication.
+2. ``token_dispatch(hidden, topk_probs)``: layout + dispatch through the Buffer. Each token travels once per
+   destination rank, with its top-k ids and probs. Backward of this step is a combine.
+3. ``dispatch_postprocess(recv, recv_probs) -> (tokens, tokens_per_expert, probs)``: local expert-major order.
+   When the Buffer received in expert-major order already, nothing is left to do; else a stable local permute.
+   ``tokens_per_expert`` is a CPU int64 tensor (experts call ``.tolist()``), or a device tensor in sync-free mode.
+4. ``combine_preprocess``: the inverse of 3 (sum of a token's rows over the local experts).
+5. ``token_combine``: combine through the Buffer (sum of the copies of each token). Backward is a cached dispatch.
+6. ``combine_postprocess``: adds the overlapped shared-expert output, restores the input shape.
+
+Probs are applied inside the experts (as with every Megatron dispatcher), so combine sums without weights.
+
+Tensor/expert parallelism: like Megatron's flex dispatcher, communication spans the TP x EP group
+(``pg_collection.tp_ep``): a token routed to expert e goes to every expert-TP rank of e's EP rank, each TP rank
+computes a partial result, and combine's sum over copies adds the partials. That is done by routing over
+``num_experts * tp`` virtual experts; with TP = 1 it is plain EP.
+
+Streams: with CUDA and ``async_comm``, layout/dispatch/combine run on the Buffer's communication stream and the
+compute stream waits on their events, so the shared expert (own stream) overlaps them. On CPU (gloo) every call
+completes before it returns.
+
+Every knob and its source (TransformerConfig field or uccl setting) is listed in uccl_ep_train.megatron.options.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, List, Optional
+
+import torch
+
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from uccl_ep_train.megatron.options import DispatcherOptions, buffer_supports_expert_major, load_options
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _pg_size(group) -> int:
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One Buffer per communication group, grown when a layer needs more room (as DeepEP users do).
+# --------------------------------------------------------------------------------------------------------------
+_BUFFERS: dict = {}
+_BUFFERS_LOCK = threading.Lock()
+
+
+def _buffer_sizes(buffer_cls, num_ranks: int, hidden_bytes: int) -> tuple[int, int]:
+    nvl, rdma = 0, 0
+    for getter in ("get_dispatch_config", "get_combine_config"):
+        get = getattr(buffer_cls, getter, None)
+        if get is None:
+            continue
+        cfg = get(num_ranks)
+        if hasattr(cfg, "get_nvl_buffer_size_hint"):
+            nvl = max(nvl, int(cfg.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)))
+        if hasattr(cfg, "get_rdma_buffer_size_hint"):
+            rdma = max(rdma, int(cfg.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)))
+    return nvl, rdma
+
+
+def get_buffer(group, hidden_bytes: int):
+    """The shared Buffer of ``group`` with room for ``hidden_bytes`` per token (created or grown on demand)."""
+    from uccl_ep_train.buffer import Buffer
+
+    num_ranks = torch.distributed.get_world_size(group)
+    nvl, rdma = _buffer_sizes(Buffer, num_ranks, hidden_bytes)
+    with _BUFFERS_LOCK:
+        buf = _BUFFERS.get(group)
+        if buf is None or getattr(buf, "num_nvl_bytes", nvl) < nvl or getattr(buf, "num_rdma_bytes", rdma) < rdma:
+            # A smaller Buffer is dropped, not destroyed: autograd graphs still in flight may hold its handles.
+            buf = Buffer(group, nvl, rdma)
+            _BUFFERS[group] = buf
+        return buf
+
+
+def release_buffers() -> None:
+    """Drop the cached Buffers (tests, and processes that rebuild their groups)."""
+    with _BUFFERS_LOCK:
+        _BUFFERS.clear()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# FP8 payload (per-token, per-128-channel scales), DeepEP's format.
+# --------------------------------------------------------------------------------------------------------------
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t, h = x.shape
+    if h % FP8_BLOCK:
+        raise ValueError(f"FP8 dispatch needs the hidden size to be a multiple of {FP8_BLOCK}, got {h}; "
+                         "turn fp8 dispatch off (UCCL_EP_DISPATCH_FP8=0)")
+    blocks = x.float().view(t, h // FP8_BLOCK, FP8_BLOCK)
+    scales = blocks.abs().amax(dim=-1).clamp(min=1e-4) / FP8_MAX
+    payload = (blocks / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(t, h)
+    return payload, scales
+
+
+def dequantize_fp8(payload: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t, h = payload.shape
+    blocks = payload.float().view(t, h // FP8_BLOCK, FP8_BLOCK) * scales.float().unsqueeze(-1)
+    return blocks.view(t, h).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Autograd around the Buffer: dispatch <-> combine.
+# --------------------------------------------------------------------------------------------------------------
+class _Route:
+    """Everything one forward pass's dispatch learns and its combine and both backwards reuse.
+
+    A fresh object per forward, referenced from the autograd contexts: micro-batches in flight (pipeline
+    schedules, EP overlap) never share a handle.
+    """
+
+    def __init__(self, buffer, topk_idx: torch.Tensor, num_experts: int, options: DispatcherOptions,
+                 expert_major: bool, num_worst_tokens: int, async_comm: bool):
+        self.buffer = buffer
+        self.topk_idx = topk_idx
+        self.num_experts = num_experts
+        self.options = options
+        self.expert_major = expert_major
+        self.num_worst_tokens = num_worst_tokens
+        self.async_comm = async_comm
+        self.handle: Any = None
+        self.recv_topk_idx: Optional[torch.Tensor] = None
+        self.num_recv_tokens_per_expert_list: Optional[List[int]] = None
+
+    def previous_event(self):
+        if not self.async_comm:
+            return None
+        from uccl_ep_train.event import EventOverlap
+
+        return EventOverlap.capture()
+
+    def comm_kwargs(self) -> dict:
+        return {"async_finish": self.async_comm, "allocate_on_comm_stream": self.async_comm}
+
+    def wait(self, event) -> None:
+        if self.async_comm and event is not None:
+            event.current_stream_wait()
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, topk_weights: torch.Tensor, route: _Route):
+        buffer = route.buffer
+        num_per_rank, num_per_rdma, num_per_expert, in_rank, event = buffer.get_dispatch_layout(
+            route.topk_idx, route.num_experts, previous_event=route.previous_event(), **route.comm_kwargs())
+        payload = quantize_fp8(x) if route.options.fp8_dispatch else x
+        extra = {"expert_major": True} if route.expert_major else {}
+        recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
+            payload, topk_idx=route.topk_idx, topk_weights=topk_weights.detach().float().contiguous(),
+            num_tokens_per_rank=num_per_rank, num_tokens_per_rdma_rank=num_per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=num_per_expert, num_worst_tokens=route.num_worst_tokens, previous_event=event,
+            **route.comm_kwargs(), **extra)
+        route.wait(event)
+        if isinstance(recv_x, tuple):
+            recv_x = dequantize_fp8(recv_x[0], recv_x[1], x.dtype)
+        route.handle = handle
+        route.recv_topk_idx = recv_idx
+        route.num_recv_tokens_per_expert_list = counts
+        ctx.route = route
+        ctx.weights_dtype = topk_weights.dtype
+        return recv_x, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_w):
+        route = ctx.route
+        buffer = route.buffer
+        if grad_recv_w is not None:
+            grad_recv_w = grad_recv_w.float().contiguous()
+        grad_x, grad_w, event = buffer.combine(grad_recv_x.contiguous(), route.handle, topk_weights=grad_recv_w,
+                                               previous_event=route.previous_event(), **route.comm_kwargs())
+        route.wait(event)
+        if grad_w is not None:
+            grad_w = grad_w.to(ctx.weights_dtype)
+        return grad_x, grad_w, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, route: _Route):
+        combined, _, event = route.buffer.combine(x.contiguous(), route.handle,
+                                                  previous_event=route.previous_event(), **route.comm_kwargs())
+        route.wait(event)
+        ctx.route = route
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad):
+        route = ctx.route
+        grad_x, _, _, _, _, event = route.buffer.dispatch(grad.contiguous(), handle=route.handle,
+                                                          previous_event=route.previous_event(),
+                                                          **route.comm_kwargs())
+        route.wait(event)
+        return grad_x, None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Local permutation between the Buffer's rank-major rows and the experts' expert-major rows.
+# --------------------------------------------------------------------------------------------------------------
+class _LocalPermutation:
+    """Which received row (token) and top-k slot each expert-major row comes from.
+
+    ``static`` (sync-free mode) keeps every (row, slot) pair, invalid ones last and masked out, so no size depends
+    on the data; otherwise only the valid pairs, whose number the host already knows from the dispatch.
+    """
+
+    def __init__(self, recv_topk_idx: torch.Tensor, num_local_experts: int, num_valid: Optional[int]):
+        rows, k = recv_topk_idx.shape
+        self.num_rows = rows
+        valid = recv_topk_idx >= 0
+        key = torch.where(valid, recv_topk_idx, torch.full_like(recv_topk_idx, num_local_experts)).flatten()
+        order = torch.argsort(key, stable=True)  # expert-major, received order inside an expert (as Megatron)
+        if num_valid is not None:
+            order = order[:num_valid]
+            self.mask = None
+        else:
+            self.mask = valid.flatten()[order]
+        self.pairs = order
+        self.token = torch.div(order, k, rounding_mode="floor")
+        counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=key.device)
+        counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int64))
+        self.device_counts = counts[:num_local_experts]
+
+    def permute(self, recv_x: torch.Tensor, recv_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = recv_x.index_select(0, self.token)
+        probs = recv_w.flatten().index_select(0, self.pairs)
+        if self.mask is not None:
+            tokens = tokens * self.mask.unsqueeze(-1).to(tokens.dtype)
+            probs = probs * self.mask.to(probs.dtype)
+        return tokens, probs
+
+    def unpermute(self, expert_out: torch.Tensor) -> torch.Tensor:
+        if self.mask is not None:
+            expert_out = expert_out * self.mask.unsqueeze(-1).to(expert_out.dtype)
+        out = torch.zeros(self.num_rows, expert_out.shape[-1], dtype=expert_out.dtype, device=expert_out.device)
+        return out.index_add(0, self.token, expert_out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The dispatcher.
+# --------------------------------------------------------------------------------------------------------------
+class UCCLTokenDispatcher(MoETokenDispatcher):
+    """Megatron token dispatcher over uccl_ep_train.Buffer (DeepEP-v1-style dispatch/combine)."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None,
+                 options: Optional[DispatcherOptions] = None) -> None:
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, pg_collection=pg_collection)
+        if config.num_moe_experts is None:
+            raise ValueError("UCCLTokenDispatcher needs num_moe_experts in the TransformerConfig")
+        if num_local_experts <= 0 or len(local_expert_indices) != num_local_experts:
+            raise ValueError(f"num_local_experts={num_local_experts} must be > 0 and match the "
+                             f"{len(local_expert_indices)} local_expert_indices")
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = local_expert_indices
+        self.num_experts = config.num_moe_experts
+        self.router_topk = config.moe_router_topk
+        self.options = load_options() if options is None else options
+        self.comm_group = self.tp_ep_group if self.tp_ep_group is not None else self.ep_group
+        self.comm_size = _pg_size(self.comm_group)
+        if self.comm_size != self.tp_size * self.ep_size:
+            raise ValueError(f"the tp_ep group has {self.comm_size} ranks, expected expert TP ({self.tp_size}) x "
+                             f"EP ({self.ep_size})")
+        self.expert_major = self.options.expert_major and buffer_supports_expert_major()
+        self.probs_dtype = torch.float64 if getattr(config, "moe_router_dtype", None) == "fp64" else torch.float32
+        self.hidden_shape = None
+        self._route: Optional[_Route] = None
+        self._perm: Optional[_LocalPermutation] = None
+        self.cudagraph_attrs = []
+
+    # -- routing helpers ----------------------------------------------------------------------------------------
+    def _topk_from_routing_map(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        t = routing_map.shape[0]
+        routing_map = routing_map.reshape(t, self.num_experts)
+        probs = probs.reshape(t, self.num_experts)
+        k = min(self.router_topk, self.num_experts)
+        chosen, topk_idx = torch.topk(routing_map.to(torch.float32), k, dim=-1, sorted=False)
+        valid = chosen > 0
+        topk_idx = torch.where(valid, topk_idx, torch.full_like(topk_idx, -1))
+        topk_probs = probs.gather(1, topk_idx.clamp(min=0)) * valid.to(probs.dtype)
+        return topk_idx, topk_probs
+
+    def _expand_over_tp(self, topk_idx: torch.Tensor, topk_probs: torch.Tensor):
+        """Expert ids over the TP x EP group: expert e -> the tp virtual experts of its EP rank's TP ranks."""
+        if self.tp_size == 1:
+            return topk_idx, topk_probs
+        t, k = topk_idx.shape
+        nle, tp = self.num_local_experts, self.tp_size
+        ep_rank, local = torch.div(topk_idx, nle, rounding_mode="floor"), topk_idx.remainder(nle)
+        dest = ep_rank.unsqueeze(-1) * tp + torch.arange(tp, device=topk_idx.device)
+        virtual = dest * nle + local.unsqueeze(-1)
+        virtual = torch.where(topk_idx.unsqueeze(-1) >= 0, virtual, torch.full_like(virtual, -1))
+        probs = topk_probs.unsqueeze(-1).expand(t, k, tp)
+        return virtual.reshape(t, k * tp), probs.reshape(t, k * tp)
+
+    # -- Megatron's six hooks -------------------------------------------------------------------------------------
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        topk_idx, topk_probs = self._topk_from_routing_map(routing_map, probs)
+        topk_idx, topk_probs = self._expand_over_tp(topk_idx, topk_probs)
+        num_tokens = hidden_states.shape[0]
+        num_worst = 0
+        if self.options.sync_free:
+            # Worst case on one rank: every token of every rank, once per rank (rank-major) or once per selected
+            # local expert (expert-major).
+            per_token = min(self.router_topk, self.num_local_experts) if self.expert_major else 1
+            num_worst = self.options.num_worst_tokens or num_tokens * self.comm_size * per_token
+        async_comm = self.options.async_comm and hidden_states.is_cuda
+        buffer = get_buffer(self.comm_group, hidden_states.shape[-1] * max(hidden_states.element_size(), 2))
+        self._route = _Route(buffer, topk_idx.to(torch.int64).contiguous(), self.num_experts * self.tp_size,
+                             self.options, self.expert_major, num_worst, async_comm)
+        return hidden_states, topk_probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor, *args, **kwargs):
+        if self._route is None:
+            raise RuntimeError("token_dispatch called before dispatch_preprocess")
+        if self.shared_experts is not None and hasattr(self.shared_experts, "wait_current_stream"):
+            self.shared_experts.wait_current_stream()
+        recv_x, recv_probs = _Dispatch.apply(hidden_states.contiguous(), probs, self._route)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(recv_x)
+        return recv_x, recv_probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        route = self._route
+        if route is None or route.recv_topk_idx is None:
+            raise RuntimeError("dispatch_postprocess called before token_dispatch")
+        sync_free = route.num_worst_tokens > 0
+        if route.expert_major:
+            self._perm = None
+            if sync_free:
+                tokens_per_expert = route.handle.num_recv_tokens_per_expert.to(torch.int64)
+            else:
+                tokens_per_expert = torch.tensor(route.num_recv_tokens_per_expert_list, dtype=torch.int64)
+            return hidden_states, tokens_per_expert, probs.to(self.probs_dtype)
+        num_valid = None if sync_free else int(sum(route.num_recv_tokens_per_expert_list))
+        self._perm = _LocalPermutation(route.recv_topk_idx, self.num_local_experts, num_valid)
+        tokens, permuted_probs = self._perm.permute(hidden_states, probs)
+        if sync_free:
+            tokens_per_expert = self._perm.device_counts
+        else:
+            tokens_per_expert = torch.tensor(route.num_recv_tokens_per_expert_list, dtype=torch.int64)
+        return tokens, tokens_per_expert, permuted_probs.to(self.probs_dtype)
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        if self._perm is None:
+            return hidden_states
+        out = self._perm.unpermute(hidden_states)
+        self._perm = None
+        return out
+
+    def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs):
+        route = self._route
+        if route is None or route.handle is None:
+            raise RuntimeError("token_combine called before token_dispatch")
+        if self.shared_experts is not None and hasattr(self.shared_experts, "wait_current_stream"):
+            self.shared_experts.wait_current_stream()
+        combined = _Combine.apply(hidden_states, route)
+        # The route lives on in the autograd graph; the dispatcher lets go so the next micro-batch starts clean.
+        self._route = None
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(combined)
+            self.shared_experts.post_forward_comm()
+        return combined
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        if self.shared_experts is not None:
+            hidden_states = hidden_states + self.shared_experts.get_output()
+        return hidden_states.view(self.hidden_shape)
