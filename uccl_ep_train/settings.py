@@ -172,11 +172,30 @@ class EmulationSettings:
 
 
 @dataclass(frozen=True)
+class DispatcherSettings:
+    """How UCCLTokenDispatcher drives the Buffer inside Megatron (uccl_ep_train.megatron.options reads these)."""
+
+    async_comm: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_ASYNC_COMM", "dispatch/combine on the Buffer's communication stream, ordered by events (CUDA)",
+        _bool))
+    fp8_dispatch: bool = field(default=False, metadata=_meta(
+        "UCCL_EP_DISPATCH_FP8", "send tokens as FP8 e4m3 with per-128-channel scales (combine stays BF16)", _bool))
+    sync_free: bool = field(default=False, metadata=_meta(
+        "UCCL_EP_SYNC_FREE", "no host sync: fixed-size outputs, token counts stay on the device (CUDA graphs)",
+        _bool))
+    num_worst_tokens: int = field(default=0, metadata=_meta(
+        "UCCL_EP_NUM_WORST_TOKENS", "rows received per rank in sync-free mode (0: tokens x ranks)", _int(0)))
+    expert_major: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_EXPERT_MAJOR", "receive tokens grouped by local expert, skipping permute/unpermute", _bool))
+
+
+@dataclass(frozen=True)
 class Settings:
     transport: TransportSettings = field(default_factory=TransportSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     kernel: KernelSettings = field(default_factory=KernelSettings)
     emulation: EmulationSettings = field(default_factory=EmulationSettings)
+    dispatcher: DispatcherSettings = field(default_factory=DispatcherSettings)
 
     def validate(self) -> "Settings":
         """Cross-field rules. Raises SettingsError saying which variables conflict and what to change."""
@@ -192,6 +211,9 @@ class Settings:
             raise SettingsError(
                 f"UCCL_EP_LOOPBACK_REORDER={self.emulation.loopback_reorder} exceeds UCCL_EP_REORDER_WINDOW="
                 f"{self.transport.reorder_window}: the receiver could not restore order; lower the first")
+        if self.dispatcher.num_worst_tokens and not self.dispatcher.sync_free:
+            raise SettingsError(f"UCCL_EP_NUM_WORST_TOKENS={self.dispatcher.num_worst_tokens} only applies with "
+                                "UCCL_EP_SYNC_FREE=1: set both, or unset the first")
         if self.kernel.num_sms % 2:
             raise SettingsError(f"UCCL_EP_NUM_SMS={self.kernel.num_sms} must be even (SMs pair up as send/receive)")
         return self

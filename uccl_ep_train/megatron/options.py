@@ -20,7 +20,7 @@ From uccl-ep-train's settings (environment, uccl_ep_train.settings; the ``dispat
 | ``num_worst_tokens`` | UCCL_EP_NUM_WORST_TOKENS | 0 | rows received in sync-free mode (0: tokens x ranks) |
 | ``expert_major`` | UCCL_EP_EXPERT_MAJOR | True | receive in expert-major order when the Buffer can |
 
-Until settings.py carries that group, the defaults above apply (and the constructor's ``options=`` overrides them).
+The constructor's ``options=`` overrides them.
 """
 from __future__ import annotations
 
