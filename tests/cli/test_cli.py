@@ -13,7 +13,7 @@ def test_every_subcommand_is_registered():
     assert set(sub.choices) == {"train", "bench", "doctor"}
 
 
-@pytest.mark.parametrize("bench", ["proxy", "dispatch", "dispatcher"])
+@pytest.mark.parametrize("bench", ["proxy", "dispatch", "internode", "dispatcher"])
 def test_every_benchmark_is_reachable_from_the_command_line(bench):
     out = subprocess.run([sys.executable, "-m", "uccl_ep_train", "bench", bench, "--help"],
                          capture_output=True, text=True, timeout=120)

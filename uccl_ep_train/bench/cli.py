@@ -10,6 +10,7 @@ import importlib
 _BENCHES = {
     "proxy": "uccl_ep_train.bench.proxy",          # command FIFO + proxy throughput/latency
     "dispatch": "uccl_ep_train.bench.dispatch",    # dispatch/combine kernels vs NCCL all_to_all
+    "internode": "uccl_ep_train.bench.internode",  # hierarchical path, one host's GPUs as several nodes
     "dispatcher": "uccl_ep_train.bench.dispatcher",  # Megatron dispatchers round trip
 }
 
