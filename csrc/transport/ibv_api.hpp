@@ -1,0 +1,150 @@
+// Every libibverbs / libefa entry point the verbs transport uses, as one table of function pointers.
+//
+// Why a table: (1) the module must import on hosts without rdma-core, so the libraries are dlopen'ed at run time
+// (only headers are needed to build); (2) tests swap in a recording fake (verbs_fake.cpp) and check the exact
+// calls: work-request chains, QP attributes, registration arguments, without an RDMA NIC.
+//
+// Calls that verbs.h implements inline through provider ops (ibv_post_send, ibv_post_recv, ibv_poll_cq) are table
+// entries too. The extended-QP calls used for EFA SRD (ibv_wr_start, ibv_wr_rdma_write_imm, ...) are not: they go
+// through function pointers inside struct ibv_qp_ex, which the fake fills with its own recorders.
+#pragma once
+
+#ifdef UCCL_EP_WITH_VERBS
+
+#include <infiniband/verbs.h>
+#ifdef UCCL_EP_WITH_EFADV
+#include <infiniband/efadv.h>
+#endif
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/gid.hpp"
+#include "transport/transport.hpp"
+
+#ifndef UCCL_EP_WITH_EFADV
+struct efadv_qp_init_attr;
+struct efadv_ah_attr;
+#endif
+
+namespace uccl_ep {
+
+struct IbvApi {
+  const char* name = "";  // "libibverbs" or "fake"
+  ibv_device** (*get_device_list)(int* num) = nullptr;
+  void (*free_device_list)(ibv_device** list) = nullptr;
+  const char* (*get_device_name)(ibv_device* dev) = nullptr;
+  ibv_context* (*open_device)(ibv_device* dev) = nullptr;
+  int (*close_device)(ibv_context* ctx) = nullptr;
+  int (*query_device)(ibv_context* ctx, ibv_device_attr* attr) = nullptr;
+  int (*query_port)(ibv_context* ctx, uint8_t port, ibv_port_attr* attr) = nullptr;
+  int (*query_gid)(ibv_context* ctx, uint8_t port, int index, ibv_gid* gid) = nullptr;
+  ibv_pd* (*alloc_pd)(ibv_context* ctx) = nullptr;
+  int (*dealloc_pd)(ibv_pd* pd) = nullptr;
+  ibv_cq* (*create_cq)(ibv_context* ctx, int cqe, void* cq_context, ibv_comp_channel* ch, int vector) = nullptr;
+  int (*destroy_cq)(ibv_cq* cq) = nullptr;
+  ibv_qp* (*create_qp)(ibv_pd* pd, ibv_qp_init_attr* attr) = nullptr;
+  int (*modify_qp)(ibv_qp* qp, ibv_qp_attr* attr, int mask) = nullptr;
+  int (*destroy_qp)(ibv_qp* qp) = nullptr;
+  ibv_qp_ex* (*qp_to_qp_ex)(ibv_qp* qp) = nullptr;
+  ibv_mr* (*reg_mr)(ibv_pd* pd, void* addr, size_t len, int access) = nullptr;
+  // nullptr when libibverbs predates dmabuf (rdma-core < 34)
+  ibv_mr* (*reg_dmabuf_mr)(ibv_pd* pd, uint64_t offset, size_t len, uint64_t iova, int fd, int access) = nullptr;
+  int (*dereg_mr)(ibv_mr* mr) = nullptr;
+  ibv_ah* (*create_ah)(ibv_pd* pd, ibv_ah_attr* attr) = nullptr;
+  int (*destroy_ah)(ibv_ah* ah) = nullptr;
+  int (*post_send)(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) = nullptr;
+  int (*post_recv)(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) = nullptr;
+  int (*poll_cq)(ibv_cq* cq, int n, ibv_wc* wc) = nullptr;
+  const char* (*wc_status_str)(ibv_wc_status status) = nullptr;
+  // libefa; nullptr when libefa.so.1 is absent or the build had no efadv.h
+  ibv_qp* (*efadv_create_qp_ex)(ibv_context* ctx, ibv_qp_init_attr_ex* attr, efadv_qp_init_attr* efa,
+                                uint32_t inlen) = nullptr;
+  int (*efadv_query_ah)(ibv_ah* ah, efadv_ah_attr* attr, uint32_t inlen) = nullptr;
+  // Not verbs: the GID table of a port (sysfs on real hosts, recorded tables in the fake) and the dmabuf export
+  // of a device allocation (cuMemGetHandleForAddressRange through libcuda when present). Returns 0 or an errno and
+  // fills *fd / *offset (the allocation's offset inside the exported range).
+  GidTable (*gid_table)(const char* device, int port) = nullptr;
+  int (*get_dmabuf_fd)(void* base, size_t bytes, int* fd, uint64_t* offset) = nullptr;
+};
+
+// The table calls go through: the system one (loaded on first use; throws std::runtime_error naming the package to
+// install when libibverbs.so.1 is missing) unless a test installed an override.
+const IbvApi& ibv_api();
+const IbvApi& system_ibv_api();
+void set_ibv_api_override(const IbvApi* api);  // nullptr restores the system table
+bool libefa_available();                      // libefa.so.1 loaded (only meaningful after system_ibv_api())
+
+// ------------------------------------------------------------------ the transport built on the table
+struct VerbsConfig {
+  int rank = 0;
+  int world_size = 1;
+  std::vector<std::string> devices;  // RDMA devices this transport drives (several NICs per GPU); chosen in Python
+  int port = 1;
+  std::vector<int> gid_index;        // per device; -1 (or missing): choose with choose_gid(); UCCL_IB_GID_INDEX
+  int sl = -1;                       // -1: 3 on IB/RoCE, 8 on EFA (UCCL_IB_SL)
+  int tc = -1;                       // -1: 104 on IB/RoCE, 0 on EFA (UCCL_IB_TC)
+  int sq_depth = 1024;               // send WRs outstanding per QP
+  int rq_depth = 1024;               // receive WRs kept posted per QP (write-with-imm consumes one each)
+  int cq_depth = 8192;
+  int max_chain = 64;                // writes per ibv_post_send chain
+  int timeout = 20;                  // IB local ACK timeout exponent (4.096 us * 2^timeout)
+  int retry_cnt = 7;
+};
+
+// Extras of the verbs transport beyond the Transport interface.
+class VerbsTransport : public Transport {
+ public:
+  // Device memory exported as a dmabuf by the caller (e.g. torch's allocator); `offset` is base's offset inside it.
+  virtual MemoryRegion register_dmabuf(void* base, size_t bytes, int fd, uint64_t offset) = 0;
+  // Per-device description: name, GID index and why, SL/TC, link layer (doctor and error messages print it).
+  virtual std::vector<std::string> describe() const = 0;
+};
+
+std::unique_ptr<VerbsTransport> make_verbs_transport(const VerbsConfig& cfg);
+
+// ------------------------------------------------------------------ the recording fake (tests only; verbs_fake.cpp)
+// install() makes ibv_api() return a table that simulates the given devices, records every call with its
+// arguments, completes signalled work requests (or fails them on request) and lets tests inject receive
+// completions. Transports capture the table when constructed.
+namespace fake_verbs {
+struct FakeGid {
+  int index = 0;
+  std::string gid;      // sysfs form
+  std::string type;     // "RoCE v2", "IB/RoCE v1"
+  std::string netdev;
+};
+struct FakeDevice {
+  std::string name;
+  std::string link_layer = "Ethernet";  // "InfiniBand", "Ethernet", "Unknown" (EFA)
+  uint32_t vendor_id = 0x02c9;          // Mellanox; 0x1d0f = Amazon (EFA), 0x14e4 = Broadcom
+  bool atomics = true;
+  uint16_t lid = 0;
+  int active_mtu = 5;                   // IBV_MTU_4096
+  bool port_active = true;
+  int max_qp_wr = 32768;
+  std::vector<FakeGid> gids;
+};
+struct Record {
+  std::string fn;
+  std::vector<std::pair<std::string, uint64_t>> args;
+  std::vector<std::pair<std::string, std::string>> text;
+  std::vector<std::vector<std::pair<std::string, uint64_t>>> wrs;  // post_send / wr_complete chains, in link order
+};
+void install(const std::vector<FakeDevice>& devices, bool dmabuf);
+void uninstall();
+std::vector<Record> calls();
+void clear_calls();
+void fail_next(const std::string& fn, int err);              // the next call of `fn` fails with errno `err`
+void fail_next_completion(int status, uint32_t vendor_err);  // the next signalled send completes with `status`
+void set_auto_complete(bool on);                             // off: signalled sends never complete
+// A peer's write-with-immediate landing on local QP `qp_num` (consumes one posted receive). Throws if none posted.
+void inject_recv(uint32_t qp_num, uint32_t src_qp, uint16_t slid, uint32_t imm, int status);
+size_t posted_recvs(uint32_t qp_num);
+}  // namespace fake_verbs
+
+}  // namespace uccl_ep
+
+#endif  // UCCL_EP_WITH_VERBS
