@@ -1,0 +1,106 @@
+// CPU proxy: threads that drain command FIFOs, post writes through a Transport, poll completions, apply incoming
+// signals, and enforce flow control and deadlines. See docs/host-core.md "Proxy loop".
+//
+// Layout: thread t owns FIFOs [t * fifos_per_thread, (t + 1) * fifos_per_thread) and its own Transport endpoint,
+// which connects to endpoint t of every rank. Region 0 of every endpoint is the rank's data buffer (command offsets
+// are relative to it); region 1 is the rank's signal buffer (int64 counters, one per slot).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "proxy/fifo.hpp"
+#include "proxy/host_memory.hpp"
+#include "transport/transport.hpp"
+
+namespace uccl_ep {
+
+struct ProxyConfig {
+  int rank = 0;
+  int world = 1;
+  int num_threads = 1;
+  int fifos_per_thread = 1;
+  uint32_t fifo_depth = 1024;
+  std::vector<int> cpus;          // pin thread i to cpus[i % size]; empty: no pinning
+  int idle_backoff_us = 0;        // sleep after an idle round (0: spin, yielding now and then)
+  double timeout_secs = 100.0;    // watchdog deadline of every wait
+  uint64_t max_inflight_writes = 8;
+  uint64_t max_inflight_bytes = 2ull << 20;
+  int reorder_window = 256;
+  uint32_t num_signal_slots = 1024;
+};
+
+struct ProxyThreadStats {
+  uint64_t commands = 0;           // commands taken from the FIFOs
+  uint64_t writes_posted = 0;      // work requests posted (writes, zero-length signals, atomics)
+  uint64_t signals_applied = 0;    // increments applied to our signal buffer
+  uint64_t max_inflight_writes = 0;
+  uint64_t max_inflight_bytes = 0;
+  uint64_t max_reorder_held = 0;
+};
+
+class Proxy {
+ public:
+  using TransportFactory = std::function<std::unique_ptr<Transport>(int thread_index)>;
+
+  // `data` must stay valid for the proxy's lifetime; for the loopback transport host memory must come from
+  // SharedHostMemory.
+  Proxy(const ProxyConfig& config, const TransportFactory& factory, void* data, size_t data_bytes, MemoryKind kind);
+  ~Proxy();
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
+  const ProxyConfig& config() const { return cfg_; }
+  int num_fifos() const { return int(fifos_.size()); }
+  Fifo& fifo(int i);
+  int64_t* signals() const { return static_cast<int64_t*>(signals_->data()); }
+  TransportCaps caps() const;
+
+  // Connection bootstrap: local_info(t) of every rank, gathered as infos[t][rank].
+  std::vector<uint8_t> local_info(int thread);
+  void connect(const std::vector<std::vector<std::vector<uint8_t>>>& infos);
+  void start();
+  void stop();  // joins every thread; idempotent
+
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  const std::atomic<bool>& failed_flag() const { return failed_; }
+  std::string error() const;
+  void check() const;  // throws ProxyError with the first recorded error
+
+  // Push from the host (tests, CPU producers). Returns the slot index; throws on timeout or when the proxy failed.
+  uint64_t push(int fifo, const Command& c);
+  void push_many(int fifo, const Command* cmds, size_t n);
+  void wait_done(int fifo, uint64_t index);
+
+  // Wait until every FIFO is drained (host producers) and nothing is queued or in flight.
+  void wait_idle(double timeout_secs);
+  // Wait until signals[slot] >= expected; raises TimeoutError naming rank, slot, expected and current value.
+  int64_t wait_signal(uint32_t slot, int64_t expected, double timeout_secs);
+
+  ProxyThreadStats stats(int thread) const;
+
+ private:
+  struct ThreadState;
+  void run(ThreadState* ts);
+  void fail(const std::string& what);
+
+  ProxyConfig cfg_;
+  std::unique_ptr<SharedHostMemory> signals_;
+  std::vector<std::unique_ptr<Fifo>> fifos_;
+  std::vector<std::unique_ptr<ThreadState>> threads_;
+  void* data_;
+  size_t data_bytes_;
+  bool connected_ = false;
+  std::atomic<bool> running_{false};
+  std::atomic<bool> failed_{false};
+  mutable std::mutex err_mu_;
+  std::string error_;
+};
+
+}  // namespace uccl_ep

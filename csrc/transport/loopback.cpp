@@ -1,0 +1,499 @@
+#include "transport/loopback.hpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "proxy/errors.hpp"
+#include "proxy/host_memory.hpp"
+
+#ifdef UCCL_EP_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace uccl_ep {
+namespace {
+
+constexpr uint64_t kMagic = 0x75636c6c6c6f6f70ull;  // "ucclloop"
+constexpr uint32_t kStateRunning = 1, kStateClosed = 2;
+
+struct alignas(64) ControlHeader {
+  uint64_t magic;
+  int32_t pid, rank, thread, world;
+  uint32_t ring_capacity;
+  std::atomic<uint32_t> state;
+};
+
+struct alignas(64) RingHeader {
+  alignas(64) std::atomic<uint64_t> head;  // written by the sender
+  alignas(64) std::atomic<uint64_t> tail;  // written by the receiver
+};
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared-memory rings need lock-free 64-bit atomics");
+
+size_t ring_bytes(uint32_t cap) { return sizeof(RingHeader) + size_t(cap) * sizeof(uint32_t); }
+size_t control_bytes(int world, uint32_t cap) { return 4096 + size_t(world) * ((ring_bytes(cap) + 63) / 64 * 64); }
+
+RingHeader* ring_at(void* control, int src, uint32_t cap) {
+  return reinterpret_cast<RingHeader*>(static_cast<char*>(control) + 4096 + size_t(src) * ((ring_bytes(cap) + 63) / 64 * 64));
+}
+uint32_t* ring_entries(RingHeader* r) { return reinterpret_cast<uint32_t*>(r + 1); }
+
+uint64_t now_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+// A process that exited but is not yet reaped is a zombie: kill(pid, 0) still succeeds, so read its state.
+bool process_alive(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  if (!f) return true;  // no procfs: trust kill()
+  std::string line;
+  std::getline(f, line);
+  const size_t p = line.rfind(')');
+  if (p == std::string::npos || p + 2 >= line.size()) return true;
+  const char st = line[p + 2];
+  return st != 'Z' && st != 'X';
+}
+
+struct Writer {
+  std::vector<uint8_t> b;
+  template <class T>
+  void put(const T& v) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(&v);
+    b.insert(b.end(), p, p + sizeof(T));
+  }
+  void str(const std::string& s) {
+    put<uint32_t>(uint32_t(s.size()));
+    b.insert(b.end(), s.begin(), s.end());
+  }
+};
+
+struct Reader {
+  const std::vector<uint8_t>& b;
+  size_t pos = 0;
+  template <class T>
+  T get() {
+    if (pos + sizeof(T) > b.size()) throw ProxyError("loopback: truncated connection info");
+    T v;
+    std::memcpy(&v, b.data() + pos, sizeof(T));
+    pos += sizeof(T);
+    return v;
+  }
+  std::string str() {
+    const uint32_t n = get<uint32_t>();
+    if (pos + n > b.size()) throw ProxyError("loopback: truncated connection info");
+    std::string s(reinterpret_cast<const char*>(b.data() + pos), n);
+    pos += n;
+    return s;
+  }
+};
+
+struct LocalRegion {
+  MemoryRegion r;
+  std::string shm_name;  // host memory
+  size_t shm_offset = 0, shm_bytes = 0;
+  std::vector<uint8_t> ipc;  // device memory: CUDA IPC handle
+};
+
+struct RemoteRegion {
+  char* base = nullptr;
+  size_t bytes = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  void* map_base = nullptr;  // to unmap
+  size_t map_bytes = 0;
+  bool ipc_opened = false;
+};
+
+struct Peer {
+  int pid = 0;
+  ControlHeader* control = nullptr;
+  size_t control_bytes = 0;
+  RingHeader* ring_to_peer = nullptr;  // our ring inside the peer's control segment
+  std::vector<RemoteRegion> regions;
+  bool dead = false;
+};
+
+struct PendingOp {
+  bool atomic = false;
+  WriteRequest w;
+  AtomicRequest a;
+  uint64_t deliver_at = 0;
+};
+
+void copy_bytes(void* dst, MemoryKind dk, const void* src, MemoryKind sk, size_t n) {
+  if (n == 0) return;
+  if (dk == MemoryKind::kHost && sk == MemoryKind::kHost) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+#ifdef UCCL_EP_WITH_CUDA
+  if (cudaMemcpy(dst, src, n, cudaMemcpyDefault) != cudaSuccess)
+    throw ProxyError(std::string("loopback: cudaMemcpy failed: ") + cudaGetErrorString(cudaGetLastError()));
+#else
+  throw ProxyError("loopback: device memory needs a build with CUDA");
+#endif
+}
+
+class LoopbackTransport final : public Transport {
+ public:
+  explicit LoopbackTransport(const LoopbackOptions& o) : o_(o), rng_(o.seed * 1000003ull + o.rank * 131ull + o.thread_index) {
+    if (o.world < 1 || o.rank < 0 || o.rank >= o.world)
+      throw ProxyError("loopback: rank " + std::to_string(o.rank) + " outside world " + std::to_string(o.world));
+    if (o.ring_capacity < 2 || (o.ring_capacity & (o.ring_capacity - 1)))
+      throw ProxyError("loopback: ring capacity must be a power of two");
+    control_ = std::make_unique<SharedHostMemory>(control_bytes(o.world, o.ring_capacity));
+    auto* h = new (control_->data()) ControlHeader();
+    h->magic = kMagic;
+    h->pid = getpid();
+    h->rank = o.rank;
+    h->thread = o.thread_index;
+    h->world = o.world;
+    h->ring_capacity = o.ring_capacity;
+    for (int s = 0; s < o.world; ++s) new (ring_at(control_->data(), s, o.ring_capacity)) RingHeader();
+    h->state.store(kStateRunning, std::memory_order_release);
+    header_ = h;
+    in_order_ = o.reorder <= 1;
+    if (o.bandwidth_gbps > 0) ns_per_byte_ = 1.0 / o.bandwidth_gbps;  // GB/s == bytes/ns
+  }
+
+  ~LoopbackTransport() override {
+    header_->state.store(kStateClosed, std::memory_order_release);
+    for (auto& p : peers_) {
+      for (auto& r : p.regions) {
+        if (r.map_base) unmap_shared_host_memory(r.map_base, r.map_bytes);
+#ifdef UCCL_EP_WITH_CUDA
+        if (r.ipc_opened) cudaIpcCloseMemHandle(r.base);
+#endif
+      }
+      if (p.control) unmap_shared_host_memory(p.control, p.control_bytes);
+    }
+  }
+
+  TransportCaps caps() const override {
+    TransportCaps c;
+    c.in_order = in_order_;
+    c.native_atomics = in_order_;  // unordered emulation exercises the write-with-immediate path for atomics
+    c.imm_bits = 32;
+    c.max_write_bytes = 1ull << 32;
+    c.max_writes_per_post = 64;
+    c.name = "loopback";
+    return c;
+  }
+
+  MemoryRegion register_memory(void* base, size_t bytes, MemoryKind kind) override {
+    if (connected_) throw ProxyError("loopback: register_memory after connect()");
+    LocalRegion lr;
+    lr.r.id = int(regions_.size());
+    lr.r.base = base;
+    lr.r.bytes = bytes;
+    lr.r.kind = kind;
+    if (kind == MemoryKind::kHost) {
+      if (!find_shared_host_memory(base, bytes, &lr.shm_name, &lr.shm_offset, &lr.shm_bytes))
+        throw ProxyError("loopback: host memory at " + std::to_string(reinterpret_cast<uintptr_t>(base)) + " (" +
+                         std::to_string(bytes) + " bytes) was not allocated with SharedHostMemory, so peers "
+                         "cannot map it; allocate registrable memory with the proxy's allocator");
+    } else {
+#ifdef UCCL_EP_WITH_CUDA
+      cudaIpcMemHandle_t h;
+      if (cudaIpcGetMemHandle(&h, base) != cudaSuccess)
+        throw ProxyError(std::string("loopback: cudaIpcGetMemHandle failed (pass the base of a cudaMalloc "
+                                     "allocation): ") + cudaGetErrorString(cudaGetLastError()));
+      lr.ipc.assign(reinterpret_cast<uint8_t*>(&h), reinterpret_cast<uint8_t*>(&h) + sizeof(h));
+#else
+      throw ProxyError("loopback: device memory registration needs a build with CUDA (UCCL_EP_WITH_GPU=CUDA)");
+#endif
+    }
+    regions_.push_back(lr);
+    return lr.r;
+  }
+
+  std::vector<uint8_t> local_info() override {
+    Writer w;
+    w.put<uint64_t>(kMagic);
+    w.put<int32_t>(o_.rank);
+    w.put<int32_t>(o_.thread_index);
+    w.put<int32_t>(o_.world);
+    w.put<int32_t>(getpid());
+    w.put<uint32_t>(o_.ring_capacity);
+    w.str(control_->name());
+    w.put<uint64_t>(control_->bytes());
+    w.put<uint32_t>(uint32_t(regions_.size()));
+    for (auto& r : regions_) {
+      w.put<uint8_t>(uint8_t(r.r.kind));
+      w.put<uint64_t>(r.r.bytes);
+      w.str(r.shm_name);
+      w.put<uint64_t>(r.shm_offset);
+      w.put<uint64_t>(r.shm_bytes);
+      w.put<uint32_t>(uint32_t(r.ipc.size()));
+      w.b.insert(w.b.end(), r.ipc.begin(), r.ipc.end());
+    }
+    return w.b;
+  }
+
+  void connect(const std::vector<std::vector<uint8_t>>& infos) override {
+    if (int(infos.size()) != o_.world)
+      throw ProxyError("loopback: connect got " + std::to_string(infos.size()) + " infos for world " +
+                       std::to_string(o_.world));
+    peers_.resize(o_.world);
+    for (int r = 0; r < o_.world; ++r) {
+      Reader rd{infos[r]};
+      if (rd.get<uint64_t>() != kMagic) throw ProxyError("loopback: rank " + std::to_string(r) + " info is not loopback");
+      const int rank = rd.get<int32_t>(), thread = rd.get<int32_t>(), world = rd.get<int32_t>();
+      if (rank != r || thread != o_.thread_index || world != o_.world)
+        throw ProxyError("loopback: info " + std::to_string(r) + " is from rank " + std::to_string(rank) +
+                         " thread " + std::to_string(thread) + " world " + std::to_string(world) +
+                         "; expected thread " + std::to_string(o_.thread_index) + " world " + std::to_string(o_.world));
+      Peer& p = peers_[r];
+      p.pid = rd.get<int32_t>();
+      const uint32_t cap = rd.get<uint32_t>();
+      if (cap != o_.ring_capacity) throw ProxyError("loopback: ring capacity differs between ranks");
+      const std::string cname = rd.str();
+      p.control_bytes = rd.get<uint64_t>();
+      p.control = static_cast<ControlHeader*>(map_shared_host_memory(cname, p.control_bytes));
+      if (p.control->magic != kMagic) throw ProxyError("loopback: control segment " + cname + " is corrupt");
+      p.ring_to_peer = ring_at(p.control, o_.rank, cap);
+      const uint32_t n = rd.get<uint32_t>();
+      for (uint32_t i = 0; i < n; ++i) {
+        RemoteRegion rr;
+        rr.kind = MemoryKind(rd.get<uint8_t>());
+        rr.bytes = rd.get<uint64_t>();
+        const std::string name = rd.str();
+        const uint64_t off = rd.get<uint64_t>(), obj = rd.get<uint64_t>();
+        const uint32_t nipc = rd.get<uint32_t>();
+        std::vector<uint8_t> ipc(nipc);
+        for (auto& x : ipc) x = rd.get<uint8_t>();
+        if (rr.kind == MemoryKind::kHost) {
+          rr.map_base = map_shared_host_memory(name, obj);
+          rr.map_bytes = obj;
+          rr.base = static_cast<char*>(rr.map_base) + off;
+        } else if (r == o_.rank) {
+          rr.base = static_cast<char*>(regions_.at(i).r.base);
+        } else {
+#ifdef UCCL_EP_WITH_CUDA
+          cudaIpcMemHandle_t h;
+          std::memcpy(&h, ipc.data(), std::min(ipc.size(), sizeof(h)));
+          void* ptr = nullptr;
+          if (cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess)
+            throw ProxyError("loopback: cudaIpcOpenMemHandle for rank " + std::to_string(r) + " failed: " +
+                             cudaGetErrorString(cudaGetLastError()));
+          rr.base = static_cast<char*>(ptr);
+          rr.ipc_opened = true;
+#else
+          throw ProxyError("loopback: rank " + std::to_string(r) + " registered device memory; this build has no CUDA");
+#endif
+        }
+        p.regions.push_back(rr);
+      }
+    }
+    connected_ = true;
+  }
+
+  size_t post_writes(const WriteRequest* reqs, size_t n) override {
+    size_t accepted = 0;
+    const uint64_t now = now_ns();
+    for (; accepted < n && pending_.size() < kMaxPending; ++accepted) {
+      PendingOp op;
+      op.w = reqs[accepted];
+      op.deliver_at = schedule(now, op.w.bytes);
+      pending_.push_back(op);
+    }
+    posted_since_poll_ = posted_since_poll_ || accepted > 0;
+    return accepted;
+  }
+
+  size_t post_atomics(const AtomicRequest* reqs, size_t n) override {
+    size_t accepted = 0;
+    const uint64_t now = now_ns();
+    for (; accepted < n && pending_.size() < kMaxPending; ++accepted) {
+      PendingOp op;
+      op.atomic = true;
+      op.a = reqs[accepted];
+      op.deliver_at = schedule(now, 8);
+      pending_.push_back(op);
+    }
+    posted_since_poll_ = posted_since_poll_ || accepted > 0;
+    return accepted;
+  }
+
+  size_t poll(std::vector<Completion>& out, size_t max) override {
+    if (!connected_) return 0;
+    const size_t start = out.size();
+    const uint64_t now = now_ns();
+    if (now - last_liveness_ns_ > kLivenessPeriodNs) {
+      last_liveness_ns_ = now;
+      check_peers(out);
+    }
+    deliver(out, max, now);
+    // incoming immediates, round robin over senders
+    for (int k = 0; k < o_.world && out.size() - start < max; ++k) {
+      const int src = (next_src_ + k) % o_.world;
+      RingHeader* ring = ring_at(control_->data(), src, o_.ring_capacity);
+      uint64_t tail = ring->tail.load(std::memory_order_relaxed);
+      const uint64_t head = ring->head.load(std::memory_order_acquire);
+      while (tail < head && out.size() - start < max) {
+        Completion c;
+        c.kind = Completion::Kind::kRemoteImm;
+        c.src_rank = src;
+        c.imm = ring_entries(ring)[tail & (o_.ring_capacity - 1)];
+        out.push_back(c);
+        ++tail;
+      }
+      ring->tail.store(tail, std::memory_order_release);
+    }
+    next_src_ = (next_src_ + 1) % o_.world;
+    return out.size() - start;
+  }
+
+ private:
+  static constexpr size_t kMaxPending = 8192;
+  static constexpr uint64_t kLivenessPeriodNs = 5'000'000;
+
+  uint64_t schedule(uint64_t now, uint64_t bytes) {
+    uint64_t t = now;
+    if (ns_per_byte_ > 0) {
+      wire_free_ns_ = std::max(wire_free_ns_, now) + uint64_t(double(bytes) * ns_per_byte_);
+      t = wire_free_ns_;
+    }
+    return t + o_.delay_us * 1000;
+  }
+
+  void check_peers(std::vector<Completion>& out) {
+    for (int r = 0; r < o_.world; ++r) {
+      Peer& p = peers_[r];
+      if (r == o_.rank || p.dead) continue;
+      const uint32_t st = p.control->state.load(std::memory_order_acquire);
+      if (st == kStateClosed) continue;  // closed cleanly: only an error if we still send to it (see deliver)
+      if (!process_alive(p.pid)) {
+        p.dead = true;
+        Completion c;
+        c.kind = Completion::Kind::kLocalWrite;
+        c.wr_id = ~0ull;
+        c.status = EPIPE;
+        c.error = "loopback: peer rank " + std::to_string(r) + " (pid " + std::to_string(p.pid) +
+                  ") died without closing its endpoint";
+        out.push_back(c);
+      }
+    }
+  }
+
+  // Returns false when the op must wait (the receiver's immediate ring is full).
+  bool deliver_one(const PendingOp& op, std::vector<Completion>& out) {
+    Completion c;
+    c.kind = op.atomic ? Completion::Kind::kLocalAtomic : Completion::Kind::kLocalWrite;
+    c.wr_id = op.atomic ? op.a.wr_id : op.w.wr_id;
+    const int dst = op.atomic ? op.a.dst_rank : op.w.dst_rank;
+    auto fail = [&](const std::string& why) {
+      c.status = EINVAL;
+      c.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": " + why;
+      out.push_back(c);
+      return true;
+    };
+    if (dst < 0 || dst >= o_.world) return fail("destination rank out of range");
+    Peer& p = peers_[dst];
+    if (p.dead || (dst != o_.rank && p.control->state.load(std::memory_order_acquire) == kStateClosed)) {
+      c.status = EPIPE;
+      c.error = "loopback: rank " + std::to_string(dst) + " is gone (" + (p.dead ? "died" : "closed") +
+                ") while rank " + std::to_string(o_.rank) + " still writes to it";
+      out.push_back(c);
+      return true;
+    }
+    if (op.atomic) {
+      const AtomicRequest& a = op.a;
+      if (a.remote_region < 0 || size_t(a.remote_region) >= p.regions.size()) return fail("bad remote region");
+      const RemoteRegion& rr = p.regions[a.remote_region];
+      if (a.remote_offset % 8 || a.remote_offset + 8 > rr.bytes || rr.kind != MemoryKind::kHost)
+        return fail("atomic target outside the registered host region or unaligned");
+      __atomic_fetch_add(reinterpret_cast<int64_t*>(rr.base + a.remote_offset), a.add, __ATOMIC_RELEASE);
+      out.push_back(c);
+      return true;
+    }
+    const WriteRequest& w = op.w;
+    RingHeader* ring = p.ring_to_peer;
+    uint64_t head = 0;
+    if (w.has_imm) {
+      head = ring->head.load(std::memory_order_relaxed);
+      if (head - ring->tail.load(std::memory_order_acquire) >= o_.ring_capacity) return false;
+    }
+    if (w.bytes) {
+      if (w.local_region < 0 || size_t(w.local_region) >= regions_.size()) return fail("bad local region");
+      if (w.remote_region < 0 || size_t(w.remote_region) >= p.regions.size()) return fail("bad remote region");
+      const LocalRegion& lr = regions_[w.local_region];
+      const RemoteRegion& rr = p.regions[w.remote_region];
+      // bounds checked before any byte moves: a bad command must never scribble outside a registered region
+      if (w.local_offset > lr.r.bytes || w.bytes > lr.r.bytes - w.local_offset)
+        return fail("local range [" + std::to_string(w.local_offset) + ", +" + std::to_string(w.bytes) +
+                    ") exceeds region " + std::to_string(w.local_region) + " of " + std::to_string(lr.r.bytes) + " bytes");
+      if (w.remote_offset > rr.bytes || w.bytes > rr.bytes - w.remote_offset)
+        return fail("remote range [" + std::to_string(w.remote_offset) + ", +" + std::to_string(w.bytes) +
+                    ") exceeds region " + std::to_string(w.remote_region) + " of " + std::to_string(rr.bytes) + " bytes");
+      copy_bytes(rr.base + w.remote_offset, rr.kind, static_cast<char*>(lr.r.base) + w.local_offset, lr.r.kind, w.bytes);
+    }
+    if (w.has_imm) {
+      ring_entries(ring)[head & (o_.ring_capacity - 1)] = w.imm;
+      ring->head.store(head + 1, std::memory_order_release);  // publishes the bytes copied above too
+    }
+    out.push_back(c);
+    return true;
+  }
+
+  void deliver(std::vector<Completion>& out, size_t max, uint64_t now) {
+    size_t ready = 0;
+    while (ready < pending_.size() && pending_[ready].deliver_at <= now) ++ready;
+    if (ready == 0) {
+      posted_since_poll_ = false;
+      return;
+    }
+    if (!in_order_) {
+      // Let a group build up while the proxy keeps posting; deliver it shuffled once it is full or posting paused.
+      const size_t group = size_t(o_.reorder);
+      if (ready < group && posted_since_poll_) {
+        posted_since_poll_ = false;
+        return;
+      }
+      const size_t k = std::min(ready, group);
+      for (size_t i = k; i > 1; --i) std::swap(pending_[i - 1], pending_[rng_() % i]);
+      ready = k;
+    }
+    posted_since_poll_ = false;
+    size_t done = 0;
+    while (done < ready && done < max) {
+      if (!deliver_one(pending_.front(), out)) break;
+      pending_.pop_front();
+      ++done;
+    }
+  }
+
+  LoopbackOptions o_;
+  std::mt19937_64 rng_;
+  std::unique_ptr<SharedHostMemory> control_;
+  ControlHeader* header_ = nullptr;
+  bool in_order_ = true;
+  bool connected_ = false;
+  double ns_per_byte_ = 0;
+  uint64_t wire_free_ns_ = 0;
+  uint64_t last_liveness_ns_ = 0;
+  bool posted_since_poll_ = false;
+  int next_src_ = 0;
+  std::vector<LocalRegion> regions_;
+  std::vector<Peer> peers_;
+  std::deque<PendingOp> pending_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_loopback_transport(const LoopbackOptions& options) {
+  return std::make_unique<LoopbackTransport>(options);
+}
+
+}  // namespace uccl_ep

@@ -1,0 +1,171 @@
+"""Proxy behaviour within one process (two ranks over loopback): signals, splits, atomics, quiet, barrier,
+watchdog, and rejection of malformed commands before any byte moves."""
+import time
+
+import numpy as np
+import pytest
+
+from uccl_ep_train import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native module not built")
+
+from uccl_ep_train import comm  # noqa: E402
+from uccl_ep_train.settings import SettingsError, load_settings  # noqa: E402
+
+DATA = 1 << 16
+
+
+def make_pair(**kw):
+    opts = dict(num_threads=1, fifos_per_thread=2, idle_backoff_us=20, timeout_secs=5.0)
+    opts.update(kw)
+    s = load_settings({})
+    cs = [comm.HostComm(DATA, r, 2, settings=s, num_signal_slots=64, **opts) for r in range(2)]
+    comm.connect_in_process(cs)
+    rng = np.random.default_rng(1)
+    for c in cs:
+        c.data()[:] = rng.integers(0, 256, DATA, dtype=np.uint8)
+    return cs
+
+
+@pytest.fixture
+def C():
+    return native.module()
+
+
+@pytest.mark.parametrize("reorder", [0, 8])
+def test_large_increments_and_signed_atomics_sum_exactly(C, reorder):
+    cs = make_pair(loopback_reorder=reorder)
+    try:
+        assert cs[0].proxy.caps["in_order"] == (reorder == 0)
+        want = np.zeros(64, dtype=np.int64)
+        rng = np.random.default_rng(2)
+        for i in range(300):
+            slot = int(rng.integers(0, 8))
+            if i % 3 == 0:
+                add = int(rng.integers(-(1 << 20), 1 << 20))
+                cs[0].push(0, C.command.atomic(1, slot, add))
+            else:
+                add = int(rng.choice([0, 1, 255, 256, (1 << 18) - 1]))
+                cs[0].push(0, C.command.write_signal(1, 64, 64 * (i % 100), 8192 + 64 * (i % 100), slot, add))
+            want[slot] += add
+        cs[0].proxy.wait_done(0, cs[0].push(0, C.command.quiet()))
+        deadline = time.time() + 5
+        while not np.array_equal(cs[1].signals(), want):
+            assert time.time() < deadline, (cs[1].signals()[:8], want[:8])
+            time.sleep(0.001)
+        assert cs[0].stats()[0]["writes_posted"] > 300  # the largest increments were split
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_quiet_completes_only_after_earlier_writes_landed(C):
+    cs = make_pair(loopback_delay_us=50_000)
+    try:
+        src = cs[0].data()[:4096].copy()
+        cs[0].push(0, C.command.write(1, 4096, 0, 32768))
+        q = cs[0].push(0, C.command.quiet())
+        time.sleep(0.01)
+        assert cs[0].proxy.fifo_tail(0) <= q, "quiet passed while a write was still in flight"
+        cs[0].proxy.wait_done(0, q)
+        assert np.array_equal(cs[1].data()[32768:32768 + 4096], src)
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_barrier_completes_when_every_rank_arrives(C):
+    cs = make_pair()
+    try:
+        for round_ in range(3):
+            i0 = cs[0].push(1, C.command.barrier())
+            time.sleep(0.02)
+            assert cs[0].proxy.fifo_tail(1) <= i0, "barrier passed before the other rank arrived"
+            i1 = cs[1].push(1, C.command.barrier())
+            cs[0].proxy.wait_done(1, i0)
+            cs[1].proxy.wait_done(1, i1)
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_watchdog_names_the_barrier_that_never_completes(C):
+    cs = make_pair(timeout_secs=0.5)
+    try:
+        cs[0].push(1, C.command.barrier())
+        t0 = time.time()
+        with pytest.raises(C.ProxyError, match=r"rank 0 proxy thread 0: no progress .* fifo 1 barrier epoch 0 has 0 of 1"):
+            cs[0].wait_idle(10)
+        assert time.time() - t0 < 3
+    finally:
+        for c in cs:
+            c.close()
+
+
+MALFORMED = [
+    ("destination rank outside the world", lambda C: C.command.write(5, 16, 0, 0), "dst_rank 5 >= world size 2"),
+    ("remote range past the region", lambda C: C.command.write(1, 32, 0, DATA - 16), "exceeds rank 1's"),
+    ("local range past the region", lambda C: C.command.write(1, 32, DATA - 16, 0), "exceeds the registered"),
+    ("signal slot past the buffer", lambda C: C.command.write_signal(1, 16, 0, 0, 64, 1), "signal slot 64 >= 64"),
+]
+
+
+@pytest.mark.parametrize("name,make,needle", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_command_is_rejected_before_any_byte_moves(C, name, make, needle):
+    cs = make_pair()
+    try:
+        before = cs[1].data().copy()
+        cs[0].push(0, make(C))
+        with pytest.raises(C.ProxyError, match=needle):
+            cs[0].wait_idle(5)
+        assert np.array_equal(cs[1].data(), before)
+        with pytest.raises(C.ProxyError):  # the failure sticks and further pushes report it
+            cs[0].push(0, C.command.quiet())
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_unknown_command_type_is_refused_at_push(C):
+    cs = make_pair()
+    try:
+        with pytest.raises(C.ProxyError, match="type 15 is not a valid command"):
+            cs[0].push(0, (0xF, 0))
+        cs[0].check()  # the proxy itself is unaffected
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_bandwidth_cap_slows_delivery(C):
+    cs = make_pair(loopback_bandwidth_gbps=0.01)  # 10 MB/s
+    try:
+        t0 = time.time()
+        for i in range(16):
+            cs[0].push(0, C.command.write(1, 4096, 0, 4096 * (i % 8)))
+        cs[0].proxy.wait_done(0, cs[0].push(0, C.command.quiet()))
+        assert time.time() - t0 >= 0.9 * 16 * 4096 / 10e6
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_settings_reach_the_proxy_and_bad_combinations_are_refused():
+    s = load_settings({"UCCL_EP_NUM_PROXY_THREADS": "3", "UCCL_IB_MAX_INFLIGHT_NORMAL": "2",
+                       "UCCL_IB_MAX_INFLIGHT_BYTES": "4096", "UCCL_EP_LOOPBACK_REORDER": "4",
+                       "UCCL_EP_PROXY_CPUS": "0-1", "UCCL_EP_CPU_TIMEOUT_SECS": "7"})
+    o = comm.proxy_options(s, 1, 2)
+    assert (o.num_threads, o.max_inflight_writes, o.max_inflight_bytes, o.loopback_reorder, o.cpus,
+            o.timeout_secs) == (3, 2, 4096, 4, (0, 1), 7.0)
+    assert comm.proxy_options(s, 0, 2, low_latency=True).max_inflight_writes == 32
+    with pytest.raises(ValueError, match="rank 2 is outside"):
+        comm.proxy_options(s, 2, 2)
+    with pytest.raises(SettingsError, match="UCCL_EP_TRANSPORT=verbs"):
+        comm.proxy_options(load_settings({"UCCL_EP_TRANSPORT": "verbs"}), 0, 1)
+    with pytest.raises(SettingsError, match="reorder window"):
+        comm.HostComm(4096, 0, 1, settings=s, loopback_reorder=4, max_inflight_writes=300, reorder_window=256)
+
+
+def test_fifo_depth_must_be_a_power_of_two():
+    with pytest.raises(RuntimeError, match="power of two"):
+        comm.HostComm(4096, 0, 1, settings=load_settings({}), fifo_depth=3)
