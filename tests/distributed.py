@@ -1,0 +1,131 @@
+"""Run a function on every rank of a fresh multi-process torch.distributed group (gloo on 127.0.0.1 by default).
+
+    from tests.distributed import run_distributed
+    results = run_distributed(check_something, 4, arg1, arg2, timeout=60)  # check_something(rank, world, arg1, arg2)
+
+``fn`` must be a module-level (picklable) function. It runs in each child after ``init_process_group`` and its return
+values (picklable) come back as a list indexed by rank. Any exception in a child, a child dying, or the deadline
+passing raises in the caller with the failing rank's traceback; the other children are terminated, so a test never
+hangs. Children are forked from a forkserver that has imported torch once, which keeps the start-up cheap.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = multiprocessing.get_context("forkserver")
+        # Importing these once in the forkserver saves seconds per child (DTensor pulls in sympy on first use).
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch.testing"])
+    return _CONTEXT
+
+
+def _child(fn, rank: int, world_size: int, args: tuple, port: int, backend: str, timeout: float,
+           env: Dict[str, str], sys_path: List[str], results) -> None:
+    try:
+        sys.path[:] = sys_path
+        os.environ.update(env)
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # CI machines have 2 cores shared by every rank
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        try:
+            value = fn(rank, world_size, *args)
+        except BaseException:
+            # Report (with the time) before tearing the group down: the teardown makes the peers fail as well.
+            results.put((rank, False, traceback.format_exc(), time.time()))
+            dist.destroy_process_group()
+            return
+        dist.destroy_process_group()
+        results.put((rank, True, value, time.time()))
+    except BaseException:  # report everything, including assertion failures and KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc(), time.time()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                    backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes in one process group; return the results by
+    rank. Raises RuntimeError naming the first failing rank (with its traceback) or TimeoutError after ``timeout``
+    seconds; every child is gone when this returns or raises."""
+    import torch.distributed as dist
+
+    ctx = _context()
+    # The parent hosts the rendezvous store on a port the OS picks, so concurrent test runs never collide.
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, args, store.port, backend, timeout,
+                                              dict(env or {}), list(sys.path), results), daemon=True)
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    values: Dict[int, Any] = {}
+    failures: List[tuple] = []  # (time, rank, traceback)
+    failure: Optional[str] = None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) < world_size and failure is None:
+            try:
+                rank, ok, value, when = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode not in (None, 0)]
+                if dead:
+                    time.sleep(0.5)  # let a traceback that is on its way arrive first
+                    try:
+                        rank, ok, value, when = results.get_nowait()
+                    except queue.Empty:
+                        failure = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} and no traceback"
+                        break
+                elif time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in values]
+                    raise TimeoutError(f"run_distributed({getattr(fn, '__name__', fn)}): ranks {missing} did not "
+                                       f"finish within {timeout:.0f} s")
+                else:
+                    continue
+            if ok:
+                values[rank] = value
+                continue
+            # The first rank to fail makes its peers fail too (connection reset); collect those for a moment and
+            # lead with the earliest, which is the cause.
+            failures.append((when, rank, value))
+            grace = time.monotonic() + 2.0
+            while time.monotonic() < grace and len(failures) + len(values) < world_size:
+                try:
+                    rank, ok, value, when = results.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if not ok:
+                    failures.append((when, rank, value))
+            failures.sort()
+            name = getattr(fn, "__name__", fn)
+            failure = "\n".join(f"rank {r} of {world_size} failed{' first' if i == 0 else ''} in {name}:\n{tb}"
+                                 for i, (_, r, tb) in enumerate(failures))
+    finally:
+        for p in procs:
+            if p.is_alive() and (failure is not None or len(values) < world_size):
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+        del store
+    if failure is not None:
+        raise RuntimeError(failure)
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,47 @@
+"""tests/distributed.py: results come back by rank, a failing rank raises with its traceback, nothing hangs."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.distributed import run_distributed
+
+
+def _rank_and_sum(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return rank, int(t)
+
+
+def _rank_one_fails(rank, world):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()  # the others would wait here for ever without the harness
+
+
+def _sleeps(rank, world):
+    time.sleep(60)
+
+
+def test_run_distributed_returns_each_ranks_result_in_rank_order():
+    assert run_distributed(_rank_and_sum, 3, timeout=60) == [(0, 6), (1, 6), (2, 6)]
+
+
+def test_run_distributed_raises_with_the_failing_ranks_traceback_and_stops_the_others():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^rank 1 of 2 failed first(.|\n)*ValueError: rank one is broken"):
+        run_distributed(_rank_one_fails, 2, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+def test_run_distributed_times_out_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3 s"):
+        run_distributed(_sleeps, 2, timeout=3)
+    assert time.monotonic() - start < 20
