@@ -7,7 +7,8 @@ namespace py = pybind11;
 namespace uccl_ep::bindings {
 void bind_host_core(py::module_& m);   // proxy_bindings.cpp: settings structs, FIFOs, proxies, loopback
 void bind_verbs(py::module_& m);       // verbs_bindings.cpp: verbs transport, GID choice, recorded-call tests
-void bind_kernels(py::module_& m);     // kernel_bindings.cpp: layout, intranode, internode launchers
+void bind_kernels(py::module_& m);     // kernel_bindings.cpp: layout and intranode launchers
+void bind_internode(py::module_& m);   // internode_bindings.cpp: hierarchical path (regions, proxy, kernels)
 }  // namespace uccl_ep::bindings
 
 PYBIND11_MODULE(_C, m) {
@@ -31,4 +32,5 @@ PYBIND11_MODULE(_C, m) {
   uccl_ep::bindings::bind_host_core(m);
   uccl_ep::bindings::bind_verbs(m);
   uccl_ep::bindings::bind_kernels(m);
+  uccl_ep::bindings::bind_internode(m);
 }

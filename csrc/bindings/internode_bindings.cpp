@@ -1,0 +1,93 @@
+// Bindings of the internode (hierarchical) path: uccl_ep_train._C.internode. Torch-free: device pointers and streams
+// are integers. Wired from module.cpp by `bind_internode(m)` (declared there next to the other layers).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#include "../kernels/internode.hpp"
+#endif
+
+namespace py = pybind11;
+
+namespace uccl_ep::bindings {
+
+void bind_internode(py::module_& m) {
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+  namespace in = uccl_ep::internode;
+  auto k = m.def_submodule("internode", "internode (hierarchical) dispatch/combine: regions, proxy, kernels");
+  k.attr("PUSH_COLUMNS") = int(in::kPushColumns);
+  k.def("scatter_rows", &in::scatter_rows, py::arg("dst"), py::arg("dst_stride"), py::arg("dst_idx"), py::arg("src"),
+        py::arg("src_stride"), py::arg("src_idx"), py::arg("n"), py::arg("row_bytes"), py::arg("stream"));
+
+  py::class_<in::Context>(k, "InternodeContext")
+      .def(py::init([](int rank, int world, int device, int64_t rdma_bytes, int64_t nvl_bytes, int num_threads,
+                       int fifos_per_thread, uint32_t fifo_depth, std::vector<int> cpus, int idle_backoff_us,
+                       double timeout_secs, uint64_t max_inflight_writes, uint64_t max_inflight_bytes,
+                       int reorder_window, uint32_t num_signal_slots, int loopback_reorder,
+                       uint64_t loopback_delay_us, double loopback_bandwidth_gbps, uint64_t loopback_seed,
+                       double gpu_timeout_secs) {
+             in::ProxyParams p;
+             p.num_threads = num_threads;
+             p.fifos_per_thread = fifos_per_thread;
+             p.fifo_depth = fifo_depth;
+             p.cpus = cpus;
+             p.idle_backoff_us = idle_backoff_us;
+             p.timeout_secs = timeout_secs;
+             p.max_inflight_writes = max_inflight_writes;
+             p.max_inflight_bytes = max_inflight_bytes;
+             p.reorder_window = reorder_window;
+             p.num_signal_slots = num_signal_slots;
+             p.loopback_reorder = loopback_reorder;
+             p.loopback_delay_us = loopback_delay_us;
+             p.loopback_bandwidth_gbps = loopback_bandwidth_gbps;
+             p.loopback_seed = loopback_seed;
+             return std::make_unique<in::Context>(rank, world, device, rdma_bytes, nvl_bytes, p, gpu_timeout_secs);
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("rdma_bytes"), py::arg("nvl_bytes"),
+           py::arg("num_threads"), py::arg("fifos_per_thread"), py::arg("fifo_depth"), py::arg("cpus"),
+           py::arg("idle_backoff_us"), py::arg("timeout_secs"), py::arg("max_inflight_writes"),
+           py::arg("max_inflight_bytes"), py::arg("reorder_window"), py::arg("num_signal_slots"),
+           py::arg("loopback_reorder"), py::arg("loopback_delay_us"), py::arg("loopback_bandwidth_gbps"),
+           py::arg("loopback_seed"), py::arg("gpu_timeout_secs"))
+      .def_property_readonly("rank", &in::Context::rank)
+      .def_property_readonly("world", &in::Context::world)
+      .def_property_readonly("rdma_bytes", &in::Context::rdma_bytes)
+      .def_property_readonly("nvl_bytes", &in::Context::nvl_bytes)
+      .def_property_readonly("rdma_ptr", &in::Context::rdma_ptr)
+      .def_property_readonly("nvl_ptr", &in::Context::nvl_ptr)
+      .def_property_readonly("num_fifos", &in::Context::num_fifos)
+      .def_property_readonly("num_signal_slots", &in::Context::num_signal_slots)
+      .def_property_readonly("transport_name", &in::Context::transport_name)
+      .def_property_readonly("transport_in_order", &in::Context::transport_in_order)
+      .def("nvl_ipc_handle", [](const in::Context& c) { return py::bytes(c.nvl_ipc_handle()); })
+      .def("open_nvl_peers", &in::Context::open_nvl_peers, py::arg("handles"), py::arg("own_index"))
+      .def("proxy_local_info", [](in::Context& c, int t) { return py::bytes(c.proxy_local_info(t)); })
+      .def("proxy_connect", &in::Context::proxy_connect, py::arg("infos"),
+           "infos[thread][rank] = that rank's proxy_local_info(thread)")
+      .def("proxy_start", &in::Context::proxy_start)
+      .def("proxy_stop", &in::Context::proxy_stop, py::call_guard<py::gil_scoped_release>())
+      .def("proxy_error", &in::Context::proxy_error)
+      .def("proxy_totals", [](const in::Context& c) {
+        in::ProxyTotals t = c.proxy_totals();
+        py::dict d;
+        d["commands"] = t.commands;
+        d["writes_posted"] = t.writes_posted;
+        d["signals_applied"] = t.signals_applied;
+        d["max_inflight_writes"] = t.max_inflight_writes;
+        d["max_inflight_bytes"] = t.max_inflight_bytes;
+        d["max_reorder_held"] = t.max_reorder_held;
+        return d;
+      })
+      .def("signal_value", &in::Context::signal_value, py::arg("slot"))
+      .def("push_chunks", &in::Context::push_chunks, py::arg("table"), py::arg("n"), py::arg("chunk_records"),
+           py::arg("stream"))
+      .def("wait_signals", &in::Context::wait_signals, py::arg("slot_expected"), py::arg("n"), py::arg("stream"))
+      .def("error_message", &in::Context::error_message)
+      .def("clear_error", &in::Context::clear_error)
+      .def("destroy", &in::Context::destroy, py::call_guard<py::gil_scoped_release>());
+#else
+  (void)m;  // built without a GPU toolchain: no `internode` submodule
+#endif
+}
+
+}  // namespace uccl_ep::bindings

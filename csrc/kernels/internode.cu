@@ -1,0 +1,374 @@
+// Internode (hierarchical) path: the GPU side of the network hop and the NVLink row scatter. docs/internode.md.
+//
+// The GPU packs per-node blocks of records into its RDMA region (stream-ordered copies done by the caller), then
+// `push_chunks` turns every block into WRITE_SIGNAL commands for the CPU proxy; the receiver's `wait_signals` spins on
+// the proxy-maintained counters (host memory, device-mapped) and `scatter_rows` forwards rows to the GPUs of the node.
+#include "kernels/internode.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "uccl_ep/portability.cuh"
+#include "uccl_ep/command.hpp"
+#include "uccl_ep/fifo_device.cuh"
+
+#include "proxy/errors.hpp"
+#include "proxy/proxy.hpp"
+#include "transport/loopback.hpp"
+
+#if defined(UCCL_EP_WITH_CUDA) && !defined(UCCL_EP_HIP)
+#define UCCL_EP_INTERNODE_PROXY 1
+#endif
+
+namespace uccl_ep::internode {
+namespace {
+
+void check(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error("internode: " + what + " failed: " + cudaGetErrorString(e));
+  }
+}
+
+__device__ void report(ErrorWord* err, int code, int rank, int slot, int aux, long long observed,
+                       long long expected) {
+  if (atomicCAS(&err->code, 0, code) == 0) {
+    err->rank = rank;
+    err->slot = slot;
+    err->aux = aux;
+    err->observed = observed;
+    err->expected = expected;
+    __threadfence_system();
+  }
+}
+
+__global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const long long* table, int n,
+                                   long long chunk_records, int rank, unsigned long long timeout_ns,
+                                   ErrorWord* err) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const long long* row = table + i * kPushColumns;
+  const long long records = row[kPushRecords];
+  if (records <= 0) return;
+  const DeviceFifo& f = fifos[i % num_fifos];
+  const long long stride = row[kPushStride];
+  for (long long first = 0; first < records; first += chunk_records) {
+    const long long count = min(chunk_records, records - first);
+    Command c;
+    const int e = encode_write_signal(&c, uint32_t(row[kPushDstRank]), uint64_t(count * stride),
+                                      uint64_t(row[kPushLocalOffset] + first * stride),
+                                      uint64_t(row[kPushRemoteOffset] + first * stride), uint32_t(row[kPushSlot]),
+                                      uint32_t(count));
+    if (e != kCmdOk) {
+      report(err, 3, rank, int(row[kPushDstRank]), e, first, records);
+      return;
+    }
+    if (fifo_push(f, c, timeout_ns) == kFifoPushTimedOut) {
+      report(err, 2, rank, f.fifo_id, 0, first, records);
+      return;
+    }
+  }
+}
+
+__global__ void wait_signals_kernel(const unsigned long long* signals, const long long* slot_expected, int n,
+                                    int rank, unsigned long long timeout_ns, ErrorWord* err) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const long long slot = slot_expected[2 * i], expected = slot_expected[2 * i + 1];
+  const unsigned long long start = fifo_now_ns();
+  long long v = 0;
+  while (true) {
+    v = static_cast<long long>(fifo_load_tail(signals + slot));
+    if (v >= expected) return;
+    if (fifo_now_ns() - start > timeout_ns) {
+      report(err, 1, rank, int(slot), 0, v, expected);
+      return;
+    }
+    // a peer that already failed makes the others give up early instead of waiting out their own deadline
+    if (*reinterpret_cast<volatile int*>(&err->code) != 0) return;
+  }
+}
+
+template <typename V>
+__global__ void scatter_rows_kernel(char* dst, long long dst_stride, const long long* dst_idx, const char* src,
+                                    long long src_stride, const long long* src_idx, long long n,
+                                    long long row_bytes) {
+  const long long words = row_bytes / static_cast<long long>(sizeof(V));
+  for (long long r = blockIdx.x; r < n; r += gridDim.x) {
+    const long long d = dst_idx ? dst_idx[r] : r;
+    const long long s = src_idx ? src_idx[r] : r;
+    if (d < 0 || s < 0) continue;
+    V* out = reinterpret_cast<V*>(dst + d * dst_stride);
+    const V* in = reinterpret_cast<const V*>(src + s * src_stride);
+    for (long long w = threadIdx.x; w < words; w += blockDim.x) out[w] = in[w];
+  }
+}
+
+}  // namespace
+
+void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_t src, int64_t src_stride,
+                  uintptr_t src_idx, int64_t n, int64_t row_bytes, uintptr_t stream) {
+  if (n <= 0 || row_bytes <= 0) return;
+  if (!dst || !src) throw std::invalid_argument("scatter_rows: null pointer");
+  const uint64_t all = uint64_t(dst) | uint64_t(src) | uint64_t(dst_stride) | uint64_t(src_stride) |
+                       uint64_t(row_bytes);
+  const int blocks = int(std::min<int64_t>(n, 2048));
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  auto* d = reinterpret_cast<char*>(dst);
+  auto* sp = reinterpret_cast<const char*>(src);
+  auto* di = reinterpret_cast<const long long*>(dst_idx);
+  auto* si = reinterpret_cast<const long long*>(src_idx);
+  if (all % 16 == 0)
+    scatter_rows_kernel<uint4><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes);
+  else if (all % 4 == 0)
+    scatter_rows_kernel<uint32_t><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes);
+  else
+    scatter_rows_kernel<uint8_t><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes);
+  check(cudaGetLastError(), "scatter_rows launch");
+}
+
+#if defined(UCCL_EP_INTERNODE_PROXY)
+
+Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nvl_bytes, const ProxyParams& p,
+                 double gpu_timeout_secs)
+    : rank_(rank), world_(world), device_(device), rdma_bytes_(rdma_bytes), nvl_bytes_(nvl_bytes),
+      timeout_ns_(uint64_t(gpu_timeout_secs * 1e9)), num_slots_(p.num_signal_slots) {
+  if (rdma_bytes <= 0 || rdma_bytes % 16 || uint64_t(rdma_bytes) > cmd::kMaxOffset + cmd::kUnit)
+    throw std::invalid_argument("internode: RDMA region of " + std::to_string(rdma_bytes) +
+                                " bytes must be a positive multiple of 16 and at most 4 GiB (28-bit offsets in "
+                                "16-byte units)");
+  if (nvl_bytes <= 0) throw std::invalid_argument("internode: NVL region must be > 0 bytes");
+  if (p.num_signal_slots % 512)
+    throw std::invalid_argument("internode: num_signal_slots must be a multiple of 512 (whole pages of counters)");
+  check(cudaSetDevice(device), "cudaSetDevice");
+  try {
+    check(cudaMalloc(&rdma_, size_t(rdma_bytes)), "cudaMalloc of the RDMA region");
+    check(cudaMalloc(&nvl_, size_t(nvl_bytes)), "cudaMalloc of the NVL region");
+    check(cudaMemset(rdma_, 0, size_t(rdma_bytes)), "cudaMemset");
+    check(cudaMemset(nvl_, 0, size_t(nvl_bytes)), "cudaMemset");
+    check(cudaHostAlloc(reinterpret_cast<void**>(&error_), sizeof(ErrorWord), cudaHostAllocMapped),
+          "cudaHostAlloc of the error word");
+    std::memset(error_, 0, sizeof(ErrorWord));
+    check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_, 0), "cudaHostGetDevicePointer");
+
+    ProxyConfig cfg;
+    cfg.rank = rank;
+    cfg.world = world;
+    cfg.num_threads = p.num_threads;
+    cfg.fifos_per_thread = p.fifos_per_thread;
+    cfg.fifo_depth = p.fifo_depth;
+    cfg.cpus = p.cpus;
+    cfg.idle_backoff_us = p.idle_backoff_us;
+    cfg.timeout_secs = p.timeout_secs;
+    cfg.max_inflight_writes = p.max_inflight_writes;
+    cfg.max_inflight_bytes = p.max_inflight_bytes;
+    cfg.reorder_window = p.reorder_window;
+    cfg.num_signal_slots = p.num_signal_slots;
+    const int threads = p.num_threads;
+    Proxy::TransportFactory factory = [=](int t) {
+      LoopbackOptions o;
+      o.rank = rank;
+      o.world = world;
+      o.thread_index = t;
+      o.reorder = p.loopback_reorder;
+      o.delay_us = p.loopback_delay_us;
+      o.bandwidth_gbps = p.loopback_bandwidth_gbps / threads;  // the cap is per GPU, split over the threads
+      o.seed = p.loopback_seed;
+      return make_loopback_transport(o);
+    };
+    proxy_ = std::make_unique<Proxy>(cfg, factory, rdma_, size_t(rdma_bytes), MemoryKind::kDevice);
+
+    void* sig = proxy_->signals();
+    check(cudaHostRegister(sig, size_t(num_slots_) * sizeof(int64_t), cudaHostRegisterMapped |
+                           cudaHostRegisterPortable), "cudaHostRegister of the proxy's signal counters");
+    signals_registered_ = true;
+    check(cudaHostGetDevicePointer(&signals_dev_, sig, 0), "cudaHostGetDevicePointer of the signal counters");
+
+    std::vector<DeviceFifo> views;
+    for (int i = 0; i < proxy_->num_fifos(); ++i) views.push_back(proxy_->fifo(i).device_view());
+    check(cudaMalloc(&fifos_dev_, views.size() * sizeof(DeviceFifo)), "cudaMalloc of the FIFO table");
+    check(cudaMemcpy(fifos_dev_, views.data(), views.size() * sizeof(DeviceFifo), cudaMemcpyHostToDevice),
+          "cudaMemcpy of the FIFO table");
+  } catch (...) {
+    destroy();
+    throw;
+  }
+}
+
+Context::~Context() {
+  try {
+    destroy();
+  } catch (...) {
+  }
+}
+
+void Context::destroy() {
+  if (destroyed_) return;
+  destroyed_ = true;
+  if (proxy_) proxy_->stop();
+  cudaSetDevice(device_);
+  for (void* p : opened_peers_) (void)cudaIpcCloseMemHandle(p);
+  opened_peers_.clear();
+  if (signals_registered_ && proxy_) (void)cudaHostUnregister(proxy_->signals());
+  signals_registered_ = false;
+  proxy_.reset();  // closes the transports before the memory they registered goes away
+  if (fifos_dev_) (void)cudaFree(fifos_dev_);
+  if (rdma_) (void)cudaFree(rdma_);
+  if (nvl_) (void)cudaFree(nvl_);
+  if (error_) (void)cudaFreeHost(error_);
+  fifos_dev_ = rdma_ = nvl_ = nullptr;
+  error_ = error_dev_ = nullptr;
+}
+
+uintptr_t Context::signals_host_ptr() const { return reinterpret_cast<uintptr_t>(proxy_->signals()); }
+int Context::num_fifos() const { return proxy_->num_fifos(); }
+std::string Context::transport_name() const { return proxy_->caps().name; }
+bool Context::transport_in_order() const { return proxy_->caps().in_order; }
+
+std::string Context::nvl_ipc_handle() const {
+  cudaIpcMemHandle_t h;
+  check(cudaIpcGetMemHandle(&h, nvl_), "cudaIpcGetMemHandle of the NVL region");
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+std::vector<uintptr_t> Context::open_nvl_peers(const std::vector<std::string>& handles, int own_index) {
+  std::vector<uintptr_t> out;
+  cudaSetDevice(device_);
+  for (size_t i = 0; i < handles.size(); ++i) {
+    if (int(i) == own_index) {
+      out.push_back(nvl_ptr());
+      continue;
+    }
+    if (handles[i].size() != sizeof(cudaIpcMemHandle_t))
+      throw std::invalid_argument("open_nvl_peers: handle " + std::to_string(i) + " is malformed");
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[i].data(), sizeof(h));
+    void* p = nullptr;
+    check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+          "cudaIpcOpenMemHandle of node peer " + std::to_string(i) + " (rank " + std::to_string(rank_) + ")");
+    opened_peers_.push_back(p);
+    out.push_back(reinterpret_cast<uintptr_t>(p));
+  }
+  return out;
+}
+
+std::string Context::proxy_local_info(int thread) {
+  auto v = proxy_->local_info(thread);
+  return std::string(v.begin(), v.end());
+}
+
+void Context::proxy_connect(const std::vector<std::vector<std::string>>& infos) {
+  std::vector<std::vector<std::vector<uint8_t>>> conv;
+  for (auto& per_thread : infos) {
+    conv.emplace_back();
+    for (auto& s : per_thread) conv.back().emplace_back(s.begin(), s.end());
+  }
+  cudaSetDevice(device_);
+  proxy_->connect(conv);
+}
+
+void Context::proxy_start() { proxy_->start(); }
+void Context::proxy_stop() {
+  if (proxy_) proxy_->stop();
+}
+std::string Context::proxy_error() const { return proxy_ && proxy_->failed() ? proxy_->error() : std::string(); }
+
+ProxyTotals Context::proxy_totals() const {
+  ProxyTotals t;
+  for (int i = 0; i < proxy_->config().num_threads; ++i) {
+    ProxyThreadStats s = proxy_->stats(i);
+    t.commands += s.commands;
+    t.writes_posted += s.writes_posted;
+    t.signals_applied += s.signals_applied;
+    t.max_inflight_writes = std::max(t.max_inflight_writes, s.max_inflight_writes);
+    t.max_inflight_bytes = std::max(t.max_inflight_bytes, s.max_inflight_bytes);
+    t.max_reorder_held = std::max(t.max_reorder_held, s.max_reorder_held);
+  }
+  return t;
+}
+
+int64_t Context::signal_value(uint32_t slot) const {
+  if (slot >= num_slots_) throw std::invalid_argument("signal_value: slot out of range");
+  return __atomic_load_n(proxy_->signals() + slot, __ATOMIC_ACQUIRE);
+}
+
+void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, uintptr_t stream) {
+  if (n <= 0) return;
+  if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
+    throw std::invalid_argument("push_chunks: chunk_records must be 1.." + std::to_string(cmd::kMaxValue) +
+                                " (18-bit signal value)");
+  const int threads = 64, blocks = (n + threads - 1) / threads;
+  push_chunks_kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
+      chunk_records, rank_, timeout_ns_, error_dev_);
+  check(cudaGetLastError(), "push_chunks launch");
+}
+
+void Context::wait_signals(uintptr_t slot_expected, int n, uintptr_t stream) {
+  if (n <= 0) return;
+  const int threads = 64, blocks = (n + threads - 1) / threads;
+  wait_signals_kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      static_cast<const unsigned long long*>(signals_dev_), reinterpret_cast<const long long*>(slot_expected), n,
+      rank_, timeout_ns_, error_dev_);
+  check(cudaGetLastError(), "wait_signals launch");
+}
+
+std::string Context::error_message() const {
+  if (!error_) return "internode context destroyed";
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  ErrorWord e;
+  std::memcpy(&e, error_, sizeof(e));
+  if (e.code == 0) return "";
+  const double secs = double(timeout_ns_) / 1e9;
+  switch (e.code) {
+    case 1:
+      return "rank " + std::to_string(e.rank) + ": GPU waited " + std::to_string(secs) +
+             " s (UCCL_EP_GPU_TIMEOUT_SECS) for signal slot " + std::to_string(e.slot) + " to reach " +
+             std::to_string(e.expected) + ", saw " + std::to_string(e.observed) +
+             " (a peer rank or its proxy stopped sending)";
+    case 2:
+      return "rank " + std::to_string(e.rank) + ": GPU could not push into FIFO " + std::to_string(e.slot) +
+             " for " + std::to_string(secs) + " s (ring full: is the proxy thread running?); block record " +
+             std::to_string(e.observed) + " of " + std::to_string(e.expected);
+    case 3:
+      return "rank " + std::to_string(e.rank) + ": a command to rank " + std::to_string(e.slot) +
+             " does not encode: " + command_error_name(e.aux);
+    default:
+      return "rank " + std::to_string(e.rank) + ": unknown GPU error code " + std::to_string(e.code);
+  }
+}
+
+void Context::clear_error() {
+  if (error_) std::memset(error_, 0, sizeof(ErrorWord));
+}
+
+#else  // HIP builds: the loopback transport maps device memory through CUDA IPC only
+
+Context::Context(int, int, int, int64_t, int64_t, const ProxyParams&, double) {
+  throw std::runtime_error("internode: this build has no CUDA loopback transport for device memory (HIP build)");
+}
+Context::~Context() = default;
+void Context::destroy() {}
+uintptr_t Context::signals_host_ptr() const { return 0; }
+int Context::num_fifos() const { return 0; }
+std::string Context::transport_name() const { return ""; }
+bool Context::transport_in_order() const { return true; }
+std::string Context::nvl_ipc_handle() const { return ""; }
+std::vector<uintptr_t> Context::open_nvl_peers(const std::vector<std::string>&, int) { return {}; }
+std::string Context::proxy_local_info(int) { return ""; }
+void Context::proxy_connect(const std::vector<std::vector<std::string>>&) {}
+void Context::proxy_start() {}
+void Context::proxy_stop() {}
+std::string Context::proxy_error() const { return ""; }
+ProxyTotals Context::proxy_totals() const { return {}; }
+int64_t Context::signal_value(uint32_t) const { return 0; }
+void Context::push_chunks(uintptr_t, int, int64_t, uintptr_t) {}
+void Context::wait_signals(uintptr_t, int, uintptr_t) {}
+std::string Context::error_message() const { return ""; }
+void Context::clear_error() {}
+
+#endif
+
+}  // namespace uccl_ep::internode

@@ -1,0 +1,181 @@
+"""NativeInternodeBackend against the reference on one host whose GPUs play several nodes (loopback transport).
+
+Each case runs in fresh processes (tests.distributed, gloo group): rank r uses GPU r % num_gpus, so 2 GPUs host
+"2 nodes x 1 GPU" and "2 nodes x 2 GPUs" (two processes per GPU). The reference runs on CPU copies of the same inputs
+in the same group. Every output must be equal, bit for bit (combine adds in the reference's order in fp32).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from uccl_ep_train import native  # noqa: E402
+
+if not (native.available() and hasattr(native.module(), "internode")):
+    pytest.skip("uccl_ep_train._C has no internode submodule (module.cpp must call bind_internode)",
+                allow_module_level=True)
+
+from tests.distributed import run_distributed  # noqa: E402
+
+RDMA = 64 << 20
+NVL = 64 << 20
+
+
+def _routing(kind, T, K, E, R, g):
+    scores = torch.rand((T, E), generator=g)
+    if kind == "skewed":
+        scores[:, :K] += 10.0
+    elif kind == "empty":
+        scores[:, E // R:] = -1.0
+    idx = scores.topk(K, dim=1).indices
+    if kind == "dropped":
+        idx[torch.rand((T, K), generator=g) < 0.3] = -1
+    return idx
+
+
+def _same(a, b, what):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    a, b = a.cpu(), b.cpu()
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    if a.dtype.is_floating_point and a.element_size() == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    assert torch.equal(a, b), f"{what} differs"
+
+
+def _cases(rank, world, G, cases, iters):
+    import torch.distributed as dist
+
+    from uccl_ep_train.backends import BackendContext, DispatchArgs
+    from uccl_ep_train.internode import NativeInternodeBackend
+    from uccl_ep_train.reference import ReferenceBackend
+    from uccl_ep_train.settings import load_settings
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    s = load_settings()
+    mk = lambda d: BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=d,
+                                  num_nvl_bytes=NVL, num_rdma_bytes=RDMA, settings=s)
+    nat, ref = NativeInternodeBackend(mk(dev)), ReferenceBackend(mk(torch.device("cpu")))
+    done = 0
+    try:
+        for (kind, fp8, expert_major, worst, seed) in cases:
+            for it in range(iters):
+                g = torch.Generator().manual_seed(seed * 7919 + it * 31 + rank)
+                T, H, K, E = 96 + 13 * rank, 256, 4, 4 * world
+                idx = _routing(kind, T, K, E, world, g)
+                x = torch.randn((T, H), generator=g)
+                w = torch.rand((T, K), generator=g)
+                scales = None
+                if fp8:
+                    x = x.clamp(-400, 400).to(torch.float8_e4m3fn)
+                    scales = torch.rand((T, H // 128), generator=g) + 0.5
+                else:
+                    x = x.to(torch.bfloat16)
+                outs = []
+                for b, d in ((ref, torch.device("cpu")), (nat, dev)):
+                    tpr, tpn, tpe, itr = b.get_dispatch_layout(idx.to(d), E)
+                    a = DispatchArgs(x.to(d), None if scales is None else scales.to(d), None, tpr, tpn, itr, tpe,
+                                     idx.to(d), w.to(d), expert_alignment=4 if expert_major else 1,
+                                     num_worst_tokens=worst, expert_major=expert_major)
+                    r = b.dispatch(a)
+                    cached = b.dispatch(DispatchArgs(x.to(d), None if scales is None else scales.to(d), r.handle,
+                                                     None, None, None, None, None, None))
+                    y = (r.recv_x.float() * 0.5 + 1.0).to(torch.bfloat16)
+                    cx, cw = b.combine(y, r.handle, r.recv_topk_weights, None)
+                    outs.append((r, cached, cx, cw, b.last_traffic))
+                (r0, c0, x0, w0, t0), (r1, c1, x1, w1, t1) = outs
+                tag = f"rank {rank} {kind} fp8={fp8} em={expert_major} worst={worst} it={it}"
+                _same(r0.recv_x, r1.recv_x, f"{tag}: recv_x")
+                _same(r0.recv_x_scales, r1.recv_x_scales, f"{tag}: scales")
+                _same(r0.recv_topk_idx, r1.recv_topk_idx, f"{tag}: topk_idx")
+                _same(r0.recv_topk_weights, r1.recv_topk_weights, f"{tag}: topk_weights")
+                assert r0.num_recv_tokens_per_expert_list == r1.num_recv_tokens_per_expert_list, tag
+                _same(c0.recv_x, c1.recv_x, f"{tag}: cached recv_x")
+                _same(x0, x1, f"{tag}: combined_x")
+                _same(w0, w1, f"{tag}: combined weights")
+                assert (t0.nvlink_bytes, t0.network_bytes, t0.logical_bytes) == \
+                    (t1.nvlink_bytes, t1.network_bytes, t1.logical_bytes), f"{tag}: traffic"
+                done += 1
+        return done, nat.proxy_stats()
+    finally:
+        nat.destroy()
+
+
+ALL = [(k, fp8, em, worst, i) for i, (k, fp8, em, worst) in enumerate([
+    ("random", False, False, 0), ("skewed", False, False, 0), ("empty", False, False, 0),
+    ("dropped", False, False, 0), ("random", True, False, 0), ("dropped", True, False, 0),
+    ("random", False, True, 0), ("random", False, False, 512), ("random", True, True, 2048)])]
+
+TOPOLOGIES = [(2, 1), (4, 2)]
+
+
+def _need(world):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, G):
+    _need(world)
+    out = run_distributed(_cases, world, G, ALL, 2, timeout=300, env={"UCCL_EP_CPU_TIMEOUT_SECS": "60",
+                                                                      "UCCL_EP_GPU_TIMEOUT_SECS": "60"})
+    assert all(done == len(ALL) * 2 for done, _ in out)
+    assert sum(st["commands"] for _, st in out) > 0, "no command went through the proxies"
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_reordered_transport_with_inflight_cap_one_and_tiny_chunks_still_matches(world, G):
+    _need(world)
+    env = {"UCCL_EP_LOOPBACK_REORDER": "8", "UCCL_IB_MAX_INFLIGHT_NORMAL": "1", "UCCL_IB_MAX_INFLIGHT_BYTES": "4096",
+           "UCCL_EP_LOOPBACK_SEED": "7", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_cases, world, G, ALL[:5], 1, timeout=300, env=env)
+    stats = [st for _, st in out]
+    assert max(st["max_inflight_writes"] for st in stats) == 1
+    assert sum(st["commands"] for st in stats) > 20, "tiny chunks should have made many commands"
+
+
+def _absent_peer(rank, world, G):
+    import torch.distributed as dist
+
+    from uccl_ep_train.backends import BackendContext, DispatchArgs
+    from uccl_ep_train.internode import InternodeError, NativeInternodeBackend
+    from uccl_ep_train.settings import load_settings
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=dev,
+                         num_nvl_bytes=NVL, num_rdma_bytes=RDMA, settings=load_settings())
+    nat = NativeInternodeBackend(ctx)
+    try:
+        if rank == world - 1:
+            time.sleep(12)  # never joins the dispatch: to the others it is gone
+            return None
+        idx = torch.randint(0, 4 * world, (64, 2), device=dev)
+        x = torch.randn((64, 128), device=dev).to(torch.bfloat16)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 4 * world)
+        t0 = time.time()
+        try:
+            nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
+        except InternodeError as exc:
+            return time.time() - t0, str(exc)
+        return time.time() - t0, "no error"
+    finally:
+        nat.destroy()
+
+
+def test_a_rank_that_stops_participating_makes_the_others_raise_within_the_deadline():
+    _need(2)
+    out = run_distributed(_absent_peer, 2, 1, timeout=120, env={"UCCL_EP_CPU_TIMEOUT_SECS": "3",
+                                                                "UCCL_EP_GPU_TIMEOUT_SECS": "3"})
+    elapsed, msg = out[0]
+    assert msg != "no error" and "rank 0" in msg, msg
+    assert elapsed < 10, f"took {elapsed:.1f} s"

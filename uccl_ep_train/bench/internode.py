@@ -1,0 +1,145 @@
+"""`uccl-ep-train bench internode --emulate-nodes N`: hierarchical dispatch/combine through the CPU proxies (one host's
+GPUs playing N nodes over the loopback transport) beside NCCL all_to_all_single, in one process group.
+
+Launch: `torchrun --nproc-per-node G*N -m uccl_ep_train bench internode --emulate-nodes N`. Run it twice to compare
+the NIC capped (UCCL_EP_LOOPBACK_BW_GBPS=50, one 400 Gb/s NIC per GPU) and uncapped.
+
+Reported per rank (max over ranks of the time, bytes of rank 0): wall time per call (the staged path synchronises the
+host, so events would hide nothing), logical bytes (DeepEP's way), physical bytes over the emulated network and over
+NVLink, their bandwidths, proxy commands, and proxy CPU use (process CPU seconds per wall second over the timed loop,
+which includes the Python driver: an upper bound).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("internode", help="internode (emulated nodes) dispatch/combine vs NCCL all_to_all")
+    p.add_argument("--emulate-nodes", type=int, default=2, help="nodes the local GPUs play (must divide the world)")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--fp8", action="store_true", help="dispatch FP8 payload + scales")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rdma-bytes", type=int, default=2 << 30)
+    p.add_argument("--nvl-bytes", type=int, default=2 << 30)
+    p.add_argument("--json", type=str, default="")
+    p.set_defaults(func=run)
+
+
+def _wall(fn, iters: int, warmup: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from uccl_ep_train.backends import BackendContext, DispatchArgs
+    from uccl_ep_train.internode import NativeInternodeBackend
+    from uccl_ep_train.settings import load_settings
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % args.emulate_nodes:
+        raise SystemExit(f"--emulate-nodes {args.emulate_nodes} must divide the world size {world}")
+    G = world // args.emulate_nodes
+    dev = torch.device("cuda", local)
+    settings = load_settings()
+    ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=dev,
+                         num_nvl_bytes=args.nvl_bytes, num_rdma_bytes=args.rdma_bytes, settings=settings)
+    nat = NativeInternodeBackend(ctx)
+    T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
+    g = torch.Generator(device=dev).manual_seed(rank)
+    idx = torch.rand((T, E), device=dev, generator=g).topk(K, dim=1).indices
+    x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
+    scales = None
+    if args.fp8:
+        x = x.float().clamp(-400, 400).to(torch.float8_e4m3fn)
+        scales = torch.rand((T, H // 128), device=dev, generator=g) + 0.5
+    w = torch.rand((T, K), device=dev, generator=g)
+    tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+    res = nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w))
+    handle, disp_traffic = res.handle, nat.last_traffic
+    y = res.recv_x.to(torch.bfloat16) if not args.fp8 else torch.randn_like(res.recv_x, dtype=torch.bfloat16)
+    nat.combine(y, handle, None, None)
+    comb_traffic = nat.last_traffic
+
+    cpu0, wall0 = _cpu(), time.perf_counter()
+    t_disp = _wall(lambda: nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)), args.iters,
+                   args.warmup)
+    t_cached = _wall(lambda: nat.dispatch(DispatchArgs(x, scales, handle, None, None, None, None, None, None)),
+                     args.iters, args.warmup)
+    t_comb = _wall(lambda: nat.combine(y, handle, None, None), args.iters, args.warmup)
+    cpu_frac = (_cpu() - cpu0) / (time.perf_counter() - wall0)
+
+    # NCCL baseline: the same rows (one per (token, destination rank)), uneven splits
+    send_counts = itr.sum(0).tolist()
+    recv_counts = torch.empty(world, dtype=torch.int64, device=dev)
+    dist.all_to_all_single(recv_counts, itr.sum(0).to(torch.int64))
+    recv_counts = recv_counts.tolist()
+    order = itr.t().nonzero(as_tuple=True)[1]
+    xs = x.view(torch.uint8)[order] if args.fp8 else x[order]
+    out = xs.new_empty((sum(recv_counts),) + tuple(xs.shape[1:]))
+    t_nccl = _wall(lambda: dist.all_to_all_single(out, xs, recv_counts, send_counts), args.iters, args.warmup)
+
+    def mx(v):
+        t = torch.tensor([v], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    row = {
+        "world": world, "ranks_per_node": G, "nodes": args.emulate_nodes, "tokens": T, "hidden": H, "topk": K,
+        "fp8": args.fp8, "loopback_bw_gbps": settings.emulation.loopback_bandwidth_gbps,
+        "dispatch_us": mx(t_disp) * 1e6, "cached_dispatch_us": mx(t_cached) * 1e6, "combine_us": mx(t_comb) * 1e6,
+        "nccl_all_to_all_us": mx(t_nccl) * 1e6,
+        "dispatch_logical_bytes": disp_traffic.logical_bytes, "dispatch_network_bytes": disp_traffic.network_bytes,
+        "dispatch_nvlink_bytes": disp_traffic.nvlink_bytes, "combine_logical_bytes": comb_traffic.logical_bytes,
+        "combine_network_bytes_bf16_equiv": comb_traffic.network_bytes,
+        "combine_network_bytes_on_wire_fp32": comb_traffic.network_bytes * 2,  # bf16 rows travel as fp32 partials
+        "proxy": nat.proxy_stats(), "process_cpu_per_wall_s": cpu_frac,
+    }
+    row["dispatch_network_GBps"] = row["dispatch_network_bytes"] / (row["dispatch_us"] * 1e3)
+    row["dispatch_logical_GBps"] = row["dispatch_logical_bytes"] / (row["dispatch_us"] * 1e3)
+    row["combine_network_GBps_on_wire"] = row["combine_network_bytes_on_wire_fp32"] / (row["combine_us"] * 1e3)
+    if rank == 0:
+        print(json.dumps(row, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(row, f, indent=1)
+    nat.destroy()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="uccl-ep-train bench")
+    add_parser(ap.add_subparsers(dest="cmd", required=True))
+    a = ap.parse_args()
+    raise SystemExit(a.func(a))

@@ -1,0 +1,711 @@
+"""NativeInternodeBackend: hierarchical dispatch/combine across nodes through the CPU proxies (docs/internode.md).
+
+A token crosses the network once per destination node, to the rail-aligned rank there (same local index), as part of
+a per-node block of records that the GPU hands to the proxy as WRITE_SIGNAL commands; the forwarder waits on the
+signal counters and copies every record over NVLink to the GPUs of its node that need it. Combine reduces within the
+node at the forwarder and sends one fp32 partial sum per (token, node) back; the source adds them in node order.
+
+The first half of this file is pure planning (torch only, any device): offsets, push tables, waits and limit checks.
+It is what tests/internode/test_planning.py proves on CPU against reference.py's routing. The second half drives the
+native module (``_C.internode``): regions, proxy bootstrap, the push/wait/scatter kernels.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
+
+#: Command-format limits (csrc/include/uccl_ep/command.hpp); mirrored here so planning can check without _C.
+CMD_UNIT = 16
+CMD_MAX_RANKS = 1 << 12
+CMD_MAX_SLOTS = (1 << 14) - 1
+CMD_MAX_VALUE = (1 << 18) - 1
+CMD_MAX_BYTES = ((1 << 24) - 1) * CMD_UNIT
+CMD_MAX_REGION = (1 << 28) * CMD_UNIT  # 28-bit offsets in 16-byte units: 4 GiB
+SLOT_PAGE = 512  # signal counters are registered for the GPU in whole pages (512 x int64)
+
+
+class InternodeError(RuntimeError):
+    """A failure of the internode path; the message names the rank, what was awaited and the value expected."""
+
+
+def _align(n: int, a: int = CMD_UNIT) -> int:
+    return (n + a - 1) // a * a
+
+
+# ====================================================================================================================
+# Planning (pure)
+# ====================================================================================================================
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Byte layout of one wire record: payload columns, then src_idx, arrival and dest_row[G] (all int32)."""
+
+    column_offsets: Tuple[int, ...]
+    column_bytes: Tuple[int, ...]
+    src_idx_offset: int
+    arrival_offset: int
+    dest_rows_offset: int
+    final_bytes: int  # prefix written into a destination's final row (through `arrival`), multiple of 16
+    stride: int  # wire record, multiple of 16
+
+
+def record_layout(column_bytes: Sequence[int], ranks_per_node: int) -> RecordLayout:
+    offsets, off = [], 0
+    for nb in column_bytes:
+        off = _align(off, 8)
+        offsets.append(off)
+        off += int(nb)
+    off = _align(off, 8)
+    src_idx_offset, arrival_offset = off, off + 4
+    dest_rows_offset = off + 8
+    return RecordLayout(tuple(offsets), tuple(int(b) for b in column_bytes), src_idx_offset, arrival_offset,
+                        dest_rows_offset, _align(arrival_offset + 4), _align(dest_rows_offset + 4 * ranks_per_node))
+
+
+def check_topology(num_ranks: int, ranks_per_node: int) -> int:
+    """Raise ValueError for a topology the command format cannot address; return the signal slots needed."""
+    if ranks_per_node < 1 or num_ranks % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the group size {num_ranks} "
+                         "(UCCL_EP_RANKS_PER_NODE)")
+    if num_ranks > CMD_MAX_RANKS:
+        raise ValueError(f"{num_ranks} ranks exceed the command format's {CMD_MAX_RANKS} (12-bit destination rank)")
+    num_nodes = num_ranks // ranks_per_node
+    slots = _align(2 * num_nodes, SLOT_PAGE)
+    if slots > CMD_MAX_SLOTS:
+        raise ValueError(f"{num_nodes} nodes need {2 * num_nodes} signal slots (two per node); the command format "
+                         f"has {CMD_MAX_SLOTS}: at most {(CMD_MAX_SLOTS // SLOT_PAGE * SLOT_PAGE) // 2} nodes")
+    return slots
+
+
+@dataclass
+class Counts:
+    """Notify's result, identical on every rank: rank_counts[s, d] tokens of s for rank d; node_counts[s, m] tokens
+    of s that hit node m (each crosses to node m once)."""
+
+    rank_counts: torch.Tensor  # [R, R] int64, CPU
+    node_counts: torch.Tensor  # [R, N] int64, CPU
+
+
+def local_count_row(is_token_in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """This rank's contribution to notify: [tokens per destination rank (R) | tokens per destination node (N)]."""
+    T, R = is_token_in_rank.shape
+    per_rank = is_token_in_rank.sum(0)
+    per_node = is_token_in_rank.view(T, R // ranks_per_node, ranks_per_node).any(2).sum(0)
+    return torch.cat([per_rank, per_node]).to(torch.int64)
+
+
+def counts_from_rows(rows: torch.Tensor, num_ranks: int) -> Counts:
+    rows = rows.to(torch.int64).cpu()
+    return Counts(rows[:, :num_ranks].contiguous(), rows[:, num_ranks:].contiguous())
+
+
+@dataclass
+class SendPlan:
+    """What one rank sends in dispatch (and receives back in combine)."""
+
+    hop1_token: torch.Tensor  # [S1] int64: token of each send record, by destination node then token
+    node_send: List[int]  # records per destination node
+    dest_rows: torch.Tensor  # [S1, G] int64: final row at each GPU of the destination node, -1 = not needed
+    dest_row_all: torch.Tensor  # [T, R] int64: final row of the token at every rank, -1 = not sent
+
+
+def send_plan(is_token_in_rank: torch.Tensor, counts: Counts, rank: int, ranks_per_node: int) -> SendPlan:
+    T, R = is_token_in_rank.shape
+    G, N = ranks_per_node, R // ranks_per_node
+    device = is_token_in_rank.device
+    itr = is_token_in_rank.to(torch.bool)
+    prefix = (counts.rank_counts[:rank].sum(0) if rank else torch.zeros(R, dtype=torch.int64)).to(device)
+    ordinal = itr.to(torch.int64).cumsum(0) - 1
+    dest_row_all = torch.where(itr, prefix.unsqueeze(0) + ordinal, torch.full_like(ordinal, -1))
+    node_hit = itr.view(T, N, G).any(2)
+    hop1_node, hop1_token = node_hit.t().nonzero(as_tuple=True)
+    node_send = torch.bincount(hop1_node, minlength=N).tolist() if hop1_node.numel() else [0] * N
+    dest_rows = dest_row_all.view(T, N, G)[hop1_token, hop1_node]
+    return SendPlan(hop1_token, node_send, dest_rows.reshape(-1, G), dest_row_all)
+
+
+def recv_counts(counts: Counts, rank: int, ranks_per_node: int) -> List[int]:
+    """Records arriving at ``rank`` (as forwarder) from each source node n: from rank n*G + local(rank)."""
+    G = ranks_per_node
+    node, local = divmod(rank, G)
+    N = counts.node_counts.size(1)
+    return [int(counts.node_counts[n * G + local, node]) for n in range(N)]
+
+
+def block_offsets(sizes: Sequence[int], stride: int) -> List[int]:
+    out, off = [], 0
+    for s in sizes:
+        out.append(off)
+        off += int(s) * stride
+    return out
+
+
+def remote_block_offset(counts: Counts, dst_rank: int, src_node: int, ranks_per_node: int, stride: int) -> int:
+    """Byte offset of source node ``src_node``'s block inside ``dst_rank``'s receive area."""
+    return block_offsets(recv_counts(counts, dst_rank, ranks_per_node), stride)[src_node]
+
+
+def num_recv_rows(counts: Counts, rank: int) -> int:
+    return int(counts.rank_counts[:, rank].sum())
+
+
+def chunk_records(stride: int, max_bytes: int) -> int:
+    """Records per WRITE_SIGNAL: within the byte cap (at least one record), the 18-bit value and the byte field."""
+    if stride % CMD_UNIT or stride > CMD_MAX_BYTES:
+        raise InternodeError(f"a record of {stride} bytes must be a multiple of {CMD_UNIT} and at most "
+                             f"{CMD_MAX_BYTES} (24-bit byte count of a command)")
+    return max(1, min(min(max_bytes, CMD_MAX_BYTES) // stride, CMD_MAX_VALUE))
+
+
+def push_rows(node_send_or_recv: Sequence[int], rank: int, ranks_per_node: int, local_base: int,
+              remote_offset_of, stride: int, slot_base: int) -> List[List[int]]:
+    """One push-table row per remote node with records (columns of _C.internode: dst, local off, remote off, stride,
+    records, slot). ``remote_offset_of(dst_rank)`` returns the block's byte offset at the destination."""
+    G = ranks_per_node
+    node, local = divmod(rank, G)
+    rows = []
+    offs = block_offsets(node_send_or_recv, stride)
+    for m, count in enumerate(node_send_or_recv):
+        if m == node or count == 0:
+            continue
+        dst = m * G + local
+        rows.append([dst, local_base + offs[m], remote_offset_of(dst), stride, int(count), slot_base + node])
+    return rows
+
+
+def dispatch_push_rows(counts: Counts, plan: SendPlan, rank: int, ranks_per_node: int, stride: int,
+                       recv_base: int) -> List[List[int]]:
+    """Hop 1 of dispatch: our block for node m goes to rank m*G + local, into the block of our node there."""
+    node = rank // ranks_per_node
+    return push_rows(plan.node_send, rank, ranks_per_node, 0,
+                     lambda d: recv_base + remote_block_offset(counts, d, node, ranks_per_node, stride), stride, 0)
+
+
+def dispatch_waits(counts: Counts, rank: int, ranks_per_node: int) -> List[Tuple[int, int]]:
+    """(slot, records) the forwarder waits for: slot n counts the records from node n."""
+    node = rank // ranks_per_node
+    return [(n, c) for n, c in enumerate(recv_counts(counts, rank, ranks_per_node)) if n != node and c]
+
+
+def combine_push_rows(counts: Counts, rank: int, ranks_per_node: int, cstride: int, recv_base: int
+                      ) -> List[List[int]]:
+    """Combine's network hop: the partial sums of the arrivals from node n go back to rank n*G + local, into the
+    block of our node there (blocks at a source are ordered by forwarder node and sized by its own send counts)."""
+    node = rank // ranks_per_node
+    num_nodes = counts.node_counts.size(1)
+    return push_rows(recv_counts(counts, rank, ranks_per_node), rank, ranks_per_node, 0,
+                     lambda d: recv_base + block_offsets(counts.node_counts[d].tolist(), cstride)[node], cstride,
+                     num_nodes)
+
+
+def combine_waits(counts: Counts, rank: int, ranks_per_node: int) -> List[Tuple[int, int]]:
+    node = rank // ranks_per_node
+    num_nodes = counts.node_counts.size(1)
+    return [(num_nodes + m, int(c)) for m, c in enumerate(counts.node_counts[rank].tolist()) if m != node and c]
+
+
+def pack_records(out: torch.Tensor, columns: Sequence[torch.Tensor], plan: SendPlan, layout: RecordLayout) -> None:
+    """Fill ``out`` (uint8 [S1, stride]) with the wire records of the plan's send list."""
+    if out.size(0) == 0:
+        return
+    for c, off, nb in zip(columns, layout.column_offsets, layout.column_bytes):
+        if nb:
+            out[:, off:off + nb] = _bytes_of(c)[plan.hop1_token]
+    out[:, layout.src_idx_offset:layout.src_idx_offset + 4] = \
+        plan.hop1_token.to(torch.int32).view(-1, 1).view(torch.uint8)
+    G = plan.dest_rows.size(1)
+    out[:, layout.dest_rows_offset:layout.dest_rows_offset + 4 * G] = \
+        plan.dest_rows.to(torch.int32).contiguous().view(torch.uint8)
+
+
+def stamp_arrivals(arrivals: torch.Tensor, layout: RecordLayout, G: int) -> torch.Tensor:
+    """Write each arrival's row index into its record; return its dest rows [A, G] int64."""
+    A = arrivals.size(0)
+    if A == 0:
+        return torch.empty((0, G), dtype=torch.int64, device=arrivals.device)
+    arrivals[:, layout.arrival_offset:layout.arrival_offset + 4] = \
+        torch.arange(A, dtype=torch.int32, device=arrivals.device).view(-1, 1).view(torch.uint8)
+    return arrivals[:, layout.dest_rows_offset:layout.dest_rows_offset + 4 * G].contiguous() \
+        .view(torch.int32).to(torch.int64)
+
+
+def int32_column(rows: torch.Tensor, offset: int) -> torch.Tensor:
+    return rows[:, offset:offset + 4].contiguous().view(torch.int32).view(-1).to(torch.int64)
+
+
+def check_area(what: str, rows_by_rank: Sequence[int], stride: int, capacity: int, env: str) -> None:
+    """Raise the same InternodeError on every rank when some rank's area cannot hold its rows."""
+    for r, rows in enumerate(rows_by_rank):
+        need = int(rows) * stride
+        if need > capacity:
+            raise InternodeError(f"rank {r}: the {what} area needs {need} bytes ({rows} rows x {stride} B) but has "
+                                 f"{capacity}; raise {env} (the area is a fixed share of it, see docs/internode.md)")
+
+
+# ====================================================================================================================
+# Native backend
+# ====================================================================================================================
+
+class _DeviceView:
+    """Exposes raw device memory to torch (``__cuda_array_interface__``) without copying or owning it."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2,
+                                         "strides": None}
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.reshape(t.size(0), math.prod(t.shape[1:])).view(torch.uint8)
+
+
+@dataclass
+class InternodeHandle:
+    num_tokens: int
+    num_recv_rows: int
+    num_topk: int
+    num_ranks: int
+    expert_major: bool
+    is_token_in_rank: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
+    counts: Counts = field(repr=False)
+    plan: SendPlan = field(repr=False)
+    num_recv_tokens: int = 0
+    recv_src_rank: Optional[torch.Tensor] = None  # [num_recv] int64
+    recv_src_idx: Optional[torch.Tensor] = None
+    recv_arrival: Optional[torch.Tensor] = None  # [num_recv] int64: row at the forwarder
+    fwd_dest_rows: Optional[torch.Tensor] = None  # [A, G] int64 at this rank as forwarder
+    expert_major_token: Optional[torch.Tensor] = None
+    expert_major_slot: Optional[torch.Tensor] = None
+    expert_major_pos: Optional[torch.Tensor] = None
+    expert_alignment: int = 1
+    num_worst_tokens: int = 0
+
+
+class NativeInternodeBackend:
+    """The ``Backend`` of uccl_ep_train.backends when the group spans several (possibly emulated) nodes."""
+
+    name = "native-internode"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        from uccl_ep_train import native
+
+        self.ctx = ctx
+        self.rank, self.R, self.G = ctx.rank, ctx.num_ranks, ctx.ranks_per_node
+        self.N = self.R // self.G
+        self.node, self.local = divmod(self.rank, self.G)
+        slots = check_topology(self.R, self.G)
+        _C = native.module()
+        if not hasattr(_C, "internode"):
+            raise InternodeError("uccl_ep_train._C has no `internode` submodule (built without CUDA, or module.cpp "
+                                 "does not call bind_internode)")
+        self._k = _C.internode
+        s = ctx.settings
+        self.device = ctx.device if ctx.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.cpu_timeout = float(s.proxy.timeout_secs)
+        self.rdma_bytes = _align(int(ctx.num_rdma_bytes) or (1 << 28))
+        self.nvl_bytes = _align(int(ctx.num_nvl_bytes) or (1 << 28))
+        if self.rdma_bytes > CMD_MAX_REGION:
+            raise ValueError(f"num_rdma_bytes={self.rdma_bytes} exceeds the 4 GiB a command can address "
+                             "(28-bit offsets in 16-byte units)")
+        t, p, e = s.transport, s.proxy, s.emulation
+        if t.transport not in ("auto", "loopback"):
+            raise InternodeError(f"UCCL_EP_TRANSPORT={t.transport}: the internode backend runs over the loopback "
+                                 "transport only for now (set UCCL_EP_TRANSPORT=loopback)")
+        self.inflight_bytes = t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else 2 << 20
+        ranks = dist.get_process_group_ranks(ctx.group) if ctx.group is not None else list(range(self.R))
+        self._gloo = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=self.cpu_timeout))
+        torch.cuda.set_device(self.device)
+        self._cx = self._k.InternodeContext(
+            rank=self.rank, world=self.R, device=self.device.index, rdma_bytes=self.rdma_bytes,
+            nvl_bytes=self.nvl_bytes, num_threads=p.num_threads, fifos_per_thread=p.fifos_per_thread,
+            fifo_depth=p.fifo_depth, cpus=list(p.cpus), idle_backoff_us=p.idle_backoff_us,
+            timeout_secs=self.cpu_timeout, max_inflight_writes=t.ib_max_inflight_normal,
+            max_inflight_bytes=self.inflight_bytes, reorder_window=t.reorder_window, num_signal_slots=slots,
+            loopback_reorder=e.loopback_reorder, loopback_delay_us=e.loopback_delay_us,
+            loopback_bandwidth_gbps=e.loopback_bandwidth_gbps, loopback_seed=e.loopback_seed,
+            gpu_timeout_secs=float(s.kernel.gpu_timeout_secs))
+        infos = [self._cx.proxy_local_info(i) for i in range(p.num_threads)]
+        gathered: List[Any] = [None] * self.R
+        dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle()), group=self._gloo)
+        self._cx.proxy_connect([[gathered[r][0][i] for r in range(self.R)] for i in range(p.num_threads)])
+        dist.barrier(group=self._gloo)
+        native.module().unlink_shared_host_memory_names()
+        self._cx.proxy_start()
+        node_ranks = range(self.node * self.G, (self.node + 1) * self.G)
+        self.peer_nvl = self._cx.open_nvl_peers([bytes(gathered[r][1]) for r in node_ranks], self.local)
+        self._rdma = torch.as_tensor(_DeviceView(self._cx.rdma_ptr, self.rdma_bytes), device=self.device)
+        self._nvl = torch.as_tensor(_DeviceView(self._cx.nvl_ptr, self.nvl_bytes), device=self.device)
+        self.half_rdma = self.rdma_bytes // 2 // CMD_UNIT * CMD_UNIT
+        self.half_nvl = self.nvl_bytes // 2 // CMD_UNIT * CMD_UNIT
+        self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
+        self._expected = [0] * (2 * self.N)  # running targets of the monotone signal counters
+        self._destroyed = False
+        self.last_traffic = None
+
+    # ---------------------------------------------------------------- host-side steps
+    def _stream(self) -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def _check(self) -> None:
+        msg = self._cx.error_message()
+        perr = self._cx.proxy_error()
+        if msg or perr:
+            self._cx.clear_error()
+            raise InternodeError("; ".join(x for x in (msg, perr and f"rank {self.rank} proxy: {perr}") if x))
+
+    def _sync_barrier(self, what: str) -> None:
+        """Drain our stream (deadline-bounded: every GPU wait has one), check errors, then a group barrier."""
+        torch.cuda.current_stream().synchronize()
+        self._check()
+        try:
+            dist.barrier(group=self._gloo)
+        except Exception as exc:  # a dead peer or the gloo deadline
+            raise InternodeError(f"rank {self.rank}: barrier '{what}' failed within {self.cpu_timeout} s "
+                                 f"(UCCL_EP_CPU_TIMEOUT_SECS): {exc}") from exc
+        self._check()
+
+    def _notify(self, is_token_in_rank: torch.Tensor) -> Counts:
+        row = local_count_row(is_token_in_rank, self.G).cpu()
+        torch.cuda.current_stream().synchronize()
+        self._check()
+        out = [torch.empty_like(row) for _ in range(self.R)]
+        try:
+            dist.all_gather(out, row, group=self._gloo)
+        except Exception as exc:
+            raise InternodeError(f"rank {self.rank}: notify (count exchange) failed within {self.cpu_timeout} s: "
+                                 f"{exc}") from exc
+        self._check()
+        return counts_from_rows(torch.stack(out), self.R)
+
+    def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]]) -> None:
+        stream = self._stream()
+        if rows:
+            table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
+            stride = rows[0][3]
+            self._cx.push_chunks(table.data_ptr(), len(rows), chunk_records(stride, self.inflight_bytes), stream)
+            self._keep = table
+        if waits:
+            se = []
+            for slot, count in waits:
+                self._expected[slot] += count
+                se.append([slot, self._expected[slot]])
+            t = torch.tensor(se, dtype=torch.int64).to(self.device)
+            self._cx.wait_signals(t.data_ptr(), len(se), stream)
+            self._keep_w = t
+
+    # ---------------------------------------------------------------- layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        from uccl_ep_train.reference import get_dispatch_layout
+
+        return get_dispatch_layout(topk_idx, num_experts, self.R, self.G)
+
+    # ---------------------------------------------------------------- dispatch
+    def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan) -> Tuple[torch.Tensor, RecordLayout,
+                                                                                          torch.Tensor, int]:
+        """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
+        forwarder dest rows [A, G], A)."""
+        G = self.G
+        layout = record_layout([_bytes_of(c).size(1) for c in columns], G)
+        stride = layout.stride
+        S1 = int(plan.hop1_token.numel())
+        recv_by_node = recv_counts(counts, self.rank, G)
+        check_area("dispatch send (RDMA)", [int(counts.node_counts[r].sum()) for r in range(self.R)], stride,
+                   self.half_rdma, "num_rdma_bytes")
+        check_area("dispatch receive (RDMA)", [sum(recv_counts(counts, r, G)) for r in range(self.R)], stride,
+                   self.half_rdma, "num_rdma_bytes")
+        check_area("dispatch final rows (NVL)", [num_recv_rows(counts, r) for r in range(self.R)], layout.final_bytes,
+                   self.half_nvl, "num_nvl_bytes")
+        pack_records(self._rdma[:S1 * stride].view(S1, stride), columns, plan, layout)
+        recv_base = self.half_rdma
+        send_offs = block_offsets(plan.node_send, stride)
+        recv_offs = block_offsets(recv_by_node, stride)
+        own = plan.node_send[self.node]
+        if own:  # own node: a device copy, never the network
+            dst = recv_base + recv_offs[self.node]
+            self._rdma[dst:dst + own * stride].copy_(self._rdma[send_offs[self.node]:send_offs[self.node] + own * stride])
+        self._push_and_wait(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base),
+                            dispatch_waits(counts, self.rank, G))
+        A = sum(recv_by_node)
+        arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
+        fwd_dest = stamp_arrivals(arrivals, layout, G)
+        if A:
+            stream = self._stream()
+            for j in range(G):  # NVLink hop: every local GPU that needs the record gets its final row
+                idx = fwd_dest[:, j].contiguous()  # freed after the launch: the allocator reuses it stream-ordered
+                self._k.scatter_rows(self.peer_nvl[j], layout.final_bytes, idx.data_ptr(),
+                                     self._cx.rdma_ptr + recv_base, stride, 0, A, layout.final_bytes, stream)
+        self._sync_barrier("dispatch forward")
+        nrecv = num_recv_rows(counts, self.rank)
+        final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
+        return final, layout, fwd_dest, A
+
+    @staticmethod
+    def _column(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor) -> torch.Tensor:
+        off, nb = layout.column_offsets[i], layout.column_bytes[i]
+        out = final[:, off:off + nb].contiguous().view(like.dtype)
+        return out.reshape((final.size(0),) + tuple(like.shape[1:]))
+
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        from uccl_ep_train.reference import TrafficReport, _payload_bytes
+
+        self._check()
+        x, scales = args.x, args.x_scales
+        torch.cuda.current_stream().synchronize()
+        try:
+            dist.barrier(group=self._gloo)  # every rank finished its previous use of the areas
+        except Exception as exc:
+            raise InternodeError(f"rank {self.rank}: entry barrier of dispatch failed: {exc}") from exc
+        if args.handle is not None:
+            h: InternodeHandle = args.handle
+            cols = [x] + ([scales] if scales is not None else [])
+            final, layout, _, _ = self._move(cols, h.counts, h.plan)
+            parts = [self._column(final, layout, i, c).clone() for i, c in enumerate(cols)]
+            if h.expert_major:
+                parts = self._to_expert_major(h, parts)
+            else:
+                parts = [_pad(p, h.num_recv_rows) for p in parts]
+            self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
+            return DispatchResult(parts[0], parts[1] if scales is not None else None, None, None, None, h,
+                                  self.last_traffic)
+
+        itr = args.is_token_in_rank
+        topk_idx, weights = args.topk_idx, args.topk_weights
+        if itr is None:
+            itr = self.get_dispatch_layout(topk_idx, args.num_tokens_per_expert.numel())[3]
+        counts = self._notify(itr)
+        plan = send_plan(itr, counts, self.rank, self.G)
+        T = x.size(0)
+        cols = [x] + ([scales] if scales is not None else [])
+        if topk_idx is not None:
+            cols.append(topk_idx.to(torch.int64))
+            cols.append(weights.float() if weights is not None else
+                        torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
+        final, layout, fwd_dest, A = self._move(cols, counts, plan)
+        nrecv = final.size(0)
+        parts = [self._column(final, layout, i, c) for i, c in enumerate(cols)]
+        src_idx = int32_column(final, layout.src_idx_offset)
+        arrival = int32_column(final, layout.arrival_offset)
+        src_rank = torch.repeat_interleave(torch.arange(self.R, device=self.device),
+                                           counts.rank_counts[:, self.rank].to(self.device))
+        recv_x = parts[0].clone()
+        recv_scales = parts[1].clone() if scales is not None else None
+        if args.num_tokens_per_expert is None:
+            raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) when no handle is given")
+        L = args.num_tokens_per_expert.numel() // self.R
+        recv_topk_idx = recv_w = None
+        if topk_idx is not None:
+            gidx, w = parts[-2], parts[-1]
+            lo = self.rank * L
+            is_local = (gidx >= lo) & (gidx < lo + L)
+            recv_topk_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
+            recv_w = torch.where(is_local, w, torch.zeros_like(w))
+            raw = torch.bincount(recv_topk_idx[is_local], minlength=L)
+        else:  # no top-k: the per-expert counts come from every source's num_tokens_per_expert
+            mine = args.num_tokens_per_expert.to(torch.int64).cpu()
+            every = [torch.empty_like(mine) for _ in range(self.R)]
+            dist.all_gather(every, mine, group=self._gloo)
+            raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).to(self.device)
+        aligned = [_align(int(c), args.expert_alignment) for c in raw.tolist()]
+        h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv, num_topk=topk_idx.size(1) if topk_idx is not None else 0,
+                            num_ranks=self.R, expert_major=args.expert_major, is_token_in_rank=itr,
+                            num_recv_tokens_per_expert=torch.tensor(aligned, dtype=torch.int32, device=self.device),
+                            counts=counts, plan=plan, num_recv_tokens=nrecv, recv_src_rank=src_rank,
+                            recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
+                            expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
+        worst = args.num_worst_tokens
+        if args.expert_major:
+            self._build_expert_major(h, recv_topk_idx, raw, aligned, worst)
+            out = self._to_expert_major(h, [recv_x] + ([recv_scales] if recv_scales is not None else []))
+            recv_x = out[0]
+            recv_scales = out[1] if recv_scales is not None else None
+            valid = h.expert_major_token >= 0
+            em_w = torch.zeros(h.num_recv_rows, dtype=torch.float32, device=self.device)
+            em_w[valid] = recv_w[h.expert_major_token[valid], h.expert_major_slot[valid]]
+            em_expert = torch.full((h.num_recv_rows,), -1, dtype=torch.int64, device=self.device)
+            em_expert[valid] = recv_topk_idx[h.expert_major_token[valid], h.expert_major_slot[valid]]
+            recv_topk_idx, recv_w = em_expert, em_w
+        else:
+            rows = nrecv
+            if worst:
+                if nrecv > worst:
+                    raise InternodeError(f"rank {self.rank}: received {nrecv} tokens but num_worst_tokens={worst}; "
+                                         "raise num_worst_tokens")
+                rows = worst
+            h.num_recv_rows = rows
+            recv_x = _pad(recv_x, rows)
+            recv_scales = _pad(recv_scales, rows) if recv_scales is not None else None
+            if recv_topk_idx is not None:
+                recv_topk_idx, recv_w = _pad(recv_topk_idx, rows, -1), _pad(recv_w, rows)
+        if weights is None:
+            recv_w = None
+        self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_w, [] if worst else aligned, h,
+                              self.last_traffic)
+
+    def _build_expert_major(self, h: InternodeHandle, recv_topk_idx, raw, aligned, worst) -> None:
+        dev = self.device
+        rows = sum(aligned)
+        if worst:
+            if rows > worst:
+                raise InternodeError(f"rank {self.rank}: expert-major receive needs {rows} rows but num_worst_tokens="
+                                     f"{worst}; raise num_worst_tokens")
+            rows = worst
+        tok, slot = (recv_topk_idx >= 0).nonzero(as_tuple=True)
+        expert = recv_topk_idx[tok, slot]
+        order = torch.argsort(expert, stable=True)
+        tok, slot, expert = tok[order], slot[order], expert[order]
+        seg = torch.tensor([0] + aligned[:-1], dtype=torch.int64, device=dev).cumsum(0)
+        real = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), raw.cumsum(0)[:-1]])
+        pos = seg[expert] + torch.arange(tok.numel(), device=dev) - real[expert]
+        h.expert_major_token = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        h.expert_major_slot = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        h.expert_major_token[pos], h.expert_major_slot[pos] = tok, slot
+        h.expert_major_pos = torch.full((h.num_recv_tokens, recv_topk_idx.size(1)), -1, dtype=torch.int64, device=dev)
+        h.expert_major_pos[tok, slot] = pos
+        h.num_recv_rows = rows
+
+    @staticmethod
+    def _to_expert_major(h: InternodeHandle, parts: List[torch.Tensor]) -> List[torch.Tensor]:
+        token = h.expert_major_token
+        valid = token >= 0
+        out = []
+        for t in parts:
+            em = t.new_zeros((token.numel(),) + tuple(t.shape[1:]))
+            em[valid] = t[token[valid]]
+            out.append(em)
+        return out
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, x: torch.Tensor, handle: InternodeHandle, topk_weights: Optional[torch.Tensor], config: Any
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        from uccl_ep_train.reference import TrafficReport
+
+        self._check()
+        h = handle
+        G, dev = self.G, self.device
+        nrecv, H = h.num_recv_tokens, x.size(1)
+        if h.expert_major:
+            token, slot = h.expert_major_token, h.expert_major_slot
+            rows = torch.zeros((nrecv, H), dtype=torch.float32, device=dev)
+            for k in range(h.num_topk):
+                sel = (slot == k).nonzero(as_tuple=True)[0]
+                rows.index_add_(0, token[sel], x[sel].float())
+            if topk_weights is not None:
+                pos = h.expert_major_pos
+                w = torch.where(pos >= 0, topk_weights[pos.clamp(min=0)].float(),
+                                torch.zeros_like(pos, dtype=torch.float32))
+        else:
+            rows = x[:nrecv].float()
+            w = topk_weights[:nrecv].float() if topk_weights is not None else None
+        if topk_weights is not None:
+            rows = torch.cat([rows, w], dim=1)
+        rows = rows.contiguous()
+        C = rows.size(1)
+        cstride = _align(4 * C)
+        recv_by_node = recv_counts(h.counts, self.rank, G)
+        A = sum(recv_by_node)
+        check_area("combine gather (NVL, per local rank)", [sum(recv_counts(h.counts, r, G)) for r in range(self.R)],
+                   cstride, self.gather_block, "num_nvl_bytes")
+        check_area("combine (RDMA)", [sum(recv_counts(h.counts, r, G)) for r in range(self.R)], cstride,
+                   self.half_rdma, "num_rdma_bytes")
+        check_area("combine (RDMA)", [int(h.counts.node_counts[r].sum()) for r in range(self.R)], cstride,
+                   self.half_rdma, "num_rdma_bytes")
+        torch.cuda.current_stream().synchronize()
+        try:
+            dist.barrier(group=self._gloo)
+        except Exception as exc:
+            raise InternodeError(f"rank {self.rank}: entry barrier of combine failed: {exc}") from exc
+        stream = self._stream()
+        # NVLink hop: each copy goes to its forwarder (same local index as the token's source), block = our local
+        fwd_local = h.recv_src_rank % G
+        gbase = self.half_nvl
+        for j in range(G):
+            sel = (fwd_local == j).nonzero(as_tuple=True)[0]
+            if sel.numel() == 0:
+                continue
+            dst_idx = h.recv_arrival[sel].contiguous()
+            self._k.scatter_rows(self.peer_nvl[j] + gbase + self.local * self.gather_block, cstride,
+                                 dst_idx.data_ptr(), rows.data_ptr(), 4 * C, sel.data_ptr(), sel.numel(), 4 * C,
+                                 stream)
+        self._sync_barrier("combine gather")
+        # forwarder: node-local sum in ascending local rank, into the combine send area (block per source node)
+        partial = torch.zeros((A, C), dtype=torch.float32, device=dev)
+        for j in range(G):
+            blk = self._nvl[gbase + j * self.gather_block:gbase + j * self.gather_block + A * cstride]
+            vals = blk.view(A, cstride)[:, :4 * C].contiguous().view(torch.float32)
+            partial += torch.where((h.fwd_dest_rows[:, j] >= 0).unsqueeze(1), vals, torch.zeros_like(vals))
+        send = self._rdma[:A * cstride].view(A, cstride)
+        if A:
+            send[:, :4 * C] = partial.view(torch.uint8)
+        recv_base = self.half_rdma
+        back = h.plan.node_send  # at the source: records per node, in node order
+        back_offs = block_offsets(back, cstride)
+        arr_offs = block_offsets(recv_by_node, cstride)
+        own = recv_by_node[self.node]
+        if own:
+            self._rdma[recv_base + back_offs[self.node]:recv_base + back_offs[self.node] + own * cstride].copy_(
+                self._rdma[arr_offs[self.node]:arr_offs[self.node] + own * cstride])
+        self._push_and_wait(combine_push_rows(h.counts, self.rank, G, cstride, recv_base),
+                            combine_waits(h.counts, self.rank, G))
+        S1 = sum(back)
+        out = torch.zeros((h.num_tokens, C), dtype=torch.float32, device=dev)
+        got = self._rdma[recv_base:recv_base + S1 * cstride].view(S1, cstride)
+        start = 0
+        for m, c in enumerate(back):  # ascending node
+            if c:
+                vals = got[start:start + c, :4 * C].contiguous().view(torch.float32)
+                out.index_add_(0, h.plan.hop1_token[start:start + c], vals)
+            start += c
+        torch.cuda.current_stream().synchronize()
+        self._check()
+        combined_x = out[:, :H].to(x.dtype)
+        combined_w = out[:, H:].contiguous() if topk_weights is not None else None
+        fwd_rank = self.node * G + fwd_local
+        nvlink = int((fwd_rank != self.rank).sum()) if nrecv else 0
+        network = sum(c for n, c in enumerate(recv_by_node) if n != self.node)
+        eb = H * x.element_size()
+        self.last_traffic = TrafficReport(nvlink * eb, network * eb, nrecv * eb)
+        return combined_x, combined_w
+
+    def _traffic_forward(self, h: InternodeHandle, row_bytes: int):
+        from uccl_ep_train.reference import TrafficReport
+
+        network = sum(c for m, c in enumerate(h.plan.node_send) if m != self.node)
+        fd = h.fwd_dest_rows
+        nvlink = 0
+        if fd is not None and fd.numel():
+            hit = fd >= 0
+            hit[:, self.local] = False
+            nvlink = int(hit.sum())
+        return TrafficReport(nvlink * row_bytes, network * row_bytes, h.num_recv_tokens * row_bytes)
+
+    # ---------------------------------------------------------------- stats / teardown
+    def proxy_stats(self) -> dict:
+        return dict(self._cx.proxy_totals())
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            torch.cuda.current_stream().synchronize()
+        finally:
+            self._cx.destroy()
+
+
+def _pad(t: torch.Tensor, rows: int, fill: float | int = 0) -> torch.Tensor:
+    if t.size(0) == rows:
+        return t
+    out = t.new_full((rows,) + tuple(t.shape[1:]), fill)
+    out[:t.size(0)] = t
+    return out
