@@ -1,0 +1,810 @@
+// Intranode dispatch/combine over IPC-mapped peer buffers (NVLink on NVIDIA, xGMI on AMD).
+//
+// Design ("direct placement", docs/intranode.md): notify exchanges the token counts, so every sender knows the exact
+// row of every (token, destination) pair in the destination's receive area. Senders then store their tokens
+// straight into those rows with 16-byte stores over the fabric; a barrier publishes them; each receiver copies its
+// receive area out to the output tensors. Combine is the mirror image: each rank stores its rows into row
+// (source index, own rank) of the source's combine area, a barrier, and the source sums its copies in rank order.
+// No rings and no head/tail flow control: the price is a buffer sized for the worst case.
+#include <cstdio>
+#include <cstring>
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "intranode.hpp"
+#include "uccl_ep/portability.cuh"
+
+namespace uccl_ep::intranode {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / kWarpSize;
+
+// ---------------------------------------------------------------- control region (ints from the buffer start)
+constexpr int kEpochOffset = 0;                  // this rank's barrier epoch (touched by its own kernels only)
+constexpr int kFlagsOffset = 64;                 // [kMaxRanks] barrier flags, written by peers
+constexpr int kCountsOffset = kFlagsOffset + kMaxRanks;           // [R][R] counts[src][dst], written by src
+constexpr int kExpertCountsOffset = kCountsOffset + kMaxRanks * kMaxRanks;  // [R][L] written by src
+constexpr int64_t kMaxExpertCountInts = static_cast<int64_t>(kControlBytes / 4) - kExpertCountsOffset;
+
+UCCL_HOST_DEVICE int64_t align16(int64_t x) { return (x + 15) & ~int64_t(15); }
+
+// Receive area of dispatch, structure of arrays over `cap` rows.
+struct RecvArea {
+  int64_t x, scales, idx, weights, src, end;
+  UCCL_HOST_DEVICE RecvArea(int64_t cap, int hidden_bytes, int num_scales, int topk) {
+    x = 0;
+    scales = align16(cap * hidden_bytes);
+    idx = scales + align16(cap * num_scales * 4);
+    weights = idx + align16(cap * topk * 8);
+    src = weights + align16(cap * topk * 4);
+    end = src + align16(cap * 4);
+  }
+};
+
+// Combine area: rows (token, from_rank) for up to `cap` source tokens, then their weights.
+struct CombineArea {
+  int64_t x, weights, end;
+  UCCL_HOST_DEVICE CombineArea(int64_t cap, int num_ranks, int hidden, int topk) {
+    x = 0;
+    weights = align16(cap * num_ranks * hidden * 2);
+    end = weights + align16(cap * num_ranks * topk * 4);
+  }
+};
+
+UCCL_DEVICE char* data_of(void* buffer) { return static_cast<char*>(buffer) + kControlBytes; }
+UCCL_DEVICE int* ctrl_of(void* buffer) { return static_cast<int*>(buffer); }
+
+// ---------------------------------------------------------------- errors
+UCCL_DEVICE void report(ErrorWord* err, int code, int rank, int channel, int peer, int64_t observed, int64_t expected,
+                        const char* what) {
+  if (atomicCAS(&err->code, 0, code) == 0) {
+    err->rank = rank;
+    err->channel = channel;
+    err->peer = peer;
+    err->observed = observed;
+    err->expected = expected;
+    int i = 0;
+    for (; what[i] && i < 31; ++i) err->what[i] = what[i];
+    err->what[i] = 0;
+    fence_system();
+  }
+  printf("uccl-ep: rank %d block %d: %s: waited for peer %d, counter %lld, expected %lld\n", rank, channel, what, peer,
+         static_cast<long long>(observed), static_cast<long long>(expected));
+}
+
+// Every rank bumps its epoch and stores it into flags[rank] of every peer; then waits until every peer's flag in
+// its own buffer reached the same epoch. All ranks run the same sequence of barriers, so epochs line up; the
+// epoch lives in device memory, so a captured CUDA graph replays correctly.
+UCCL_DEVICE bool barrier_block(void** peers, int rank, int num_ranks, ErrorWord* err, uint64_t timeout_ns,
+                               const char* what) {
+  __shared__ int s_epoch;
+  __shared__ int s_failed;
+  if (threadIdx.x == 0) {
+    int* ctrl = ctrl_of(peers[rank]);
+    const int e = ctrl[kEpochOffset] + 1;
+    ctrl[kEpochOffset] = e;
+    s_epoch = e;
+    s_failed = 0;
+    // Everything this kernel (and, by stream order, earlier kernels) stored must be visible before the flag.
+    drain_stores_before_release();
+  }
+  __syncthreads();
+  const int e = s_epoch;
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+    drain_stores_before_release();
+    st_release_sys(ctrl_of(peers[r]) + kFlagsOffset + rank, e);
+  }
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+    const int* flag = ctrl_of(peers[rank]) + kFlagsOffset + r;
+    const uint64_t deadline = now_ns() + timeout_ns;
+    int seen;
+    while ((seen = ld_acquire_sys(flag)) - e < 0) {
+      if (now_ns() > deadline) {
+        report(err, 1, rank, blockIdx.x, r, seen, e, what);
+        s_failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  return s_failed == 0;
+}
+
+__global__ void barrier_kernel(void** peers, int rank, int num_ranks, ErrorWord* err, uint64_t timeout_ns) {
+  barrier_block(peers, rank, num_ranks, err, timeout_ns, "barrier");
+}
+
+// ---------------------------------------------------------------- notify
+// Block 0 exchanges counts and derives the prefix matrix; blocks 1..R compute, per destination, each token's
+// position among this rank's tokens for that destination (send_pos, -1 when not sent).
+__global__ void notify_kernel(void** peers, int rank, int num_ranks, const int* __restrict__ per_rank,
+                              const int* __restrict__ per_expert, const bool* __restrict__ in_rank, int num_tokens,
+                              int num_experts, int64_t rows_capacity, int* __restrict__ rank_prefix,
+                              int* __restrict__ recv_info, int* __restrict__ send_pos, ErrorWord* err,
+                              HostCounts* host, int host_seq, uint64_t timeout_ns) {
+  const int R = num_ranks;
+  if (blockIdx.x == 0) {
+    const int L = num_experts / R;
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+      const int dst = i / R, r = i % R;
+      ctrl_of(peers[dst])[kCountsOffset + rank * R + r] = per_rank[r];
+    }
+    for (int i = threadIdx.x; i < R * L; i += blockDim.x) {
+      const int dst = i / L, l = i % L;
+      ctrl_of(peers[dst])[kExpertCountsOffset + rank * L + l] = per_expert[dst * L + l];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) drain_stores_before_release();
+    __syncthreads();
+    barrier_block(peers, rank, R, err, timeout_ns, "notify barrier");
+    __shared__ int s_overflow;
+    if (threadIdx.x == 0) s_overflow = 0;
+    __syncthreads();
+    const volatile int* counts = ctrl_of(peers[rank]) + kCountsOffset;
+    const volatile int* expert_counts = ctrl_of(peers[rank]) + kExpertCountsOffset;
+    for (int d = threadIdx.x; d < R; d += blockDim.x) {
+      int acc = 0;
+      for (int s = 0; s < R; ++s) {
+        acc += counts[s * R + d];
+        rank_prefix[s * R + d] = acc;
+      }
+      if (acc > rows_capacity) atomicMax(&s_overflow, acc);
+    }
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      int acc = 0;
+      for (int s = 0; s < R; ++s) acc += expert_counts[s * L + l];
+      recv_info[2 + l] = acc;
+      host->per_expert[l] = acc;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int num_recv = 0;
+      for (int s = 0; s < R; ++s) num_recv += counts[s * R + rank];
+      recv_info[0] = num_recv;
+      recv_info[1] = s_overflow;
+      host->num_recv_tokens = num_recv;
+      host->overflow_rows_needed = s_overflow;
+      host->num_local_experts = L;
+      fence_system();
+      host->ready = host_seq;
+      if (s_overflow > 0) report(err, 2, rank, 0, rank, s_overflow, rows_capacity, "receive area overflow");
+    }
+    return;
+  }
+  // Positions: a block-wide scan of is_token_in_rank[:, dst].
+  const int dst = blockIdx.x - 1;
+  __shared__ int s_sum[kThreads];
+  const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
+  const int begin = min(num_tokens, static_cast<int>(threadIdx.x) * per_thread);
+  const int end = min(num_tokens, begin + per_thread);
+  int local = 0;
+  for (int t = begin; t < end; ++t) local += in_rank[static_cast<int64_t>(t) * R + dst] ? 1 : 0;
+  s_sum[threadIdx.x] = local;
+  __syncthreads();
+  for (int off = 1; off < static_cast<int>(blockDim.x); off <<= 1) {
+    const int v = threadIdx.x >= static_cast<unsigned>(off) ? s_sum[threadIdx.x - off] : 0;
+    __syncthreads();
+    s_sum[threadIdx.x] += v;
+    __syncthreads();
+  }
+  int pos = s_sum[threadIdx.x] - local;
+  for (int t = begin; t < end; ++t) {
+    const bool in = in_rank[static_cast<int64_t>(t) * R + dst];
+    send_pos[static_cast<int64_t>(t) * R + dst] = in ? pos : -1;
+    pos += in ? 1 : 0;
+  }
+}
+
+// ---------------------------------------------------------------- dispatch
+template <int kUnroll>
+__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
+    void** peers, int rank, int num_ranks, const int4* __restrict__ x, const float* __restrict__ x_scales,
+    const int64_t* __restrict__ topk_idx, const float* __restrict__ topk_weights, const int* __restrict__ send_pos,
+    const int* __restrict__ rank_prefix, const int* __restrict__ recv_info, int num_tokens, int hidden_bytes,
+    int num_scales, int topk, int experts_per_rank, int64_t rows_capacity) {
+  const int R = num_ranks;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  __shared__ int s_base[kMaxRanks];             // first row of this rank's tokens at each destination
+  __shared__ char* s_dst[kWarps][kMaxRanks];    // per warp: receive areas of the current token's destinations
+  __shared__ int s_slot[kWarps][kMaxRanks];     // ... the row there
+  __shared__ int s_rk[kWarps][kMaxRanks];       // ... and the destination rank
+  __shared__ int s_n[kWarps];
+  for (int r = threadIdx.x; r < R; r += blockDim.x) s_base[r] = rank == 0 ? 0 : rank_prefix[(rank - 1) * R + r];
+  __syncthreads();
+  if (recv_info[1] > 0) return;  // some receive area is too small: every rank skips (the host raises)
+
+  const RecvArea area(rows_capacity, hidden_bytes, num_scales, topk);
+  const int units = hidden_bytes / 16;
+  const int total_warps = gridDim.x * kWarps;
+  for (int t = blockIdx.x * kWarps + warp; t < num_tokens; t += total_warps) {
+    if (lane == 0) {
+      int n = 0;
+      for (int r = 0; r < R; ++r) {
+        const int p = send_pos[static_cast<int64_t>(t) * R + r];
+        if (p >= 0) {
+          s_dst[warp][n] = data_of(peers[r]);
+          s_slot[warp][n] = s_base[r] + p;
+          s_rk[warp][n] = r;
+          ++n;
+        }
+      }
+      s_n[warp] = n;
+    }
+    warp_sync();
+    const int n = s_n[warp];
+    // Payload: each 16-byte unit is loaded once and stored to every destination.
+    const int4* src = x + static_cast<int64_t>(t) * units;
+    int i = lane;
+    for (; i + (kUnroll - 1) * kWarpSize < units; i += kUnroll * kWarpSize) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc_v4(src + i + u * kWarpSize);
+      for (int j = 0; j < n; ++j) {
+        int4* dst = reinterpret_cast<int4*>(s_dst[warp][j] + area.x + static_cast<int64_t>(s_slot[warp][j]) * hidden_bytes);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) st_na_v4(dst + i + u * kWarpSize, v[u]);
+      }
+    }
+    for (; i < units; i += kWarpSize) {
+      const int4 v = ld_nc_v4(src + i);
+      for (int j = 0; j < n; ++j)
+        st_na_v4(reinterpret_cast<int4*>(s_dst[warp][j] + area.x + static_cast<int64_t>(s_slot[warp][j]) * hidden_bytes) + i, v);
+    }
+    for (int s = lane; s < num_scales; s += kWarpSize) {
+      const float v = x_scales[static_cast<int64_t>(t) * num_scales + s];
+      for (int j = 0; j < n; ++j)
+        reinterpret_cast<float*>(s_dst[warp][j] + area.scales)[static_cast<int64_t>(s_slot[warp][j]) * num_scales + s] = v;
+    }
+    for (int k = lane; topk_idx != nullptr && k < topk; k += kWarpSize) {
+      const int64_t e = topk_idx[static_cast<int64_t>(t) * topk + k];
+      const float w = topk_weights ? topk_weights[static_cast<int64_t>(t) * topk + k] : 0.0f;
+      for (int j = 0; j < n; ++j) {
+        const int64_t lo = static_cast<int64_t>(s_rk[warp][j]) * experts_per_rank;
+        const bool local = e >= lo && e < lo + experts_per_rank;
+        const int64_t row = s_slot[warp][j];
+        reinterpret_cast<int64_t*>(s_dst[warp][j] + area.idx)[row * topk + k] = local ? e - lo : -1;
+        reinterpret_cast<float*>(s_dst[warp][j] + area.weights)[row * topk + k] = local ? w : 0.0f;
+      }
+    }
+    if (lane == 0)
+      for (int j = 0; j < n; ++j) reinterpret_cast<int*>(s_dst[warp][j] + area.src)[s_slot[warp][j]] = t;
+    warp_sync();
+  }
+  fence_system();  // the barrier kernel that follows publishes these stores
+}
+
+template <int kUnroll>
+__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
+    void* local, int rank, int4* __restrict__ recv_x, float* __restrict__ recv_scales,
+    int64_t* __restrict__ recv_topk_idx, float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx,
+    const int* __restrict__ recv_info, int64_t out_rows, int hidden_bytes, int num_scales, int topk,
+    int64_t rows_capacity, ErrorWord* err) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const RecvArea area(rows_capacity, hidden_bytes, num_scales, topk);
+  const char* base = data_of(local);
+  int64_t num_recv = recv_info[0];
+  if (num_recv > out_rows) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      report(err, 3, rank, 0, rank, num_recv, out_rows, "num_worst_tokens too small");
+    num_recv = out_rows;
+  }
+  const int units = hidden_bytes / 16;
+  const int64_t total_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t row = blockIdx.x * kWarps + warp; row < out_rows; row += total_warps) {
+    if (row < num_recv) {
+      if (recv_x != nullptr)
+        warp_copy_v4<kUnroll>(recv_x + row * units, reinterpret_cast<const int4*>(base + area.x) + row * units, units,
+                            lane);
+      for (int s = lane; recv_scales != nullptr && s < num_scales; s += kWarpSize)
+        recv_scales[row * num_scales + s] = reinterpret_cast<const float*>(base + area.scales)[row * num_scales + s];
+      for (int k = lane; recv_topk_idx != nullptr && k < topk; k += kWarpSize) {
+        recv_topk_idx[row * topk + k] = reinterpret_cast<const int64_t*>(base + area.idx)[row * topk + k];
+        if (recv_topk_weights)
+          recv_topk_weights[row * topk + k] = reinterpret_cast<const float*>(base + area.weights)[row * topk + k];
+      }
+      if (lane == 0 && recv_src_idx != nullptr) recv_src_idx[row] = reinterpret_cast<const int*>(base + area.src)[row];
+    } else {
+      // Sync-free padding rows: zero payload, no expert, no weight, no source.
+      if (recv_x != nullptr)
+        for (int u = lane; u < units; u += kWarpSize) recv_x[row * units + u] = make_int4(0, 0, 0, 0);
+      for (int s = lane; recv_scales != nullptr && s < num_scales; s += kWarpSize) recv_scales[row * num_scales + s] = 0.0f;
+      for (int k = lane; recv_topk_idx != nullptr && k < topk; k += kWarpSize) {
+        recv_topk_idx[row * topk + k] = -1;
+        if (recv_topk_weights) recv_topk_weights[row * topk + k] = 0.0f;
+      }
+      if (lane == 0 && recv_src_idx != nullptr) recv_src_idx[row] = -1;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- bf16 helpers (bit exact, no library types)
+UCCL_DEVICE float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+UCCL_DEVICE float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+UCCL_DEVICE uint32_t f32_to_bf16_bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                        // round to nearest even
+  return u >> 16;
+}
+UCCL_DEVICE uint32_t pack_bf16(float lo, float hi) { return f32_to_bf16_bits(lo) | (f32_to_bf16_bits(hi) << 16); }
+
+UCCL_DEVICE void acc_unit(float (&acc)[8], const int4& v) {
+  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                         static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    acc[2 * q] += bf16_lo(w[q]);
+    acc[2 * q + 1] += bf16_hi(w[q]);
+  }
+}
+UCCL_DEVICE int4 pack_unit(const float (&acc)[8]) {
+  int4 v;
+  v.x = static_cast<int>(pack_bf16(acc[0], acc[1]));
+  v.y = static_cast<int>(pack_bf16(acc[2], acc[3]));
+  v.z = static_cast<int>(pack_bf16(acc[4], acc[5]));
+  v.w = static_cast<int>(pack_bf16(acc[6], acc[7]));
+  return v;
+}
+
+UCCL_DEVICE void acc_unit_f32(float (&acc)[8], const int4& v) {
+  acc[0] += __int_as_float(v.x);
+  acc[1] += __int_as_float(v.y);
+  acc[2] += __int_as_float(v.z);
+  acc[3] += __int_as_float(v.w);
+}
+UCCL_DEVICE int4 pack_unit_f32(const float (&acc)[8]) {
+  return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
+}
+template <bool kF32>
+UCCL_DEVICE void acc_any(float (&acc)[8], const int4& v) {
+  if constexpr (kF32) acc_unit_f32(acc, v); else acc_unit(acc, v);
+}
+template <bool kF32>
+UCCL_DEVICE int4 pack_any(const float (&acc)[8]) {
+  if constexpr (kF32) return pack_unit_f32(acc); else return pack_unit(acc);
+}
+
+// ---------------------------------------------------------------- combine
+// Row i of this rank's received tokens goes back to row (recv_src_idx[i], rank) of its source's combine area. With
+// `slot_of` (expert-major input) the row is first summed over its local experts' outputs in fp32.
+// kWireF32: rows cross the link as float32 (expert-major partial sums keep fp32 until the final cast, like the
+// reference); otherwise in x's dtype.
+template <int kUnroll, bool kF32, bool kWireF32>
+__global__ void __launch_bounds__(kThreads) combine_send_kernel(
+    void** peers, int rank, int num_ranks, const int4* __restrict__ x, const float* __restrict__ topk_weights,
+    const int* __restrict__ recv_src_idx, const int* __restrict__ rank_prefix, const int* __restrict__ recv_info,
+    const int* __restrict__ slot_of, int num_rows, int hidden, int topk, int64_t max_src_tokens) {
+  const int R = num_ranks;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const CombineArea area(max_src_tokens, R, hidden * (kWireF32 ? 2 : 1), topk);
+  const int units = hidden / (kF32 ? 4 : 8);
+  const int wire_units = hidden / (kWireF32 ? 4 : 8);
+  const int rows = min(num_rows, recv_info[0]);
+  const int total_warps = gridDim.x * kWarps;
+  for (int i = blockIdx.x * kWarps + warp; i < rows; i += total_warps) {
+    int s = 0;
+    while (s < R - 1 && rank_prefix[s * R + rank] <= i) ++s;
+    const int64_t out_row = static_cast<int64_t>(recv_src_idx[i]) * R + rank;
+    char* dst_base = data_of(peers[s]);
+    int4* dst = reinterpret_cast<int4*>(dst_base + area.x) + out_row * wire_units;
+    if (slot_of == nullptr) {  // kWireF32 == kF32 here
+      warp_copy_v4<kUnroll>(dst, x + static_cast<int64_t>(i) * units, units, lane);
+    } else {
+      for (int u = lane; u < units; u += kWarpSize) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int k = 0; k < topk; ++k) {
+          const int slot = slot_of[static_cast<int64_t>(i) * topk + k];
+          if (slot >= 0) acc_any<kF32>(acc, ld_nc_v4(x + static_cast<int64_t>(slot) * units + u));
+        }
+        if constexpr (kWireF32 && !kF32) {
+          st_na_v4(dst + 2 * u, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                                          __float_as_int(acc[3])));
+          st_na_v4(dst + 2 * u + 1, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
+                                              __float_as_int(acc[6]), __float_as_int(acc[7])));
+        } else if constexpr (kWireF32) {
+          st_na_v4(dst + u, pack_unit_f32(acc));
+        } else {
+          st_na_v4(dst + u, pack_any<kF32>(acc));
+        }
+      }
+    }
+    if (topk_weights)
+      for (int k = lane; k < topk; k += kWarpSize) {
+        float w;
+        if (slot_of == nullptr) {
+          w = topk_weights[static_cast<int64_t>(i) * topk + k];
+        } else {  // expert-major weights are one per row: each goes back to its slot
+          const int slot = slot_of[static_cast<int64_t>(i) * topk + k];
+          w = slot >= 0 ? topk_weights[slot] : 0.0f;
+        }
+        reinterpret_cast<float*>(dst_base + area.weights)[out_row * topk + k] = w;
+      }
+  }
+  fence_system();  // the barrier kernel that follows publishes these stores
+}
+
+template <bool kWireF32, bool kF32>
+__global__ void __launch_bounds__(kThreads) combine_reduce_kernel(
+    void* local, int num_ranks, const bool* __restrict__ in_rank, int num_tokens, int hidden, int topk,
+    int4* __restrict__ out_x, float* __restrict__ out_weights, int64_t max_src_tokens) {
+  const int R = num_ranks;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const CombineArea area(max_src_tokens, R, hidden * (kWireF32 ? 2 : 1), topk);
+  const char* base = data_of(local);
+  const int units = hidden / (kF32 ? 4 : 8);
+  const int wire_units = hidden / (kWireF32 ? 4 : 8);
+  const int total_warps = gridDim.x * kWarps;
+  for (int t = blockIdx.x * kWarps + warp; t < num_tokens; t += total_warps) {
+    const bool* mask = in_rank + static_cast<int64_t>(t) * R;
+    const int4* rows = reinterpret_cast<const int4*>(base + area.x) + static_cast<int64_t>(t) * R * wire_units;
+    for (int u = lane; u < units; u += kWarpSize) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int r = 0; r < R; ++r) {
+        if (!mask[r]) continue;
+        const int4* row = rows + static_cast<int64_t>(r) * wire_units;
+        if constexpr (kWireF32 && !kF32) {
+          const int4 a = ld_nc_v4(row + 2 * u), b = ld_nc_v4(row + 2 * u + 1);
+          acc[0] += __int_as_float(a.x); acc[1] += __int_as_float(a.y);
+          acc[2] += __int_as_float(a.z); acc[3] += __int_as_float(a.w);
+          acc[4] += __int_as_float(b.x); acc[5] += __int_as_float(b.y);
+          acc[6] += __int_as_float(b.z); acc[7] += __int_as_float(b.w);
+        } else {
+          acc_any<kF32>(acc, ld_nc_v4(row + u));
+        }
+      }
+      out_x[static_cast<int64_t>(t) * units + u] = pack_any<kF32>(acc);
+    }
+    if (out_weights) {
+      const float* w = reinterpret_cast<const float*>(base + area.weights) + static_cast<int64_t>(t) * R * topk;
+      for (int k = lane; k < topk; k += kWarpSize) {
+        float acc = 0.0f;
+        for (int r = 0; r < R; ++r)
+          if (mask[r]) acc += w[r * topk + k];
+        out_weights[static_cast<int64_t>(t) * topk + k] = acc;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- expert-major expansion
+// One block per local expert: scan the received rows in order, give each (row, k) with recv_topk_idx == expert the
+// next row of the expert's segment (segments start at the aligned prefix of the counts), then copy the payload
+// there straight from the receive area. Padding rows are zeroed; the last block also clears the sync-free tail.
+__global__ void __launch_bounds__(kThreads) expert_major_kernel(
+    const int4* __restrict__ src_x, const float* __restrict__ src_scales, const int64_t* __restrict__ recv_topk_idx,
+    const float* __restrict__ recv_topk_weights, const int* __restrict__ recv_info, int64_t out_rows,
+    int64_t expert_rows, int num_local_experts, int alignment, int hidden_bytes, int num_scales, int topk,
+    int4* __restrict__ out_x, float* __restrict__ out_scales, int64_t* __restrict__ em_token,
+    int64_t* __restrict__ em_slot, int64_t* __restrict__ em_expert, float* __restrict__ em_weights,
+    int* __restrict__ slot_of) {
+  const int expert = blockIdx.x;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  __shared__ int64_t s_begin;
+  __shared__ int s_sum[kThreads];
+  __shared__ int s_carry;
+  if (threadIdx.x == 0) {
+    int64_t begin = 0;
+    for (int l = 0; l < num_local_experts; ++l) {
+      const int64_t padded = (static_cast<int64_t>(recv_info[2 + l]) + alignment - 1) / alignment * alignment;
+      if (l < expert) begin += padded;
+    }
+    s_begin = begin;
+    s_carry = 0;
+  }
+  __syncthreads();
+  const int64_t num_recv = min(static_cast<int64_t>(recv_info[0]), out_rows);
+  const int64_t count = recv_info[2 + expert];
+  const int64_t padded = (count + alignment - 1) / alignment * alignment;
+  const int64_t begin = s_begin;
+  const int units = hidden_bytes / 16;
+  for (int64_t chunk = 0; chunk < num_recv; chunk += blockDim.x) {
+    const int64_t row = chunk + threadIdx.x;
+    int hit_k = -1;
+    if (row < num_recv)
+      for (int k = 0; k < topk; ++k)
+        if (recv_topk_idx[row * topk + k] == expert) {
+          hit_k = k;
+          break;
+        }
+    const int hit = hit_k >= 0 ? 1 : 0;
+    s_sum[threadIdx.x] = hit;
+    __syncthreads();
+    for (int off = 1; off < static_cast<int>(blockDim.x); off <<= 1) {
+      const int v = threadIdx.x >= static_cast<unsigned>(off) ? s_sum[threadIdx.x - off] : 0;
+      __syncthreads();
+      s_sum[threadIdx.x] += v;
+      __syncthreads();
+    }
+    const int carry = s_carry;
+    const int64_t p = begin + carry + s_sum[threadIdx.x] - hit;
+    if (hit && p < expert_rows) {
+      if (slot_of) slot_of[row * topk + hit_k] = static_cast<int>(p);
+      em_token[p] = row;
+      em_slot[p] = hit_k;
+      em_expert[p] = expert;
+      if (em_weights) em_weights[p] = recv_topk_weights[row * topk + hit_k];
+    }
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) s_carry = carry + s_sum[threadIdx.x];
+    __syncthreads();
+  }
+  // Padding rows of this segment, and (last block) every row after the last segment.
+  const int64_t pad_end = expert == num_local_experts - 1 ? expert_rows : min(begin + padded, expert_rows);
+  for (int64_t p = begin + count + threadIdx.x; p < pad_end; p += blockDim.x) {
+    em_token[p] = -1;
+    em_slot[p] = -1;
+    em_expert[p] = -1;
+    if (em_weights) em_weights[p] = 0.0f;
+  }
+  __syncthreads();
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (int64_t p = begin + warp; p < pad_end; p += kWarps) {
+    if (p < begin + count) {
+      const int64_t row = em_token[p];
+      if (src_x) warp_copy_v4<4>(out_x + p * units, src_x + row * units, units, lane);
+      for (int s = lane; s < num_scales; s += kWarpSize) out_scales[p * num_scales + s] = src_scales[row * num_scales + s];
+    } else {
+      for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = zero;
+      for (int s = lane; s < num_scales; s += kWarpSize) out_scales[p * num_scales + s] = 0.0f;
+    }
+  }
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("uccl-ep intranode: ") + what + ": " + cudaGetErrorString(err));
+}
+
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int dev) {
+    check(cudaGetDevice(&prev), "cudaGetDevice");
+    if (prev != dev) check(cudaSetDevice(dev), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev) (void)cudaSetDevice(prev);
+  }
+};
+
+int grid_of(int num_sms) { return num_sms > 0 ? num_sms : 1; }
+
+}  // namespace
+
+// ---------------------------------------------------------------- Context
+Context::Context(int rank, int num_ranks, int64_t num_bytes, int device, double timeout_secs)
+    : rank_(rank), num_ranks_(num_ranks), device_(device), num_bytes_(num_bytes),
+      timeout_ns_(static_cast<uint64_t>(timeout_secs * 1e9)) {
+  if (num_ranks < 1 || num_ranks > kMaxRanks)
+    throw std::invalid_argument("intranode: num_ranks must be in [1, " + std::to_string(kMaxRanks) + "]");
+  if (rank < 0 || rank >= num_ranks) throw std::invalid_argument("intranode: rank out of range");
+  if (num_bytes < 0) throw std::invalid_argument("intranode: num_bytes must be >= 0");
+  DeviceGuard guard(device_);
+  check(cudaMalloc(&local_, kControlBytes + num_bytes_), "cudaMalloc of the NVLink buffer");
+  check(cudaMemset(local_, 0, kControlBytes), "cudaMemset");
+  void* host = nullptr;
+  check(cudaHostAlloc(&host, sizeof(ErrorWord), cudaHostAllocMapped), "cudaHostAlloc");
+  error_ = static_cast<ErrorWord*>(host);
+  std::memset(error_, 0, sizeof(ErrorWord));
+  check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_, 0), "cudaHostGetDevicePointer");
+  const size_t counts_bytes = sizeof(HostCounts) + sizeof(int32_t) * kMaxExpertCountInts;
+  check(cudaHostAlloc(&host, counts_bytes, cudaHostAllocMapped), "cudaHostAlloc");
+  host_counts_ = static_cast<HostCounts*>(host);
+  std::memset(host_counts_, 0, counts_bytes);
+  check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_counts_dev_), host_counts_, 0),
+        "cudaHostGetDevicePointer");
+  peers_.assign(num_ranks_, nullptr);
+  peers_[rank_] = local_;
+  check(cudaMalloc(reinterpret_cast<void**>(&peers_dev_), sizeof(void*) * num_ranks_), "cudaMalloc");
+}
+
+Context::~Context() {
+  try {
+    destroy();
+  } catch (...) {
+  }
+}
+
+std::string Context::ipc_handle() const {
+  cudaIpcMemHandle_t h;
+  check(cudaIpcGetMemHandle(&h, local_), "cudaIpcGetMemHandle");
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void Context::open_peers(const std::vector<std::string>& handles) {
+  if (static_cast<int>(handles.size()) != num_ranks_)
+    throw std::invalid_argument("open_peers: expected one handle per rank");
+  DeviceGuard guard(device_);
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_) continue;
+    if (handles[r].size() != sizeof(cudaIpcMemHandle_t)) throw std::invalid_argument("open_peers: malformed handle");
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[r].data(), sizeof(h));
+    void* p = nullptr;
+    check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+          ("cudaIpcOpenMemHandle of rank " + std::to_string(r)).c_str());
+    peers_[r] = p;
+  }
+  check(cudaMemcpy(peers_dev_, peers_.data(), sizeof(void*) * num_ranks_, cudaMemcpyHostToDevice), "cudaMemcpy");
+  opened_ = true;
+}
+
+void Context::destroy() {
+  if (!local_) return;
+  DeviceGuard guard(device_);
+  (void)cudaDeviceSynchronize();
+  for (int r = 0; r < num_ranks_; ++r)
+    if (r != rank_ && peers_[r]) (void)cudaIpcCloseMemHandle(peers_[r]);
+  peers_.clear();
+  (void)cudaFree(peers_dev_);
+  (void)cudaFree(local_);
+  (void)cudaFreeHost(error_);
+  (void)cudaFreeHost(host_counts_);
+  local_ = nullptr;
+  peers_dev_ = nullptr;
+  error_ = nullptr;
+  host_counts_ = nullptr;
+  opened_ = false;
+}
+
+std::string Context::error_message() const {
+  if (!error_) return "";
+  const volatile ErrorWord* e = error_;
+  if (e->code == 0) return "";
+  char buf[512];
+  const char* kinds[] = {"", "GPU wait timed out", "receive buffer too small", "num_worst_tokens too small"};
+  std::snprintf(buf, sizeof(buf), "uccl-ep intranode: %s on rank %d (block %d, %s): peer %d, counter %lld, expected %lld",
+                kinds[e->code >= 0 && e->code <= 3 ? e->code : 0], e->rank, e->channel, const_cast<const char*>(e->what),
+                e->peer, static_cast<long long>(e->observed), static_cast<long long>(e->expected));
+  return buf;
+}
+
+void Context::clear_error() {
+  if (error_) std::memset(error_, 0, sizeof(ErrorWord));
+}
+
+void Context::reset_host_counts() { host_counts_->ready = 0; }
+
+std::vector<int64_t> Context::wait_host_counts(int num_local_experts) const {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns_);
+  int spins = 0;
+  while (host_counts_->ready != host_seq_) {
+    if (error_->code != 0 && error_->code != 2) throw std::runtime_error(error_message());
+    if (++spins > 1024) {
+      if (std::chrono::steady_clock::now() > deadline)
+        throw std::runtime_error("uccl-ep intranode: rank " + std::to_string(rank_) +
+                                 " timed out waiting for notify's counts on the host (counter ready=" +
+                                 std::to_string(host_counts_->ready) + ", expected " + std::to_string(host_seq_) + ")");
+      if (spins > 1 << 20) std::this_thread::yield();
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::vector<int64_t> out;
+  out.push_back(host_counts_->num_recv_tokens);
+  out.push_back(host_counts_->overflow_rows_needed);
+  for (int l = 0; l < num_local_experts; ++l) out.push_back(host_counts_->per_expert[l]);
+  return out;
+}
+
+void Context::barrier(uintptr_t stream) {
+  barrier_kernel<<<1, kWarpSize, 0, reinterpret_cast<cudaStream_t>(stream)>>>(peers_dev_, rank_, num_ranks_, error_dev_,
+                                                                              timeout_ns_);
+  check(cudaGetLastError(), "barrier_kernel launch");
+}
+
+void Context::notify(uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_expert, uintptr_t is_token_in_rank,
+                     int num_tokens, int num_experts, int64_t rows_capacity, uintptr_t rank_prefix_matrix,
+                     uintptr_t recv_info, uintptr_t send_pos, uintptr_t stream) {
+  if (static_cast<int64_t>(num_experts) > kMaxExpertCountInts)
+    throw std::invalid_argument("notify: too many experts for the control region");
+  notify_kernel<<<1 + num_ranks_, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      peers_dev_, rank_, num_ranks_, reinterpret_cast<const int*>(num_tokens_per_rank),
+      reinterpret_cast<const int*>(num_tokens_per_expert), reinterpret_cast<const bool*>(is_token_in_rank), num_tokens,
+      num_experts, rows_capacity, reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(recv_info),
+      reinterpret_cast<int*>(send_pos), error_dev_, host_counts_dev_, ++host_seq_, timeout_ns_);
+  check(cudaGetLastError(), "notify_kernel launch");
+}
+
+void Context::dispatch_send(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights,
+                            uintptr_t send_pos, uintptr_t rank_prefix_matrix, uintptr_t recv_info, int num_tokens,
+                            int hidden_bytes, int num_scales, int topk, int num_experts, int64_t rows_capacity,
+                            int num_sms, uintptr_t stream) {
+  if (hidden_bytes % 16) throw std::invalid_argument("dispatch: hidden bytes must be a multiple of 16");
+  if (num_tokens == 0) return;
+  dispatch_send_kernel<4><<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      peers_dev_, rank_, num_ranks_, reinterpret_cast<const int4*>(x), reinterpret_cast<const float*>(x_scales),
+      reinterpret_cast<const int64_t*>(topk_idx), reinterpret_cast<const float*>(topk_weights),
+      reinterpret_cast<const int*>(send_pos), reinterpret_cast<const int*>(rank_prefix_matrix),
+      reinterpret_cast<const int*>(recv_info), num_tokens, hidden_bytes, num_scales, topk, num_experts / num_ranks_,
+      rows_capacity);
+  check(cudaGetLastError(), "dispatch_send_kernel launch");
+}
+
+void Context::dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
+                            uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t recv_info, int64_t out_rows,
+                            int hidden_bytes, int num_scales, int topk, int64_t rows_capacity, int num_sms,
+                            uintptr_t stream) {
+  if (out_rows == 0) return;
+  dispatch_recv_kernel<4><<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      local_, rank_, reinterpret_cast<int4*>(recv_x), reinterpret_cast<float*>(recv_scales),
+      reinterpret_cast<int64_t*>(recv_topk_idx), reinterpret_cast<float*>(recv_topk_weights),
+      reinterpret_cast<int*>(recv_src_idx), reinterpret_cast<const int*>(recv_info), out_rows, hidden_bytes, num_scales,
+      topk, rows_capacity, error_dev_);
+  check(cudaGetLastError(), "dispatch_recv_kernel launch");
+}
+
+void Context::expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv_topk_idx,
+                           uintptr_t recv_topk_weights, uintptr_t recv_info, int64_t out_rows, int64_t expert_rows,
+                           int num_local_experts, int alignment, int hidden_bytes, int num_scales, int topk,
+                           uintptr_t out_x, uintptr_t out_scales, uintptr_t em_token, uintptr_t em_slot,
+                           uintptr_t em_expert, uintptr_t em_weights, uintptr_t slot_of, uintptr_t stream) {
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (slot_of && out_rows > 0)
+    check(cudaMemsetAsync(reinterpret_cast<void*>(slot_of), 0xff, sizeof(int) * out_rows * topk, s), "memset");
+  if (num_local_experts == 0 || expert_rows == 0) return;
+  expert_major_kernel<<<num_local_experts, kThreads, 0, s>>>(
+      reinterpret_cast<const int4*>(src_x), reinterpret_cast<const float*>(src_scales),
+      reinterpret_cast<const int64_t*>(recv_topk_idx), reinterpret_cast<const float*>(recv_topk_weights),
+      reinterpret_cast<const int*>(recv_info), out_rows, expert_rows, num_local_experts, alignment, hidden_bytes,
+      num_scales, topk, reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_scales),
+      reinterpret_cast<int64_t*>(em_token), reinterpret_cast<int64_t*>(em_slot), reinterpret_cast<int64_t*>(em_expert),
+      reinterpret_cast<float*>(em_weights), reinterpret_cast<int*>(slot_of));
+  check(cudaGetLastError(), "expert_major_kernel launch");
+}
+
+void Context::combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx, uintptr_t rank_prefix_matrix,
+                           uintptr_t recv_info, uintptr_t slot_of, int num_rows, int hidden, int elem_size, int topk,
+                           int64_t max_src_tokens, int num_sms, uintptr_t stream) {
+  const bool wire_f32 = slot_of != 0;  // expert-major partial sums cross the link in fp32
+  if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
+  if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
+  if (num_rows == 0) return;
+  auto kernel = elem_size == 4 ? combine_send_kernel<4, true, true>
+                : (wire_f32 ? combine_send_kernel<4, false, true> : combine_send_kernel<4, false, false>);
+  kernel<<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      peers_dev_, rank_, num_ranks_, reinterpret_cast<const int4*>(x), reinterpret_cast<const float*>(topk_weights),
+      reinterpret_cast<const int*>(recv_src_idx), reinterpret_cast<const int*>(rank_prefix_matrix),
+      reinterpret_cast<const int*>(recv_info), reinterpret_cast<const int*>(slot_of), num_rows, hidden, topk,
+      max_src_tokens);
+  check(cudaGetLastError(), "combine_send_kernel launch");
+}
+
+void Context::combine_reduce(uintptr_t is_token_in_rank, int num_tokens, int hidden, int elem_size, int topk,
+                             uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens, bool wire_f32,
+                             int num_sms, uintptr_t stream) {
+  if (num_tokens == 0) return;
+  auto kernel = elem_size == 4 ? combine_reduce_kernel<true, true>
+                : (wire_f32 ? combine_reduce_kernel<true, false> : combine_reduce_kernel<false, false>);
+  kernel<<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      local_, num_ranks_, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, hidden, topk,
+      reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_topk_weights), max_src_tokens);
+  check(cudaGetLastError(), "combine_reduce_kernel launch");
+}
+
+int64_t dispatch_rows_capacity(int64_t data_bytes, int hidden_bytes, int num_scales, int topk) {
+  const int64_t per_row = hidden_bytes + 4 * num_scales + 12 * topk + 4;
+  int64_t cap = (data_bytes - 5 * 16) / per_row;
+  while (cap > 0 && RecvArea(cap, hidden_bytes, num_scales, topk).end > data_bytes) --cap;
+  return cap > 0 ? cap : 0;
+}
+
+int64_t combine_tokens_capacity(int64_t data_bytes, int num_ranks, int hidden, int topk) {
+  // `hidden` in bf16 units: a float32 row counts as 2 * hidden.
+  const int64_t per_token = static_cast<int64_t>(num_ranks) * (2 * hidden + 4 * topk);
+  int64_t cap = (data_bytes - 2 * 16) / per_token;
+  while (cap > 0 && CombineArea(cap, num_ranks, hidden, topk).end > data_bytes) --cap;
+  return cap > 0 ? cap : 0;
+}
+
+int64_t max_experts_in_control() { return kMaxExpertCountInts; }
+
+std::vector<int64_t> dispatch_area_offsets(int64_t rows_capacity, int hidden_bytes, int num_scales, int topk) {
+  const RecvArea a(rows_capacity, hidden_bytes, num_scales, topk);
+  return {static_cast<int64_t>(kControlBytes) + a.x, static_cast<int64_t>(kControlBytes) + a.scales};
+}
+
+}  // namespace uccl_ep::intranode

@@ -1,0 +1,297 @@
+"""Native intranode kernels against the pure-torch reference, on 1 GPU (plain pytest) and 2+ GPUs
+(`torchrun --nproc-per-node 2 -m pytest tests/kernels/test_intranode_gpu.py`). Every rank runs the same tests in the
+same order, so the collectives of both backends line up.
+
+Exact equality for payloads, indices, weights and counts; combine sums within float32 rounding (bf16 output).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu]
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from uccl_ep_train import native  # noqa: E402
+
+if not native.has_kernels():
+    pytest.skip("uccl_ep_train._C was built without GPU kernels", allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+
+from uccl_ep_train.backends import BackendContext, DispatchArgs  # noqa: E402
+from uccl_ep_train.intranode import NativeIntranodeBackend  # noqa: E402
+from uccl_ep_train.reference import ReferenceBackend  # noqa: E402
+from uccl_ep_train.settings import load_settings  # noqa: E402
+
+NVL_BYTES = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def group():
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    yield dist.group.WORLD
+
+
+@pytest.fixture(scope="module")
+def backends(group):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx = BackendContext(group=group, rank=rank, num_ranks=world, ranks_per_node=world,
+                         device=torch.device("cuda", torch.cuda.current_device()), num_nvl_bytes=NVL_BYTES,
+                         num_rdma_bytes=0, settings=load_settings())
+    nat, ref = NativeIntranodeBackend(ctx), ReferenceBackend(ctx)
+    yield nat, ref
+    nat.destroy()
+
+
+def make_routing(kind: str, T: int, K: int, E: int, R: int, gen: torch.Generator) -> torch.Tensor:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if T == 0:
+        return torch.empty((0, K), dtype=torch.int64, device=dev)
+    scores = torch.rand((T, E), generator=gen, device="cpu")
+    if kind == "skewed":  # every token picks the same experts
+        scores[:, :K] += 10.0
+    elif kind == "empty":  # only rank 0's experts: every other rank receives nothing
+        scores[:, E // R:] = -1.0
+    idx = scores.topk(K, dim=1).indices
+    if kind == "dropped":
+        idx[torch.rand((T, K), generator=gen) < 0.3] = -1
+    return idx.to(dev)
+
+
+def make_inputs(T, H, K, fp8: bool, gen: torch.Generator):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn((T, H), generator=gen).to(dev)
+    w = torch.rand((T, K), generator=gen).to(dev)
+    if fp8:
+        x8 = x.clamp(-400, 400).to(torch.float8_e4m3fn)
+        scales = (torch.rand((T, H // 128), generator=gen) + 0.5).to(dev)
+        return x8, scales, w
+    return x.to(torch.bfloat16), None, w
+
+
+def same(a, b, what):
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: one side is None"
+        return
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert torch.equal(a, b), f"{what}: differs at {(a != b).nonzero()[:5].tolist()}"
+
+
+def run_case(backends, kind, T, H, K, E, *, fp8=False, worst=0, expert_major=False, align=1, seed=0):
+    nat, ref = backends
+    R, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    topk_idx = make_routing(kind, T, K, E, R, gen)
+    x, scales, w = make_inputs(T, H, K, fp8, gen)
+
+    layout_n = nat.get_dispatch_layout(topk_idx, E)
+    layout_r = ref.get_dispatch_layout(topk_idx, E)
+    for a, b, name in zip(layout_n, layout_r, ("per_rank", "per_rdma_rank", "per_expert", "is_token_in_rank")):
+        same(a, b, f"layout {name}")
+    per_rank, per_rdma, per_expert, in_rank = layout_r
+
+    if worst:  # an upper bound of the rows any rank can need (expert-major: every slot local, plus padding)
+        worst = T * R * K + (E // R) * align if expert_major else T * R
+
+    def args(handle=None, xx=x, ss=scales):
+        if handle is not None:
+            return DispatchArgs(x=xx, x_scales=ss, handle=handle, num_tokens_per_rank=None,
+                                num_tokens_per_rdma_rank=None, is_token_in_rank=None, num_tokens_per_expert=None,
+                                topk_idx=None, topk_weights=None)
+        return DispatchArgs(x=xx, x_scales=ss, handle=None, num_tokens_per_rank=per_rank,
+                            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w,
+                            expert_alignment=align, num_worst_tokens=worst, expert_major=expert_major)
+
+    rn, rr = nat.dispatch(args()), ref.dispatch(args())
+    same(rn.recv_x, rr.recv_x, "recv_x")
+    same(rn.recv_x_scales, rr.recv_x_scales, "recv_x_scales")
+    same(rn.recv_topk_idx, rr.recv_topk_idx, "recv_topk_idx")
+    same(rn.recv_topk_weights, rr.recv_topk_weights, "recv_topk_weights")
+    assert rn.num_recv_tokens_per_expert_list == rr.num_recv_tokens_per_expert_list
+    assert rn.handle.num_recv_rows == rr.handle.num_recv_rows
+    same(rn.handle.num_recv_tokens_per_expert, rr.handle.num_recv_tokens_per_expert, "aligned counts")
+    if expert_major:
+        same(rn.handle.expert_major_token, rr.handle.expert_major_token, "expert_major_token")
+        same(rn.handle.expert_major_slot, rr.handle.expert_major_slot, "expert_major_slot")
+
+    # cached dispatch of a fresh payload
+    x2, s2, _ = make_inputs(T, H, K, fp8, gen)
+    cn, cr = nat.dispatch(args(rn.handle, x2, s2)), ref.dispatch(args(rr.handle, x2, s2))
+    same(cn.recv_x, cr.recv_x, "cached recv_x")
+    same(cn.recv_x_scales, cr.recv_x_scales, "cached recv_x_scales")
+
+    # combine of a fresh bf16 payload in the received layout, with weights
+    rows = rn.handle.num_recv_rows
+    y = torch.randn((rows, H), generator=gen).to(x.device, torch.bfloat16)
+    yw = rn.recv_topk_weights
+    on, own = nat.combine(y, rn.handle, yw, None)
+    orr, owr = ref.combine(y, rr.handle, rr.recv_topk_weights, None)
+    torch.testing.assert_close(on.float(), orr.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(own, owr, rtol=1e-5, atol=1e-5)
+    # combine(dispatch(w)) gives w back on every kept slot
+    kept = topk_idx >= 0
+    torch.testing.assert_close(own[kept], w[kept], rtol=1e-6, atol=1e-6)
+    torch.cuda.synchronize()
+
+
+SHAPES = [  # T, H, K, E
+    (1, 2048, 1, 8),
+    (100, 2048, 2, 16),
+    (512, 4096, 8, 64),
+    (4096, 7168, 8, 256),
+    (8192, 2048, 4, 32),
+]
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "empty", "dropped"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_bf16_dispatch_combine_match_reference(backends, kind, shape):
+    T, H, K, E = shape
+    if kind == "empty" and K > E // dist.get_world_size():
+        K = 1
+    run_case(backends, kind, T, H, K, E)
+
+
+@pytest.mark.parametrize("shape", [(128, 2048, 4, 16), (4096, 7168, 8, 256)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kind", ["random", "dropped"])
+def test_fp8_dispatch_carries_payload_and_scales_exactly(backends, shape, kind):
+    run_case(backends, kind, *shape, fp8=True, seed=3)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kind", ["random", "empty", "dropped"])
+def test_sync_free_dispatch_pads_to_num_worst_tokens_like_reference(backends, kind, fp8):
+    run_case(backends, kind, 300, 2048, 4, 16, fp8=fp8, worst=1, seed=5)
+
+
+@pytest.mark.parametrize("align", [1, 16, 128])
+@pytest.mark.parametrize("worst", [0, 1])
+@pytest.mark.parametrize("kind", ["random", "skewed", "dropped"])
+def test_expert_major_receive_matches_reference_layout(backends, kind, worst, align):
+    run_case(backends, kind, 257, 2048, 4, 16, expert_major=True, align=align, worst=worst, seed=7)
+
+
+def test_expert_major_fp8_deepseek_shape(backends):
+    run_case(backends, "random", 1024, 7168, 8, 256, fp8=True, expert_major=True, align=128, seed=9)
+
+
+def test_empty_batch_dispatches_and_combines_nothing(backends):
+    run_case(backends, "random", 0, 2048, 2, 8, seed=11)
+
+
+def test_cuda_graph_replays_sync_free_dispatch_and_combine(backends):
+    nat, ref = backends
+    R, rank = dist.get_world_size(), dist.get_rank()
+    T, H, K, E = 256, 2048, 4, 16
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(100 + rank)
+    static_idx = make_routing("random", T, K, E, R, gen)
+    static_x, _, static_w = make_inputs(T, H, K, False, gen)
+    worst = T * R
+
+    def step():
+        per_rank, per_rdma, per_expert, in_rank = nat.get_dispatch_layout(static_idx, E)
+        res = nat.dispatch(DispatchArgs(x=static_x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
+                                        num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                        num_tokens_per_expert=per_expert, topk_idx=static_idx,
+                                        topk_weights=static_w, num_worst_tokens=worst))
+        out, out_w = nat.combine(res.recv_x, res.handle, res.recv_topk_weights, None)
+        return res.recv_x, out, out_w
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_recv, g_out, g_w = step()
+    for it in range(3):
+        idx = make_routing("dropped" if it % 2 else "random", T, K, E, R, gen)
+        x, _, w = make_inputs(T, H, K, False, gen)
+        static_idx.copy_(idx)
+        static_x.copy_(x)
+        static_w.copy_(w)
+        graph.replay()
+        torch.cuda.synchronize()
+        per_rank, per_rdma, per_expert, in_rank = ref.get_dispatch_layout(idx, E)
+        rr = ref.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
+                                       num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                                       num_worst_tokens=worst))
+        same(g_recv, rr.recv_x, f"replay {it} recv_x")
+        orr, owr = ref.combine(rr.recv_x, rr.handle, rr.recv_topk_weights, None)
+        torch.testing.assert_close(g_out.float(), orr.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(g_w, owr, rtol=1e-5, atol=1e-5)
+
+
+def test_thousand_random_iterations_keep_matching_without_leaks(backends):
+    nat, ref = backends
+    R, rank = dist.get_world_size(), dist.get_rank()
+    torch.cuda.synchronize()
+    gen_shared = torch.Generator().manual_seed(4242)  # same shapes on every rank
+    gen = torch.Generator().manual_seed(77 + rank)
+    before = None
+    for it in range(1000):
+        T = int(torch.randint(0, 300, (1,), generator=gen_shared))
+        K = int(torch.randint(1, 5, (1,), generator=gen_shared))
+        kind = ["random", "dropped", "skewed"][it % 3]
+        topk_idx = make_routing(kind, T, K, 16, R, gen)
+        x, _, w = make_inputs(T, 1024, K, False, gen)
+        per_rank, per_rdma, per_expert, in_rank = nat.get_dispatch_layout(topk_idx, 16)
+        res = nat.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
+                                        num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w))
+        out, out_w = nat.combine(res.recv_x, res.handle, res.recv_topk_weights, None)
+        # combine(dispatch(x)) = x times the number of ranks the token visited
+        copies = in_rank.sum(1, keepdim=True).float()
+        torch.testing.assert_close(out.float(), x.float() * copies, rtol=1e-2, atol=1e-2)
+        kept = topk_idx >= 0
+        assert torch.equal(out_w[kept], w[kept])
+        if it % 100 == 0:
+            rr = ref.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
+                                           num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                           num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w))
+            same(res.recv_x, rr.recv_x, f"iteration {it} recv_x")
+        if it == 10:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + (1 << 20), "device memory grew over the loop"
+
+
+def test_too_small_buffer_reports_the_size_needed(group):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx = BackendContext(group=group, rank=rank, num_ranks=world, ranks_per_node=world,
+                         device=torch.device("cuda", torch.cuda.current_device()), num_nvl_bytes=1 << 20,
+                         num_rdma_bytes=0, settings=load_settings())
+    nat = NativeIntranodeBackend(ctx)
+    try:
+        T, H, K, E = 512, 7168, 4, 16
+        gen = torch.Generator().manual_seed(1)
+        idx = make_routing("random", T, K, E, world, gen)
+        x, _, w = make_inputs(T, H, K, False, gen)
+        per_rank, per_rdma, per_expert, in_rank = nat.get_dispatch_layout(idx, E)
+        with pytest.raises(ValueError, match="num_nvl_bytes >= "):
+            nat.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
+                                      num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w))
+    finally:
+        nat.destroy()

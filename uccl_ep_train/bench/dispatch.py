@@ -1,0 +1,228 @@
+"""`uccl-ep-train bench dispatch`: our intranode dispatch/combine beside NCCL all_to_all_single (and DeepEP when it is
+importable), in one process group. Launch with `torchrun --nproc-per-node N -m uccl_ep_train bench dispatch`.
+
+Bytes: "logical" counts every received row's payload the way DeepEP does (copies to itself included); "nvlink" counts
+only the rows that actually cross to another GPU. Bandwidths are per rank. The NCCL baseline moves the same rows
+(one per (token, destination rank)) with uneven splits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List
+
+DEFAULT_TOKENS = [128, 512, 1024, 2048, 4096, 8192]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("dispatch", help="intranode dispatch/combine vs NCCL all_to_all (run under torchrun)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the headline row (DeepSeek-V3: 4096)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--sweep", type=str, default=",".join(map(str, DEFAULT_TOKENS)),
+                   help="comma-separated token counts of the sweep ('' to skip)")
+    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", type=str, default="", help="write the results here")
+    p.add_argument("--plot", type=str, default="", help="write a PNG of bandwidth against tokens here")
+    p.set_defaults(func=run)
+
+
+def _time(fn, iters: int, warmup: int) -> float:
+    """Mean microseconds per call, both ranks started together."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000.0 / iters
+
+
+def _max_over_ranks(v: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([v], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep_ep_buffer=None) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from uccl_ep_train.backends import DispatchArgs
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    scores = torch.rand((T, E), device="cuda", generator=gen)
+    topk_idx = scores.topk(K, dim=1).indices.to(torch.int64)
+    topk_w = torch.rand((T, K), device="cuda", generator=gen)
+    x = torch.randn((T, H), device="cuda", generator=gen).to(torch.bfloat16)
+    x8 = x.float().clamp(-400, 400).to(torch.float8_e4m3fn)
+    x8_scales = torch.rand((T, H // 128), device="cuda", generator=gen) + 0.5
+    per_rank, per_rdma, per_expert, in_rank = backend.get_dispatch_layout(topk_idx, E)
+
+    def args(xx, ss=None, worst=0, handle=None):
+        if handle is not None:
+            return DispatchArgs(xx, ss, handle, None, None, None, None, None, None)
+        return DispatchArgs(xx, ss, None, per_rank, per_rdma, in_rank, per_expert, topk_idx, topk_w,
+                            num_worst_tokens=worst)
+
+    res = backend.dispatch(args(x))
+    recv_rows = res.recv_x.shape[0]
+    recv_x = res.recv_x
+    handle = res.handle
+    row_bf16 = H * 2
+    row_fp8 = H + 4 * (H // 128)
+    sent_remote = int(per_rank.sum().item() - per_rank[rank].item())
+    recv_remote = recv_rows - int(in_rank[:, rank].sum().item())
+    out: Dict[str, Any] = {"tokens": T, "hidden": H, "topk": K, "experts": E, "ranks": R, "recv_rows": recv_rows}
+
+    t_layout = _time(lambda: backend.get_dispatch_layout(topk_idx, E), iters, warmup)
+    t_bf16 = _time(lambda: backend.dispatch(args(x)), iters, warmup)
+    t_fp8 = _time(lambda: backend.dispatch(args(x8, x8_scales)), iters, warmup)
+    t_cached = _time(lambda: backend.dispatch(args(x, handle=handle)), iters, warmup)
+    worst = T * R
+    t_syncfree = _time(lambda: backend.dispatch(args(x, worst=worst)), iters, warmup)
+    t_combine = _time(lambda: backend.combine(recv_x, handle, None, None), iters, warmup)
+
+    # NCCL: the same rows, one per (token, destination rank), uneven splits.
+    send_counts = per_rank.tolist()
+    recv_counts = torch.empty_like(per_rank)
+    dist.all_to_all_single(recv_counts, per_rank)
+    recv_counts = recv_counts.tolist()
+    order = torch.cat([in_rank[:, r].nonzero().squeeze(1) for r in range(R)])
+    send_buf = x[order].contiguous()
+    recv_buf = torch.empty((sum(recv_counts), H), dtype=x.dtype, device="cuda")
+    t_nccl = _time(lambda: dist.all_to_all_single(recv_buf, send_buf, recv_counts, send_counts), iters, warmup)
+
+    for name, us, row in (("dispatch_bf16", t_bf16, row_bf16), ("dispatch_fp8", t_fp8, row_fp8),
+                          ("dispatch_bf16_cached", t_cached, row_bf16), ("dispatch_bf16_syncfree", t_syncfree, row_bf16),
+                          ("combine_bf16", t_combine, row_bf16), ("nccl_all_to_all_bf16", t_nccl, row_bf16)):
+        us = _max_over_ranks(us)
+        remote = recv_remote if name.startswith(("dispatch", "nccl")) else sent_remote
+        if name.startswith("combine"):
+            remote = recv_remote  # combine sends back what dispatch received
+        out[name] = {"us": us, "logical_GBps": recv_rows * row / us / 1e3, "nvlink_GBps": remote * row / us / 1e3,
+                     "logical_bytes": recv_rows * row, "nvlink_bytes": remote * row}
+    out["layout_us"] = _max_over_ranks(t_layout)
+
+    if deep_ep_buffer is not None:
+        try:
+            buf = deep_ep_buffer
+            rx, _, _, _, h, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w)
+            t = _time(lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                           num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                           topk_weights=topk_w), iters, warmup)
+            tc = _time(lambda: buf.combine(rx, h), iters, warmup)
+            out["deepep_dispatch_bf16"] = {"us": _max_over_ranks(t)}
+            out["deepep_combine_bf16"] = {"us": _max_over_ranks(tc)}
+        except Exception as exc:  # DeepEP present but unusable here: say so, keep our numbers
+            out["deepep_error"] = str(exc)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from uccl_ep_train.backends import BackendContext
+    from uccl_ep_train.intranode import NativeIntranodeBackend
+    from uccl_ep_train.settings import load_settings
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    R, rank = dist.get_world_size(), dist.get_rank()
+    sweep = [int(s) for s in args.sweep.split(",") if s.strip()]
+    t_max = max([args.tokens] + sweep)
+    H, K, E = args.hidden, args.topk, args.experts
+    row = H * 2 + 4 * (H // 128) + 12 * K + 4
+    nvl_bytes = t_max * R * row + (1 << 20)
+    settings = load_settings()
+    ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=R, ranks_per_node=R,
+                         device=torch.device("cuda", local), num_nvl_bytes=nvl_bytes, num_rdma_bytes=0,
+                         settings=settings)
+    backend = NativeIntranodeBackend(ctx)
+    backend.num_sms = args.num_sms
+    deep = None
+    try:
+        import deep_ep  # type: ignore
+
+        deep_ep.Buffer.set_num_sms(args.num_sms)
+        deep = deep_ep.Buffer(dist.group.WORLD, int(2e9), 0)
+    except Exception:
+        deep = None
+
+    results: List[Dict[str, Any]] = []
+    for T in [args.tokens] + [t for t in sweep if t != args.tokens]:
+        results.append(_case(backend, T, H, K, E, args.iters, args.warmup, deep))
+    results.sort(key=lambda r: r["tokens"])
+
+    if rank == 0:
+        dev = torch.cuda.get_device_name()
+        print(f"# uccl-ep-train bench dispatch: {R} x {dev}, hidden {H}, top-{K} of {E}, {args.num_sms} SMs, "
+              f"{args.iters} iterations; times are the max over ranks; GB/s per rank")
+        cols = ["dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "dispatch_bf16_syncfree", "combine_bf16",
+                "nccl_all_to_all_bf16"]
+        print("| tokens | recv rows | " + " | ".join(f"{c} us (logical / nvlink GB/s)" for c in cols)
+              + " | layout us |" + (" DeepEP dispatch / combine us |" if deep is not None else ""))
+        print("|" + " --- |" * (len(cols) + 3 + (1 if deep is not None else 0)))
+        for r in results:
+            cells = [f"{r[c]['us']:.1f} ({r[c]['logical_GBps']:.0f} / {r[c]['nvlink_GBps']:.0f})" for c in cols]
+            line = f"| {r['tokens']} | {r['recv_rows']} | " + " | ".join(cells) + f" | {r['layout_us']:.1f} |"
+            if deep is not None:
+                d = r.get("deepep_dispatch_bf16", {}).get("us", float("nan"))
+                c = r.get("deepep_combine_bf16", {}).get("us", float("nan"))
+                line += f" {d:.1f} / {c:.1f} |"
+            print(line)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": dev, "ranks": R, "num_sms": args.num_sms, "results": results}, f, indent=1)
+        if args.plot:
+            try:
+                import matplotlib
+
+                matplotlib.use("Agg")
+                import matplotlib.pyplot as plt
+            except ImportError:
+                print("bench dispatch: matplotlib is not installed; no plot", file=sys.stderr)
+            else:
+                fig, ax = plt.subplots(figsize=(7, 4))
+                toks = [r["tokens"] for r in results]
+                for c in cols:
+                    ax.plot(toks, [r[c]["logical_GBps"] for r in results], marker="o", label=c)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("tokens per rank")
+                ax.set_ylabel("logical GB/s per rank")
+                ax.set_title(f"{R} x {dev}, hidden {H}, top-{K}/{E}, {args.num_sms} SMs")
+                ax.legend(fontsize=7)
+                fig.tight_layout()
+                fig.savefig(args.plot, dpi=120)
+    backend.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="bench", required=True)
+    add_parser(sub)
+    a = parser.parse_args()
+    sys.exit(a.func(a))
