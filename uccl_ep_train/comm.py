@@ -1,19 +1,103 @@
 """The host communication core from Python: build a rank's proxy from the settings and connect it to its peers.
 
 The native objects (`uccl_ep_train._C.Proxy`, `HostBuffer`) do the work; this module only translates
-:class:`uccl_ep_train.settings.Settings` into their arguments and runs the connection bootstrap through
-torch.distributed (``all_gather_object``; gloo on CPU is enough). See docs/host-core.md.
+:class:`uccl_ep_train.settings.Settings` (and, for the verbs transport, :func:`uccl_ep_train.topology.plan`: the NICs
+and GID indices of this rank's GPU) into their arguments and runs the connection bootstrap through
+torch.distributed (``all_gather_object``; gloo on CPU is enough). See docs/host-core.md and docs/transports.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from uccl_ep_train import native
+from uccl_ep_train import topology as topo_mod
 from uccl_ep_train.settings import Settings, SettingsError, load_settings
 
-#: Default in-flight byte cap when UCCL_IB_MAX_INFLIGHT_BYTES is unset (the verbs transport picks per-NIC defaults).
+#: Default in-flight byte cap when UCCL_IB_MAX_INFLIGHT_BYTES is unset: 2 MiB on loopback, IB and RoCE ...
 DEFAULT_INFLIGHT_BYTES = 2 << 20
+#: ... and 8 MiB on EFA (SRD spreads a QP's traffic over many paths and needs more in flight to fill a 200G port).
+DEFAULT_INFLIGHT_BYTES_EFA = 8 << 20
+#: Send/receive work requests kept per queue pair when the in-flight cap is lower (the proxy never exceeds its cap).
+DEFAULT_QUEUE_DEPTH = 1024
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class TransportChoice:
+    """Which transport a rank's proxies use, and for verbs the NICs of its GPU (from topology.plan())."""
+
+    transport: str                       # "loopback" or "verbs"
+    reason: str                          # why (printed by errors and logs)
+    gpu: int = -1
+    devices: tuple[str, ...] = ()
+    gid_index: tuple[int, ...] = ()
+    efa: bool = False
+
+
+@functools.lru_cache(maxsize=4)
+def _discover(sysfs_root: str) -> topo_mod.Topology:
+    return topo_mod.discover(sysfs_root)
+
+
+def _verbs_loadable() -> tuple[bool, str]:
+    """The module has the verbs transport and an ibv table is usable (system libibverbs, or a test's fake)."""
+    verbs = getattr(native.module(), "verbs", None)
+    if verbs is None or not getattr(verbs, "available", False):
+        return False, "this build has no verbs transport (rdma-core headers were missing at build time)"
+    try:
+        verbs.active_api()
+    except RuntimeError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def _local_gpu(rank: int, gpu: Optional[int]) -> int:
+    if gpu is not None:
+        return gpu
+    local = os.environ.get("LOCAL_RANK")
+    return int(local) if local not in (None, "") else rank
+
+
+def choose_transport(settings: Settings, rank: int, *, gpu: Optional[int] = None,
+                     topology: Optional[topo_mod.Topology] = None) -> TransportChoice:
+    """Resolve UCCL_EP_TRANSPORT: "verbs" (or "auto" when this GPU has a usable RDMA NIC and libibverbs loads) drives
+    the NICs topology.plan() assigns to the GPU (``gpu``, default LOCAL_RANK, else ``rank``); "auto" without one is
+    loopback. Raises SettingsError when "verbs" cannot run here, saying what to change."""
+    t = settings.transport
+    if t.transport == "loopback":
+        return TransportChoice("loopback", "UCCL_EP_TRANSPORT=loopback")
+    explicit = t.transport == "verbs"
+    topo = topology if topology is not None else _discover("/sys")
+    gpu_index = _local_gpu(rank, gpu)
+    try:
+        plans = topo_mod.plan(topo, t.ib_hca, t.ib_gid_index)
+    except ValueError as exc:  # a NIC exists but no GID of it can be used
+        if explicit:
+            raise SettingsError(f"UCCL_EP_TRANSPORT=verbs: {exc}") from None
+        return TransportChoice("loopback", f"UCCL_EP_TRANSPORT=auto: no usable RDMA NIC ({exc})")
+    mine = next((p for p in plans if p.gpu == gpu_index), None)
+    if mine is None or not mine.nics:
+        why = (f"no GPU {gpu_index} on this host ({len(topo.gpus)} found)" if mine is None else
+               f"no RDMA NIC for GPU {gpu_index}" + (f" (UCCL_IB_HCA={','.join(t.ib_hca)})" if t.ib_hca else ""))
+        if explicit:
+            raise SettingsError(f"UCCL_EP_TRANSPORT=verbs but {why}: run `uccl-ep-train doctor`, widen UCCL_IB_HCA, "
+                                "or set UCCL_EP_TRANSPORT=loopback for a single-host run")
+        return TransportChoice("loopback", f"UCCL_EP_TRANSPORT=auto: {why}")
+    ok, why = _verbs_loadable()
+    if not ok:
+        if explicit:
+            raise SettingsError(f"UCCL_EP_TRANSPORT=verbs but the verbs transport cannot run: {why}")
+        return TransportChoice("loopback", f"UCCL_EP_TRANSPORT=auto: RDMA NIC(s) {','.join(mine.nics)} found but "
+                               f"{why}")
+    by_name = {n.name: n for n in topo.nics}
+    efa = any(by_name[n].is_efa for n in mine.nics if n in by_name)
+    return TransportChoice("verbs", f"UCCL_EP_TRANSPORT={t.transport}: GPU {gpu_index} -> " + "; ".join(
+        f"{n} ({r})" for n, r in zip(mine.nics, mine.gid_reason)), gpu=gpu_index, devices=tuple(mine.nics),
+        gid_index=tuple(mine.gid_index), efa=efa)
 
 
 @dataclass(frozen=True)
@@ -37,36 +121,61 @@ class ProxyOptions:
     loopback_delay_us: int
     loopback_bandwidth_gbps: float
     loopback_seed: int
+    ib_devices: tuple[str, ...] = ()
+    ib_gid_index: tuple[int, ...] = ()
+    ib_sl: int = -1                      # -1: the transport's default (3 IB/RoCE, 8 EFA)
+    ib_tc: int = -1                      # -1: 104 IB/RoCE, 0 EFA
+    ib_sq_depth: int = DEFAULT_QUEUE_DEPTH
+    ib_rq_depth: int = DEFAULT_QUEUE_DEPTH
+    transport_reason: str = field(default="", compare=False)  # not passed to the native proxy
 
     def kwargs(self) -> dict[str, Any]:
         d = dict(self.__dict__)
+        d.pop("transport_reason")
         d["cpus"] = list(self.cpus)
+        d["ib_devices"] = list(self.ib_devices)
+        d["ib_gid_index"] = list(self.ib_gid_index)
         return d
 
 
 def proxy_options(settings: Settings, rank: int, world: int, *, num_signal_slots: int = 1024,
-                  low_latency: bool = False) -> ProxyOptions:
-    """Translate settings into proxy arguments; raises SettingsError for combinations the host core cannot run."""
+                  low_latency: bool = False, gpu: Optional[int] = None,
+                  topology: Optional[topo_mod.Topology] = None) -> ProxyOptions:
+    """Translate settings into proxy arguments; raises SettingsError for combinations the host core cannot run.
+
+    ``gpu`` and ``topology`` only matter for the verbs transport (see :func:`choose_transport`); tests pass a
+    recorded topology."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")
     if not 1 <= num_signal_slots <= 16383:
         raise ValueError(f"num_signal_slots={num_signal_slots} must be in 1..16383")
     t, p, e = settings.transport, settings.proxy, settings.emulation
-    transport = t.transport
-    if transport == "auto":
-        transport = "loopback"  # the verbs transport is chosen here once its binding offers a proxy factory
-    if transport != "loopback":
-        raise SettingsError(f"UCCL_EP_TRANSPORT={t.transport}: the host proxy currently runs over loopback only; "
-                            "set UCCL_EP_TRANSPORT=loopback")
+    choice = choose_transport(settings, rank, gpu=gpu, topology=topology)
     writes = t.ib_max_inflight_low_latency if low_latency else t.ib_max_inflight_normal
+    default_bytes = DEFAULT_INFLIGHT_BYTES_EFA if choice.efa else DEFAULT_INFLIGHT_BYTES
     return ProxyOptions(
         rank=rank, world=world, num_threads=p.num_threads, fifos_per_thread=p.fifos_per_thread,
         fifo_depth=p.fifo_depth, cpus=tuple(p.cpus), idle_backoff_us=p.idle_backoff_us, timeout_secs=p.timeout_secs,
         max_inflight_writes=writes,
-        max_inflight_bytes=t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else DEFAULT_INFLIGHT_BYTES,
-        reorder_window=t.reorder_window, num_signal_slots=num_signal_slots, transport=transport,
+        max_inflight_bytes=t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes,
+        reorder_window=t.reorder_window, num_signal_slots=num_signal_slots, transport=choice.transport,
         loopback_reorder=e.loopback_reorder, loopback_delay_us=e.loopback_delay_us,
-        loopback_bandwidth_gbps=e.loopback_bandwidth_gbps, loopback_seed=e.loopback_seed)
+        loopback_bandwidth_gbps=e.loopback_bandwidth_gbps, loopback_seed=e.loopback_seed,
+        ib_devices=choice.devices, ib_gid_index=choice.gid_index,
+        ib_sl=-1 if t.ib_sl is None else t.ib_sl, ib_tc=-1 if t.ib_tc is None else t.ib_tc,
+        ib_sq_depth=max(DEFAULT_QUEUE_DEPTH, writes), ib_rq_depth=max(DEFAULT_QUEUE_DEPTH, writes),
+        transport_reason=choice.reason)
+
+
+def with_timeout_hint(exc: BaseException) -> BaseException:
+    """The same exception type and message, ending with doctor.TIMEOUT_HINT (unchanged if it already does)."""
+    from uccl_ep_train.doctor import TIMEOUT_HINT
+
+    text = str(exc)
+    if text.endswith(TIMEOUT_HINT):
+        return exc
+    new = type(exc)(f"{text.rstrip()}\n{TIMEOUT_HINT}")
+    return new.with_traceback(exc.__traceback__)
 
 
 class HostComm:
@@ -78,12 +187,15 @@ class HostComm:
     """
 
     def __init__(self, data_bytes: int, rank: int, world: int, *, settings: Optional[Settings] = None,
-                 num_signal_slots: int = 1024, low_latency: bool = False, **overrides: Any):
+                 num_signal_slots: int = 1024, low_latency: bool = False, gpu: Optional[int] = None,
+                 topology: Optional[topo_mod.Topology] = None, **overrides: Any):
         if data_bytes <= 0:
             raise ValueError(f"data_bytes={data_bytes} must be positive")
         _C = native.module()
         self.settings = settings if settings is not None else load_settings()
-        opts = proxy_options(self.settings, rank, world, num_signal_slots=num_signal_slots, low_latency=low_latency)
+        opts = proxy_options(self.settings, rank, world, num_signal_slots=num_signal_slots, low_latency=low_latency,
+                             gpu=gpu, topology=topology)
+        self.transport_reason = opts.transport_reason
         kwargs = opts.kwargs()
         unknown = set(overrides) - set(kwargs)
         if unknown:
@@ -146,21 +258,37 @@ class HostComm:
         """A live numpy int64 view of this rank's signal counters."""
         return self.proxy.signals()
 
+    def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a native call; a deadline that passed (TimeoutError, or the proxy watchdog's ProxyError) comes back
+        with doctor.TIMEOUT_HINT appended, so the message says what to inspect next."""
+        try:
+            return fn(*args)
+        except TimeoutError as exc:
+            raise with_timeout_hint(exc) from None
+        except native.module().ProxyError as exc:
+            if not self.proxy.timed_out:
+                raise
+            raise with_timeout_hint(exc) from None
+
     def push(self, fifo: int, command: tuple[int, int]) -> int:
-        return self.proxy.push(fifo, command)
+        return self._call(self.proxy.push, fifo, command)
 
     def push_array(self, fifo: int, commands) -> None:
-        self.proxy.push_array(fifo, commands)
+        self._call(self.proxy.push_array, fifo, commands)
+
+    def wait_done(self, fifo: int, index: int) -> None:
+        """Wait until the FIFO's tail passed ``index`` (a quiet pushed at ``index`` completed)."""
+        self._call(self.proxy.wait_done, fifo, index)
 
     def check(self) -> None:
-        self.proxy.check()
+        self._call(self.proxy.check)
 
     def wait_idle(self, timeout_secs: Optional[float] = None) -> None:
-        self.proxy.wait_idle(self.options["timeout_secs"] if timeout_secs is None else timeout_secs)
+        self._call(self.proxy.wait_idle, self.options["timeout_secs"] if timeout_secs is None else timeout_secs)
 
     def wait_signal(self, slot: int, expected: int, timeout_secs: Optional[float] = None) -> int:
-        return self.proxy.wait_signal(slot, expected,
-                                      self.options["timeout_secs"] if timeout_secs is None else timeout_secs)
+        return self._call(self.proxy.wait_signal, slot, expected,
+                          self.options["timeout_secs"] if timeout_secs is None else timeout_secs)
 
     def stats(self) -> list[dict]:
         return [self.proxy.stats(t) for t in range(self.num_threads)]

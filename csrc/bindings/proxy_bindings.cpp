@@ -1,4 +1,5 @@
-// Python bindings of the host core: command encoding, FIFOs, proxies, the loopback transport and shared host memory.
+// Python bindings of the host core: command encoding, FIFOs, proxies (over loopback or verbs), shared host memory and
+// the loopback self-test doctor runs.
 // Torch-free: buffers cross as raw pointers or numpy views.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -14,7 +15,9 @@
 #include "proxy/host_memory.hpp"
 #include "proxy/ordering.hpp"
 #include "proxy/proxy.hpp"
+#include "proxy/selftest.hpp"
 #include "transport/loopback.hpp"
+#include "transport/verbs.hpp"
 #include "uccl_ep/command.hpp"
 
 #ifdef UCCL_EP_WITH_CUDA
@@ -260,7 +263,9 @@ void bind_host_core(py::module_& m) {
                        int fifos_per_thread, uint32_t fifo_depth, std::vector<int> cpus, int idle_backoff_us,
                        double timeout_secs, uint64_t max_inflight_writes, uint64_t max_inflight_bytes,
                        int reorder_window, uint32_t num_signal_slots, std::string transport, int loopback_reorder,
-                       uint64_t loopback_delay_us, double loopback_bandwidth_gbps, uint64_t loopback_seed) {
+                       uint64_t loopback_delay_us, double loopback_bandwidth_gbps, uint64_t loopback_seed,
+                       std::vector<std::string> ib_devices, std::vector<int> ib_gid_index, int ib_port, int ib_sl,
+                       int ib_tc, int ib_sq_depth, int ib_rq_depth) {
              ProxyConfig cfg;
              cfg.rank = rank;
              cfg.world = world;
@@ -274,9 +279,27 @@ void bind_host_core(py::module_& m) {
              cfg.max_inflight_bytes = max_inflight_bytes;
              cfg.reorder_window = reorder_window;
              cfg.num_signal_slots = num_signal_slots;
-             if (transport != "loopback")
-               throw py::value_error("Proxy: transport '" + transport + "' is not available here (loopback only)");
-             Proxy::TransportFactory factory = [=](int t) {
+             Proxy::TransportFactory factory;
+             if (transport == "verbs") {
+               if (ib_devices.empty())
+                 throw py::value_error("Proxy: transport 'verbs' needs at least one RDMA device (ib_devices); "
+                                       "uccl_ep_train.comm.proxy_options picks them with topology.plan()");
+               if (!ib_gid_index.empty() && ib_gid_index.size() != ib_devices.size())
+                 throw py::value_error("Proxy: ib_gid_index must name one GID index per device in ib_devices");
+               VerbsConfig vc;
+               vc.rank = rank;
+               vc.world_size = world;
+               vc.devices = ib_devices;
+               vc.gid_index = ib_gid_index;
+               vc.port = ib_port;
+               vc.sl = ib_sl;
+               vc.tc = ib_tc;
+               vc.sq_depth = ib_sq_depth;
+               vc.rq_depth = ib_rq_depth;
+               // one endpoint (its own QPs and CQ) per proxy thread: thread t talks to thread t of every rank
+               factory = [vc](int) -> std::unique_ptr<Transport> { return make_verbs_transport(vc); };
+             } else if (transport == "loopback") {
+             factory = [=](int t) -> std::unique_ptr<Transport> {
                LoopbackOptions o;
                o.rank = rank;
                o.world = world;
@@ -287,6 +310,9 @@ void bind_host_core(py::module_& m) {
                o.seed = loopback_seed;
                return make_loopback_transport(o);
              };
+             } else {
+               throw py::value_error("Proxy: transport must be 'loopback' or 'verbs', got '" + transport + "'");
+             }
              auto p = std::make_unique<PyProxy>();
              p->data = data;
              p->proxy = std::make_unique<Proxy>(cfg, factory, data->data(), data->bytes(), MemoryKind::kHost);
@@ -297,7 +323,10 @@ void bind_host_core(py::module_& m) {
            py::arg("idle_backoff_us") = 0, py::arg("timeout_secs") = 100.0, py::arg("max_inflight_writes") = 8,
            py::arg("max_inflight_bytes") = 2ull << 20, py::arg("reorder_window") = 256,
            py::arg("num_signal_slots") = 1024, py::arg("transport") = "loopback", py::arg("loopback_reorder") = 0,
-           py::arg("loopback_delay_us") = 0, py::arg("loopback_bandwidth_gbps") = 0.0, py::arg("loopback_seed") = 0)
+           py::arg("loopback_delay_us") = 0, py::arg("loopback_bandwidth_gbps") = 0.0, py::arg("loopback_seed") = 0,
+           py::arg("ib_devices") = std::vector<std::string>{}, py::arg("ib_gid_index") = std::vector<int>{},
+           py::arg("ib_port") = 1, py::arg("ib_sl") = -1, py::arg("ib_tc") = -1, py::arg("ib_sq_depth") = 1024,
+           py::arg("ib_rq_depth") = 1024)
       .def_property_readonly("num_fifos", [](PyProxy& p) { return p.proxy->num_fifos(); })
       .def_property_readonly("caps", [](PyProxy& p) {
         TransportCaps c = p.proxy->caps();
@@ -328,6 +357,8 @@ void bind_host_core(py::module_& m) {
       .def("check", [](PyProxy& p) { p.proxy->check(); })
       .def_property_readonly("failed", [](PyProxy& p) { return p.proxy->failed(); })
       .def_property_readonly("error", [](PyProxy& p) { return p.proxy->error(); })
+      .def_property_readonly("timed_out", [](PyProxy& p) { return p.proxy->timed_out(); },
+                             "The recorded failure is the watchdog's (UCCL_EP_CPU_TIMEOUT_SECS passed without progress)")
       .def("push", [](PyProxy& p, int fifo, py::tuple cmd) {
         Command c = from_pair(cmd[0].cast<uint64_t>(), cmd[1].cast<uint64_t>());
         py::gil_scoped_release nogil;
@@ -370,6 +401,48 @@ void bind_host_core(py::module_& m) {
         d["max_reorder_held"] = s.max_reorder_held;
         return d;
       });
+
+  m.def("loopback_selftest", [](uint64_t commands, int reorder, uint64_t seed, double timeout_secs) {
+    SelftestOptions o;
+    o.commands = commands;
+    o.reorder = reorder;
+    o.seed = seed;
+    o.timeout_secs = timeout_secs;
+    SelftestResult r;
+    {
+      py::gil_scoped_release nogil;
+      r = loopback_selftest(o);
+    }
+    return r.summary;
+  }, py::arg("commands") = 4096, py::arg("reorder") = 8, py::arg("seed") = 1, py::arg("timeout_secs") = 30.0,
+     "Two proxies in this process over loopback (reordering injected) exchange `commands` write+signal commands each "
+     "way; verifies every byte and counter and returns a one-line summary with commands/s. Raises ProxyError "
+     "(wrong byte or counter) or TimeoutError.");
+  m.def("loopback_selftest_details", [](uint64_t commands, int reorder, uint64_t seed, double timeout_secs,
+                                        std::string inject_fault) {
+    SelftestOptions o;
+    o.inject_fault = inject_fault;
+    o.commands = commands;
+    o.reorder = reorder;
+    o.seed = seed;
+    o.timeout_secs = timeout_secs;
+    SelftestResult r;
+    {
+      py::gil_scoped_release nogil;
+      r = loopback_selftest(o);
+    }
+    py::dict d;
+    d["commands"] = r.commands;
+    d["bytes"] = r.bytes;
+    d["signals"] = r.signals;
+    d["max_reorder_held"] = r.max_reorder_held;
+    d["seconds"] = r.seconds;
+    d["summary"] = r.summary;
+    return d;
+  }, py::arg("commands") = 4096, py::arg("reorder") = 8, py::arg("seed") = 1, py::arg("timeout_secs") = 30.0,
+     py::arg("inject_fault") = "",
+     "loopback_selftest, returning its counts as a dict (tests); inject_fault='byte'|'signal' damages what rank 1 "
+     "received before the verification, which must then raise.");
 
 #ifdef UCCL_EP_WITH_CUDA
   m.def("fifo_bench_gpu", [](PyProxy& p, int first_fifo, int num_fifos, uint64_t commands_per_fifo, int dst_rank,

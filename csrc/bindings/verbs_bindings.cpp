@@ -7,6 +7,7 @@
 
 #include "transport/gid.hpp"
 #include "transport/ibv_api.hpp"
+#include "transport/verbs.hpp"
 
 namespace py = pybind11;
 
@@ -137,6 +138,10 @@ void bind_verbs(py::module_& m) {
     d["libefa"] = libefa_available();
     return d;
   });
+  // The table a transport built now would call: "fake" while a test installed the recording fake, else the loaded
+  // system libibverbs. Raises RuntimeError (naming the package) when neither is usable. UCCL_EP_TRANSPORT=auto
+  // asks this before choosing verbs.
+  v.def("active_api", [] { return std::string(ibv_api().name); });
 
   py::class_<VerbsTransport>(v, "VerbsTransport")
       .def(py::init([](int rank, int world_size, std::vector<std::string> devices, int port, std::vector<int> gid_index,

@@ -173,10 +173,11 @@ void Proxy::stop() {
     if (ts->th.joinable()) ts->th.join();
 }
 
-void Proxy::fail(const std::string& what) {
+void Proxy::fail(const std::string& what, bool timeout) {
   std::lock_guard<std::mutex> g(err_mu_);
   if (!failed_.load()) {
     error_ = what;
+    timed_out_.store(timeout, std::memory_order_release);
     failed_.store(true, std::memory_order_release);
   }
 }
@@ -289,7 +290,7 @@ void Proxy::run(ThreadState* ts) {
   size_t rr = 0;
   int64_t* sig = signals();
 
-  auto local_fail = [&](const std::string& s) { fail(who + ": " + s); };
+  auto local_fail = [&](const std::string& s, bool timeout = false) { fail(who + ": " + s, timeout); };
 
   auto queue_write = [&](int j, const WriteRequest& w) {
     PendingOp op;
@@ -562,7 +563,7 @@ void Proxy::run(ThreadState* ts) {
         if (ts->reorder->oldest_gap(&src, &slot, &exp))
           m << " signal lane rank " << src << " slot " << slot << " waits for sequence " << exp << " ("
             << ts->reorder->held() << " held);";
-        local_fail(m.str());
+        local_fail(m.str(), true);
         break;
       }
       if (cfg_.idle_backoff_us == 0) std::this_thread::yield();

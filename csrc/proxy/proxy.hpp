@@ -69,6 +69,8 @@ class Proxy {
   void stop();  // joins every thread; idempotent
 
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // The recorded failure is the watchdog's (nothing progressed for timeout_secs), not a transport or command error.
+  bool timed_out() const { return timed_out_.load(std::memory_order_acquire); }
   const std::atomic<bool>& failed_flag() const { return failed_; }
   std::string error() const;
   void check() const;  // throws ProxyError with the first recorded error
@@ -88,7 +90,7 @@ class Proxy {
  private:
   struct ThreadState;
   void run(ThreadState* ts);
-  void fail(const std::string& what);
+  void fail(const std::string& what, bool timeout = false);
 
   ProxyConfig cfg_;
   std::unique_ptr<SharedHostMemory> signals_;
@@ -99,6 +101,7 @@ class Proxy {
   bool connected_ = false;
   std::atomic<bool> running_{false};
   std::atomic<bool> failed_{false};
+  std::atomic<bool> timed_out_{false};
   mutable std::mutex err_mu_;
   std::string error_;
 };

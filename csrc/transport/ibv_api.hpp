@@ -7,6 +7,9 @@
 // Calls that verbs.h implements inline through provider ops (ibv_post_send, ibv_post_recv, ibv_poll_cq) are table
 // entries too. The extended-QP calls used for EFA SRD (ibv_wr_start, ibv_wr_rdma_write_imm, ...) are not: they go
 // through function pointers inside struct ibv_qp_ex, which the fake fills with its own recorders.
+//
+// Only the table lives here (with the recording fake that replaces it in tests); the transport built on it, its
+// configuration and factory are in verbs.hpp.
 #pragma once
 
 #ifdef UCCL_EP_WITH_VERBS
@@ -17,12 +20,10 @@
 #endif
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
 #include "transport/gid.hpp"
-#include "transport/transport.hpp"
 
 #ifndef UCCL_EP_WITH_EFADV
 struct efadv_qp_init_attr;
@@ -76,34 +77,6 @@ const IbvApi& ibv_api();
 const IbvApi& system_ibv_api();
 void set_ibv_api_override(const IbvApi* api);  // nullptr restores the system table
 bool libefa_available();                      // libefa.so.1 loaded (only meaningful after system_ibv_api())
-
-// ------------------------------------------------------------------ the transport built on the table
-struct VerbsConfig {
-  int rank = 0;
-  int world_size = 1;
-  std::vector<std::string> devices;  // RDMA devices this transport drives (several NICs per GPU); chosen in Python
-  int port = 1;
-  std::vector<int> gid_index;        // per device; -1 (or missing): choose with choose_gid(); UCCL_IB_GID_INDEX
-  int sl = -1;                       // -1: 3 on IB/RoCE, 8 on EFA (UCCL_IB_SL)
-  int tc = -1;                       // -1: 104 on IB/RoCE, 0 on EFA (UCCL_IB_TC)
-  int sq_depth = 1024;               // send WRs outstanding per QP
-  int rq_depth = 1024;               // receive WRs kept posted per QP (write-with-imm consumes one each)
-  int cq_depth = 8192;
-  int max_chain = 64;                // writes per ibv_post_send chain
-  int timeout = 20;                  // IB local ACK timeout exponent (4.096 us * 2^timeout)
-  int retry_cnt = 7;
-};
-
-// Extras of the verbs transport beyond the Transport interface.
-class VerbsTransport : public Transport {
- public:
-  // Device memory exported as a dmabuf by the caller (e.g. torch's allocator); `offset` is base's offset inside it.
-  virtual MemoryRegion register_dmabuf(void* base, size_t bytes, int fd, uint64_t offset) = 0;
-  // Per-device description: name, GID index and why, SL/TC, link layer (doctor and error messages print it).
-  virtual std::vector<std::string> describe() const = 0;
-};
-
-std::unique_ptr<VerbsTransport> make_verbs_transport(const VerbsConfig& cfg);
 
 // ------------------------------------------------------------------ the recording fake (tests only; verbs_fake.cpp)
 // install() makes ibv_api() return a table that simulates the given devices, records every call with its

@@ -12,6 +12,10 @@
 //    signalled. Either way the proxy sees exactly one local completion per WriteRequest / AtomicRequest.
 //  - Immediates travel in network byte order (htonl on post, ntohl on receipt). Each write-with-immediate consumes
 //    a pre-posted receive WR at the target; they are re-posted as their completions are polled.
+#include "transport/verbs.hpp"
+
+#include <stdexcept>
+
 #ifdef UCCL_EP_WITH_VERBS
 #include <arpa/inet.h>
 #include <unistd.h>
@@ -1028,8 +1032,24 @@ class VerbsTransportImpl final : public VerbsTransport {
 
 }  // namespace
 
+bool verbs_transport_built() { return true; }
+
 std::unique_ptr<VerbsTransport> make_verbs_transport(const VerbsConfig& cfg) {
   return std::make_unique<VerbsTransportImpl>(cfg);
+}
+
+}  // namespace uccl_ep
+
+#else  // !UCCL_EP_WITH_VERBS
+
+namespace uccl_ep {
+
+bool verbs_transport_built() { return false; }
+
+std::unique_ptr<VerbsTransport> make_verbs_transport(const VerbsConfig&) {
+  throw std::runtime_error(
+      "verbs: this uccl-ep-train build has no verbs transport (infiniband/verbs.h was not found at build time): "
+      "install rdma-core's headers (libibverbs-dev / rdma-core-devel) and rebuild, or set UCCL_EP_TRANSPORT=loopback");
 }
 
 }  // namespace uccl_ep

@@ -11,12 +11,21 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 
 #include "transport/ibv_api.hpp"
 
 namespace uccl_ep::fake_verbs {
 namespace {
+
+// Proxy threads post and poll while the test thread injects receives and reads the record: every entry point of the
+// fake (table functions and the test API) holds this lock. Recursive because some call others.
+std::recursive_mutex& fake_mu() {
+  static std::recursive_mutex m;
+  return m;
+}
+using FakeLock = std::lock_guard<std::recursive_mutex>;
 
 struct FakeQp {
   ibv_qp_ex qpx{};
@@ -101,6 +110,7 @@ void complete(ibv_qp* qp, uint64_t wr_id, ibv_wc_opcode op) {
 
 // ---------------------------------------------------------------- device / context
 ibv_device** f_get_device_list(int* num) {
+  FakeLock lk(fake_mu());
   rec("ibv_get_device_list").args.push_back({"num", st().devs.size()});
   if (num) *num = static_cast<int>(st().devs.size());
   return st().list.data();
@@ -108,6 +118,7 @@ ibv_device** f_get_device_list(int* num) {
 void f_free_device_list(ibv_device**) {}
 const char* f_get_device_name(ibv_device* d) { return d->name; }
 ibv_context* f_open_device(ibv_device* d) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_open_device");
   r.text.push_back({"device", d->name});
   if (failing("ibv_open_device")) return nullptr;
@@ -119,10 +130,12 @@ ibv_context* f_open_device(ibv_device* d) {
   return st().ctxs.back().get();
 }
 int f_close_device(ibv_context* ctx) {
+  FakeLock lk(fake_mu());
   rec("ibv_close_device").text.push_back({"device", ctx->device->name});
   return 0;
 }
 int f_query_device(ibv_context* ctx, ibv_device_attr* a) {
+  FakeLock lk(fake_mu());
   std::memset(a, 0, sizeof(*a));
   const FakeDevice& d = dev_of(ctx);
   a->vendor_id = d.vendor_id;
@@ -134,6 +147,7 @@ int f_query_device(ibv_context* ctx, ibv_device_attr* a) {
   return 0;
 }
 int f_query_port(ibv_context* ctx, uint8_t port, ibv_port_attr* a) {
+  FakeLock lk(fake_mu());
   std::memset(a, 0, sizeof(*a));
   if (port != 1) {
     errno = EINVAL;
@@ -151,6 +165,7 @@ int f_query_port(ibv_context* ctx, uint8_t port, ibv_port_attr* a) {
   return 0;
 }
 int f_query_gid(ibv_context* ctx, uint8_t port, int index, ibv_gid* gid) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_query_gid");
   r.args.push_back({"port", port});
   r.args.push_back({"index", static_cast<uint64_t>(index)});
@@ -164,6 +179,7 @@ int f_query_gid(ibv_context* ctx, uint8_t port, int index, ibv_gid* gid) {
   return -1;
 }
 ibv_pd* f_alloc_pd(ibv_context* ctx) {
+  FakeLock lk(fake_mu());
   rec("ibv_alloc_pd").text.push_back({"device", ctx->device->name});
   if (failing("ibv_alloc_pd")) return nullptr;
   auto pd = std::make_unique<ibv_pd>();
@@ -172,10 +188,12 @@ ibv_pd* f_alloc_pd(ibv_context* ctx) {
   return st().pds.back().get();
 }
 int f_dealloc_pd(ibv_pd*) {
+  FakeLock lk(fake_mu());
   rec("ibv_dealloc_pd");
   return 0;
 }
 ibv_cq* f_create_cq(ibv_context* ctx, int cqe, void*, ibv_comp_channel*, int) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_create_cq");
   r.args.push_back({"cqe", static_cast<uint64_t>(cqe)});
   r.text.push_back({"device", ctx->device->name});
@@ -187,6 +205,7 @@ ibv_cq* f_create_cq(ibv_context* ctx, int cqe, void*, ibv_comp_channel*, int) {
   return st().cqs.back().get();
 }
 int f_destroy_cq(ibv_cq*) {
+  FakeLock lk(fake_mu());
   rec("ibv_destroy_cq");
   return 0;
 }
@@ -209,6 +228,7 @@ ibv_qp* new_qp(ibv_pd* pd, ibv_cq* scq, ibv_cq* rcq, ibv_qp_type type, bool srd)
 }
 
 ibv_qp* f_create_qp(ibv_pd* pd, ibv_qp_init_attr* a) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_create_qp");
   r.text.push_back({"device", pd->context->device->name});
   r.args.push_back({"qp_type", a->qp_type});
@@ -222,6 +242,7 @@ ibv_qp* f_create_qp(ibv_pd* pd, ibv_qp_init_attr* a) {
 }
 
 int f_modify_qp(ibv_qp* qp, ibv_qp_attr* a, int mask) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_modify_qp");
   auto put = [&](const char* k, uint64_t v) { r.args.push_back({k, v}); };
   put("qp_num", qp->qp_num);
@@ -273,10 +294,14 @@ int f_modify_qp(ibv_qp* qp, ibv_qp_attr* a, int mask) {
 }
 
 int f_destroy_qp(ibv_qp* qp) {
+  FakeLock lk(fake_mu());
   rec("ibv_destroy_qp").args.push_back({"qp_num", qp->qp_num});
   return 0;
 }
-ibv_qp_ex* f_qp_to_qp_ex(ibv_qp* qp) { return &fq(qp).qpx; }
+ibv_qp_ex* f_qp_to_qp_ex(ibv_qp* qp) {
+  FakeLock lk(fake_mu());
+  return &fq(qp).qpx;
+}
 
 // ---------------------------------------------------------------- memory
 ibv_mr* new_mr(ibv_pd* pd, void* addr, size_t len) {
@@ -291,6 +316,7 @@ ibv_mr* new_mr(ibv_pd* pd, void* addr, size_t len) {
   return st().mrs.back().get();
 }
 ibv_mr* f_reg_mr(ibv_pd* pd, void* addr, size_t len, int access) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_reg_mr");
   r.text.push_back({"device", pd->context->device->name});
   r.args.push_back({"addr", reinterpret_cast<uint64_t>(addr)});
@@ -302,6 +328,7 @@ ibv_mr* f_reg_mr(ibv_pd* pd, void* addr, size_t len, int access) {
   return mr;
 }
 ibv_mr* f_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t len, uint64_t iova, int fd, int access) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_reg_dmabuf_mr");
   r.text.push_back({"device", pd->context->device->name});
   r.args.push_back({"offset", offset});
@@ -315,10 +342,12 @@ ibv_mr* f_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t len, uint64_t iova, 
   return mr;
 }
 int f_dereg_mr(ibv_mr* mr) {
+  FakeLock lk(fake_mu());
   rec("ibv_dereg_mr").args.push_back({"lkey", mr->lkey});
   return 0;
 }
 int f_get_dmabuf_fd(void* base, size_t bytes, int* fd, uint64_t* offset) {
+  FakeLock lk(fake_mu());
   Record& r = rec("get_dmabuf_fd");
   r.args.push_back({"base", reinterpret_cast<uint64_t>(base)});
   r.args.push_back({"bytes", bytes});
@@ -331,6 +360,7 @@ int f_get_dmabuf_fd(void* base, size_t bytes, int* fd, uint64_t* offset) {
 
 // ---------------------------------------------------------------- address handles
 ibv_ah* f_create_ah(ibv_pd* pd, ibv_ah_attr* a) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_create_ah");
   r.text.push_back({"device", pd->context->device->name});
   r.args.push_back({"is_global", a->is_global});
@@ -349,10 +379,12 @@ ibv_ah* f_create_ah(ibv_pd* pd, ibv_ah_attr* a) {
   return st().ahs.back().get();
 }
 int f_destroy_ah(ibv_ah*) {
+  FakeLock lk(fake_mu());
   rec("ibv_destroy_ah");
   return 0;
 }
 int f_efadv_query_ah(ibv_ah* ah, efadv_ah_attr* attr, uint32_t) {
+  FakeLock lk(fake_mu());
 #ifdef UCCL_EP_WITH_EFADV
   std::memset(attr, 0, sizeof(*attr));
   attr->ahn = st().ahn.at(ah);
@@ -366,6 +398,7 @@ int f_efadv_query_ah(ibv_ah* ah, efadv_ah_attr* attr, uint32_t) {
 
 // ---------------------------------------------------------------- data path (RC)
 int f_post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_post_send");
   r.args.push_back({"qp_num", qp->qp_num});
   for (ibv_send_wr* w = wr; w; w = w->next) {
@@ -405,6 +438,7 @@ int f_post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
 }
 
 int f_post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  FakeLock lk(fake_mu());
   Record& r = rec("ibv_post_recv");
   r.args.push_back({"qp_num", qp->qp_num});
   uint64_t n = 0, sges = 0;
@@ -424,6 +458,7 @@ int f_post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 }
 
 int f_poll_cq(ibv_cq* cq, int n, ibv_wc* wc) {
+  FakeLock lk(fake_mu());
   auto& q = st().cq_queue[cq];
   int k = 0;
   while (k < n && !q.empty()) {
@@ -434,6 +469,7 @@ int f_poll_cq(ibv_cq* cq, int n, ibv_wc* wc) {
 }
 
 const char* f_wc_status_str(ibv_wc_status s) {
+  FakeLock lk(fake_mu());
   try {
     return system_ibv_api().wc_status_str(s);
   } catch (const std::exception&) {
@@ -457,6 +493,7 @@ std::vector<std::pair<std::string, uint64_t>>& last_wr(ibv_qp_ex* qpx) {
   return q.chain.wrs.back();
 }
 void x_start(ibv_qp_ex* qpx) {
+  FakeLock lk(fake_mu());
   FakeQp& q = fq(qpx);
   rec("ibv_wr_start").args.push_back({"qp_num", qpx->qp_base.qp_num});
   q.chain = Record{"ibv_wr_complete", {{"qp_num", qpx->qp_base.qp_num}}, {}, {}};
@@ -464,6 +501,7 @@ void x_start(ibv_qp_ex* qpx) {
   q.chain_err = 0;
 }
 void x_write_common(ibv_qp_ex* qpx, uint32_t op, uint32_t rkey, uint64_t raddr) {
+  FakeLock lk(fake_mu());
   FakeQp& q = fq(qpx);
   if (!q.in_chain) q.chain_err = EINVAL;
   q.chain.wrs.push_back({{"wr_id", qpx->wr_id},
@@ -474,16 +512,19 @@ void x_write_common(ibv_qp_ex* qpx, uint32_t op, uint32_t rkey, uint64_t raddr) 
 }
 void x_rdma_write(ibv_qp_ex* qpx, uint32_t rkey, uint64_t raddr) { x_write_common(qpx, IBV_WR_RDMA_WRITE, rkey, raddr); }
 void x_rdma_write_imm(ibv_qp_ex* qpx, uint32_t rkey, uint64_t raddr, __be32 imm) {
+  FakeLock lk(fake_mu());
   x_write_common(qpx, IBV_WR_RDMA_WRITE_WITH_IMM, rkey, raddr);
   fq(qpx).chain.wrs.back().push_back({"imm_data_raw", imm});
 }
 void x_set_ud_addr(ibv_qp_ex* qpx, ibv_ah* ah, uint32_t rqpn, uint32_t qkey) {
+  FakeLock lk(fake_mu());
   auto& w = last_wr(qpx);
   w.push_back({"ahn", st().ahn.at(ah)});
   w.push_back({"remote_qpn", rqpn});
   w.push_back({"remote_qkey", qkey});
 }
 void x_set_sge(ibv_qp_ex* qpx, uint32_t lkey, uint64_t addr, uint32_t len) {
+  FakeLock lk(fake_mu());
   auto& w = last_wr(qpx);
   w.push_back({"num_sge", 1});
   w.push_back({"sge_lkey", lkey});
@@ -491,6 +532,7 @@ void x_set_sge(ibv_qp_ex* qpx, uint32_t lkey, uint64_t addr, uint32_t len) {
   w.push_back({"sge_length", len});
 }
 void x_set_sge_list(ibv_qp_ex* qpx, size_t n, const ibv_sge* sg) {
+  FakeLock lk(fake_mu());
   auto& w = last_wr(qpx);
   w.push_back({"num_sge", n});
   if (n > 0) {
@@ -500,6 +542,7 @@ void x_set_sge_list(ibv_qp_ex* qpx, size_t n, const ibv_sge* sg) {
   }
 }
 int x_complete(ibv_qp_ex* qpx) {
+  FakeLock lk(fake_mu());
   FakeQp& q = fq(qpx);
   q.in_chain = false;
   st().calls.push_back(q.chain);
@@ -517,11 +560,13 @@ int x_complete(ibv_qp_ex* qpx) {
   return 0;
 }
 void x_abort(ibv_qp_ex* qpx) {
+  FakeLock lk(fake_mu());
   fq(qpx).in_chain = false;
   rec("ibv_wr_abort");
 }
 
 ibv_qp* f_efadv_create_qp_ex(ibv_context* ctx, ibv_qp_init_attr_ex* a, efadv_qp_init_attr* efa, uint32_t inlen) {
+  FakeLock lk(fake_mu());
   Record& r = rec("efadv_create_qp_ex");
   r.text.push_back({"device", ctx->device->name});
   r.args.push_back({"qp_type", a->qp_type});
@@ -552,6 +597,7 @@ ibv_qp* f_efadv_create_qp_ex(ibv_context* ctx, ibv_qp_init_attr_ex* a, efadv_qp_
 }
 
 GidTable f_gid_table(const char* device, int port) {
+  FakeLock lk(fake_mu());
   for (const auto& d : st().devs)
     if (d.name == device) {
       GidTable t;
@@ -574,6 +620,7 @@ GidTable f_gid_table(const char* device, int port) {
 }  // namespace
 
 void install(const std::vector<FakeDevice>& devices, bool dmabuf) {
+  FakeLock lk(fake_mu());
   uninstall();
   g = new State();
   State& s = *g;
@@ -621,22 +668,37 @@ void install(const std::vector<FakeDevice>& devices, bool dmabuf) {
 }
 
 void uninstall() {
+  FakeLock lk(fake_mu());
   set_ibv_api_override(nullptr);
   if (g != nullptr) g_retired.push_back(g);
   g = nullptr;
 }
 
-std::vector<Record> calls() { return st().calls; }
-void clear_calls() { st().calls.clear(); }
-void fail_next(const std::string& fn, int err) { st().fail[fn] = err; }
+std::vector<Record> calls() {
+  FakeLock lk(fake_mu());
+  return st().calls;
+}
+void clear_calls() {
+  FakeLock lk(fake_mu());
+  st().calls.clear();
+}
+void fail_next(const std::string& fn, int err) {
+  FakeLock lk(fake_mu());
+  st().fail[fn] = err;
+}
 void fail_next_completion(int status, uint32_t vendor_err) {
+  FakeLock lk(fake_mu());
   st().fail_completion = true;
   st().fail_status = status;
   st().fail_vendor = vendor_err;
 }
-void set_auto_complete(bool on) { st().auto_complete = on; }
+void set_auto_complete(bool on) {
+  FakeLock lk(fake_mu());
+  st().auto_complete = on;
+}
 
 void inject_recv(uint32_t qp_num, uint32_t src_qp, uint16_t slid, uint32_t imm, int status) {
+  FakeLock lk(fake_mu());
   State& s = st();
   auto it = s.by_qpn.find(qp_num);
   if (it == s.by_qpn.end()) throw std::invalid_argument("fake verbs: no QP " + std::to_string(qp_num));
@@ -658,6 +720,7 @@ void inject_recv(uint32_t qp_num, uint32_t src_qp, uint16_t slid, uint32_t imm, 
 }
 
 size_t posted_recvs(uint32_t qp_num) {
+  FakeLock lk(fake_mu());
   auto it = st().by_qpn.find(qp_num);
   if (it == st().by_qpn.end()) throw std::invalid_argument("fake verbs: no QP " + std::to_string(qp_num));
   return fq(it->second).recvs.size();
