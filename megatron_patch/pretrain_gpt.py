@@ -1,17 +1,17 @@
-"""Megatron-LM's GPT pretraining with ``--moe-token-dispatcher-type uccl`` available.
+"""GPT pretraining with ``--moe-token-dispatcher-type uccl`` available.
 
-    torchrun --nproc-per-node 8 -m megatron_patch.pretrain_gpt [--megatron-lm DIR] <Megatron-LM arguments>
+    torchrun --nproc-per-node 8 -m megatron_patch.pretrain_gpt [--megatron-lm DIR] <Megatron arguments>
 
-Applies :func:`megatron_patch.apply` and then runs Megatron-LM's own ``pretrain_gpt.py`` as ``__main__``, with the
-remaining arguments, so every Megatron flag (``--mock-data`` for synthetic data included) behaves as users know it.
+Applies :func:`megatron_patch.apply`, then:
 
-Why not a driver of our own: the megatron-core wheel ships ``megatron.training`` (0.19) but not the GPT model
-provider and builders (``model_provider.py``, ``gpt_builders.py``, ``pretrain_gpt.py`` live in the root of the
-Megatron-LM repository), and ``megatron.training.pretrain``'s signature changes between releases. Running the
-checkout's script keeps us correct for whichever Megatron-LM the user has.
+- by default (self-contained, megatron-core wheel only): parses Megatron's arguments and runs
+  ``megatron.training.pretrain`` with our own GPT model provider, datasets provider and forward step
+  (:mod:`megatron_patch.gpt_provider`); no Megatron-LM checkout is needed;
+- with ``--megatron-lm DIR`` (or ``$MEGATRON_LM_PATH``): runs that checkout's own ``pretrain_gpt.py`` as
+  ``__main__`` with the remaining arguments, for features the compact driver does not implement (SFT, FIM,
+  packed sequences, ModelOpt, ...) or to track a Megatron-LM version exactly.
 
-Where the script is looked for, first hit wins: ``--megatron-lm DIR``, ``$MEGATRON_LM_PATH``, every ``sys.path``
-entry (Megatron-LM's root is on PYTHONPATH in most setups), the working directory.
+``--megatron-lm`` is ours and is taken out of the argument list; everything else is Megatron's.
 """
 from __future__ import annotations
 
@@ -48,7 +48,10 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def find_script(directory: str | None = None, search_path: list[str] | None = None,
                 env: dict[str, str] | None = None) -> Path:
-    """The pretrain_gpt.py of a Megatron-LM checkout; raises MegatronLMNotFound saying where it looked."""
+    """The pretrain_gpt.py of a Megatron-LM checkout; raises MegatronLMNotFound saying where it looked.
+
+    :func:`main` asks only when ``--megatron-lm DIR`` or ``$MEGATRON_LM_PATH`` is given (which must then hold the
+    script); the other places are looked at when neither is given."""
     env = os.environ if env is None else env
     candidates: list[tuple[str, Path]] = []
     if directory:
@@ -76,22 +79,40 @@ def find_script(directory: str | None = None, search_path: list[str] | None = No
         f"matching your megatron-core) and pass --megatron-lm DIR, set {ENV}=DIR, or put DIR on PYTHONPATH.")
 
 
-def main(argv: list[str] | None = None) -> None:
-    directory, megatron_argv = split_argv(list(sys.argv[1:] if argv is None else argv))
-    try:
-        script = find_script(directory)
-    except MegatronLMNotFound as exc:
-        raise SystemExit(f"megatron_patch.pretrain_gpt: {exc}") from None
-    import megatron_patch
+def checkout_requested(directory: str | None, env: dict[str, str] | None = None) -> bool:
+    """Whether to run a Megatron-LM checkout's script (``--megatron-lm DIR`` or ``$MEGATRON_LM_PATH``)."""
+    env = os.environ if env is None else env
+    return bool(directory) or bool(env.get(ENV))
 
-    report = megatron_patch.apply()
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(report, flush=True)
+
+def run_checkout(script: Path, megatron_argv: list[str]) -> None:
+    """Run a checkout's pretrain_gpt.py as ``__main__`` (the patch must be applied)."""
     root = str(script.parent)
     if root not in sys.path:
         sys.path.insert(0, root)  # pretrain_gpt.py imports model_provider and gpt_builders from its directory
     sys.argv = [str(script)] + megatron_argv
     runpy.run_path(str(script), run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    directory, megatron_argv = split_argv(list(sys.argv[1:] if argv is None else argv))
+    script = None
+    if checkout_requested(directory):
+        try:
+            script = find_script(directory)  # before the patch: a wrong path fails at once
+        except MegatronLMNotFound as exc:
+            raise SystemExit(f"megatron_patch.pretrain_gpt: {exc}") from None
+    import megatron_patch
+
+    report = megatron_patch.apply()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(report, flush=True)
+    if script is not None:
+        run_checkout(script, megatron_argv)
+    else:
+        from megatron_patch import gpt_provider
+
+        gpt_provider.main(megatron_argv)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def model_args(model: DictConfig) -> list[str]:
         _flag(a, "rotary-scaling-factor", model.rope.rotary_scaling_factor)
         _flag(a, "mscale", model.rope.mscale)
         _flag(a, "mscale-all-dim", model.rope.mscale_all_dim)
+        # Megatron's fused RoPE (on by default) works with MLA only for YaRN: TransformerConfig refuses the rest.
+        _flag(a, "no-rope-fusion", model.rope.type != "yarn")
     moe = model.moe
     if moe.num_experts:
         _flag(a, "num-experts", moe.num_experts)
