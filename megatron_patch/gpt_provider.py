@@ -498,6 +498,29 @@ def kernel_fallbacks(args, importable=_importable) -> list[str]:
     return notes
 
 
+def use_prebuilt_dataset_helpers() -> bool:
+    """Skip Megatron's `make` of the dataset index helpers when the wheel already ships them compiled.
+
+    megatron.training's initialisation always runs ``make`` in megatron/core/datasets; the megatron-core wheel ships
+    ``helpers_cpp`` prebuilt but no Makefile, so the make fails and Megatron exits. Returns True when it patched.
+    """
+    import megatron.core.datasets.utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401  (prebuilt in the wheel)
+    except ImportError:
+        return False  # a source checkout: let Megatron compile them as usual
+    if getattr(dataset_utils.compile_helpers, "_uccl_prebuilt", False):
+        return True
+
+    def compile_helpers() -> None:
+        """The helpers are prebuilt (megatron.core.datasets.helpers_cpp imports): nothing to compile."""
+
+    compile_helpers._uccl_prebuilt = True  # type: ignore[attr-defined]
+    dataset_utils.compile_helpers = compile_helpers
+    return True
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Parse Megatron's arguments (``argv`` or sys.argv[1:]) and run ``megatron.training.pretrain`` with this
     module's providers. :func:`megatron_patch.apply` must have run (megatron_patch.pretrain_gpt does it)."""
@@ -521,6 +544,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          "pass --megatron-lm DIR (a Megatron-LM checkout matching megatron-core)")
     for note in kernel_fallbacks(args):
         print_rank_0(f"megatron_patch.gpt_provider: {note}")
+    use_prebuilt_dataset_helpers()
     with warnings.catch_warnings():  # "use a ModelConfig instead of a model provider": we pass a provider
         warnings.simplefilter("ignore")
         cfg = pretrain_cfg_container_from_args(args, None)

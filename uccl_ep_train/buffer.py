@@ -277,6 +277,18 @@ class Buffer:
                     raise ValueError("topk_idx names the same expert twice in one row; each token must select "
                                      "distinct experts (use -1 for unused slots)")
 
+    @staticmethod
+    def get_nvl_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_ranks: int,
+                           element_size: int = 2) -> int:
+        """num_nvl_bytes for the native intranode backend (direct placement sizes for the worst-case routing).
+
+        DeepEP's ``Config.get_nvl_buffer_size_hint`` sizes ring buffers and is too small for this design; use the
+        larger of the two when a Buffer may run either backend.
+        """
+        from uccl_ep_train.intranode import nvl_bytes_needed
+
+        return nvl_bytes_needed(num_max_tokens_per_rank, num_ranks, hidden, num_topk, element_size)
+
     def _check_hidden_fits(self, hidden: int, element_size: int, config: Config) -> None:
         hidden_bytes = hidden * max(element_size, 2)
         if self.num_nvl_bytes:

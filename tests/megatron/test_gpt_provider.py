@@ -275,3 +275,19 @@ def test_entry_point_default_runs_megatron_pretrain_with_our_providers_without_a
     assert facts == {"cfg": "PretrainConfigContainer", "model_cfg": None, "datasets": True, "distributed": True,
                      "model_type": "encoder_or_decoder", "step": True, "provider": True, "embedding_ranks": True,
                      "train_iters": 50}
+
+
+def test_prebuilt_dataset_helpers_replace_megatrons_make_step():
+    """The wheel ships helpers_cpp compiled but no Makefile: training must not try (and fail) to run make."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    from megatron_patch import gpt_provider
+
+    original = dataset_utils.compile_helpers
+    try:
+        assert gpt_provider.use_prebuilt_dataset_helpers() is True
+        assert dataset_utils.compile_helpers is not original
+        dataset_utils.compile_helpers()  # must be a no-op, not a failing `make`
+        assert gpt_provider.use_prebuilt_dataset_helpers() is True  # idempotent
+    finally:
+        dataset_utils.compile_helpers = original

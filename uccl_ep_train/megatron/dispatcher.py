@@ -66,12 +66,15 @@ def _buffer_sizes(buffer_cls, num_ranks: int, hidden_bytes: int) -> tuple[int, i
     return nvl, rdma
 
 
-def get_buffer(group, hidden_bytes: int):
-    """The shared Buffer of ``group`` with room for ``hidden_bytes`` per token (created or grown on demand)."""
+def get_buffer(group, hidden_bytes: int, num_tokens: int = 0, num_topk: int = 0):
+    """The shared Buffer of ``group`` with room for ``num_tokens`` tokens of ``hidden_bytes`` each and top-k width
+    ``num_topk`` (created, or grown, on demand)."""
     from uccl_ep_train.buffer import Buffer
 
     num_ranks = torch.distributed.get_world_size(group)
     nvl, rdma = _buffer_sizes(Buffer, num_ranks, hidden_bytes)
+    if num_tokens and hasattr(Buffer, "get_nvl_bytes_hint"):
+        nvl = max(nvl, Buffer.get_nvl_bytes_hint(num_tokens, hidden_bytes // 2, num_topk, num_ranks))
     with _BUFFERS_LOCK:
         buf = _BUFFERS.get(group)
         if buf is None or getattr(buf, "num_nvl_bytes", nvl) < nvl or getattr(buf, "num_rdma_bytes", rdma) < rdma:
@@ -319,7 +322,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             per_token = min(self.router_topk, self.num_local_experts) if self.expert_major else 1
             num_worst = self.options.num_worst_tokens or num_tokens * self.comm_size * per_token
         async_comm = self.options.async_comm and hidden_states.is_cuda
-        buffer = get_buffer(self.comm_group, hidden_states.shape[-1] * max(hidden_states.element_size(), 2))
+        buffer = get_buffer(self.comm_group, hidden_states.shape[-1] * max(hidden_states.element_size(), 2),
+                            num_tokens, self.router_topk)
         self._route = _Route(buffer, topk_idx.to(torch.int64).contiguous(), self.num_experts * self.tp_size,
                              self.options, self.expert_major, num_worst, async_comm)
         return hidden_states, topk_probs

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build with CUDA, run the GPU test suites and the benchmarks, keep logs under $OUT.
+# Usage (on the lent 2xH200 machine, from the repository root): bash scripts/gpu-check.sh [step ...]
+# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_proxy train (default: all but train).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/.gpu-out}
+mkdir -p "$OUT"
+log=$OUT/log.txt
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+{ nvidia-smi --query-gpu=name,driver_version --format=csv; nvidia-smi topo -m; python3 -c 'import torch; print("torch", torch.__version__)'; } >>"$log" 2>&1
+t0=$(date +%s)
+UCCL_EP_PYTHON=$(command -v python3) UCCL_EP_WITH_GPU=CUDA UCCL_EP_SETUP_LOG=$OUT/build.log bash scripts/setup.sh >/dev/null \
+  || { echo "build failed" >>"$log"; tail -40 "$OUT/build.log" >>"$log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 ))s" >>"$log"
+
+run() {  # run NAME SECONDS CMD...: one step, its output appended to the log, its status to the summary
+  local name=$1 secs=$2; shift 2
+  local s; s=$(date +%s)
+  echo "===== $name: $*" >>"$log"
+  timeout -k 10 "$secs" "$@" >>"$log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt" >>"$log"
+}
+tr2=(torchrun --standalone --nproc-per-node 2)
+
+steps=("$@")
+[[ ${#steps[@]} -gt 0 ]] || steps=(kernels moelayer internode bench_dispatch bench_dispatcher bench_proxy)
+for step in "${steps[@]}"; do
+  case $step in
+    kernels) run kernels 150 "${tr2[@]}" -m pytest -x -q -rf tests/kernels/test_intranode_gpu.py ;;
+    moelayer) run moelayer 90 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
+    internode) run internode 150 python3 -m pytest -q -rf tests/internode ;;
+    bench_dispatch) run bench_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --json "$OUT/dispatch.json" ;;
+    bench_dispatcher) run bench_dispatcher 120 "${tr2[@]}" -m uccl_ep_train bench dispatcher --json "$OUT/dispatcher.json" ;;
+    bench_proxy) run bench_proxy 45 python3 -m uccl_ep_train bench proxy --producer gpu --json "$OUT/proxy.json" ;;
+    train)  # 1-GPU runs side by side (one per GPU), then the EP=2 runs; same seed, mock data, 50 steps
+      CUDA_VISIBLE_DEVICES=0 run train1_uccl 150 python3 -m uccl_ep_train train dispatcher=uccl run.name=gpu1-uccl &
+      CUDA_VISIBLE_DEVICES=1 run train1_alltoall 150 python3 -m uccl_ep_train train dispatcher=alltoall run.name=gpu1-alltoall &
+      wait
+      for d in uccl alltoall; do
+        run "train2_$d" 150 python3 -m uccl_ep_train train parallelism=ep2 "dispatcher=$d" "run.name=gpu2-$d"
+      done
+      for r in runs/gpu*; do
+        { echo "== $r"; cat "$r/throughput.json" 2>/dev/null; grep -h "lm loss" "$r/train.log"; } >>"$OUT/train-summary.txt"
+      done ;;
+    *) echo "unknown step $step" >>"$log" ;;
+  esac
+done

@@ -1,0 +1,25 @@
+"""The Buffer's size hint covers what the native intranode backend checks at run time, for the worst routing."""
+from types import SimpleNamespace
+
+import pytest
+
+from uccl_ep_train.buffer import Buffer
+from uccl_ep_train.intranode import NativeIntranodeBackend
+
+
+@pytest.mark.parametrize("tokens,hidden,topk,ranks", [(4096, 7168, 8, 2), (1, 2048, 1, 8), (8192, 2048, 4, 3)])
+def test_nvl_bytes_hint_admits_every_token_of_every_rank_on_one_rank(tokens, hidden, topk, ranks):
+    hint = Buffer.get_nvl_bytes_hint(tokens, hidden, topk, ranks)
+    backend = SimpleNamespace(num_ranks=ranks)
+    worst_rows = tokens * ranks
+    dispatch_need = NativeIntranodeBackend.dispatch_bytes_needed(backend, worst_rows, 2 * hidden, hidden // 128, topk)
+    combine_need = NativeIntranodeBackend.combine_bytes_needed(backend, tokens, hidden, topk)
+    assert hint >= dispatch_need and hint >= combine_need
+    # and not wildly more: the hint is what users allocate on every GPU
+    assert hint < 1.01 * max(dispatch_need, combine_need) + 4096
+
+
+def test_nvl_bytes_hint_exceeds_deepeps_ring_hint_at_deepseek_v3_shape():
+    """Why the Megatron dispatcher asks for this hint: DeepEP's ring-sized hint is too small for direct placement."""
+    ring = Buffer.get_dispatch_config(2).get_nvl_buffer_size_hint(7168 * 2, 2)
+    assert Buffer.get_nvl_bytes_hint(4096, 7168, 8, 2) > ring
