@@ -2,6 +2,7 @@
 # One call on a GPU machine: build with CUDA, run the GPU test suites and the benchmarks, keep logs under $OUT.
 # Usage (on the lent 2xH200 machine, from the repository root): bash scripts/gpu-check.sh [step ...]
 # Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_proxy train (default: all but train).
+# TRAIN_DISPATCHERS (default "uccl alltoall") picks the dispatchers the train step compares.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/.gpu-out}
@@ -40,10 +41,14 @@ for step in "${steps[@]}"; do
     bench_dispatcher) run bench_dispatcher 120 "${tr2[@]}" -m uccl_ep_train bench dispatcher --json "$OUT/dispatcher.json" ;;
     bench_proxy) run bench_proxy 45 python3 -m uccl_ep_train bench proxy --producer gpu --json "$OUT/proxy.json" ;;
     train)  # 1-GPU runs side by side (one per GPU), then the EP=2 runs; same seed, mock data, 50 steps
-      CUDA_VISIBLE_DEVICES=0 run train1_uccl 150 python3 -m uccl_ep_train train dispatcher=uccl run.name=gpu1-uccl &
-      CUDA_VISIBLE_DEVICES=1 run train1_alltoall 150 python3 -m uccl_ep_train train dispatcher=alltoall run.name=gpu1-alltoall &
+      read -r -a dispatchers <<<"${TRAIN_DISPATCHERS:-uccl alltoall}"
+      gpu=0
+      for d in "${dispatchers[@]}"; do
+        CUDA_VISIBLE_DEVICES=$gpu run "train1_$d" 150 python3 -m uccl_ep_train train "dispatcher=$d" "run.name=gpu1-$d" &
+        gpu=$(( (gpu + 1) % 2 ))
+      done
       wait
-      for d in uccl alltoall; do
+      for d in "${dispatchers[@]}"; do
         run "train2_$d" 150 python3 -m uccl_ep_train train parallelism=ep2 "dispatcher=$d" "run.name=gpu2-$d"
       done
       for r in runs/gpu*; do

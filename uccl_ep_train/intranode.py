@@ -25,12 +25,13 @@ def nvl_bytes_needed(num_max_tokens_per_rank: int, num_ranks: int, hidden: int, 
 
     Direct placement sizes for the worst case, every token of every rank landing on one rank: the dispatch receive
     area (payload, FP8 scales, top-k ids and weights, source index per row) and the combine area share the buffer,
-    so the larger of the two is needed.
+    so the larger of the two is needed. Combine copies may cross the link as fp32 (expert-major partial sums, fp32
+    payloads), which is what this sizes for.
     """
     rows = num_max_tokens_per_rank * num_ranks
     num_scales = (hidden + 127) // 128
     dispatch = rows * (hidden * element_size + 4 * num_scales + 12 * num_topk + 4) + 5 * 16
-    combine = rows * (2 * hidden + 4 * num_topk) + 2 * 16
+    combine = rows * (2 * (2 * hidden) + 4 * num_topk) + 2 * 16  # combine areas count in bf16 units
     return max(dispatch, combine)
 
 
@@ -116,7 +117,7 @@ class NativeIntranodeBackend:
         n = getattr(config, "num_sms", None) if config is not None else None
         return int(n) if n else self.num_sms
 
-    def dispatch_bytes_needed(self, rows: int, hidden_bytes: int, num_scales: int, topk: int) -> int:  # noqa: D401
+    def dispatch_bytes_needed(self, rows: int, hidden_bytes: int, num_scales: int, topk: int) -> int:
         """Smallest num_nvl_bytes whose receive area holds ``rows`` rows of this shape."""
         per_row = hidden_bytes + 4 * num_scales + 12 * topk + 4
         return rows * per_row + 5 * 16
