@@ -35,6 +35,12 @@ class InternodeError(RuntimeError):
     """A failure of the internode path; the message names the rank, what was awaited and the value expected."""
 
 
+def _timeout_hint() -> str:
+    from uccl_ep_train.doctor import TIMEOUT_HINT
+
+    return TIMEOUT_HINT
+
+
 def _align(n: int, a: int = CMD_UNIT) -> int:
     return (n + a - 1) // a * a
 
@@ -361,7 +367,8 @@ class NativeInternodeBackend:
         perr = self._cx.proxy_error()
         if msg or perr:
             self._cx.clear_error()
-            raise InternodeError("; ".join(x for x in (msg, perr and f"rank {self.rank} proxy: {perr}") if x))
+            raise InternodeError("; ".join(x for x in (msg, perr and f"rank {self.rank} proxy: {perr}") if x)
+                                 + "\n" + _timeout_hint())
 
     def _sync_barrier(self, what: str) -> None:
         """Drain our stream (deadline-bounded: every GPU wait has one), check errors, then a group barrier."""
@@ -371,7 +378,7 @@ class NativeInternodeBackend:
             dist.barrier(group=self._gloo)
         except Exception as exc:  # a dead peer or the gloo deadline
             raise InternodeError(f"rank {self.rank}: barrier '{what}' failed within {self.cpu_timeout} s "
-                                 f"(UCCL_EP_CPU_TIMEOUT_SECS): {exc}") from exc
+                                 f"(UCCL_EP_CPU_TIMEOUT_SECS): {exc}\n{_timeout_hint()}") from exc
         self._check()
 
     def _notify(self, is_token_in_rank: torch.Tensor) -> Counts:
@@ -383,7 +390,7 @@ class NativeInternodeBackend:
             dist.all_gather(out, row, group=self._gloo)
         except Exception as exc:
             raise InternodeError(f"rank {self.rank}: notify (count exchange) failed within {self.cpu_timeout} s: "
-                                 f"{exc}") from exc
+                                 f"{exc}\n{_timeout_hint()}") from exc
         self._check()
         return counts_from_rows(torch.stack(out), self.R)
 

@@ -111,6 +111,10 @@ class NativeIntranodeBackend:
         msg = self._cx.error_message()
         if msg:
             self._cx.clear_error()
+            if "overflow" not in msg:  # a wait that ran past its deadline: say what to inspect next
+                from uccl_ep_train.doctor import TIMEOUT_HINT
+
+                msg = f"{msg}\n{TIMEOUT_HINT}"
             raise IntranodeError(msg)
 
     def _num_sms(self, config: Any) -> int:
