@@ -45,7 +45,7 @@ class _Plan:
 
     def apply(self, report) -> None:
         if self.module is None:
-            report.skipped.append(f"argparse choices: {self.hook}")
+            report.skipped.append(f"--moe-token-dispatcher-type argparse choices: {self.hook}")
             return
         original = getattr(self.module, self.hook)
         if not getattr(original, _MARK, False):

@@ -160,6 +160,12 @@ def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int
         torch.cuda.current_device = lambda: "cpu"
     init_megatron(ep)
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.x binds te_general_gemm only when Transformer Engine imports, yet its router reads the
+        # name unconditionally (NameError without TE; later versions set it to None). CPU children have no TE.
+        moe_utils.te_general_gemm = None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from uccl_ep_train.megatron.dispatcher import UCCLTokenDispatcher, release_buffers

@@ -1,11 +1,15 @@
-"""megatron_patch against the installed megatron-core (0.19.2 in CI): flag, config checks, MoELayer, EP overlap."""
+"""megatron_patch against the installed megatron-core (0.19.2, and 0.16.1 in CI's compatibility stage): flag, config
+checks, MoELayer, EP overlap. What a version lacks is skipped with the missing piece named, never faked."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import pickle
 import typing
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +19,25 @@ from megatron_patch import config as patch_config
 from megatron_patch import ep_overlap
 
 
+def _training(name: str):
+    """megatron.training.<name>, or a skip naming why it is absent. The megatron-core 0.16 wheel ships no
+    megatron.training (Megatron-LM provides it); `megatron` is a namespace package, so a megatron.training of another
+    install may be found beside it, and that one does not belong to this megatron.core."""
+    import megatron.core
+
+    core_root = Path(megatron.core.__file__).resolve().parents[1]
+    spec = importlib.util.find_spec("megatron.training")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"megatron-core {megatron_patch.megatron_version()} ships no megatron.training")
+    training_root = Path(next(iter(spec.submodule_search_locations))).resolve().parent
+    if training_root != core_root:
+        pytest.skip(f"megatron-core {megatron_patch.megatron_version()} ({core_root / 'core'}) ships no "
+                    f"megatron.training (the one at {training_root} belongs to another install)")
+    return pytest.importorskip(f"megatron.training.{name}")
+
+
 def _megatron_parser() -> argparse.ArgumentParser:
-    arguments = pytest.importorskip("megatron.training.arguments")
+    arguments = _training("arguments")
     parser = argparse.ArgumentParser(allow_abbrev=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -65,7 +86,7 @@ def test_literal_annotation_lists_uccl_and_generates_the_choices(patched):
     assert typing.get_origin(field.type) is typing.Literal
     assert typing.get_args(field.type).count("uccl") == 1
     assert {"allgather", "alltoall", "flex"} <= set(typing.get_args(field.type))
-    factory_module = pytest.importorskip("megatron.training.argument_utils")
+    factory_module = _training("argument_utils")
     kwargs = factory_module.ArgumentGroupFactory(TransformerConfig)._build_argparse_kwargs_from_field(field)
     assert "uccl" in kwargs["choices"]
 
@@ -134,7 +155,7 @@ def test_megatron_rules_shared_with_alltoall_still_apply_to_uccl(patched):
 def test_uccl_config_survives_a_pickled_checkpoint_args_namespace(patched):
     import torch
 
-    argument_utils = pytest.importorskip("megatron.training.argument_utils")
+    argument_utils = _training("argument_utils")
     args = _megatron_parser().parse_args(["--moe-token-dispatcher-type", "uccl", "--num-layers", "2",
                                           "--hidden-size", "64", "--num-attention-heads", "4",
                                           "--num-experts", "8", "--moe-router-topk", "2",
@@ -224,11 +245,23 @@ def test_postponed_string_annotation_is_extended_too():
 def test_ep_overlap_keeps_the_dispatch_input_of_uccl_alive(patched):
     if not ep_overlap.supported():
         pytest.skip(f"EP overlap not patched on this Megatron: {ep_overlap.why_unsupported()}")
-    import importlib
+    # 0.16 holds should_free_input in models.gpt.fine_grained_callables, 0.19 in models.common.utils: every module
+    # present must be patched, and each answers for uccl.
+    holders = []
+    for name in ep_overlap.MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if callable(getattr(module, ep_overlap.FUNCTION, None)):
+            holders.append(module)
+    assert holders, ep_overlap.MODULES
+    for module in holders:
+        assert getattr(getattr(module, ep_overlap.FUNCTION), "__uccl_patched__", False), module.__name__
+        _check_should_free_input(getattr(module, ep_overlap.FUNCTION))
 
-    utils = next(importlib.import_module(name) for name in ep_overlap.MODULES
-                 if hasattr(importlib.import_module(name), ep_overlap.FUNCTION))
-    free = getattr(utils, ep_overlap.FUNCTION)
+
+def _check_should_free_input(free):
     extra = (2,) if "num_local_experts" in free.__uccl_original__.__code__.co_varnames else ()
     uccl, alltoall = _config(), _config(moe_token_dispatcher_type="alltoall")
     # alltoall permutes before dispatch: its dispatch input is a fresh tensor, freed after forward.
@@ -256,4 +289,9 @@ def test_report_lists_every_applied_piece(patched):
     text = str(patched)
     for piece in ("Literal", "__post_init__", "MoELayer", "--moe-token-dispatcher-type"):
         assert piece in text
+    # The parser piece is applied where megatron.training imports, and reported as skipped (with why) elsewhere.
+    parser_lines = [line for line in patched.applied + patched.skipped if "--moe-token-dispatcher-type" in line]
+    assert len(parser_lines) == 1
+    if parser_lines[0] in patched.skipped:
+        assert "megatron.training.arguments" in parser_lines[0]
     assert dataclasses.is_dataclass(patched)
