@@ -5,34 +5,19 @@ One gloo group per topology runs every check; each test asserts one named outcom
 """
 from __future__ import annotations
 
-import contextlib
-import traceback
-
 import pytest
 import torch
 
 from tests.distributed import run_distributed
 from tests.reference import ep_oracle as oracle
+from tests.reference.check_group import checks_in, expect, outcomes_fixture, run_named, soft
 
 TOPOLOGIES = {"1x4": (4, 4), "2x2": (4, 2)}
 NUM_EXPERTS, NUM_TOPK, HIDDEN = 16, 3, 256
-_ERRORS: list = []
-
-
-@contextlib.contextmanager
-def soft(what: str = ""):
-    """Record a failure without skipping the collectives that follow (the group must stay in step)."""
-    try:
-        yield
-    except Exception:
-        _ERRORS.append(f"[{what}] {traceback.format_exc()}")
 
 
 def _inputs(kind, rank, world, dtype=torch.bfloat16):
-    num_tokens, topk = oracle.make_routing(kind, rank, world, NUM_EXPERTS, NUM_TOPK, seed=3)
-    gen = torch.Generator().manual_seed(31 * rank + 5)
-    x = (torch.randn(num_tokens, HIDDEN, generator=gen) + rank).to(dtype)
-    return x, topk, torch.rand(num_tokens, NUM_TOPK, generator=gen)
+    return oracle.make_inputs(kind, rank, world, NUM_EXPERTS, NUM_TOPK, HIDDEN, dtype, 3, 31 * rank + 5)
 
 
 def _buffer(g, **kwargs):
@@ -274,8 +259,7 @@ def check_argument_errors(rank, world, g):
     return outcomes
 
 
-CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
-          if name.startswith("check_") and name not in ("check_argument_errors", "check_backend_setting_from_environment")}
+CHECKS = checks_in(globals(), leave_out=("check_argument_errors", "check_backend_setting_from_environment"))
 ARGUMENT_CASES = ["payload_dtype", "fp8_scales_dtype", "fp8_scales_shape", "fp8_hidden_multiple", "topk_idx_dtype",
                   "topk_weights_dtype", "x_not_2d", "topk_rows_mismatch", "topk_weights_shape", "device", "contiguity",
                   "expert_id_too_large", "expert_id_below_minus_one", "repeated_expert", "experts_not_divisible",
@@ -286,67 +270,51 @@ ARGUMENT_CASES = ["payload_dtype", "fp8_scales_dtype", "fp8_scales_shape", "fp8_
 
 
 def run_checks(rank, world, g):
-    outcomes = {}
-    for name, fn in CHECKS.items():
-        _ERRORS.clear()
-        with soft(name):
-            fn(rank, world, g)
-        outcomes[name] = "\n".join(_ERRORS) or None
+    outcomes = run_named(CHECKS, rank, world, g)
     arg = check_argument_errors(rank, world, g)
     outcomes.update({f"arg:{k}": v for k, v in arg.items()})
     return outcomes
 
 
 def run_env_check(rank, world, g):
-    _ERRORS.clear()
-    with soft("env"):
-        check_backend_setting_from_environment(rank, world, g)
-    return {"env": "\n".join(_ERRORS) or None}
+    return run_named({"env": check_backend_setting_from_environment}, rank, world, g)
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def outcomes(request):
-    world, g = TOPOLOGIES[request.param]
-    return run_distributed(run_checks, world, g, timeout=150)
-
-
-def _expect(outcomes, name):
-    failures = [f"rank {r}:\n{o[name]}" for r, o in enumerate(outcomes) if o[name]]
-    assert not failures, "\n".join(failures)
+outcomes = outcomes_fixture(run_checks, TOPOLOGIES)
 
 
 def test_buffer_returns_deepep_tuples_matching_the_oracle(outcomes):
-    _expect(outcomes, "deepep_tuples_and_results")
+    expect(outcomes, "deepep_tuples_and_results")
 
 
 def test_buffer_fp8_tuple_payload_passes_through_and_caches(outcomes):
-    _expect(outcomes, "fp8_tuple_round_trips_through_buffer")
+    expect(outcomes, "fp8_tuple_round_trips_through_buffer")
 
 
 def test_buffer_expert_major_receive_and_num_worst_tokens(outcomes):
-    _expect(outcomes, "expert_major_and_num_worst_tokens")
+    expect(outcomes, "expert_major_and_num_worst_tokens")
 
 
 def test_buffer_dispatch_and_combine_are_differentiable_to_x_and_weights(outcomes):
-    _expect(outcomes, "autograd_through_buffer_matches_reference")
+    expect(outcomes, "autograd_through_buffer_matches_reference")
 
 
 def test_events_are_noops_on_cpu_and_stream_arguments_are_accepted(outcomes):
-    _expect(outcomes, "events_and_stream_arguments")
+    expect(outcomes, "events_and_stream_arguments")
 
 
 def test_backend_auto_picks_reference_on_cpu_and_native_errors_clearly(outcomes):
-    _expect(outcomes, "backend_selection")
+    expect(outcomes, "backend_selection")
 
 
 @pytest.mark.parametrize("case", ARGUMENT_CASES)
 def test_bad_argument_raises_before_communication_saying_what_to_change(outcomes, case):
-    _expect(outcomes, f"arg:{case}")
+    expect(outcomes, f"arg:{case}")
 
 
 def test_uccl_ep_backend_native_environment_forces_native_backend():
     results = run_distributed(run_env_check, 2, 2, timeout=60, env={"UCCL_EP_BACKEND": "native"})
-    _expect(results, "env")
+    expect(results, "env")
 
 
 def test_config_recommendations_and_size_hints():

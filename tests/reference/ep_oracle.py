@@ -1,7 +1,8 @@
 """An independent statement of dispatch/combine, for tests: gather every rank's inputs and compute each rank's expected
 outputs with plain Python loops over tokens (no shared code with uccl_ep_train.reference).
 
-Also builds the routings the tests use (random, skewed, empty, drops) deterministically from (seed, rank).
+Also builds the routings the tests use (random, skewed, empty, drops) and their inputs deterministically from
+(seed, rank).
 """
 from __future__ import annotations
 
@@ -37,6 +38,16 @@ def make_routing(kind: str, rank: int, num_ranks: int, num_experts: int, num_top
             drop[0] = True  # a token with every slot dropped goes nowhere
         topk[drop] = -1
     return num_tokens, topk
+
+
+def make_inputs(kind: str, rank: int, num_ranks: int, num_experts: int, num_topk: int, hidden: int, dtype,
+                routing_seed: int, payload_seed: int):
+    """(x [T, hidden] in dtype, topk_idx, topk_weights [T, K]) for one rank: fresh random payload (offset by the rank,
+    so rows from different ranks differ) and weights, on the routing ``kind``."""
+    num_tokens, topk = make_routing(kind, rank, num_ranks, num_experts, num_topk, routing_seed)
+    gen = torch.Generator().manual_seed(payload_seed)
+    x = (torch.randn(num_tokens, hidden, generator=gen) + rank).to(dtype)
+    return x, topk, torch.rand(num_tokens, num_topk, generator=gen)
 
 
 @dataclass

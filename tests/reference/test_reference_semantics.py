@@ -6,25 +6,17 @@ of one named check on every rank.
 """
 from __future__ import annotations
 
-import contextlib
-import traceback
-
-import pytest
 import torch
 
-from tests.distributed import run_distributed
 from tests.reference import ep_oracle as oracle
+from tests.reference.check_group import checks_in, expect, outcomes_fixture, run_named, soft
 
 TOPOLOGIES = {"1x4": (4, 4), "2x2": (4, 2), "4x2": (8, 2)}  # name -> (ranks, ranks per node)
 NUM_EXPERTS, NUM_TOPK, HIDDEN = 16, 3, 256
 
 
 def _inputs(kind: str, rank: int, world: int, dtype=torch.bfloat16, seed: int = 0):
-    num_tokens, topk = oracle.make_routing(kind, rank, world, NUM_EXPERTS, NUM_TOPK, seed)
-    gen = torch.Generator().manual_seed(7919 * rank + seed)
-    x = (torch.randn(num_tokens, HIDDEN, generator=gen) + rank).to(dtype)
-    weights = torch.rand(num_tokens, NUM_TOPK, generator=gen)
-    return x, topk, weights
+    return oracle.make_inputs(kind, rank, world, NUM_EXPERTS, NUM_TOPK, HIDDEN, dtype, seed, 7919 * rank + seed)
 
 
 def _assert_rows(got: torch.Tensor, rows: list, what: str):
@@ -34,17 +26,7 @@ def _assert_rows(got: torch.Tensor, rows: list, what: str):
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
-# A failed assertion must not skip the next collective (the group would fall out of step), so each check asserts
-# inside `soft(errors)` after its collectives and raises the collected failures at the end (see run_checks).
-_ERRORS: list = []
-
-
-@contextlib.contextmanager
-def soft(what: str = ""):
-    try:
-        yield
-    except Exception:
-        _ERRORS.append(f"[{what}] {traceback.format_exc()}")
+# Each check asserts inside `soft(...)` after its collectives (tests/reference/check_group.py says why).
 
 def check_layout(rank, world, g):
     from uccl_ep_train import reference as ref
@@ -284,66 +266,52 @@ def _check_gradients_against_oracle(wld, rank, world, xl, wl, expert_major, per,
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
-CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
+CHECKS = checks_in(globals())
 
 
 def run_checks(rank, world, g):
     torch.manual_seed(rank)
-    outcomes = {}
-    for name, fn in CHECKS.items():
-        _ERRORS.clear()
-        with soft(name):
-            fn(rank, world, g)
-        outcomes[name] = "\n".join(_ERRORS) or None
-    return outcomes
+    return run_named(CHECKS, rank, world, g)
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def outcomes(request):
-    world, g = TOPOLOGIES[request.param]
-    return run_distributed(run_checks, world, g, timeout=150)
-
-
-def _expect(outcomes, name):
-    failures = [f"rank {r}:\n{o[name]}" for r, o in enumerate(outcomes) if o[name]]
-    assert not failures, "\n".join(failures)
+outcomes = outcomes_fixture(run_checks, TOPOLOGIES)
 
 
 def test_layout_counts_tokens_per_rank_node_and_expert(outcomes):
-    _expect(outcomes, "layout")
+    expect(outcomes, "layout")
 
 
 def test_dispatch_delivers_each_token_once_per_rank_ordered_by_source_rank_then_token(outcomes):
-    _expect(outcomes, "rank_major_receive")
+    expect(outcomes, "rank_major_receive")
 
 
 def test_combine_sums_copies_from_every_destination_rank_and_their_weights(outcomes):
-    _expect(outcomes, "combine")
+    expect(outcomes, "combine")
 
 
 def test_round_trip_returns_x_times_number_of_destination_ranks(outcomes):
-    _expect(outcomes, "round_trip")
+    expect(outcomes, "round_trip")
 
 
 def test_cached_dispatch_reuses_routing_for_new_payload(outcomes):
-    _expect(outcomes, "cached_mode")
+    expect(outcomes, "cached_mode")
 
 
 def test_num_worst_tokens_pads_outputs_and_rejects_overflow(outcomes):
-    _expect(outcomes, "num_worst_tokens")
+    expect(outcomes, "num_worst_tokens")
 
 
 def test_fp8_payload_and_scales_pass_through_bit_exact(outcomes):
-    _expect(outcomes, "fp8_passthrough")
+    expect(outcomes, "fp8_passthrough")
 
 
 def test_expert_major_layout_groups_pairs_by_expert_with_alignment_and_combines_back(outcomes):
-    _expect(outcomes, "expert_major")
+    expect(outcomes, "expert_major")
 
 
 def test_hierarchical_traffic_counts_network_once_per_node_and_nvlink_forwarding(outcomes):
-    _expect(outcomes, "traffic")
+    expect(outcomes, "traffic")
 
 
 def test_gradients_match_autograd_of_independent_all_to_all_formulation(outcomes):
-    _expect(outcomes, "gradients")
+    expect(outcomes, "gradients")

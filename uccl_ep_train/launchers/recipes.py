@@ -95,6 +95,8 @@ def _explain_compose_error(message: str, config_dir) -> str:
 
 _EXPORT = re.compile(r'^export\s+([A-Za-z_][A-Za-z0-9_]*)=(.*)$')
 _DEFAULTED = re.compile(r'^\$\{([A-Za-z_][A-Za-z0-9_]*):-(.*)\}$')
+# The one form of `source` allowed: a file beside this one, whichever directory bash was started in.
+_SOURCE = re.compile(r'^source\s+"\$\(dirname "\$\{BASH_SOURCE\[0\]\}"\)/([A-Za-z0-9_.-]+\.sh)"$')
 
 
 def env_file_path(name: str | None) -> Path | None:
@@ -110,28 +112,52 @@ def env_file_path(name: str | None) -> Path | None:
     return path
 
 
+def env_file_lines(path: str | os.PathLike, _seen: tuple = ()) -> list[tuple[Path, int, str]]:
+    """(file, line number, text) of every line bash reads when sourcing an env file: each
+    ``source "$(dirname "${BASH_SOURCE[0]}")/other.sh"`` line is replaced by the lines of other.sh (beside it)."""
+    path = Path(path)
+    if path.resolve() in _seen:
+        raise RecipeError(f"{path}: sourced again from {_seen[-1]} (a cycle of env files)")
+    out = []
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        included = _SOURCE.match(raw.strip())
+        if included:
+            other = path.parent / included.group(1)
+            if not other.is_file():
+                raise RecipeError(f"{path}:{lineno}: sources {other.name}, which is not in {path.parent}")
+            out += env_file_lines(other, _seen + (path.resolve(),))
+        else:
+            out.append((path, lineno, raw))
+    return out
+
+
 def parse_env_file(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables a per-cluster env file sets, as bash would when sourcing it into ``environ``.
 
     The files keep to one form so that this parser and bash agree: ``export NAME="${NAME:-value}"`` (the caller's
-    value wins) or ``export NAME=value``; comments and blank lines are skipped; anything else is an error.
+    value wins) or ``export NAME=value``, and ``source "$(dirname "${BASH_SOURCE[0]}")/other.sh"`` to read a file
+    beside it (in the same form) at that point; comments and blank lines are skipped; anything else is an error.
     ``environ=None`` gives the file's own defaults (what a fresh node gets).
     """
     environ = {} if environ is None else environ
     out: dict[str, str] = {}
-    for lineno, raw in enumerate(Path(path).read_text().splitlines(), 1):
+    for path, lineno, raw in env_file_lines(path):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         match = _EXPORT.match(line)
         if not match:
-            raise RecipeError(f"{path}:{lineno}: only `export NAME=\"${{NAME:-value}}\"` lines are allowed, got {raw!r}")
+            raise RecipeError(f"{path}:{lineno}: only `export NAME=\"${{NAME:-value}}\"` lines (and `source` of a "
+                              f"file beside it as \"$(dirname \"${{BASH_SOURCE[0]}}\")/other.sh\"\") are allowed, "
+                              f"got {raw!r}")
         name, value = match.group(1), _unquote(match.group(2))
         defaulted = _DEFAULTED.match(value)
         if defaulted:
             if defaulted.group(1) != name:
                 raise RecipeError(f"{path}:{lineno}: {name} defaults from ${{{defaulted.group(1)}}}; use ${{{name}:-...}}")
-            value = environ.get(name) or defaulted.group(2)
+            # What bash expands: the value set earlier in these files, else the caller's.
+            current = out[name] if name in out else environ.get(name, "")
+            value = current or defaulted.group(2)
         elif "$" in value or "`" in value:
             raise RecipeError(f"{path}:{lineno}: {name}: only the ${{{name}:-default}} form may expand variables")
         out[name] = value

@@ -1,7 +1,8 @@
 """Render (and submit) the sbatch script of a recipe: one task per node, each running torchrun for its GPUs.
 
 Rendezvous is torchrun's c10d at the first host of the allocation. The cluster's env file is embedded verbatim
-(the same file launch/*.sbatch sources), so the job does not depend on where the launcher was installed.
+(the same file launch/*.sbatch sources, with the files it sources inlined), so the job does not depend on where the
+launcher was installed.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from uccl_ep_train.launchers.argv import Invocation
-from uccl_ep_train.launchers.recipes import RecipeError, env_file_path
+from uccl_ep_train.launchers.recipes import RecipeError, env_file_lines, env_file_path
 from uccl_ep_train.launchers.validation import Topology
 
 # Variables a docker container needs from the job beyond the run's own: the rendezvous.
@@ -67,7 +68,7 @@ def render(cfg: DictConfig, inv: Invocation, topo: Topology, run_dir: Path, over
          "set -euo pipefail", ""]
     if env_path is not None:
         s += [f"# ---- cluster environment: {env_path.name} (embedded; launch/env/ holds the source) ----",
-              *[ln for ln in env_path.read_text().splitlines() if not ln.startswith("# shellcheck")], ""]
+              *[ln for _, _, ln in env_file_lines(env_path) if not ln.startswith("# shellcheck")], ""]
     s.append("# ---- this run: Megatron, dispatcher settings, cluster.env, run.env ----")
     s += [f"export {k}={shlex.quote(v)}" for k, v in inv.env.items()]
     s += ["",
@@ -118,7 +119,8 @@ def render(cfg: DictConfig, inv: Invocation, topo: Topology, run_dir: Path, over
 def _exported_names(env_path: Path | None) -> list[str]:
     if env_path is None:
         return []
-    return re.findall(r"^export\s+([A-Za-z_][A-Za-z0-9_]*)=", env_path.read_text(), flags=re.M)
+    text = "\n".join(ln for _, _, ln in env_file_lines(env_path))
+    return re.findall(r"^export\s+([A-Za-z_][A-Za-z0-9_]*)=", text, flags=re.M)
 
 
 def submit(script: Path) -> str:
