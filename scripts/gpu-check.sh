@@ -28,7 +28,8 @@ run() {  # run NAME SECONDS CMD...: one step, its output appended to the log, it
   local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt" >>"$log"
 }
-tr2=(torchrun --standalone --nproc-per-node 2)
+ngpu=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")}
+tr2=(torchrun --standalone --nproc-per-node "${ngpu:-2}")  # every GPU of the host (NGPU overrides)
 
 steps=("$@")
 [[ ${#steps[@]} -gt 0 ]] || steps=(kernels moelayer internode bench_dispatch bench_dispatcher bench_proxy)
