@@ -68,6 +68,21 @@ def megatron_version() -> str:
     return str(getattr(package_info, "__version__", "unknown"))
 
 
+_PATCHED = "__uccl_patched__"
+
+
+def is_patched(fn) -> bool:
+    """True when ``fn`` is one of our wrappers (so apply() never wraps a wrapper)."""
+    return bool(getattr(fn, _PATCHED, False))
+
+
+def mark_patched(wrapper, original):
+    """Mark ``wrapper`` as ours and keep the Megatron function it replaces in ``wrapper.__uccl_original__``."""
+    setattr(wrapper, _PATCHED, True)
+    wrapper.__uccl_original__ = original
+    return wrapper
+
+
 def missing(what: str, where: str) -> UnsupportedMegatronVersion:
     """The error every patch module raises when a piece of Megatron it needs is not where it expects it."""
     return UnsupportedMegatronVersion(

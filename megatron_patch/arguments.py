@@ -16,13 +16,12 @@ import argparse
 import functools
 import importlib
 
-from megatron_patch import DISPATCHER_TYPE, missing
+from megatron_patch import DISPATCHER_TYPE, is_patched, mark_patched, missing
 
 MODULE = "megatron.training.arguments"
 DEST = "moe_token_dispatcher_type"
 # Functions that add the dispatcher flag to a parser, outermost first; the first one present is wrapped.
 HOOKS = ("add_megatron_arguments", "_add_moe_args")
-_MARK = "__uccl_patched__"
 
 
 def extend_choices(parser: argparse.ArgumentParser) -> bool:
@@ -48,7 +47,7 @@ class _Plan:
             report.skipped.append(f"--moe-token-dispatcher-type argparse choices: {self.hook}")
             return
         original = getattr(self.module, self.hook)
-        if not getattr(original, _MARK, False):
+        if not is_patched(original):
             setattr(self.module, self.hook, _extending(original))
         report.applied.append(f"{MODULE}.{self.hook}: --moe-token-dispatcher-type accepts '{DISPATCHER_TYPE}'")
 
@@ -62,9 +61,7 @@ def _extending(original):
             raise missing("the --moe-token-dispatcher-type argument", f"the parser built by {original.__qualname__}")
         return result
 
-    setattr(hook, _MARK, True)
-    hook.__uccl_original__ = original  # type: ignore[attr-defined]
-    return hook
+    return mark_patched(hook, original)
 
 
 def plan() -> _Plan:

@@ -18,12 +18,11 @@ import functools
 import typing
 from typing import Any, Literal
 
-from megatron_patch import DISPATCHER_TYPE, missing
+from megatron_patch import DISPATCHER_TYPE, is_patched, mark_patched, missing
 
 FIELD = "moe_token_dispatcher_type"
 # The dispatcher whose validation rules uccl shares (see the module docstring).
 VALIDATE_AS = "alltoall"
-_MARK = "__uccl_patched__"
 
 
 def _with_uccl(annotation: Any) -> Any:
@@ -72,7 +71,7 @@ class _Plan:
         report.applied.append(f"TransformerConfig.{FIELD}: Literal now lists {choices()}")
 
         original = self.cls.__post_init__
-        if not getattr(original, _MARK, False):
+        if not is_patched(original):
             self.cls.__post_init__ = _validating_uccl_as(original)
         report.applied.append(f"TransformerConfig.__post_init__: validates '{DISPATCHER_TYPE}' with the "
                               f"'{VALIDATE_AS}' rules plus uccl's own")
@@ -122,9 +121,7 @@ def _validating_uccl_as(original):
         finally:
             object.__setattr__(self, FIELD, DISPATCHER_TYPE)
 
-    setattr(__post_init__, _MARK, True)
-    __post_init__.__uccl_original__ = original  # type: ignore[attr-defined]
-    return __post_init__
+    return mark_patched(__post_init__, original)
 
 
 def plan() -> _Plan:

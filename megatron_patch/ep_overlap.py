@@ -26,11 +26,10 @@ from __future__ import annotations
 import functools
 import importlib
 
-from megatron_patch import DISPATCHER_TYPE
+from megatron_patch import DISPATCHER_TYPE, is_patched, mark_patched
 
 MODULES = ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables")
 FUNCTION = "should_free_input"
-_MARK = "__uccl_patched__"
 _state = {"supported": False, "why": "megatron_patch.apply() has not run"}
 
 
@@ -77,9 +76,7 @@ def _answering_for_uccl(original):
             config = FlexView(config, flex_backend_like_uccl(config))
         return original(name, is_moe, config, *args, **kwargs)
 
-    setattr(should_free_input, _MARK, True)
-    should_free_input.__uccl_original__ = original  # type: ignore[attr-defined]
-    return should_free_input
+    return mark_patched(should_free_input, original)
 
 
 class _Plan:
@@ -89,7 +86,7 @@ class _Plan:
     def apply(self, report) -> None:
         for module in self.targets:
             fn = getattr(module, FUNCTION)
-            if not getattr(fn, _MARK, False):
+            if not is_patched(fn):
                 setattr(module, FUNCTION, _answering_for_uccl(fn))
             report.applied.append(f"{module.__name__}.{FUNCTION}: answers for '{DISPATCHER_TYPE}' like flex")
         _state["supported"] = bool(self.targets)

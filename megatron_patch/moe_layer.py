@@ -15,12 +15,11 @@ from __future__ import annotations
 import functools
 import threading
 
-from megatron_patch import DISPATCHER_TYPE, missing
+from megatron_patch import DISPATCHER_TYPE, is_patched, mark_patched, missing
 
 MODULE = "megatron.core.transformer.moe.moe_layer"
 STAND_IN_TYPE = "alltoall"
 STAND_IN_CLASS = "MoEAlltoAllTokenDispatcher"
-_MARK = "__uccl_patched__"
 _BUILD_LOCK = threading.RLock()
 
 
@@ -36,7 +35,7 @@ class _Plan:
 
     def apply(self, report) -> None:
         original = self.cls.__init__
-        if not getattr(original, _MARK, False):
+        if not is_patched(original):
             self.cls.__init__ = _building_uccl(original, self.module)
         report.applied.append(f"MoELayer.__init__: builds UCCLTokenDispatcher for '{DISPATCHER_TYPE}'")
 
@@ -59,9 +58,7 @@ def _building_uccl(original, module):
         if not isinstance(self.token_dispatcher, uccl_cls):
             raise missing(f"the '{STAND_IN_TYPE}' branch building {STAND_IN_CLASS}", f"{MODULE}.MoELayer.__init__")
 
-    setattr(__init__, _MARK, True)
-    __init__.__uccl_original__ = original  # type: ignore[attr-defined]
-    return __init__
+    return mark_patched(__init__, original)
 
 
 def plan() -> _Plan:
