@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build with CUDA, run the GPU test suites and the benchmarks, keep logs under $OUT.
 # Usage (on the lent 2xH200 machine, from the repository root): bash scripts/gpu-check.sh [step ...]
-# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_proxy train (default: all but train).
+# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_proxy train (default: all but train);
+# diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), fifo (GPU
+# producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
+# CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel).
 # TRAIN_DISPATCHERS (default "uccl alltoall") picks the dispatchers the train step compares.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -40,7 +43,16 @@ for step in "${steps[@]}"; do
     internode) run internode 150 python3 -m pytest -q -rf tests/internode ;;
     bench_dispatch) run bench_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --json "$OUT/dispatch.json" ;;
     bench_dispatcher) run bench_dispatcher 120 "${tr2[@]}" -m uccl_ep_train bench dispatcher --json "$OUT/dispatcher.json" ;;
-    bench_proxy) run bench_proxy 45 python3 -m uccl_ep_train bench proxy --producer gpu --json "$OUT/proxy.json" ;;
+    bench_proxy) UCCL_EP_CPU_TIMEOUT_SECS=20 run bench_proxy 90 python3 -m uccl_ep_train bench proxy --producer gpu \
+                   --json "$OUT/proxy.json" ;;
+    profile)
+      run profile_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --sweep "" --iters 10 \
+        --profile "$OUT/profile-dispatch.txt"
+      run profile_dispatcher 180 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers alltoall,uccl \
+        --iters 10 --profile "$OUT/profile-dispatcher" ;;
+    fifo) run fifo 120 python3 -m pytest -q -s -rf tests/host_core/test_gpu_fifo.py ;;
+    internode_2x2) CUDA_LAUNCH_BLOCKING=1 run internode_2x2 150 python3 -m pytest -x -q -rf tests/internode \
+                     -k "every_output and 4-2" ;;
     train)  # 1-GPU runs side by side (one per GPU), then the EP=2 runs; same seed, mock data, 50 steps
       read -r -a dispatchers <<<"${TRAIN_DISPATCHERS:-uccl alltoall}"
       gpu=0

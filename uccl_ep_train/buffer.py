@@ -267,15 +267,18 @@ class Buffer:
             raise ValueError(f"num_experts={num_experts} must be divisible by the number of ranks "
                              f"({self.group_size}) so every rank owns the same number of experts")
         if topk_idx.numel() and _host_checks_allowed(num_worst_tokens):
-            low, high = int(topk_idx.min()), int(topk_idx.max())
+            # One device-to-host copy for all three facts: each sync stalls the CPU until the GPU catches up.
+            facts = [topk_idx.min(), topk_idx.max()]
+            if topk_idx.size(1) > 1:
+                ordered = topk_idx.sort(dim=1).values
+                facts.append(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any().to(torch.int64))
+            low, high, *dup = torch.stack(facts).tolist()
             if low < -1 or high >= num_experts:
                 raise ValueError(f"topk_idx holds expert ids in [{low}, {high}]; they must be in [-1, {num_experts})"
                                  " (-1 = dropped)")
-            if topk_idx.size(1) > 1:
-                ordered = topk_idx.sort(dim=1).values
-                if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any():
-                    raise ValueError("topk_idx names the same expert twice in one row; each token must select "
-                                     "distinct experts (use -1 for unused slots)")
+            if dup and dup[0]:
+                raise ValueError("topk_idx names the same expert twice in one row; each token must select "
+                                 "distinct experts (use -1 for unused slots)")
 
     @staticmethod
     def get_nvl_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_ranks: int,

@@ -25,8 +25,8 @@ def nvl_bytes_needed(num_max_tokens_per_rank: int, num_ranks: int, hidden: int, 
 
     Direct placement sizes for the worst case, every token of every rank landing on one rank: the dispatch receive
     area (payload, FP8 scales, top-k ids and weights, source index per row) and the combine area share the buffer,
-    so the larger of the two is needed. Combine copies may cross the link as fp32 (expert-major partial sums, fp32
-    payloads), which is what this sizes for.
+    so the larger of the two is needed. Combine copies cross the link in x's dtype; this sizes for float32 x (the
+    widest combine input).
     """
     rows = num_max_tokens_per_rank * num_ranks
     num_scales = (hidden + 127) // 128
@@ -241,13 +241,16 @@ class NativeIntranodeBackend:
                     recv_topk_weights = torch.empty((out_rows, K), dtype=torch.float32, device=dev)
             recv_src_idx = torch.empty(out_rows, dtype=torch.int32, device=dev)
 
+        # Rank-major: this rank's own rows go straight into recv_x (self-direct); expert-major reads them from the
+        # receive area like every other row.
+        self_direct = recv_x is not None
         self._cx.dispatch_send(x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights), send_pos.data_ptr(),
                                rank_prefix.data_ptr(), recv_info.data_ptr(), T, hidden_bytes, num_scales, K,
-                               num_experts, cap, num_sms, stream)
+                               num_experts, cap, _ptr(recv_x), _ptr(recv_scales), out_rows, num_sms, stream)
         self._cx.barrier(stream)
         self._cx.dispatch_recv(_ptr(recv_x), _ptr(recv_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
-                               _ptr(recv_src_idx), recv_info.data_ptr(), out_rows, hidden_bytes, num_scales, K, cap,
-                               num_sms, stream)
+                               _ptr(recv_src_idx), recv_info.data_ptr(), rank_prefix.data_ptr(), self_direct, out_rows,
+                               hidden_bytes, num_scales, K, cap, num_sms, stream)
 
         if cached:
             if h.expert_major:
@@ -323,9 +326,11 @@ class NativeIntranodeBackend:
             raise ValueError(f"combine: hidden {H} of {x.dtype} is not a multiple of 16 bytes")
         K = h.num_topk
         T = h.num_tokens
-        # The combine area counts rows in bf16 units; expert-major partial sums cross the link in fp32.
-        wire_f32 = bool(h.expert_major) or elem == 4
-        H_units = H * 2 if wire_f32 else H
+        # The combine area counts rows in bf16 units (a float32 row is two). Expert-major rows are summed over their
+        # local experts in fp32 and rounded once to x's dtype before they cross the link (docs/intranode.md).
+        H_units = H * 2 if elem == 4 else H
+        if K > self._k.max_topk:
+            raise ValueError(f"native combine takes top-k <= {self._k.max_topk}, got {K}")
         cap = self._k.combine_tokens_capacity(self.data_bytes, self.num_ranks, H_units, K)
         if T > cap:
             raise ValueError(f"num_nvl_bytes={self.data_bytes} holds the combine copies of {cap} tokens of hidden {H}; "
@@ -344,9 +349,8 @@ class NativeIntranodeBackend:
             self._cx.combine_send(x.data_ptr(), _ptr(weights), h.recv_src_idx.data_ptr(), h.rank_prefix_matrix.data_ptr(),
                                   h.recv_info.data_ptr(), 0, rows, H, elem, K, cap, num_sms, stream)
         self._cx.barrier(stream)
-        self._cx.combine_reduce(h.is_token_in_rank.data_ptr(), T, H, elem, K, out.data_ptr(), _ptr(out_w), cap, wire_f32,
-                                num_sms,
-                                stream)
+        self._cx.combine_reduce(h.is_token_in_rank.data_ptr(), T, H, elem, K, out.data_ptr(), _ptr(out_w), cap,
+                                num_sms, stream)
         return out, out_w
 
     # ---------------------------------------------------------------- teardown

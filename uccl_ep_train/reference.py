@@ -475,6 +475,9 @@ def combine(x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor
         for k in range(handle.num_topk):  # slot order; each token has at most one row per slot
             sel = (slot == k).nonzero(as_tuple=True)[0]
             rows.index_add_(0, token[sel], x[sel].float())
+        # One partial sum per (token, rank) in x's dtype, as when Megatron unpermutes before DeepEP's combine: the
+        # copies that cross the link are half the bytes of fp32 partials.
+        rows = rows.to(x.dtype).float()
         if topk_weights is not None:
             pos = handle.expert_major_pos
             weights = torch.where(pos >= 0, topk_weights[pos.clamp(min=0)].float(), torch.zeros_like(pos,

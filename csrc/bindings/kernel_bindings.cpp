@@ -15,6 +15,7 @@ void bind_kernels(py::module_& m) {
   namespace in = uccl_ep::intranode;
   auto k = m.def_submodule("kernels", "GPU kernels: dispatch layout and the intranode (NVLink/xGMI) backend");
   k.attr("max_ranks") = in::kMaxRanks;
+  k.attr("max_topk") = in::kMaxTopk;
   k.attr("control_bytes") = static_cast<int64_t>(in::kControlBytes);
   k.def("dispatch_layout", &in::dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("topk"),
         py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_tokens_per_rank"),
@@ -50,10 +51,11 @@ void bind_kernels(py::module_& m) {
       .def("dispatch_send", &in::Context::dispatch_send, py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("send_pos"), py::arg("rank_prefix_matrix"), py::arg("recv_info"),
            py::arg("num_tokens"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("topk"),
-           py::arg("num_experts"), py::arg("rows_capacity"), py::arg("num_sms"), py::arg("stream"))
+           py::arg("num_experts"), py::arg("rows_capacity"), py::arg("self_x"), py::arg("self_scales"),
+           py::arg("self_rows"), py::arg("num_sms"), py::arg("stream"))
       .def("dispatch_recv", &in::Context::dispatch_recv, py::arg("recv_x"), py::arg("recv_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("recv_info"),
-           py::arg("out_rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("topk"),
+           py::arg("rank_prefix_matrix"), py::arg("self_direct"), py::arg("out_rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("topk"),
            py::arg("rows_capacity"), py::arg("num_sms"), py::arg("stream"))
       .def("expert_major", &in::Context::expert_major, py::arg("src_x"), py::arg("src_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_info"), py::arg("out_rows"),
@@ -65,7 +67,7 @@ void bind_kernels(py::module_& m) {
            py::arg("hidden"), py::arg("elem_size"), py::arg("topk"), py::arg("max_src_tokens"), py::arg("num_sms"), py::arg("stream"))
       .def("combine_reduce", &in::Context::combine_reduce, py::arg("is_token_in_rank"), py::arg("num_tokens"),
            py::arg("hidden"), py::arg("elem_size"), py::arg("topk"), py::arg("out_x"), py::arg("out_topk_weights"),
-           py::arg("max_src_tokens"), py::arg("wire_f32"), py::arg("num_sms"), py::arg("stream"));
+           py::arg("max_src_tokens"), py::arg("num_sms"), py::arg("stream"));
 #else
   (void)m;  // built without a GPU toolchain: no `kernels` submodule, native.has_kernels() is False
 #endif

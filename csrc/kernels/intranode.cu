@@ -200,17 +200,20 @@ __global__ void notify_kernel(void** peers, int rank, int num_ranks, const int* 
 }
 
 // ---------------------------------------------------------------- dispatch
+// Each warp sends whole tokens: loads a 16-byte unit once and stores it to every destination's row. With `self_x`
+// (the caller's output exists before the send: normal and cached modes, rank-major) the rows this rank sends to
+// itself go straight to their final place in the output, so the receive kernel copies only what peers sent.
 template <int kUnroll>
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
     void** peers, int rank, int num_ranks, const int4* __restrict__ x, const float* __restrict__ x_scales,
     const int64_t* __restrict__ topk_idx, const float* __restrict__ topk_weights, const int* __restrict__ send_pos,
     const int* __restrict__ rank_prefix, const int* __restrict__ recv_info, int num_tokens, int hidden_bytes,
-    int num_scales, int topk, int experts_per_rank, int64_t rows_capacity) {
+    int num_scales, int topk, int experts_per_rank, int64_t rows_capacity, int4* __restrict__ self_x,
+    float* __restrict__ self_scales, int64_t self_rows) {
   const int R = num_ranks;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   __shared__ int s_base[kMaxRanks];             // first row of this rank's tokens at each destination
-  __shared__ char* s_dst[kWarps][kMaxRanks];    // per warp: receive areas of the current token's destinations
-  __shared__ int s_slot[kWarps][kMaxRanks];     // ... the row there
+  __shared__ int s_slot[kWarps][kMaxRanks];     // per warp: the row of the current token at each destination ...
   __shared__ int s_rk[kWarps][kMaxRanks];       // ... and the destination rank
   __shared__ int s_n[kWarps];
   for (int r = threadIdx.x; r < R; r += blockDim.x) s_base[r] = rank == 0 ? 0 : rank_prefix[(rank - 1) * R + r];
@@ -220,17 +223,29 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
   const RecvArea area(rows_capacity, hidden_bytes, num_scales, topk);
   const int units = hidden_bytes / 16;
   const int total_warps = gridDim.x * kWarps;
+  auto self_direct = [&](int j) { return self_x != nullptr && s_rk[warp][j] == rank; };
+  auto payload_row = [&](int j) -> int4* {
+    const int64_t slot = s_slot[warp][j];
+    if (self_direct(j)) return self_x + slot * units;
+    return reinterpret_cast<int4*>(data_of(peers[s_rk[warp][j]]) + area.x) + slot * units;
+  };
+  auto scales_row = [&](int j) -> float* {
+    const int64_t slot = s_slot[warp][j];
+    if (self_direct(j) && self_scales != nullptr) return self_scales + slot * num_scales;
+    return reinterpret_cast<float*>(data_of(peers[s_rk[warp][j]]) + area.scales) + slot * num_scales;
+  };
   for (int t = blockIdx.x * kWarps + warp; t < num_tokens; t += total_warps) {
     if (lane == 0) {
       int n = 0;
       for (int r = 0; r < R; ++r) {
         const int p = send_pos[static_cast<int64_t>(t) * R + r];
-        if (p >= 0) {
-          s_dst[warp][n] = data_of(peers[r]);
-          s_slot[warp][n] = s_base[r] + p;
-          s_rk[warp][n] = r;
-          ++n;
-        }
+        if (p < 0) continue;
+        const int slot = s_base[r] + p;
+        // Past the output's end only when num_worst_tokens is too small: the receive kernel reports that.
+        if (r == rank && self_x != nullptr && slot >= self_rows) continue;
+        s_slot[warp][n] = slot;
+        s_rk[warp][n] = r;
+        ++n;
       }
       s_n[warp] = n;
     }
@@ -244,20 +259,18 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc_v4(src + i + u * kWarpSize);
       for (int j = 0; j < n; ++j) {
-        int4* dst = reinterpret_cast<int4*>(s_dst[warp][j] + area.x + static_cast<int64_t>(s_slot[warp][j]) * hidden_bytes);
+        int4* dst = payload_row(j);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) st_na_v4(dst + i + u * kWarpSize, v[u]);
       }
     }
     for (; i < units; i += kWarpSize) {
       const int4 v = ld_nc_v4(src + i);
-      for (int j = 0; j < n; ++j)
-        st_na_v4(reinterpret_cast<int4*>(s_dst[warp][j] + area.x + static_cast<int64_t>(s_slot[warp][j]) * hidden_bytes) + i, v);
+      for (int j = 0; j < n; ++j) st_na_v4(payload_row(j) + i, v);
     }
     for (int s = lane; s < num_scales; s += kWarpSize) {
       const float v = x_scales[static_cast<int64_t>(t) * num_scales + s];
-      for (int j = 0; j < n; ++j)
-        reinterpret_cast<float*>(s_dst[warp][j] + area.scales)[static_cast<int64_t>(s_slot[warp][j]) * num_scales + s] = v;
+      for (int j = 0; j < n; ++j) scales_row(j)[s] = v;
     }
     for (int k = lane; topk_idx != nullptr && k < topk; k += kWarpSize) {
       const int64_t e = topk_idx[static_cast<int64_t>(t) * topk + k];
@@ -266,23 +279,27 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
         const int64_t lo = static_cast<int64_t>(s_rk[warp][j]) * experts_per_rank;
         const bool local = e >= lo && e < lo + experts_per_rank;
         const int64_t row = s_slot[warp][j];
-        reinterpret_cast<int64_t*>(s_dst[warp][j] + area.idx)[row * topk + k] = local ? e - lo : -1;
-        reinterpret_cast<float*>(s_dst[warp][j] + area.weights)[row * topk + k] = local ? w : 0.0f;
+        char* d = data_of(peers[s_rk[warp][j]]);
+        reinterpret_cast<int64_t*>(d + area.idx)[row * topk + k] = local ? e - lo : -1;
+        reinterpret_cast<float*>(d + area.weights)[row * topk + k] = local ? w : 0.0f;
       }
     }
     if (lane == 0)
-      for (int j = 0; j < n; ++j) reinterpret_cast<int*>(s_dst[warp][j] + area.src)[s_slot[warp][j]] = t;
+      for (int j = 0; j < n; ++j) reinterpret_cast<int*>(data_of(peers[s_rk[warp][j]]) + area.src)[s_slot[warp][j]] = t;
     warp_sync();
   }
   fence_system();  // the barrier kernel that follows publishes these stores
 }
 
+// Copies the receive area out to the output tensors. Rows in [self_begin, self_end) carry this rank's own tokens,
+// whose payload the send kernel already stored in the output (self-direct); only their metadata is copied here.
 template <int kUnroll>
 __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
-    void* local, int rank, int4* __restrict__ recv_x, float* __restrict__ recv_scales,
+    void* local, int rank, int num_ranks, int4* __restrict__ recv_x, float* __restrict__ recv_scales,
     int64_t* __restrict__ recv_topk_idx, float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx,
-    const int* __restrict__ recv_info, int64_t out_rows, int hidden_bytes, int num_scales, int topk,
-    int64_t rows_capacity, ErrorWord* err) {
+    const int* __restrict__ recv_info, const int* __restrict__ rank_prefix, bool self_direct, int64_t out_rows,
+    int hidden_bytes, int num_scales, int topk, int64_t rows_capacity, ErrorWord* err) {
+  const int R = num_ranks;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const RecvArea area(rows_capacity, hidden_bytes, num_scales, topk);
   const char* base = data_of(local);
@@ -292,14 +309,17 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
       report(err, 3, rank, 0, rank, num_recv, out_rows, "num_worst_tokens too small");
     num_recv = out_rows;
   }
+  const int64_t self_begin = self_direct ? (rank == 0 ? 0 : rank_prefix[(rank - 1) * R + rank]) : 0;
+  const int64_t self_end = self_direct ? rank_prefix[rank * R + rank] : 0;
   const int units = hidden_bytes / 16;
   const int64_t total_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t row = blockIdx.x * kWarps + warp; row < out_rows; row += total_warps) {
     if (row < num_recv) {
-      if (recv_x != nullptr)
+      const bool own = row >= self_begin && row < self_end;
+      if (recv_x != nullptr && !own)
         warp_copy_v4<kUnroll>(recv_x + row * units, reinterpret_cast<const int4*>(base + area.x) + row * units, units,
-                            lane);
-      for (int s = lane; recv_scales != nullptr && s < num_scales; s += kWarpSize)
+                              lane);
+      for (int s = lane; recv_scales != nullptr && !own && s < num_scales; s += kWarpSize)
         recv_scales[row * num_scales + s] = reinterpret_cast<const float*>(base + area.scales)[row * num_scales + s];
       for (int k = lane; recv_topk_idx != nullptr && k < topk; k += kWarpSize) {
         recv_topk_idx[row * topk + k] = reinterpret_cast<const int64_t*>(base + area.idx)[row * topk + k];
@@ -368,21 +388,73 @@ UCCL_DEVICE int4 pack_any(const float (&acc)[8]) {
   if constexpr (kF32) return pack_unit_f32(acc); else return pack_unit(acc);
 }
 
+// Sum `n` rows of `units` 16-byte units each into one, in fp32 and in row order j = 0..n-1 (the order fixes the
+// rounding, so results do not depend on the launch shape). `row(j)` gives row j's first unit; `store(u, v)` writes
+// unit u of the sum. Why the shape: a plain loop keeps one or two loads in flight per lane and runs at a third of
+// the memory bandwidth; here each lane has two units of up to four rows (eight 16-byte loads) in flight.
+template <bool kF32, typename RowOf, typename Store>
+UCCL_DEVICE void warp_sum_rows(int n, int units, int lane, const RowOf& row, const Store& store) {
+  constexpr int kRowsInFlight = 4;
+  for (int u = lane; u < units; u += 2 * kWarpSize) {
+    const bool second = u + kWarpSize < units;
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j0 = 0; j0 < n; j0 += kRowsInFlight) {
+      int4 va[kRowsInFlight], vb[kRowsInFlight];
+#pragma unroll
+      for (int q = 0; q < kRowsInFlight; ++q) {
+        if (j0 + q < n) {
+          const int4* r = row(j0 + q);
+          va[q] = ld_nc_v4(r + u);
+          if (second) vb[q] = ld_nc_v4(r + u + kWarpSize);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kRowsInFlight; ++q) {
+        if (j0 + q < n) {
+          acc_any<kF32>(a, va[q]);
+          if (second) acc_any<kF32>(b, vb[q]);
+        }
+      }
+    }
+    store(u, pack_any<kF32>(a));
+    if (second) store(u + kWarpSize, pack_any<kF32>(b));
+  }
+}
+
+// Lane 0 of a warp packs the indices i in [0, n) with keep(i) into list[] in increasing order; returns how many.
+// Every lane evaluates keep() for its own indices first, so the loads behind keep() are issued in parallel.
+template <typename Keep>
+UCCL_DEVICE int warp_compact(int n, int lane, int* scratch, int* list, const Keep& keep) {
+  for (int i = lane; i < n; i += kWarpSize) scratch[i] = keep(i);
+  warp_sync();
+  __shared__ int s_count[kWarps];
+  const int warp = threadIdx.x / kWarpSize;
+  if (lane == 0) {
+    int m = 0;
+    for (int i = 0; i < n; ++i)
+      if (scratch[i] >= 0) list[m++] = scratch[i];
+    s_count[warp] = m;
+  }
+  warp_sync();
+  return s_count[warp];
+}
+
 // ---------------------------------------------------------------- combine
-// Row i of this rank's received tokens goes back to row (recv_src_idx[i], rank) of its source's combine area. With
-// `slot_of` (expert-major input) the row is first summed over its local experts' outputs in fp32.
-// kWireF32: rows cross the link as float32 (expert-major partial sums keep fp32 until the final cast, like the
-// reference); otherwise in x's dtype.
-template <int kUnroll, bool kF32, bool kWireF32>
+// Row i of this rank's received tokens goes back to row (recv_src_idx[i], rank) of its source's combine area, in
+// x's dtype. With `slot_of` (expert-major input) the row is first summed over its local experts' outputs in fp32
+// and rounded once: one partial sum per (token, rank) crosses the link, as with DeepEP behind Megatron's flex
+// dispatcher (docs/intranode.md, "Combine precision").
+template <int kUnroll, bool kF32>
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(
     void** peers, int rank, int num_ranks, const int4* __restrict__ x, const float* __restrict__ topk_weights,
     const int* __restrict__ recv_src_idx, const int* __restrict__ rank_prefix, const int* __restrict__ recv_info,
     const int* __restrict__ slot_of, int num_rows, int hidden, int topk, int64_t max_src_tokens) {
   const int R = num_ranks;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const CombineArea area(max_src_tokens, R, hidden * (kWireF32 ? 2 : 1), topk);
+  __shared__ int s_scratch[kWarps][kMaxTopk];
+  __shared__ int s_slots[kWarps][kMaxTopk];
+  const CombineArea area(max_src_tokens, R, hidden * (kF32 ? 2 : 1), topk);
   const int units = hidden / (kF32 ? 4 : 8);
-  const int wire_units = hidden / (kWireF32 ? 4 : 8);
   const int rows = min(num_rows, recv_info[0]);
   const int total_warps = gridDim.x * kWarps;
   for (int i = blockIdx.x * kWarps + warp; i < rows; i += total_warps) {
@@ -390,27 +462,16 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(
     while (s < R - 1 && rank_prefix[s * R + rank] <= i) ++s;
     const int64_t out_row = static_cast<int64_t>(recv_src_idx[i]) * R + rank;
     char* dst_base = data_of(peers[s]);
-    int4* dst = reinterpret_cast<int4*>(dst_base + area.x) + out_row * wire_units;
-    if (slot_of == nullptr) {  // kWireF32 == kF32 here
+    int4* dst = reinterpret_cast<int4*>(dst_base + area.x) + out_row * units;
+    if (slot_of == nullptr) {
       warp_copy_v4<kUnroll>(dst, x + static_cast<int64_t>(i) * units, units, lane);
     } else {
-      for (int u = lane; u < units; u += kWarpSize) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int k = 0; k < topk; ++k) {
-          const int slot = slot_of[static_cast<int64_t>(i) * topk + k];
-          if (slot >= 0) acc_any<kF32>(acc, ld_nc_v4(x + static_cast<int64_t>(slot) * units + u));
-        }
-        if constexpr (kWireF32 && !kF32) {
-          st_na_v4(dst + 2 * u, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
-                                          __float_as_int(acc[3])));
-          st_na_v4(dst + 2 * u + 1, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
-                                              __float_as_int(acc[6]), __float_as_int(acc[7])));
-        } else if constexpr (kWireF32) {
-          st_na_v4(dst + u, pack_unit_f32(acc));
-        } else {
-          st_na_v4(dst + u, pack_any<kF32>(acc));
-        }
-      }
+      const int* slots_of_row = slot_of + static_cast<int64_t>(i) * topk;
+      const int n = warp_compact(topk, lane, s_scratch[warp], s_slots[warp],
+                                 [&](int k) { return slots_of_row[k]; });
+      const int* slots = s_slots[warp];
+      warp_sum_rows<kF32>(n, units, lane, [&](int j) { return x + static_cast<int64_t>(slots[j]) * units; },
+                          [&](int u, const int4& v) { st_na_v4(dst + u, v); });
     }
     if (topk_weights)
       for (int k = lane; k < topk; k += kWarpSize) {
@@ -423,50 +484,42 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(
         }
         reinterpret_cast<float*>(dst_base + area.weights)[out_row * topk + k] = w;
       }
+    warp_sync();  // s_slots is reused by the next row
   }
   fence_system();  // the barrier kernel that follows publishes these stores
 }
 
-template <bool kWireF32, bool kF32>
+// Token t's copies sit in rows (t, r) of this rank's combine area for every rank r it was sent to; sum them in rank
+// order (fp32) into out_x[t].
+template <bool kF32>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(
     void* local, int num_ranks, const bool* __restrict__ in_rank, int num_tokens, int hidden, int topk,
     int4* __restrict__ out_x, float* __restrict__ out_weights, int64_t max_src_tokens) {
   const int R = num_ranks;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const CombineArea area(max_src_tokens, R, hidden * (kWireF32 ? 2 : 1), topk);
+  __shared__ int s_scratch[kWarps][kMaxRanks];
+  __shared__ int s_ranks[kWarps][kMaxRanks];
+  const CombineArea area(max_src_tokens, R, hidden * (kF32 ? 2 : 1), topk);
   const char* base = data_of(local);
   const int units = hidden / (kF32 ? 4 : 8);
-  const int wire_units = hidden / (kWireF32 ? 4 : 8);
   const int total_warps = gridDim.x * kWarps;
   for (int t = blockIdx.x * kWarps + warp; t < num_tokens; t += total_warps) {
     const bool* mask = in_rank + static_cast<int64_t>(t) * R;
-    const int4* rows = reinterpret_cast<const int4*>(base + area.x) + static_cast<int64_t>(t) * R * wire_units;
-    for (int u = lane; u < units; u += kWarpSize) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int r = 0; r < R; ++r) {
-        if (!mask[r]) continue;
-        const int4* row = rows + static_cast<int64_t>(r) * wire_units;
-        if constexpr (kWireF32 && !kF32) {
-          const int4 a = ld_nc_v4(row + 2 * u), b = ld_nc_v4(row + 2 * u + 1);
-          acc[0] += __int_as_float(a.x); acc[1] += __int_as_float(a.y);
-          acc[2] += __int_as_float(a.z); acc[3] += __int_as_float(a.w);
-          acc[4] += __int_as_float(b.x); acc[5] += __int_as_float(b.y);
-          acc[6] += __int_as_float(b.z); acc[7] += __int_as_float(b.w);
-        } else {
-          acc_any<kF32>(acc, ld_nc_v4(row + u));
-        }
-      }
-      out_x[static_cast<int64_t>(t) * units + u] = pack_any<kF32>(acc);
-    }
+    const int n = warp_compact(R, lane, s_scratch[warp], s_ranks[warp], [&](int r) { return mask[r] ? r : -1; });
+    const int* ranks = s_ranks[warp];
+    const int4* rows = reinterpret_cast<const int4*>(base + area.x) + static_cast<int64_t>(t) * R * units;
+    int4* out = out_x + static_cast<int64_t>(t) * units;
+    warp_sum_rows<kF32>(n, units, lane, [&](int j) { return rows + static_cast<int64_t>(ranks[j]) * units; },
+                        [&](int u, const int4& v) { out[u] = v; });
     if (out_weights) {
       const float* w = reinterpret_cast<const float*>(base + area.weights) + static_cast<int64_t>(t) * R * topk;
       for (int k = lane; k < topk; k += kWarpSize) {
         float acc = 0.0f;
-        for (int r = 0; r < R; ++r)
-          if (mask[r]) acc += w[r * topk + k];
+        for (int j = 0; j < n; ++j) acc += w[ranks[j] * topk + k];
         out_weights[static_cast<int64_t>(t) * topk + k] = acc;
       }
     }
+    warp_sync();  // s_ranks is reused by the next token
   }
 }
 
@@ -712,7 +765,8 @@ void Context::notify(uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_exp
 void Context::dispatch_send(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights,
                             uintptr_t send_pos, uintptr_t rank_prefix_matrix, uintptr_t recv_info, int num_tokens,
                             int hidden_bytes, int num_scales, int topk, int num_experts, int64_t rows_capacity,
-                            int num_sms, uintptr_t stream) {
+                            uintptr_t self_x, uintptr_t self_scales, int64_t self_rows, int num_sms,
+                            uintptr_t stream) {
   if (hidden_bytes % 16) throw std::invalid_argument("dispatch: hidden bytes must be a multiple of 16");
   if (num_tokens == 0) return;
   dispatch_send_kernel<4><<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
@@ -720,20 +774,21 @@ void Context::dispatch_send(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx,
       reinterpret_cast<const int64_t*>(topk_idx), reinterpret_cast<const float*>(topk_weights),
       reinterpret_cast<const int*>(send_pos), reinterpret_cast<const int*>(rank_prefix_matrix),
       reinterpret_cast<const int*>(recv_info), num_tokens, hidden_bytes, num_scales, topk, num_experts / num_ranks_,
-      rows_capacity);
+      rows_capacity, reinterpret_cast<int4*>(self_x), reinterpret_cast<float*>(self_scales), self_rows);
   check(cudaGetLastError(), "dispatch_send_kernel launch");
 }
 
 void Context::dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
-                            uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t recv_info, int64_t out_rows,
-                            int hidden_bytes, int num_scales, int topk, int64_t rows_capacity, int num_sms,
-                            uintptr_t stream) {
+                            uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t recv_info,
+                            uintptr_t rank_prefix_matrix, bool self_direct, int64_t out_rows, int hidden_bytes,
+                            int num_scales, int topk, int64_t rows_capacity, int num_sms, uintptr_t stream) {
   if (out_rows == 0) return;
   dispatch_recv_kernel<4><<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      local_, rank_, reinterpret_cast<int4*>(recv_x), reinterpret_cast<float*>(recv_scales),
+      local_, rank_, num_ranks_, reinterpret_cast<int4*>(recv_x), reinterpret_cast<float*>(recv_scales),
       reinterpret_cast<int64_t*>(recv_topk_idx), reinterpret_cast<float*>(recv_topk_weights),
-      reinterpret_cast<int*>(recv_src_idx), reinterpret_cast<const int*>(recv_info), out_rows, hidden_bytes, num_scales,
-      topk, rows_capacity, error_dev_);
+      reinterpret_cast<int*>(recv_src_idx), reinterpret_cast<const int*>(recv_info),
+      reinterpret_cast<const int*>(rank_prefix_matrix), self_direct, out_rows, hidden_bytes, num_scales, topk,
+      rows_capacity, error_dev_);
   check(cudaGetLastError(), "dispatch_recv_kernel launch");
 }
 
@@ -759,12 +814,11 @@ void Context::expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv
 void Context::combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx, uintptr_t rank_prefix_matrix,
                            uintptr_t recv_info, uintptr_t slot_of, int num_rows, int hidden, int elem_size, int topk,
                            int64_t max_src_tokens, int num_sms, uintptr_t stream) {
-  const bool wire_f32 = slot_of != 0;  // expert-major partial sums cross the link in fp32
   if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
   if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
+  if (topk > kMaxTopk) throw std::invalid_argument("combine: top-k above " + std::to_string(kMaxTopk));
   if (num_rows == 0) return;
-  auto kernel = elem_size == 4 ? combine_send_kernel<4, true, true>
-                : (wire_f32 ? combine_send_kernel<4, false, true> : combine_send_kernel<4, false, false>);
+  auto kernel = elem_size == 4 ? combine_send_kernel<4, true> : combine_send_kernel<4, false>;
   kernel<<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       peers_dev_, rank_, num_ranks_, reinterpret_cast<const int4*>(x), reinterpret_cast<const float*>(topk_weights),
       reinterpret_cast<const int*>(recv_src_idx), reinterpret_cast<const int*>(rank_prefix_matrix),
@@ -774,11 +828,10 @@ void Context::combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_s
 }
 
 void Context::combine_reduce(uintptr_t is_token_in_rank, int num_tokens, int hidden, int elem_size, int topk,
-                             uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens, bool wire_f32,
-                             int num_sms, uintptr_t stream) {
+                             uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens, int num_sms,
+                             uintptr_t stream) {
   if (num_tokens == 0) return;
-  auto kernel = elem_size == 4 ? combine_reduce_kernel<true, true>
-                : (wire_f32 ? combine_reduce_kernel<true, false> : combine_reduce_kernel<false, false>);
+  auto kernel = elem_size == 4 ? combine_reduce_kernel<true> : combine_reduce_kernel<false>;
   kernel<<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       local_, num_ranks_, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, hidden, topk,
       reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_topk_weights), max_src_tokens);

@@ -12,6 +12,8 @@ namespace uccl_ep::intranode {
 
 // Largest rank count of one NVLink/xGMI domain we size control structures for (NVL72 fits).
 constexpr int kMaxRanks = 128;
+// Widest top-k the kernels take (per-warp shared lists of a token's expert slots).
+constexpr int kMaxTopk = 32;
 // Bytes at the head of every rank's buffer reserved for flags and count exchange.
 constexpr size_t kControlBytes = 1 << 20;
 
@@ -74,14 +76,18 @@ class Context {
   // every rank when recv_info[1] (overflow rows) > 0.
   void dispatch_send(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights,
                      uintptr_t send_pos, uintptr_t rank_prefix_matrix, uintptr_t recv_info, int num_tokens,
-                     int hidden_bytes, int num_scales, int topk, int num_experts, int64_t rows_capacity, int num_sms,
-                     uintptr_t stream);
+                     int hidden_bytes, int num_scales, int topk, int num_experts, int64_t rows_capacity,
+                     uintptr_t self_x, uintptr_t self_scales, int64_t self_rows, int num_sms, uintptr_t stream);
+  // (self_x/self_scales, when non-zero: the output tensors, `self_rows` long; the rows this rank sends to itself are
+  // stored there directly and dispatch_recv must then be called with self_direct = true.)
 
   // Receiver side: copy rows [0, num_recv) of the receive area into the outputs (num_recv from recv_info on the
-  // device); rows [num_recv, out_rows) get topk_idx = -1, weights = 0, src_idx = -1 (sync-free padding).
+  // device); rows [num_recv, out_rows) get topk_idx = -1, weights = 0, src_idx = -1 (sync-free padding). With
+  // self_direct, the payload of this rank's own rows is already in place and only their metadata is copied.
   void dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
-                     uintptr_t recv_src_idx, uintptr_t recv_info, int64_t out_rows, int hidden_bytes, int num_scales,
-                     int topk, int64_t rows_capacity, int num_sms, uintptr_t stream);
+                     uintptr_t recv_src_idx, uintptr_t recv_info, uintptr_t rank_prefix_matrix, bool self_direct,
+                     int64_t out_rows, int hidden_bytes, int num_scales, int topk, int64_t rows_capacity,
+                     int num_sms, uintptr_t stream);
 
   // Expert-major expansion (reference.py's layout): every (row, local expert) pair once, grouped by expert in
   // rank-major row order, expert e's segment starting at the aligned prefix of the counts, zero padding rows, the
@@ -94,14 +100,14 @@ class Context {
                     uintptr_t slot_of, uintptr_t stream);
 
   // combine: every rank writes each received row back to row (src_idx, me) of the source rank's combine area
-  // (with `slot_of`, x is expert-major and each row is first summed over its local experts in fp32, and crosses the
-  // link in fp32) ...
+  // (with `slot_of`, x is expert-major and each row is first summed over its local experts in fp32, then rounded to
+  // x's dtype once before it crosses the link) ...
   void combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx, uintptr_t rank_prefix_matrix,
                     uintptr_t recv_info, uintptr_t slot_of, int num_rows, int hidden, int elem_size, int topk,
                     int64_t max_src_tokens, int num_sms, uintptr_t stream);
   // ... and the source sums the copies of each token in rank order, in fp32.
   void combine_reduce(uintptr_t is_token_in_rank, int num_tokens, int hidden, int elem_size, int topk,
-                      uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens, bool wire_f32,
+                      uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens,
                       int num_sms, uintptr_t stream);
 
  private:

@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", type=str, default="", help="write the results here")
     p.add_argument("--plot", type=str, default="", help="write a PNG of bandwidth against tokens here")
+    p.add_argument("--profile", type=str, default="",
+                   help="profile 5 BF16 dispatches and 5 combines of the headline row with torch.profiler and write "
+                        "rank 0's kernel table to this file (where the time goes, kernel by kernel)")
     p.set_defaults(func=run)
 
 
@@ -59,7 +62,28 @@ def _max_over_ranks(v: float) -> float:
     return float(t.item())
 
 
-def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep_ep_buffer=None) -> Dict[str, Any]:
+def _profile(path: str, dispatch, combine) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            dispatch()
+        for _ in range(5):
+            combine()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.write("5 BF16 dispatches then 5 combines\n")
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
+                                              max_name_column_width=70))
+
+
+def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep_ep_buffer=None,
+          profile_path: str = "") -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -98,6 +122,8 @@ def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep
     worst = T * R
     t_syncfree = _time(lambda: backend.dispatch(args(x, worst=worst)), iters, warmup)
     t_combine = _time(lambda: backend.combine(recv_x, handle, None, None), iters, warmup)
+    if profile_path:
+        _profile(profile_path, lambda: backend.dispatch(args(x)), lambda: backend.combine(recv_x, handle, None, None))
 
     # NCCL: the same rows, one per (token, destination rank), uneven splits.
     send_counts = per_rank.tolist()
@@ -171,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
 
     results: List[Dict[str, Any]] = []
     for T in [args.tokens] + [t for t in sweep if t != args.tokens]:
-        results.append(_case(backend, T, H, K, E, args.iters, args.warmup, deep))
+        results.append(_case(backend, T, H, K, E, args.iters, args.warmup, deep,
+                             args.profile if T == args.tokens else ""))
     results.sort(key=lambda r: r["tokens"])
 
     if rank == 0:

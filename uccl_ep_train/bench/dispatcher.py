@@ -33,6 +33,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="after timing, profile 3 forward+backward round trips per dispatcher with torch.profiler and "
+                        "write rank 0's op table (by CUDA time, then by CPU time) to DIR/<dispatcher>.txt")
     p.set_defaults(func=run)
     return p
 
@@ -92,6 +95,24 @@ def _time(torch, fn, warmup: int, iters: int) -> float:
     return start.elapsed_time(end) * 1000.0 / iters  # microseconds
 
 
+def _profile(torch, fn, path: str) -> None:
+    """Where the round trip's time goes: the ops sorted by device time and by host time (rank 0 writes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    with open(path, "w") as f:
+        f.write("3 forward+backward round trips\n\n== by device time\n")
+        f.write(table.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+        f.write("\n\n== by host time\n")
+        f.write(table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+
+
 def run(args) -> int:
     if "WORLD_SIZE" not in os.environ:
         print("bench dispatcher runs under torchrun, one process per GPU, e.g.\n"
@@ -145,6 +166,13 @@ def run(args) -> int:
                                                                  False), args.warmup, args.iters)
             row["forward_backward_us"] = _time(torch, lambda: _round_trip(torch, dispatcher, hidden, routing_map,
                                                                           probs, True), args.warmup, args.iters)
+            if args.profile and rank == 0:
+                os.makedirs(args.profile, exist_ok=True)
+                _profile(torch, lambda: _round_trip(torch, dispatcher, hidden, routing_map, probs, True),
+                         os.path.join(args.profile, f"{name}.txt"))
+            elif args.profile:
+                for _ in range(4):  # the peer's collectives must match rank 0's profiled calls
+                    _round_trip(torch, dispatcher, hidden, routing_map, probs, True)
             if name == "uccl":
                 from uccl_ep_train.megatron import dispatcher as uccl_dispatcher
 
