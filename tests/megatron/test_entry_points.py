@@ -1,6 +1,7 @@
 """megatron_patch.pretrain_gpt (runs Megatron-LM's script with the patch applied) and megatron_patch.primus."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -81,3 +82,29 @@ def test_primus_register_without_primus_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "primus.core.patches", None)
     with pytest.raises(primus.PrimusUnavailable, match="install Primus"):
         primus.register()
+
+
+REAL_PRIMUS = """
+import types
+import megatron_patch
+from megatron_patch import primus
+from primus.core.patches import run_patches
+params = types.SimpleNamespace(moe_token_dispatcher_type="alltoall")
+skipped = run_patches(backend="megatron", phase="setup", extra={"module_config": types.SimpleNamespace(params=params)},
+                      enabled_ids=[primus.PATCH_ID])
+before = megatron_patch.is_applied()
+params.moe_token_dispatcher_type = "uccl"
+applied = run_patches(backend="megatron", phase="setup", extra={"module_config": types.SimpleNamespace(params=params)},
+                      enabled_ids=[primus.PATCH_ID])
+print("RESULT", skipped, before, applied, megatron_patch.is_applied())
+"""
+
+
+def test_real_primus_patch_runner_applies_the_patch_only_when_the_config_asks_for_uccl():
+    """Primus is not on PyPI: this runs where it is importable (e.g. PYTHONPATH=<Primus checkout>)."""
+    pytest.importorskip("primus.core.patches")
+    proc = subprocess.run([sys.executable, "-c", REAL_PRIMUS], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + sys.path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    assert line == "RESULT 0 False 1 True", line
