@@ -58,6 +58,23 @@ struct CombineArea {
 UCCL_DEVICE char* data_of(void* buffer) { return static_cast<char*>(buffer) + kControlBytes; }
 UCCL_DEVICE int* ctrl_of(void* buffer) { return static_cast<int*>(buffer); }
 
+// Exclusive prefix sum of one int per thread over the block; also returns the block total in *total. Every thread of
+// the block must call it (it synchronizes); `scratch` holds blockDim.x ints of shared memory.
+UCCL_DEVICE int block_exclusive_scan(int value, int* scratch, int* total) {
+  scratch[threadIdx.x] = value;
+  __syncthreads();
+  for (int off = 1; off < static_cast<int>(blockDim.x); off <<= 1) {
+    const int v = threadIdx.x >= static_cast<unsigned>(off) ? scratch[threadIdx.x - off] : 0;
+    __syncthreads();
+    scratch[threadIdx.x] += v;
+    __syncthreads();
+  }
+  const int inclusive = scratch[threadIdx.x];
+  *total = scratch[blockDim.x - 1];
+  __syncthreads();  // the caller may reuse scratch at once
+  return inclusive - value;
+}
+
 // ---------------------------------------------------------------- errors
 UCCL_DEVICE void report(ErrorWord* err, int code, int rank, int channel, int peer, int64_t observed, int64_t expected,
                         const char* what) {
@@ -183,15 +200,8 @@ __global__ void notify_kernel(void** peers, int rank, int num_ranks, const int* 
   const int end = min(num_tokens, begin + per_thread);
   int local = 0;
   for (int t = begin; t < end; ++t) local += in_rank[static_cast<int64_t>(t) * R + dst] ? 1 : 0;
-  s_sum[threadIdx.x] = local;
-  __syncthreads();
-  for (int off = 1; off < static_cast<int>(blockDim.x); off <<= 1) {
-    const int v = threadIdx.x >= static_cast<unsigned>(off) ? s_sum[threadIdx.x - off] : 0;
-    __syncthreads();
-    s_sum[threadIdx.x] += v;
-    __syncthreads();
-  }
-  int pos = s_sum[threadIdx.x] - local;
+  int total;
+  int pos = block_exclusive_scan(local, s_sum, &total);
   for (int t = begin; t < end; ++t) {
     const bool in = in_rank[static_cast<int64_t>(t) * R + dst];
     send_pos[static_cast<int64_t>(t) * R + dst] = in ? pos : -1;
@@ -538,7 +548,6 @@ __global__ void __launch_bounds__(kThreads) expert_major_kernel(
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   __shared__ int64_t s_begin;
   __shared__ int s_sum[kThreads];
-  __shared__ int s_carry;
   if (threadIdx.x == 0) {
     int64_t begin = 0;
     for (int l = 0; l < num_local_experts; ++l) {
@@ -546,7 +555,6 @@ __global__ void __launch_bounds__(kThreads) expert_major_kernel(
       if (l < expert) begin += padded;
     }
     s_begin = begin;
-    s_carry = 0;
   }
   __syncthreads();
   const int64_t num_recv = min(static_cast<int64_t>(recv_info[0]), out_rows);
@@ -554,6 +562,7 @@ __global__ void __launch_bounds__(kThreads) expert_major_kernel(
   const int64_t padded = (count + alignment - 1) / alignment * alignment;
   const int64_t begin = s_begin;
   const int units = hidden_bytes / 16;
+  int64_t carry = 0;  // rows of this expert found in earlier chunks (the same value in every thread)
   for (int64_t chunk = 0; chunk < num_recv; chunk += blockDim.x) {
     const int64_t row = chunk + threadIdx.x;
     int hit_k = -1;
@@ -563,17 +572,9 @@ __global__ void __launch_bounds__(kThreads) expert_major_kernel(
           hit_k = k;
           break;
         }
-    const int hit = hit_k >= 0 ? 1 : 0;
-    s_sum[threadIdx.x] = hit;
-    __syncthreads();
-    for (int off = 1; off < static_cast<int>(blockDim.x); off <<= 1) {
-      const int v = threadIdx.x >= static_cast<unsigned>(off) ? s_sum[threadIdx.x - off] : 0;
-      __syncthreads();
-      s_sum[threadIdx.x] += v;
-      __syncthreads();
-    }
-    const int carry = s_carry;
-    const int64_t p = begin + carry + s_sum[threadIdx.x] - hit;
+    int chunk_hits;
+    const int64_t p = begin + carry + block_exclusive_scan(hit_k >= 0 ? 1 : 0, s_sum, &chunk_hits);
+    const bool hit = hit_k >= 0;
     if (hit && p < expert_rows) {
       if (slot_of) slot_of[row * topk + hit_k] = static_cast<int>(p);
       em_token[p] = row;
@@ -581,9 +582,7 @@ __global__ void __launch_bounds__(kThreads) expert_major_kernel(
       em_expert[p] = expert;
       if (em_weights) em_weights[p] = recv_topk_weights[row * topk + hit_k];
     }
-    __syncthreads();
-    if (threadIdx.x == blockDim.x - 1) s_carry = carry + s_sum[threadIdx.x];
-    __syncthreads();
+    carry += chunk_hits;
   }
   // Padding rows of this segment, and (last block) every row after the last segment.
   const int64_t pad_end = expert == num_local_experts - 1 ? expert_rows : min(begin + padded, expert_rows);
