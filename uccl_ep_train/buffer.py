@@ -20,6 +20,7 @@ sync-free mode (``num_worst_tokens`` > 0) and while a CUDA graph is being captur
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Union
 
@@ -201,6 +202,7 @@ class Buffer:
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self._validated_topk: Optional[tuple] = None  # (weakref to topk_idx, its _version, num_experts)
         self.ranks_per_node = _resolve_ranks_per_node(ranks_per_node, self.settings, self.group_size)
         self.num_nodes = self.group_size // self.ranks_per_node
         self.device = torch.device(device) if device is not None else _group_device(self.group)
@@ -267,6 +269,10 @@ class Buffer:
             raise ValueError(f"num_experts={num_experts} must be divisible by the number of ranks "
                              f"({self.group_size}) so every rank owns the same number of experts")
         if topk_idx.numel() and _host_checks_allowed(num_worst_tokens):
+            # get_dispatch_layout and dispatch usually see the same tensor: check it once (same object, unmodified).
+            seen = self._validated_topk
+            if seen is not None and seen[0]() is topk_idx and seen[1:] == (topk_idx._version, num_experts):
+                return
             # One device-to-host copy for all three facts: each sync stalls the CPU until the GPU catches up.
             facts = [topk_idx.min(), topk_idx.max()]
             if topk_idx.size(1) > 1:
@@ -279,6 +285,7 @@ class Buffer:
             if dup and dup[0]:
                 raise ValueError("topk_idx names the same expert twice in one row; each token must select "
                                  "distinct experts (use -1 for unused slots)")
+            self._validated_topk = (weakref.ref(topk_idx), topk_idx._version, num_experts)
 
     @staticmethod
     def get_nvl_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_ranks: int,

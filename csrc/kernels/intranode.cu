@@ -400,34 +400,39 @@ UCCL_DEVICE int4 pack_any(const float (&acc)[8]) {
 
 // Sum `n` rows of `units` 16-byte units each into one, in fp32 and in row order j = 0..n-1 (the order fixes the
 // rounding, so results do not depend on the launch shape). `row(j)` gives row j's first unit; `store(u, v)` writes
-// unit u of the sum. Why the shape: a plain loop keeps one or two loads in flight per lane and runs at a third of
-// the memory bandwidth; here each lane has two units of up to four rows (eight 16-byte loads) in flight.
-template <bool kF32, typename RowOf, typename Store>
+// unit u of the sum. Why the shape: these kernels are latency-bound (a warp walks its rows one after the other), so
+// each lane keeps kUnits units of up to kRows rows in flight per step: with 4 x 4, sixteen 16-byte loads.
+template <bool kF32, int kUnits = 4, int kRows = 4, typename RowOf, typename Store>
 UCCL_DEVICE void warp_sum_rows(int n, int units, int lane, const RowOf& row, const Store& store) {
-  constexpr int kRowsInFlight = 4;
-  for (int u = lane; u < units; u += 2 * kWarpSize) {
-    const bool second = u + kWarpSize < units;
-    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j0 = 0; j0 < n; j0 += kRowsInFlight) {
-      int4 va[kRowsInFlight], vb[kRowsInFlight];
+  for (int u0 = lane; u0 < units; u0 += kUnits * kWarpSize) {
+    float acc[kUnits][8];
 #pragma unroll
-      for (int q = 0; q < kRowsInFlight; ++q) {
-        if (j0 + q < n) {
-          const int4* r = row(j0 + q);
-          va[q] = ld_nc_v4(r + u);
-          if (second) vb[q] = ld_nc_v4(r + u + kWarpSize);
+    for (int q = 0; q < kUnits; ++q)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[q][e] = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += kRows) {
+      int4 v[kRows][kUnits];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (j0 + r < n) {
+          const int4* src = row(j0 + r);
+#pragma unroll
+          for (int q = 0; q < kUnits; ++q)
+            if (u0 + q * kWarpSize < units) v[r][q] = ld_nc_v4(src + u0 + q * kWarpSize);
         }
       }
 #pragma unroll
-      for (int q = 0; q < kRowsInFlight; ++q) {
-        if (j0 + q < n) {
-          acc_any<kF32>(a, va[q]);
-          if (second) acc_any<kF32>(b, vb[q]);
+      for (int r = 0; r < kRows; ++r) {
+        if (j0 + r < n) {
+#pragma unroll
+          for (int q = 0; q < kUnits; ++q)
+            if (u0 + q * kWarpSize < units) acc_any<kF32>(acc[q], v[r][q]);
         }
       }
     }
-    store(u, pack_any<kF32>(a));
-    if (second) store(u + kWarpSize, pack_any<kF32>(b));
+#pragma unroll
+    for (int q = 0; q < kUnits; ++q)
+      if (u0 + q * kWarpSize < units) store(u0 + q * kWarpSize, pack_any<kF32>(acc[q]));
   }
 }
 

@@ -215,6 +215,9 @@ def _argument_cases(rank, world, g):
                                       ValueError, "[-2, -2]"),
         "repeated_expert": (lambda: buf.get_dispatch_layout(torch.zeros_like(topk), NUM_EXPERTS), ValueError,
                             "same expert twice"),
+        # layout checked these ids; dispatch checks them again because they changed in place since
+        "expert_id_changed_after_layout": (lambda: _dispatch_after_in_place_change(buf, x, topk, w), ValueError,
+                                           f"must be in [-1, {NUM_EXPERTS})"),
         "experts_not_divisible": (lambda: buf.get_dispatch_layout(topk, world * 4 + 1), ValueError,
                                   f"must be divisible by the number of ranks ({world})"),
         "hidden_exceeds_buffer": (lambda: small.dispatch(x, **ok), ValueError, "needs num_nvl_bytes >= "),
@@ -245,6 +248,14 @@ def _argument_cases(rank, world, g):
     }
 
 
+def _dispatch_after_in_place_change(buf, x, topk, w):
+    ids = topk.clone()
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, NUM_EXPERTS)
+    ids[0, 0] = NUM_EXPERTS
+    return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=ids, topk_weights=w)
+
+
 def check_argument_errors(rank, world, g):
     outcomes = {}
     for name, (call, exc_type, text) in _argument_cases(rank, world, g).items():
@@ -262,7 +273,7 @@ def check_argument_errors(rank, world, g):
 CHECKS = checks_in(globals(), leave_out=("check_argument_errors", "check_backend_setting_from_environment"))
 ARGUMENT_CASES = ["payload_dtype", "fp8_scales_dtype", "fp8_scales_shape", "fp8_hidden_multiple", "topk_idx_dtype",
                   "topk_weights_dtype", "x_not_2d", "topk_rows_mismatch", "topk_weights_shape", "device", "contiguity",
-                  "expert_id_too_large", "expert_id_below_minus_one", "repeated_expert", "experts_not_divisible",
+                  "expert_id_too_large", "expert_id_below_minus_one", "repeated_expert", "expert_id_changed_after_layout", "experts_not_divisible",
                   "hidden_exceeds_buffer", "cached_handle_tokens", "cached_with_topk", "combine_rows",
                   "combine_without_handle", "missing_layout", "is_token_in_rank_shape",
                   "allocate_on_comm_stream_needs_event", "previous_event_type", "expert_alignment",
