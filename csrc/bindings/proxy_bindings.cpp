@@ -189,7 +189,15 @@ void bind_host_core(py::module_& m) {
         return as_tuple(c);
       }, "Take the command at the tail, or None when the slot is still empty.")
       .def_property_readonly("tail", &Fifo::tail)
-      .def_property_readonly("head", &Fifo::host_head);
+      .def_property_readonly("head", &Fifo::host_head)
+      .def_property_readonly("producer", [](const Fifo& f) { return fifo_producer_name(f.producer()); },
+                             "'none', 'host' or 'device': which kind of producer uses this FIFO")
+      .def("bind_producer", [](Fifo& f, const std::string& kind) {
+        if (kind == "host") return f.bind_producer(FifoProducer::kHost);
+        if (kind == "device") return f.bind_producer(FifoProducer::kDevice);
+        throw py::value_error("bind_producer: kind must be 'host' or 'device'");
+      }, py::arg("kind"), "Claim the FIFO for host or device producers (what push / a kernel's device view do); "
+         "raises ProxyError when the other kind already uses it.");
 
   // Stress the ring: `producers` threads push `per_producer` commands each (producer id in dst_rank, sequence in
   // remote_offset) while one consumer pops, pausing now and then so the ring fills. Returns what the consumer saw.
@@ -446,14 +454,33 @@ void bind_host_core(py::module_& m) {
 
 #ifdef UCCL_EP_WITH_CUDA
   m.def("fifo_bench_gpu", [](PyProxy& p, int first_fifo, int num_fifos, uint64_t commands_per_fifo, int dst_rank,
-                             double timeout_secs) {
+                             double timeout_secs, const std::string& push) {
+    const PushVariant variant = parse_push_variant(push);
     std::vector<DeviceFifo> views;
     for (int i = 0; i < num_fifos; ++i) views.push_back(p.proxy->fifo(first_fifo + i).device_view());
     py::gil_scoped_release nogil;
-    return launch_fifo_bench(views.data(), num_fifos, commands_per_fifo, dst_rank, uint64_t(timeout_secs * 1e9));
+    return launch_fifo_bench(views.data(), num_fifos, commands_per_fifo, dst_rank, uint64_t(timeout_secs * 1e9),
+                             variant);
   }, py::arg("proxy"), py::arg("first_fifo"), py::arg("num_fifos"), py::arg("commands_per_fifo"),
-     py::arg("dst_rank"), py::arg("timeout_secs") = 100.0,
-     "A GPU kernel pushes commands_per_fifo write+signal commands (then a quiet) into each FIFO; returns seconds.");
+     py::arg("dst_rank"), py::arg("timeout_secs") = 100.0, py::arg("push") = push_variant_name(kDefaultPushVariant),
+     "A GPU kernel pushes commands_per_fifo write+signal commands (then a quiet) into each FIFO with the push variant "
+     "`push` ('push', 'warp', 'writer', 'writer-warp'); returns seconds. The FIFOs become GPU-fed: host pushes to "
+     "them raise ProxyError from then on.");
+  m.def("fifo_latency_gpu", [](PyProxy& p, int fifo, uint32_t slot, int samples, double timeout_secs,
+                               const std::string& push) {
+    const PushVariant variant = parse_push_variant(push);
+    const DeviceFifo view = p.proxy->fifo(fifo).device_view();
+    std::vector<uint64_t> ns;
+    {
+      py::gil_scoped_release nogil;
+      ns = launch_fifo_latency(view, p.proxy->signals(), p.proxy->config().num_signal_slots, slot, samples,
+                               p.proxy->config().rank, uint64_t(timeout_secs * 1e9), variant);
+    }
+    return ns;
+  }, py::arg("proxy"), py::arg("fifo"), py::arg("slot"), py::arg("samples"), py::arg("timeout_secs") = 100.0,
+     py::arg("push") = push_variant_name(kDefaultPushVariant),
+     "A GPU kernel pushes one write+signal to this rank (increment 1 on `slot`) at a time onto `fifo` and spins until "
+     "the proxy applied it to this rank's counter; returns the nanoseconds of every sample (GPU global timer).");
 #endif
 }
 

@@ -1,41 +1,145 @@
+// portability.cuh first: under hipcc it brings in the HIP runtime the FIFO headers' __forceinline__ needs.
+#include "uccl_ep/portability.cuh"
+
 #include "kernels/fifo_bench.hpp"
 
-#include <cuda_runtime.h>
-
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "proxy/errors.hpp"
 
+// The bench is bound only in CUDA builds (its launcher uses CUDA events and host registration, which the HIP
+// spelling layer does not cover); a HIP build compiles this file to nothing.
+#if defined(UCCL_EP_CUDA)
+
 namespace uccl_ep {
 namespace {
 
+constexpr bool warp_push(PushVariant v) { return v == PushVariant::kWarp || v == PushVariant::kWriterWarp; }
+constexpr bool owner_push(PushVariant v) { return v == PushVariant::kWriter || v == PushVariant::kWriterWarp; }
+
+// One push of variant V. `has`: whether this lane has a command (warp variants; single-thread ones are called by one
+// lane). `step` counts calls, for the single-thread fence cadence.
+template <PushVariant V>
+__device__ __forceinline__ unsigned long long push_one(const DeviceFifo& f, FifoWriter& w, uint64_t step,
+                                                       const Command& c, bool has, uint64_t timeout_ns) {
+  if constexpr (V == PushVariant::kPush) {
+    return fifo_push(f, c, timeout_ns);
+  } else if constexpr (V == PushVariant::kWarp) {
+    return fifo_push_warp(f, c, has, timeout_ns, FifoOrder::kRelease);
+  } else if constexpr (V == PushVariant::kWriter) {
+    if (step % 32 == 0) fifo_publish_payload();
+    return fifo_writer_push(f, w, c, timeout_ns, FifoOrder::kCallerFenced);
+  } else {
+    return fifo_writer_push_warp(f, w, c, has, timeout_ns, FifoOrder::kRelease);
+  }
+}
+
+template <PushVariant V>
+__device__ __forceinline__ void close_writer(const DeviceFifo& f, const FifoWriter& w) {
+  if constexpr (V == PushVariant::kWriter) fifo_writer_close(f, w);
+  if constexpr (V == PushVariant::kWriterWarp) fifo_writer_close_warp(f, w);
+}
+
+// Block b feeds FIFO b with one warp (single-thread variants: lane 0), then pushes a quiet and waits for it.
+template <PushVariant V>
 __global__ void fifo_bench_kernel(const DeviceFifo* fifos, uint64_t n, int dst_rank, uint64_t timeout_ns,
                                   int* failed) {
-  if (threadIdx.x != 0) return;
+  const unsigned lane = threadIdx.x % 32;
+  if (threadIdx.x >= 32 || (!warp_push(V) && lane != 0)) return;
   const DeviceFifo f = fifos[blockIdx.x];
+  FifoWriter w{};
+  if (owner_push(V)) w = fifo_writer_open(f);
   Command c;
   encode_write_signal(&c, uint32_t(dst_rank), 16, 16 * blockIdx.x, 16 * blockIdx.x, blockIdx.x, 1);
-  for (uint64_t i = 0; i < n; ++i) {
-    if (fifo_push(f, c, timeout_ns) == kFifoPushTimedOut) {
-      atomicExch(failed, 1);
+  const uint64_t per_call = warp_push(V) ? 32 : 1;
+  for (uint64_t sent = 0, step = 0; sent < n; sent += per_call, ++step) {
+    if (push_one<V>(f, w, step, c, sent + lane < n, timeout_ns) == kFifoPushTimedOut) {
+      if (lane == 0) atomicExch(failed, 1);
       return;
     }
   }
   Command q;
   encode_control(&q, kCmdQuiet);
-  const unsigned long long idx = fifo_push(f, q, timeout_ns);
-  if (idx == kFifoPushTimedOut || !fifo_wait_done(f, idx, timeout_ns)) atomicExch(failed, 1);
+  unsigned long long idx = push_one<V>(f, w, 0, q, lane == 0, timeout_ns);
+  if (idx == kFifoPushTimedOut) {
+    if (lane == 0) atomicExch(failed, 1);
+    return;
+  }
+  close_writer<V>(f, w);
+  if (lane == 0 && !fifo_wait_done(f, idx, timeout_ns)) atomicExch(failed, 1);
+}
+
+template <PushVariant V>
+__global__ void fifo_latency_kernel(DeviceFifo f, const unsigned long long* signal, int samples, int dst_rank,
+                                    uint32_t slot, uint64_t timeout_ns, unsigned long long* out, int* failed) {
+  const unsigned lane = threadIdx.x % 32;
+  if (threadIdx.x >= 32 || (!warp_push(V) && lane != 0)) return;
+  FifoWriter w{};
+  if (owner_push(V)) w = fifo_writer_open(f);
+  const unsigned long long base = fifo_load_tail(signal);
+  Command c;
+  encode_write_signal(&c, uint32_t(dst_rank), 16, 0, 4096, slot, 1);
+  for (int s = 0; s < samples; ++s) {
+    const unsigned long long t0 = fifo_now_ns();
+    if (push_one<V>(f, w, uint64_t(s), c, lane == 0, timeout_ns) == kFifoPushTimedOut) {
+      if (lane == 0) atomicExch(failed, 1);
+      return;
+    }
+    int stop = 0;
+    if (lane == 0) {
+      const unsigned long long want = base + uint64_t(s) + 1;
+      unsigned long long v;
+      while ((v = fifo_load_tail(signal)) < want) {
+        if (fifo_now_ns() - t0 > timeout_ns) {
+          printf("uccl_ep: fifo latency bench: rank %d fifo %d signal slot %u is %llu, expected >= %llu after the "
+                 "deadline (is the proxy running?)\n", f.rank, f.fifo_id, slot, v, want);
+          atomicExch(failed, 1);
+          stop = 1;
+          break;
+        }
+      }
+      out[s] = fifo_now_ns() - t0;
+    }
+    if (warp_push(V)) stop = __shfl_sync(~0u, stop, 0);
+    if (stop) return;
+  }
+  close_writer<V>(f, w);
 }
 
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw ProxyError(std::string("fifo bench: ") + what + ": " + cudaGetErrorString(e));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw ProxyError(std::string("fifo bench: ") + what + ": " + cudaGetErrorString(e));
+  }
+}
+
+template <PushVariant V>
+void launch_bench(const DeviceFifo* d_fifos, int num_fifos, uint64_t n, int dst_rank, uint64_t timeout_ns,
+                  int* d_failed) {
+  fifo_bench_kernel<V><<<num_fifos, 32>>>(d_fifos, n, dst_rank, timeout_ns, d_failed);
+}
+
+template <PushVariant V>
+void launch_latency(const DeviceFifo& f, const unsigned long long* signal, int samples, int dst_rank, uint32_t slot,
+                    uint64_t timeout_ns, unsigned long long* out, int* failed) {
+  fifo_latency_kernel<V><<<1, 32>>>(f, signal, samples, dst_rank, slot, timeout_ns, out, failed);
 }
 
 }  // namespace
 
+PushVariant parse_push_variant(const std::string& name) {
+  std::string known;
+  for (int i = 0; i < kPushVariantCount; ++i) {
+    if (name == push_variant_name(PushVariant(i))) return PushVariant(i);
+    known += std::string(i ? ", " : "") + push_variant_name(PushVariant(i));
+  }
+  throw std::invalid_argument("unknown push variant '" + name + "' (one of: " + known + ")");
+}
+
 double launch_fifo_bench(const DeviceFifo* fifos, int num_fifos, uint64_t commands_per_fifo, int dst_rank,
-                         uint64_t timeout_ns) {
+                         uint64_t timeout_ns, PushVariant variant) {
   if (num_fifos < 1) throw ProxyError("fifo bench: need at least one FIFO");
   DeviceFifo* d_fifos = nullptr;
   int* d_failed = nullptr;
@@ -47,7 +151,20 @@ double launch_fifo_bench(const DeviceFifo* fifos, int num_fifos, uint64_t comman
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&stop), "cudaEventCreate");
   check(cudaEventRecord(start), "cudaEventRecord");
-  fifo_bench_kernel<<<num_fifos, 32>>>(d_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
+  switch (variant) {
+    case PushVariant::kPush:
+      launch_bench<PushVariant::kPush>(d_fifos, num_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
+      break;
+    case PushVariant::kWarp:
+      launch_bench<PushVariant::kWarp>(d_fifos, num_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
+      break;
+    case PushVariant::kWriter:
+      launch_bench<PushVariant::kWriter>(d_fifos, num_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
+      break;
+    case PushVariant::kWriterWarp:
+      launch_bench<PushVariant::kWriterWarp>(d_fifos, num_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
+      break;
+  }
   check(cudaGetLastError(), "kernel launch");
   check(cudaEventRecord(stop), "cudaEventRecord");
   check(cudaEventSynchronize(stop), "kernel");
@@ -63,4 +180,68 @@ double launch_fifo_bench(const DeviceFifo* fifos, int num_fifos, uint64_t comman
   return ms / 1e3;
 }
 
+std::vector<uint64_t> launch_fifo_latency(const DeviceFifo& fifo, int64_t* signals, uint32_t num_slots, uint32_t slot,
+                                          int samples, int dst_rank, uint64_t timeout_ns, PushVariant variant) {
+  if (slot >= num_slots) throw ProxyError("fifo latency bench: slot " + std::to_string(slot) + " >= " +
+                                          std::to_string(num_slots) + " signal slots");
+  if (samples < 1) return {};
+  // The counters live in the proxy's host memory; the kernel polls them through a mapping. Someone (the internode
+  // context) may have registered them already: then use that registration and leave it in place.
+  const size_t bytes = size_t(num_slots) * sizeof(int64_t);
+  bool registered_here = false;
+  cudaError_t e = cudaHostRegister(signals, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e == cudaSuccess) {
+    registered_here = true;
+  } else if (e == cudaErrorHostMemoryAlreadyRegistered) {
+    (void)cudaGetLastError();
+  } else {
+    check(e, "cudaHostRegister of the signal counters");
+  }
+  void* d_signals = nullptr;
+  unsigned long long* d_out = nullptr;
+  int* d_failed = nullptr;
+  std::vector<unsigned long long> out(samples);
+  int failed = 0;
+  try {
+    check(cudaHostGetDevicePointer(&d_signals, signals, 0), "cudaHostGetDevicePointer of the signal counters");
+    check(cudaMalloc(&d_out, sizeof(unsigned long long) * samples), "cudaMalloc");
+    check(cudaMalloc(&d_failed, sizeof(int)), "cudaMalloc");
+    check(cudaMemset(d_failed, 0, sizeof(int)), "cudaMemset");
+    const auto* signal = static_cast<const unsigned long long*>(d_signals) + slot;
+    switch (variant) {
+      case PushVariant::kPush:
+        launch_latency<PushVariant::kPush>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
+        break;
+      case PushVariant::kWarp:
+        launch_latency<PushVariant::kWarp>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
+        break;
+      case PushVariant::kWriter:
+        launch_latency<PushVariant::kWriter>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
+        break;
+      case PushVariant::kWriterWarp:
+        launch_latency<PushVariant::kWriterWarp>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
+        break;
+    }
+    check(cudaGetLastError(), "kernel launch");
+    check(cudaDeviceSynchronize(), "latency kernel");
+    check(cudaMemcpy(out.data(), d_out, sizeof(unsigned long long) * samples, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    check(cudaMemcpy(&failed, d_failed, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  } catch (...) {
+    if (d_out) cudaFree(d_out);
+    if (d_failed) cudaFree(d_failed);
+    if (registered_here) (void)cudaHostUnregister(signals);
+    throw;
+  }
+  cudaFree(d_out);
+  cudaFree(d_failed);
+  if (registered_here) (void)cudaHostUnregister(signals);
+  if (failed)
+    throw TimeoutError("fifo latency bench: signal slot " + std::to_string(slot) +
+                       " did not count a GPU-pushed write+signal within the deadline (FIFO " +
+                       std::to_string(fifo.fifo_id) + "; the kernel printed the counters)");
+  return std::vector<uint64_t>(out.begin(), out.end());
+}
+
 }  // namespace uccl_ep
+
+#endif  // UCCL_EP_CUDA

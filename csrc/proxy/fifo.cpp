@@ -36,6 +36,29 @@ bool cuda_usable() {
 
 }  // namespace
 
+const char* fifo_producer_name(FifoProducer p) {
+  switch (p) {
+    case FifoProducer::kNone: return "none";
+    case FifoProducer::kHost: return "host";
+    case FifoProducer::kDevice: return "device";
+  }
+  return "?";
+}
+
+void Fifo::bind_producer(FifoProducer kind) {
+  int seen = int(FifoProducer::kNone);
+  if (producer_.compare_exchange_strong(seen, int(kind), std::memory_order_acq_rel) || seen == int(kind)) return;
+  if (kind == FifoProducer::kHost)
+    throw ProxyError("rank " + std::to_string(rank_) + " fifo " + std::to_string(fifo_id_) +
+                     ": host push refused: GPU producers feed this FIFO (a kernel took its device view); their head "
+                     "lives in GPU memory, so a host push would fill a slot the proxy has already passed or that a "
+                     "kernel fills too. Push from a kernel, or give host producers a FIFO no kernel uses");
+  throw ProxyError("rank " + std::to_string(rank_) + " fifo " + std::to_string(fifo_id_) +
+                   ": device view refused: host producers already pushed " + std::to_string(host_head()) +
+                   " commands to this FIFO, and kernels reserve slots from a separate head in GPU memory. Give GPU "
+                   "producers a FIFO no host thread pushes to");
+}
+
 Fifo::Fifo(uint32_t depth, int rank, int fifo_id) : depth_(depth), mask_(depth - 1), rank_(rank), fifo_id_(fifo_id) {
   if (depth < 2 || (depth & (depth - 1)))
     throw ProxyError("FIFO depth " + std::to_string(depth) + " must be a power of two >= 2 (UCCL_EP_FIFO_DEPTH)");
@@ -74,6 +97,7 @@ Fifo::~Fifo() {
 uint64_t Fifo::push(const Command& c, double timeout_secs, const std::atomic<bool>* abort) {
   if (command_type(c) == kCmdEmpty || command_type(c) >= kCmdTypeCount)
     throw ProxyError("Fifo::push: command type " + std::to_string(command_type(c)) + " is not a valid command");
+  if (producer_.load(std::memory_order_relaxed) != int(FifoProducer::kHost)) bind_producer(FifoProducer::kHost);
   const uint64_t idx = head_.fetch_add(1, std::memory_order_acq_rel);
   uint64_t tail = cached_tail_.load(std::memory_order_relaxed);
   if (idx - tail >= depth_) {
@@ -122,6 +146,7 @@ void Fifo::wait_done(uint64_t index, double timeout_secs, const std::atomic<bool
 DeviceFifo Fifo::device_view() {
 #ifdef UCCL_EP_WITH_CUDA
   if (device_mapped_) {
+    bind_producer(FifoProducer::kDevice);
     if (!dev_counters_) {
       if (cudaMalloc(&dev_counters_, 2 * sizeof(unsigned long long)) != cudaSuccess ||
           cudaMemset(dev_counters_, 0, 2 * sizeof(unsigned long long)) != cudaSuccess)

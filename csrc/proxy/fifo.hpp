@@ -2,7 +2,10 @@
 //
 // The ring and the tail live in host-pinned, device-mapped memory when CUDA is usable at run time (kernels push into
 // it), else in plain aligned host memory (CPU producers only). One consumer (the proxy thread owning the FIFO);
-// any number of host producers. Host and device producers must not share a FIFO: each keeps its own head.
+// any number of host producers, or any number of GPU producers, never both: host pushes reserve slots from a host
+// counter and kernels from a counter in GPU memory, so on a shared ring each would fill slots the other side also
+// fills, or that the consumer's tail has already passed. The first kind to use a FIFO owns it (`bind_producer`); the
+// other kind is then refused with ProxyError.
 #pragma once
 
 #include <atomic>
@@ -14,6 +17,9 @@
 
 namespace uccl_ep {
 
+enum class FifoProducer : int { kNone = 0, kHost = 1, kDevice = 2 };
+const char* fifo_producer_name(FifoProducer p);
+
 class Fifo {
  public:
   Fifo(uint32_t depth, int rank, int fifo_id);
@@ -24,10 +30,15 @@ class Fifo {
   uint32_t depth() const { return depth_; }
   int fifo_id() const { return fifo_id_; }
   bool device_mapped() const { return device_mapped_; }
+  FifoProducer producer() const { return FifoProducer(producer_.load(std::memory_order_acquire)); }
+  // Claims the FIFO for one kind of producer; throws ProxyError (naming rank, FIFO and both kinds) when the other
+  // kind already uses it. push() claims kHost, device_view() kDevice.
+  void bind_producer(FifoProducer kind);
 
   // ---- producers (thread-safe). Blocks while the ring is full; throws TimeoutError after `timeout_secs`
   // naming rank, FIFO, head and tail. `abort` (optional) is polled while waiting: when it turns true the push
-  // gives up and returns UINT64_MAX (the proxy failed; its error is what the caller should report).
+  // gives up and returns UINT64_MAX (the proxy failed; its error is what the caller should report). Throws ProxyError
+  // on a FIFO GPU producers use.
   uint64_t push(const Command& c, double timeout_secs, const std::atomic<bool>* abort = nullptr);
 
   // ---- consumer (one thread)
@@ -49,13 +60,15 @@ class Fifo {
     __atomic_store_n(tail_, consumer_tail_, __ATOMIC_RELEASE);
   }
   uint64_t tail() const { return __atomic_load_n(tail_, __ATOMIC_ACQUIRE); }
+  // Slots reserved by host producers. A FIFO fed by GPU producers keeps its head in GPU memory; this stays 0 there.
   uint64_t host_head() const { return head_.load(std::memory_order_acquire); }
 
   // Wait until the tail passed `index` (e.g. a quiet pushed at that index completed).
   void wait_done(uint64_t index, double timeout_secs, const std::atomic<bool>* abort = nullptr) const;
 
-  // Pointers for a kernel. Allocates the head / cached tail in GPU memory on first use; throws when the ring is
-  // not device-mapped (no GPU at run time or a build without CUDA).
+  // Pointers for a kernel. Allocates the head / cached tail in GPU memory on first use (every view shares them, so
+  // kernels launched one after another continue the same sequence); throws when the ring is not device-mapped (no
+  // GPU at run time or a build without CUDA) or host producers already pushed to it.
   DeviceFifo device_view();
 
  private:
@@ -70,6 +83,7 @@ class Fifo {
   uint64_t consumer_tail_ = 0;       // the consumer's private copy
   alignas(64) std::atomic<uint64_t> head_{0};
   alignas(64) std::atomic<uint64_t> cached_tail_{0};
+  std::atomic<int> producer_{int(FifoProducer::kNone)};
   void* dev_counters_ = nullptr;     // GPU memory: head, cached tail
 };
 

@@ -63,3 +63,29 @@ def test_fifo_rejects_invalid_depth_and_empty_command(C):
         C.Fifo(6)
     with pytest.raises(RuntimeError, match="not a valid command"):
         C.Fifo(4).push((0, 0), 1.0)
+
+
+def test_host_push_is_refused_on_a_fifo_gpu_producers_use(C):
+    # A kernel's device view claims the FIFO (what bench proxy --producer gpu and the internode context do); the host
+    # head would not know the GPU's pushes, so a host push must fail loudly instead of filling a slot nobody reads.
+    f = C.Fifo(8, rank=2, fifo_id=6)
+    assert f.producer == "none"
+    f.bind_producer("device")
+    assert f.producer == "device"
+    with pytest.raises(C.ProxyError, match=r"rank 2 fifo 6: host push refused: GPU producers feed this FIFO"):
+        f.push(C.command.quiet(), 1.0)
+    assert f.head == 0 and f.pop() is None
+
+
+def test_device_view_is_refused_on_a_fifo_host_producers_use(C):
+    f = C.Fifo(8, rank=1, fifo_id=3)
+    f.push(C.command.quiet(), 1.0)
+    assert f.producer == "host"
+    with pytest.raises(C.ProxyError, match=r"rank 1 fifo 3: device view refused: host producers already pushed 1"):
+        f.bind_producer("device")
+    assert f.producer == "host"
+    f.push(C.command.quiet(), 1.0)  # the host side keeps working
+    f.bind_producer("host")
+    with pytest.raises(ValueError, match="'host' or 'device'"):
+        f.bind_producer("gpu")
+

@@ -1,9 +1,11 @@
 """`uccl-ep-train bench proxy`: command FIFO + proxy throughput and push-to-completion latency.
 
-Throughput: every FIFO gets its own producer (a native CPU thread, or one GPU block with ``--producer gpu``) pushing
+Throughput: every FIFO gets its own producer (a native CPU thread, or one GPU warp with ``--producer gpu``) pushing
 16-byte write+signal commands to this rank over the loopback transport; commands/s counts until the closing quiet of
-every FIFO completed. Latency: one write+signal at a time on FIFO 0, from the push call until the signal it carries
-was applied (CPU producer: includes the Python call overhead of about a microsecond).
+every FIFO completed. Latency: one write+signal at a time on FIFO 0, from the push until the signal it carries was
+applied, by the same kind of producer (CPU: includes the Python call overhead of about a microsecond; GPU: a kernel
+timing itself on the GPU clock). A FIFO is fed by host or by GPU producers, never both (the other kind is refused),
+so the GPU latency run pushes from a kernel too. ``--push`` picks the device push variant (docs/host-core.md).
 """
 from __future__ import annotations
 
@@ -23,10 +25,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--commands", type=int, default=200_000, help="commands per FIFO in the throughput run")
     p.add_argument("--latency-samples", type=int, default=2000)
     p.add_argument("--producer", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--push", choices=PUSH_VARIANTS, default="writer-warp",
+                   help="GPU push variant (--producer gpu): push = fifo_push per command, warp = one reservation per "
+                        "warp, writer / writer-warp = the FIFO owned by one thread / warp (default writer-warp)")
     p.add_argument("--depth", type=int, default=None, help="FIFO depth (default UCCL_EP_FIFO_DEPTH)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=run)
     return p
+
+
+PUSH_VARIANTS = ("push", "warp", "writer", "writer-warp")
 
 
 def _percentiles(samples_ns: list[int]) -> dict[str, float]:
@@ -50,7 +58,12 @@ def _measure(C: Any, settings: Any, nfifos: int, args: argparse.Namespace) -> di
         if args.producer == "gpu":
             if not hasattr(C, "fifo_bench_gpu"):
                 raise SystemExit("--producer gpu needs a CUDA build of uccl_ep_train._C and a GPU")
-            seconds = C.fifo_bench_gpu(c.proxy, 0, nfifos, n, 0, c.options["timeout_secs"])
+            try:
+                seconds = C.fifo_bench_gpu(c.proxy, 0, nfifos, n, 0, c.options["timeout_secs"], push=args.push)
+            except C.ProxyError as exc:
+                if "not device-mapped" in str(exc):
+                    raise SystemExit(f"--producer gpu needs a GPU at run time: {exc}") from None
+                raise
         else:
             cmds = []
             for f in range(nfifos):
@@ -69,18 +82,24 @@ def _measure(C: Any, settings: Any, nfifos: int, args: argparse.Namespace) -> di
             c.wait_idle()  # every FIFO drained, its closing quiet included, and nothing in flight
             seconds = time.perf_counter() - t0
         c.check()
-        # latency: one command at a time on FIFO 0 (CPU pushes; with GPU producers too, the proxy path is the same)
+        # latency: one command at a time on FIFO 0, pushed by the same kind of producer that fed it above
         slot = nfifos
-        base = int(c.signals()[slot])
-        cmd = C.command.write_signal(0, 16, 0, 4096, slot, 1)
-        lat = []
-        for i in range(args.latency_samples):
-            t0 = time.perf_counter_ns()
-            c.push(0, cmd)
-            c.wait_signal(slot, base + i + 1)
-            lat.append(time.perf_counter_ns() - t0)
+        if args.producer == "gpu":
+            lat = list(C.fifo_latency_gpu(c.proxy, 0, slot, args.latency_samples, c.options["timeout_secs"],
+                                          push=args.push))
+        else:
+            base = int(c.signals()[slot])
+            cmd = C.command.write_signal(0, 16, 0, 4096, slot, 1)
+            lat = []
+            for i in range(args.latency_samples):
+                t0 = time.perf_counter_ns()
+                c.push(0, cmd)
+                c.wait_signal(slot, base + i + 1)
+                lat.append(time.perf_counter_ns() - t0)
+        c.check()
         stats = c.stats()
-        return {"fifos": nfifos, "proxy_threads": threads, "producer": args.producer, "commands": n * nfifos,
+        return {"fifos": nfifos, "proxy_threads": threads, "producer": args.producer,
+                "push": args.push if args.producer == "gpu" else "host", "commands": n * nfifos,
                 "seconds": seconds, "commands_per_s": n * nfifos / seconds,
                 "latency_us": _percentiles(lat), "transport": c.proxy.caps["name"],
                 "max_inflight_writes": max(s["max_inflight_writes"] for s in stats)}
@@ -98,12 +117,15 @@ def run(args: argparse.Namespace) -> int:
     if not counts or min(counts) < 1:
         raise SystemExit("--fifos needs positive counts, e.g. 1,2,4")
     results = []
-    print(f"{'fifos':>5} {'threads':>7} {'producer':>8} {'Mcmd/s':>8} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8}")
+    if args.latency_samples < 1:
+        raise SystemExit("--latency-samples must be at least 1")
+    print(f"{'fifos':>5} {'threads':>7} {'producer':>8} {'push':>11} {'Mcmd/s':>8} {'p50 us':>8} {'p90 us':>8} "
+          f"{'p99 us':>8}")
     for nf in counts:
         r = _measure(C, settings, nf, args)
         results.append(r)
         lat = r["latency_us"]
-        print(f"{nf:>5} {r['proxy_threads']:>7} {r['producer']:>8} {r['commands_per_s'] / 1e6:>8.2f} "
+        print(f"{nf:>5} {r['proxy_threads']:>7} {r['producer']:>8} {r['push']:>11} {r['commands_per_s'] / 1e6:>8.2f} "
               f"{lat['p50']:>8.2f} {lat['p90']:>8.2f} {lat['p99']:>8.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
