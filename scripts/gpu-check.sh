@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build with CUDA, run the GPU test suites and the benchmarks, keep logs under $OUT.
 # Usage (on the lent 2xH200 machine, from the repository root): bash scripts/gpu-check.sh [step ...]
-# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_proxy train (default: all but train);
+# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_proxy bench_internode train (default: all
+# but train and bench_internode);
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), fifo (GPU
 # producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
 # CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel).
@@ -43,8 +44,16 @@ for step in "${steps[@]}"; do
     internode) run internode 150 python3 -m pytest -q -rf tests/internode ;;
     bench_dispatch) run bench_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --json "$OUT/dispatch.json" ;;
     bench_dispatcher) run bench_dispatcher 120 "${tr2[@]}" -m uccl_ep_train bench dispatcher --json "$OUT/dispatcher.json" ;;
-    bench_proxy) UCCL_EP_CPU_TIMEOUT_SECS=20 run bench_proxy 90 python3 -m uccl_ep_train bench proxy --producer gpu \
-                   --json "$OUT/proxy.json" ;;
+    bench_proxy)  # the default push variant (single-owner warp writer), then the per-command atomic push
+      UCCL_EP_CPU_TIMEOUT_SECS=20 run bench_proxy 90 python3 -m uccl_ep_train bench proxy --producer gpu \
+        --fifos 1,2,4,8 --json "$OUT/proxy.json"
+      UCCL_EP_CPU_TIMEOUT_SECS=20 run bench_proxy_push 90 python3 -m uccl_ep_train bench proxy --producer gpu \
+        --fifos 1,4 --push push --json "$OUT/proxy-push.json" ;;
+    bench_internode)  # 2 emulated nodes: NIC uncapped, then capped at 50 GB/s per GPU (one 400 Gb/s NIC)
+      run bench_internode "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" -m uccl_ep_train bench internode \
+        --emulate-nodes 2 --json "$OUT/internode-uncapped.json"
+      UCCL_EP_LOOPBACK_BW_GBPS=50 run bench_internode_capped "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" \
+        -m uccl_ep_train bench internode --emulate-nodes 2 --json "$OUT/internode-capped50.json" ;;
     profile)
       run profile_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --sweep "" --iters 10 \
         --profile "$OUT/profile-dispatch.txt"
