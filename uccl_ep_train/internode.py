@@ -12,6 +12,7 @@ native module (``_C.internode``): regions, proxy bootstrap, the push/wait/scatte
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence, Tuple
@@ -173,7 +174,8 @@ def chunk_records(stride: int, max_bytes: int) -> int:
 def push_rows(node_send_or_recv: Sequence[int], rank: int, ranks_per_node: int, local_base: int,
               remote_offset_of, stride: int, slot_base: int) -> List[List[int]]:
     """One push-table row per remote node with records (columns of _C.internode: dst, local off, remote off, stride,
-    records, slot). ``remote_offset_of(dst_rank)`` returns the block's byte offset at the destination."""
+    records, slot, FIFO hint). ``remote_offset_of(dst_rank)`` returns the block's byte offset at the destination.
+    The FIFO hint is the destination node, so one destination's increments always take the same proxy lane."""
     G = ranks_per_node
     node, local = divmod(rank, G)
     rows = []
@@ -182,7 +184,7 @@ def push_rows(node_send_or_recv: Sequence[int], rank: int, ranks_per_node: int, 
         if m == node or count == 0:
             continue
         dst = m * G + local
-        rows.append([dst, local_base + offs[m], remote_offset_of(dst), stride, int(count), slot_base + node])
+        rows.append([dst, local_base + offs[m], remote_offset_of(dst), stride, int(count), slot_base + node, m])
     return rows
 
 
@@ -215,6 +217,33 @@ def combine_waits(counts: Counts, rank: int, ranks_per_node: int) -> List[Tuple[
     node = rank // ranks_per_node
     num_nodes = counts.node_counts.size(1)
     return [(num_nodes + m, int(c)) for m, c in enumerate(counts.node_counts[rank].tolist()) if m != node and c]
+
+
+def slot_meaning(slot: int, rank: int, ranks_per_node: int, num_nodes: int) -> str:
+    """What a signal slot of ``rank`` counts and which rank's proxy feeds it (for error messages)."""
+    G, N = ranks_per_node, num_nodes
+    local = rank % G
+    if 0 <= slot < N:
+        return (f"slot {slot} counts dispatch records from node {slot}, written by rank {slot * G + local}'s proxy "
+                f"(rank {slot * G + local} -> forwarder rank {rank})")
+    if N <= slot < 2 * N:
+        n = slot - N
+        return (f"slot {slot} counts combine partial sums from node {n}, written by forwarder rank {n * G + local}'s "
+                f"proxy (rank {n * G + local} -> source rank {rank})")
+    return f"slot {slot} is outside the 2 x {N} slots this topology uses"
+
+
+def describe_gpu_error(fields: dict, rank: int, ranks_per_node: int, num_nodes: int, codes: dict) -> str:
+    """Topology context for a GPU error word (appended to the kernel's own message): who should have sent what."""
+    code = fields.get("code", 0)
+    if code == codes.get("wait_timeout"):
+        return " [" + slot_meaning(int(fields["slot"]), rank, ranks_per_node, num_nodes) + "]"
+    if code == codes.get("scatter_range"):
+        node = rank // ranks_per_node
+        return f" [target local GPU {fields['slot']} is rank {node * ranks_per_node + int(fields['slot'])}]"
+    if code == codes.get("push_timeout"):
+        return f" [destination rank {fields['aux']} is node {int(fields['aux']) // ranks_per_node}]"
+    return ""
 
 
 def pack_records(out: torch.Tensor, columns: Sequence[torch.Tensor], plan: SendPlan, layout: RecordLayout) -> None:
@@ -318,6 +347,7 @@ class NativeInternodeBackend:
         s = ctx.settings
         self.device = ctx.device if ctx.device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.cpu_timeout = float(s.proxy.timeout_secs)
+        self.gpu_timeout = float(s.kernel.gpu_timeout_secs)
         self.rdma_bytes = _align(int(ctx.num_rdma_bytes) or (1 << 28))
         self.nvl_bytes = _align(int(ctx.num_nvl_bytes) or (1 << 28))
         if self.rdma_bytes > CMD_MAX_REGION:
@@ -355,6 +385,8 @@ class NativeInternodeBackend:
         self.half_nvl = self.nvl_bytes // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         self._expected = [0] * (2 * self.N)  # running targets of the monotone signal counters
+        self._phases = dict(self._k.PHASES)
+        self._codes = dict(self._k.ERROR_CODES)
         self._destroyed = False
         self.last_traffic = None
 
@@ -362,44 +394,110 @@ class NativeInternodeBackend:
     def _stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream
 
-    def _check(self) -> None:
-        msg = self._cx.error_message()
+    def _check(self, what: str = "") -> None:
+        """Raise InternodeError if a kernel of this rank recorded an error or its proxy failed. The message names
+        the rank, the phase and kernel, the counter (slot) with what it counts and who feeds it, the value expected
+        and the value seen, what the host sees in the same counter, and the proxy's own error."""
+        fields = self._cx.error_fields()
         perr = self._cx.proxy_error()
-        if msg or perr:
-            self._cx.clear_error()
-            raise InternodeError("; ".join(x for x in (msg, perr and f"rank {self.rank} proxy: {perr}") if x)
-                                 + "\n" + _timeout_hint())
+        if not fields["code"] and not perr:
+            return
+        parts = []
+        if fields["code"] and fields["code"] != self._codes["aborted"]:
+            msg = self._cx.error_message() + describe_gpu_error(fields, self.rank, self.G, self.N, self._codes)
+            if fields["code"] == self._codes["wait_timeout"]:
+                slot = int(fields["slot"])
+                msg += f" [the host reads signal[{slot}] = {self._cx.signal_value(slot)}]"
+            parts.append(msg)
+        if perr:
+            parts.append(f"rank {self.rank} proxy: {perr}")
+        elif fields["code"] == self._codes["aborted"]:
+            parts.append(f"rank {self.rank}: GPU waits were aborted by the host")
+        try:
+            parts.append(f"proxy totals {self._cx.proxy_totals()}")
+        except Exception:  # noqa: BLE001 - diagnostics only
+            pass
+        self._cx.clear_error()
+        raise InternodeError("; ".join(parts) + (f" (during {what})" if what else "") + "\n" + _timeout_hint())
 
-    def _sync_barrier(self, what: str) -> None:
-        """Drain our stream (deadline-bounded: every GPU wait has one), check errors, then a group barrier."""
-        torch.cuda.current_stream().synchronize()
-        self._check()
+    def _drain(self, what: str) -> None:
+        """Wait for this rank's stream with a deadline, never an unbounded synchronize. Every GPU wait has its own
+        deadline (UCCL_EP_GPU_TIMEOUT_SECS); a proxy that fails meanwhile aborts the GPU waits at once, so the
+        error surfaces in milliseconds instead of after the GPU deadline."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        t0 = time.monotonic()
+        limit = 2 * self.gpu_timeout + self.cpu_timeout
+        aborted = False
+        spins = 0
+        while not ev.query():
+            spins += 1
+            if spins % 16 == 0:
+                if not aborted and self._cx.proxy_error():
+                    self._cx.abort_waits()
+                    aborted = True
+                waited = time.monotonic() - t0
+                if waited > limit:
+                    raise InternodeError(
+                        f"rank {self.rank}: the GPU stream did not drain within {limit:.0f} s after {what} "
+                        f"(2 x UCCL_EP_GPU_TIMEOUT_SECS + UCCL_EP_CPU_TIMEOUT_SECS); GPU error word "
+                        f"{self._cx.error_fields()}; proxy error {self._cx.proxy_error()!r}\n{_timeout_hint()}")
+                time.sleep(0 if waited < 2e-3 else 1e-4)
+        self._check(what)
+
+    def _proxy_view(self, grace: float = 0.2) -> str:
+        """The proxy's error, given it ``grace`` seconds to appear: when gloo fails because a peer died, the loopback
+        names the dead rank and its pid within a few milliseconds (liveness check every 5 ms)."""
+        t0 = time.monotonic()
+        perr = self._cx.proxy_error()
+        while not perr and time.monotonic() - t0 < grace:
+            time.sleep(0.005)
+            perr = self._cx.proxy_error()
+        return perr
+
+    def _barrier(self, what: str) -> None:
+        """Group barrier (gloo, deadline UCCL_EP_CPU_TIMEOUT_SECS); a failure names our proxy's view too (a dead
+        peer is usually detected by the proxy first, with its rank and pid)."""
         try:
             dist.barrier(group=self._gloo)
         except Exception as exc:  # a dead peer or the gloo deadline
+            perr = self._proxy_view()
             raise InternodeError(f"rank {self.rank}: barrier '{what}' failed within {self.cpu_timeout} s "
-                                 f"(UCCL_EP_CPU_TIMEOUT_SECS): {exc}\n{_timeout_hint()}") from exc
-        self._check()
+                                 f"(UCCL_EP_CPU_TIMEOUT_SECS): {exc}"
+                                 + (f"; rank {self.rank} proxy: {perr}" if perr else "")
+                                 + f"\n{_timeout_hint()}") from exc
+
+    def _sync_barrier(self, what: str) -> None:
+        """Drain our stream (deadline-bounded: every GPU wait has one), check errors, then a group barrier."""
+        self._drain(what)
+        self._barrier(what)
+        self._check(what)
 
     def _notify(self, is_token_in_rank: torch.Tensor) -> Counts:
-        row = local_count_row(is_token_in_rank, self.G).cpu()
-        torch.cuda.current_stream().synchronize()
-        self._check()
+        row = local_count_row(is_token_in_rank, self.G)
+        self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
+        row = row.cpu()
         out = [torch.empty_like(row) for _ in range(self.R)]
         try:
             dist.all_gather(out, row, group=self._gloo)
         except Exception as exc:
+            perr = self._proxy_view()
             raise InternodeError(f"rank {self.rank}: notify (count exchange) failed within {self.cpu_timeout} s: "
-                                 f"{exc}\n{_timeout_hint()}") from exc
+                                 f"{exc}" + (f"; rank {self.rank} proxy: {perr}" if perr else "")
+                                 + f"\n{_timeout_hint()}") from exc
         self._check()
         return counts_from_rows(torch.stack(out), self.R)
 
-    def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]]) -> None:
+    def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str) -> None:
         stream = self._stream()
+        ph = self._phases[phase]
         if rows:
+            if len(rows[0]) != self._k.PUSH_COLUMNS:
+                raise InternodeError(f"push table has {len(rows[0])} columns, the module expects "
+                                     f"{self._k.PUSH_COLUMNS} (rebuild _C)")
             table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
             stride = rows[0][3]
-            self._cx.push_chunks(table.data_ptr(), len(rows), chunk_records(stride, self.inflight_bytes), stream)
+            self._cx.push_chunks(table.data_ptr(), len(rows), chunk_records(stride, self.inflight_bytes), ph, stream)
             self._keep = table
         if waits:
             se = []
@@ -407,7 +505,7 @@ class NativeInternodeBackend:
                 self._expected[slot] += count
                 se.append([slot, self._expected[slot]])
             t = torch.tensor(se, dtype=torch.int64).to(self.device)
-            self._cx.wait_signals(t.data_ptr(), len(se), stream)
+            self._cx.wait_signals(t.data_ptr(), len(se), ph, stream)
             self._keep_w = t
 
     # ---------------------------------------------------------------- layout
@@ -441,7 +539,7 @@ class NativeInternodeBackend:
             dst = recv_base + recv_offs[self.node]
             self._rdma[dst:dst + own * stride].copy_(self._rdma[send_offs[self.node]:send_offs[self.node] + own * stride])
         self._push_and_wait(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base),
-                            dispatch_waits(counts, self.rank, G))
+                            dispatch_waits(counts, self.rank, G), "dispatch_network")
         A = sum(recv_by_node)
         arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
         fwd_dest = stamp_arrivals(arrivals, layout, G)
@@ -450,7 +548,10 @@ class NativeInternodeBackend:
             for j in range(G):  # NVLink hop: every local GPU that needs the record gets its final row
                 idx = fwd_dest[:, j].contiguous()  # freed after the launch: the allocator reuses it stream-ordered
                 self._k.scatter_rows(self.peer_nvl[j], layout.final_bytes, idx.data_ptr(),
-                                     self._cx.rdma_ptr + recv_base, stride, 0, A, layout.final_bytes, stream)
+                                     self._cx.rdma_ptr + recv_base, stride, 0, A, layout.final_bytes, stream,
+                                     dst_rows=num_recv_rows(counts, self.node * G + j),
+                                     err=self._cx.error_word_ptr, rank=self.rank,
+                                     phase=self._phases["dispatch_forward"], target=j)
         self._sync_barrier("dispatch forward")
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
@@ -467,11 +568,8 @@ class NativeInternodeBackend:
 
         self._check()
         x, scales = args.x, args.x_scales
-        torch.cuda.current_stream().synchronize()
-        try:
-            dist.barrier(group=self._gloo)  # every rank finished its previous use of the areas
-        except Exception as exc:
-            raise InternodeError(f"rank {self.rank}: entry barrier of dispatch failed: {exc}") from exc
+        self._drain("entry of dispatch")
+        self._barrier("entry of dispatch")  # every rank finished its previous use of the areas
         if args.handle is not None:
             h: InternodeHandle = args.handle
             cols = [x] + ([scales] if scales is not None else [])
@@ -607,6 +705,7 @@ class NativeInternodeBackend:
             for k in range(h.num_topk):
                 sel = (slot == k).nonzero(as_tuple=True)[0]
                 rows.index_add_(0, token[sel], x[sel].float())
+            rows = rows.to(x.dtype).float()  # one partial per (token, rank) in x's dtype, as reference.combine
             if topk_weights is not None:
                 pos = h.expert_major_pos
                 w = torch.where(pos >= 0, topk_weights[pos.clamp(min=0)].float(),
@@ -627,11 +726,8 @@ class NativeInternodeBackend:
                    self.half_rdma, "num_rdma_bytes")
         check_area("combine (RDMA)", [int(h.counts.node_counts[r].sum()) for r in range(self.R)], cstride,
                    self.half_rdma, "num_rdma_bytes")
-        torch.cuda.current_stream().synchronize()
-        try:
-            dist.barrier(group=self._gloo)
-        except Exception as exc:
-            raise InternodeError(f"rank {self.rank}: entry barrier of combine failed: {exc}") from exc
+        self._drain("entry of combine")
+        self._barrier("entry of combine")
         stream = self._stream()
         # NVLink hop: each copy goes to its forwarder (same local index as the token's source), block = our local
         fwd_local = h.recv_src_rank % G
@@ -643,7 +739,9 @@ class NativeInternodeBackend:
             dst_idx = h.recv_arrival[sel].contiguous()
             self._k.scatter_rows(self.peer_nvl[j] + gbase + self.local * self.gather_block, cstride,
                                  dst_idx.data_ptr(), rows.data_ptr(), 4 * C, sel.data_ptr(), sel.numel(), 4 * C,
-                                 stream)
+                                 stream, dst_rows=sum(recv_counts(h.counts, self.node * G + j, G)),
+                                 err=self._cx.error_word_ptr, rank=self.rank,
+                                 phase=self._phases["combine_gather"], target=j)
         self._sync_barrier("combine gather")
         # forwarder: node-local sum in ascending local rank, into the combine send area (block per source node)
         partial = torch.zeros((A, C), dtype=torch.float32, device=dev)
@@ -663,7 +761,7 @@ class NativeInternodeBackend:
             self._rdma[recv_base + back_offs[self.node]:recv_base + back_offs[self.node] + own * cstride].copy_(
                 self._rdma[arr_offs[self.node]:arr_offs[self.node] + own * cstride])
         self._push_and_wait(combine_push_rows(h.counts, self.rank, G, cstride, recv_base),
-                            combine_waits(h.counts, self.rank, G))
+                            combine_waits(h.counts, self.rank, G), "combine_network")
         S1 = sum(back)
         out = torch.zeros((h.num_tokens, C), dtype=torch.float32, device=dev)
         got = self._rdma[recv_base:recv_base + S1 * cstride].view(S1, cstride)
@@ -673,8 +771,7 @@ class NativeInternodeBackend:
                 vals = got[start:start + c, :4 * C].contiguous().view(torch.float32)
                 out.index_add_(0, h.plan.hop1_token[start:start + c], vals)
             start += c
-        torch.cuda.current_stream().synchronize()
-        self._check()
+        self._drain("combine")
         combined_x = out[:, :H].to(x.dtype)
         combined_w = out[:, H:].contiguous() if topk_weights is not None else None
         fwd_rank = self.node * G + fwd_local
@@ -705,7 +802,9 @@ class NativeInternodeBackend:
             return
         self._destroyed = True
         try:
-            torch.cuda.current_stream().synchronize()
+            self._drain("destroy")  # bounded: no kernel may still use the regions when they are freed
+        except InternodeError:
+            pass  # the error was raised to the caller already (or is moot at teardown); free anyway
         finally:
             self._cx.destroy()
 

@@ -16,8 +16,26 @@ void bind_internode(py::module_& m) {
   namespace in = uccl_ep::internode;
   auto k = m.def_submodule("internode", "internode (hierarchical) dispatch/combine: regions, proxy, kernels");
   k.attr("PUSH_COLUMNS") = int(in::kPushColumns);
+  py::dict phases;
+  phases["dispatch_network"] = int(in::kPhaseDispatchNetwork);
+  phases["combine_network"] = int(in::kPhaseCombineNetwork);
+  phases["dispatch_forward"] = int(in::kPhaseDispatchForward);
+  phases["combine_gather"] = int(in::kPhaseCombineGather);
+  k.attr("PHASES") = phases;
+  py::dict codes;
+  codes["wait_timeout"] = int(in::kErrWaitTimeout);
+  codes["push_timeout"] = int(in::kErrPushTimeout);
+  codes["encode"] = int(in::kErrEncode);
+  codes["scatter_range"] = int(in::kErrScatterRange);
+  codes["aborted"] = int(in::kErrAborted);
+  k.attr("ERROR_CODES") = codes;
+  k.def("phase_name", [](int p) { return std::string(in::phase_name(p)); }, py::arg("phase"));
   k.def("scatter_rows", &in::scatter_rows, py::arg("dst"), py::arg("dst_stride"), py::arg("dst_idx"), py::arg("src"),
-        py::arg("src_stride"), py::arg("src_idx"), py::arg("n"), py::arg("row_bytes"), py::arg("stream"));
+        py::arg("src_stride"), py::arg("src_idx"), py::arg("n"), py::arg("row_bytes"), py::arg("stream"),
+        py::arg("dst_rows") = -1, py::arg("err") = 0, py::arg("rank") = -1, py::arg("phase") = 0,
+        py::arg("target") = -1,
+        "copy rows (dst may be a peer's NVLink mapping); dst_rows >= 0: rows at or past it are not written and "
+        "the first is recorded in the error word `err` (InternodeContext.error_word_ptr)");
 
   py::class_<in::Context>(k, "InternodeContext")
       .def(py::init([](int rank, int world, int device, int64_t rdma_bytes, int64_t nvl_bytes, int num_threads,
@@ -79,11 +97,27 @@ void bind_internode(py::module_& m) {
         return d;
       })
       .def("signal_value", &in::Context::signal_value, py::arg("slot"))
+      .def_property_readonly("error_word_ptr", &in::Context::error_word_ptr)
       .def("push_chunks", &in::Context::push_chunks, py::arg("table"), py::arg("n"), py::arg("chunk_records"),
+           py::arg("phase"), py::arg("stream"))
+      .def("wait_signals", &in::Context::wait_signals, py::arg("slot_expected"), py::arg("n"), py::arg("phase"),
            py::arg("stream"))
-      .def("wait_signals", &in::Context::wait_signals, py::arg("slot_expected"), py::arg("n"), py::arg("stream"))
       .def("error_message", &in::Context::error_message)
+      .def("error_fields", [](const in::Context& c) {
+        const in::ErrorWord e = c.error_fields();
+        py::dict d;
+        d["code"] = e.code;
+        d["rank"] = e.rank;
+        d["slot"] = e.slot;
+        d["aux"] = e.aux;
+        d["phase"] = e.phase;
+        d["observed"] = e.observed;
+        d["expected"] = e.expected;
+        return d;
+      }, "the raw GPU error word (code 0: no error); see ERROR_CODES and PHASES")
       .def("clear_error", &in::Context::clear_error)
+      .def("abort_waits", &in::Context::abort_waits,
+           "make this rank's running and future GPU waits return now (the host calls it when the proxy failed)")
       .def("destroy", &in::Context::destroy, py::call_guard<py::gil_scoped_release>());
 #else
   (void)m;  // built without a GPU toolchain: no `internode` submodule

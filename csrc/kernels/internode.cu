@@ -32,27 +32,33 @@ void check(cudaError_t e, const std::string& what) {
   }
 }
 
-__device__ void report(ErrorWord* err, int code, int rank, int slot, int aux, long long observed,
+// The fields go out before the code (the host reads the code first, then the rest); the CAS only reserves.
+__device__ void report(ErrorWord* err, int code, int rank, int slot, int aux, int phase, long long observed,
                        long long expected) {
-  if (atomicCAS(&err->code, 0, code) == 0) {
+  if (!err) return;
+  if (atomicCAS(&err->reserved, 0, 1) == 0) {
     err->rank = rank;
     err->slot = slot;
     err->aux = aux;
+    err->phase = phase;
     err->observed = observed;
     err->expected = expected;
+    __threadfence_system();
+    *reinterpret_cast<volatile int32_t*>(&err->code) = code;
     __threadfence_system();
   }
 }
 
 __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const long long* table, int n,
-                                   long long chunk_records, int rank, unsigned long long timeout_ns,
+                                   long long chunk_records, int rank, int phase, unsigned long long timeout_ns,
                                    ErrorWord* err) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const long long* row = table + i * kPushColumns;
   const long long records = row[kPushRecords];
   if (records <= 0) return;
-  const DeviceFifo& f = fifos[i % num_fifos];
+  const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
+  const DeviceFifo& f = fifos[hint % num_fifos];
   const long long stride = row[kPushStride];
   for (long long first = 0; first < records; first += chunk_records) {
     const long long count = min(chunk_records, records - first);
@@ -62,44 +68,56 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const
                                       uint64_t(row[kPushRemoteOffset] + first * stride), uint32_t(row[kPushSlot]),
                                       uint32_t(count));
     if (e != kCmdOk) {
-      report(err, 3, rank, int(row[kPushDstRank]), e, first, records);
+      report(err, kErrEncode, rank, int(row[kPushDstRank]), e, phase, first, records);
       return;
     }
     if (fifo_push(f, c, timeout_ns) == kFifoPushTimedOut) {
-      report(err, 2, rank, f.fifo_id, 0, first, records);
+      report(err, kErrPushTimeout, rank, f.fifo_id, int(row[kPushDstRank]), phase, first, records);
       return;
     }
   }
 }
 
 __global__ void wait_signals_kernel(const unsigned long long* signals, const long long* slot_expected, int n,
-                                    int rank, unsigned long long timeout_ns, ErrorWord* err) {
+                                    int rank, int phase, unsigned long long timeout_ns, ErrorWord* err) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const long long slot = slot_expected[2 * i], expected = slot_expected[2 * i + 1];
   const unsigned long long start = fifo_now_ns();
   long long v = 0;
-  while (true) {
+  for (unsigned spins = 0;; ++spins) {
     v = static_cast<long long>(fifo_load_tail(signals + slot));
     if (v >= expected) return;
     if (fifo_now_ns() - start > timeout_ns) {
-      report(err, 1, rank, int(slot), 0, v, expected);
+      report(err, kErrWaitTimeout, rank, int(slot), 0, phase, v, expected);
       return;
     }
-    // a peer that already failed makes the others give up early instead of waiting out their own deadline
-    if (*reinterpret_cast<volatile int*>(&err->code) != 0) return;
+    // Another wait of this rank that already failed, or the host (abort_waits: its proxy failed), ends this wait
+    // now instead of at its own deadline. The host reports what the error word says.
+    if ((spins & 63) == 0 && *reinterpret_cast<volatile int*>(&err->code) != 0) return;
+    // A tight acquire loop over PCIe gains nothing: poll a few times per microsecond.
+#if defined(__HIPCC__)
+    __builtin_amdgcn_s_sleep(4);
+#else
+    __nanosleep(200);
+#endif
   }
 }
 
 template <typename V>
 __global__ void scatter_rows_kernel(char* dst, long long dst_stride, const long long* dst_idx, const char* src,
                                     long long src_stride, const long long* src_idx, long long n,
-                                    long long row_bytes) {
+                                    long long row_bytes, long long dst_rows, ErrorWord* err, int rank, int phase,
+                                    int target) {
   const long long words = row_bytes / static_cast<long long>(sizeof(V));
   for (long long r = blockIdx.x; r < n; r += gridDim.x) {
     const long long d = dst_idx ? dst_idx[r] : r;
     const long long s = src_idx ? src_idx[r] : r;
     if (d < 0 || s < 0) continue;
+    if (dst_rows >= 0 && d >= dst_rows) {  // a corrupt index: never write outside the destination area
+      if (threadIdx.x == 0) report(err, kErrScatterRange, rank, target, int(r), phase, d, dst_rows);
+      continue;
+    }
     V* out = reinterpret_cast<V*>(dst + d * dst_stride);
     const V* in = reinterpret_cast<const V*>(src + s * src_stride);
     for (long long w = threadIdx.x; w < words; w += blockDim.x) out[w] = in[w];
@@ -108,8 +126,19 @@ __global__ void scatter_rows_kernel(char* dst, long long dst_stride, const long 
 
 }  // namespace
 
+const char* phase_name(int phase) {
+  switch (phase) {
+    case kPhaseDispatchNetwork: return "dispatch network hop (push_chunks / wait_signals)";
+    case kPhaseCombineNetwork: return "combine network hop (push_chunks / wait_signals)";
+    case kPhaseDispatchForward: return "dispatch forward over NVLink (scatter_rows)";
+    case kPhaseCombineGather: return "combine gather over NVLink (scatter_rows)";
+    default: return "unknown phase";
+  }
+}
+
 void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_t src, int64_t src_stride,
-                  uintptr_t src_idx, int64_t n, int64_t row_bytes, uintptr_t stream) {
+                  uintptr_t src_idx, int64_t n, int64_t row_bytes, uintptr_t stream, int64_t dst_rows,
+                  uintptr_t err, int rank, int phase, int target) {
   if (n <= 0 || row_bytes <= 0) return;
   if (!dst || !src) throw std::invalid_argument("scatter_rows: null pointer");
   const uint64_t all = uint64_t(dst) | uint64_t(src) | uint64_t(dst_stride) | uint64_t(src_stride) |
@@ -120,12 +149,16 @@ void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_
   auto* sp = reinterpret_cast<const char*>(src);
   auto* di = reinterpret_cast<const long long*>(dst_idx);
   auto* si = reinterpret_cast<const long long*>(src_idx);
+  auto* ew = reinterpret_cast<ErrorWord*>(err);
   if (all % 16 == 0)
-    scatter_rows_kernel<uint4><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes);
+    scatter_rows_kernel<uint4><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes, dst_rows,
+                                                      ew, rank, phase, target);
   else if (all % 4 == 0)
-    scatter_rows_kernel<uint32_t><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes);
+    scatter_rows_kernel<uint32_t><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes,
+                                                         dst_rows, ew, rank, phase, target);
   else
-    scatter_rows_kernel<uint8_t><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes);
+    scatter_rows_kernel<uint8_t><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes,
+                                                        dst_rows, ew, rank, phase, target);
   check(cudaGetLastError(), "scatter_rows launch");
 }
 
@@ -294,7 +327,7 @@ int64_t Context::signal_value(uint32_t slot) const {
   return __atomic_load_n(proxy_->signals() + slot, __ATOMIC_ACQUIRE);
 }
 
-void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, uintptr_t stream) {
+void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream) {
   if (n <= 0) return;
   if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
     throw std::invalid_argument("push_chunks: chunk_records must be 1.." + std::to_string(cmd::kMaxValue) +
@@ -302,46 +335,70 @@ void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, uintptr
   const int threads = 64, blocks = (n + threads - 1) / threads;
   push_chunks_kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
-      chunk_records, rank_, timeout_ns_, error_dev_);
+      chunk_records, rank_, phase, timeout_ns_, error_dev_);
   check(cudaGetLastError(), "push_chunks launch");
 }
 
-void Context::wait_signals(uintptr_t slot_expected, int n, uintptr_t stream) {
+void Context::wait_signals(uintptr_t slot_expected, int n, int phase, uintptr_t stream) {
   if (n <= 0) return;
   const int threads = 64, blocks = (n + threads - 1) / threads;
   wait_signals_kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const unsigned long long*>(signals_dev_), reinterpret_cast<const long long*>(slot_expected), n,
-      rank_, timeout_ns_, error_dev_);
+      rank_, phase, timeout_ns_, error_dev_);
   check(cudaGetLastError(), "wait_signals launch");
+}
+
+ErrorWord Context::error_fields() const {
+  ErrorWord e{};
+  if (!error_) return e;
+  e.code = __atomic_load_n(&error_->code, __ATOMIC_ACQUIRE);  // the GPU writes the code last
+  if (e.code == 0) return e;
+  std::memcpy(&e, error_, sizeof(e));
+  return e;
 }
 
 std::string Context::error_message() const {
   if (!error_) return "internode context destroyed";
-  __atomic_thread_fence(__ATOMIC_ACQUIRE);
-  ErrorWord e;
-  std::memcpy(&e, error_, sizeof(e));
+  const ErrorWord e = error_fields();
   if (e.code == 0) return "";
   const double secs = double(timeout_ns_) / 1e9;
+  const std::string who = "rank " + std::to_string(e.rank) + ", " + phase_name(e.phase) + ": ";
   switch (e.code) {
-    case 1:
-      return "rank " + std::to_string(e.rank) + ": GPU waited " + std::to_string(secs) +
-             " s (UCCL_EP_GPU_TIMEOUT_SECS) for signal slot " + std::to_string(e.slot) + " to reach " +
-             std::to_string(e.expected) + ", saw " + std::to_string(e.observed) +
-             " (a peer rank or its proxy stopped sending)";
-    case 2:
-      return "rank " + std::to_string(e.rank) + ": GPU could not push into FIFO " + std::to_string(e.slot) +
-             " for " + std::to_string(secs) + " s (ring full: is the proxy thread running?); block record " +
-             std::to_string(e.observed) + " of " + std::to_string(e.expected);
-    case 3:
-      return "rank " + std::to_string(e.rank) + ": a command to rank " + std::to_string(e.slot) +
-             " does not encode: " + command_error_name(e.aux);
+    case kErrWaitTimeout:
+      return who + "wait_signals: GPU waited " + std::to_string(secs) + " s (UCCL_EP_GPU_TIMEOUT_SECS) for signal "
+             "slot " + std::to_string(e.slot) + " to reach " + std::to_string(e.expected) + ", saw " +
+             std::to_string(e.observed) + " (a peer rank or its proxy stopped sending)";
+    case kErrPushTimeout:
+      return who + "push_chunks: GPU could not push into FIFO " + std::to_string(e.slot) + " for " +
+             std::to_string(secs) + " s (ring full: is the proxy thread running?); block for rank " +
+             std::to_string(e.aux) + ", record " + std::to_string(e.observed) + " of " + std::to_string(e.expected);
+    case kErrEncode:
+      return who + "push_chunks: a command to rank " + std::to_string(e.slot) + " does not encode: " +
+             command_error_name(e.aux);
+    case kErrScatterRange:
+      return who + "scatter_rows: destination row " + std::to_string(e.observed) + " (list position " +
+             std::to_string(e.aux) + ", target local GPU " + std::to_string(e.slot) + ") is outside the " +
+             std::to_string(e.expected) + " rows of the area; the row was not written (a record arrived corrupt, "
+             "or was read before its bytes landed)";
+    case kErrAborted:
+      return who + "GPU waits aborted by the host (the proxy failed)";
     default:
-      return "rank " + std::to_string(e.rank) + ": unknown GPU error code " + std::to_string(e.code);
+      return who + "unknown GPU error code " + std::to_string(e.code);
   }
 }
 
 void Context::clear_error() {
   if (error_) std::memset(error_, 0, sizeof(ErrorWord));
+}
+
+void Context::abort_waits() {
+  if (!error_) return;
+  int32_t zero = 0;
+  if (__atomic_compare_exchange_n(&error_->reserved, &zero, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    error_->rank = rank_;
+    error_->phase = kPhaseUnknown;
+    __atomic_store_n(&error_->code, int32_t(kErrAborted), __ATOMIC_RELEASE);
+  }
 }
 
 #else  // HIP builds: the loopback transport maps device memory through CUDA IPC only
@@ -364,10 +421,12 @@ void Context::proxy_stop() {}
 std::string Context::proxy_error() const { return ""; }
 ProxyTotals Context::proxy_totals() const { return {}; }
 int64_t Context::signal_value(uint32_t) const { return 0; }
-void Context::push_chunks(uintptr_t, int, int64_t, uintptr_t) {}
-void Context::wait_signals(uintptr_t, int, uintptr_t) {}
+void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
+void Context::wait_signals(uintptr_t, int, int, uintptr_t) {}
 std::string Context::error_message() const { return ""; }
+ErrorWord Context::error_fields() const { return ErrorWord{}; }
 void Context::clear_error() {}
+void Context::abort_waits() {}
 
 #endif
 

@@ -24,17 +24,43 @@ enum PushColumn : int {
   kPushStride = 3,       // bytes per record (multiple of 16)
   kPushRecords = 4,      // records in the block (0: nothing is pushed)
   kPushSlot = 5,         // signal slot on the destination; each chunk adds its record count
-  kPushColumns = 6,
+  kPushFifo = 6,         // FIFO hint (the destination node): the row's chunks go to FIFO hint % num_fifos, so every
+                         // increment of one destination slot travels one proxy lane in every call
+  kPushColumns = 7,
 };
+
+// What failed (ErrorWord::code); the first failure of a rank wins, later ones are dropped.
+enum ErrorCode : int32_t {
+  kErrNone = 0,
+  kErrWaitTimeout = 1,    // wait_signals: slot, observed, expected
+  kErrPushTimeout = 2,    // push_chunks: FIFO full past the deadline; slot = FIFO, aux = destination rank,
+                          // observed = first record of the chunk, expected = records of the block
+  kErrEncode = 3,         // push_chunks: a command does not encode; slot = destination rank, aux = command error
+  kErrScatterRange = 4,   // scatter_rows: a destination row outside the area; slot = target (local GPU), aux = list
+                          // position, observed = row, expected = rows the area holds
+  kErrAborted = 5,        // the host aborted the GPU waits (its proxy failed; the host names the proxy error)
+};
+
+// Which step was running (ErrorWord::phase); passed by the host with each launch.
+enum Phase : int32_t {
+  kPhaseUnknown = 0,
+  kPhaseDispatchNetwork = 1,  // dispatch: records pushed to / awaited from the rail peers of other nodes
+  kPhaseCombineNetwork = 2,   // combine: partial sums pushed back to / awaited from the forwarders
+  kPhaseDispatchForward = 3,  // dispatch: forwarder -> final rows of the node's GPUs (NVLink scatter)
+  kPhaseCombineGather = 4,    // combine: received rows -> the forwarder's gather block (NVLink scatter)
+};
+const char* phase_name(int phase);
 
 // What a GPU-side failure leaves in host-mapped memory (read by the host after each phase).
 struct ErrorWord {
-  int32_t code;      // 0 fine, 1 signal wait timed out, 2 FIFO push timed out, 3 command does not encode
+  int32_t code;      // ErrorCode
   int32_t rank;
-  int32_t slot;      // signal slot (1), FIFO index (2), destination rank (3)
-  int32_t aux;       // command error code (3)
-  int64_t observed;  // counter value seen
-  int64_t expected;  // value waited for
+  int32_t slot;      // see ErrorCode
+  int32_t aux;       // see ErrorCode
+  int32_t phase;     // Phase
+  int32_t reserved;
+  int64_t observed;  // counter value seen / offending index
+  int64_t expected;  // value waited for / limit
 };
 
 struct ProxyParams {
@@ -93,16 +119,23 @@ class Context {
   ProxyTotals proxy_totals() const;
   // Host read of a signal counter (tests, diagnostics).
   int64_t signal_value(uint32_t slot) const;
+  // Device address of the error word (for scatter_rows' range check).
+  uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
 
   // ---- kernels (asynchronous on `stream`)
   // Push one WRITE_SIGNAL per chunk of every block of the push table (device int64 [n][kPushColumns]); row i goes
-  // to FIFO i % num_fifos, chunks hold at most `chunk_records` records.
-  void push_chunks(uintptr_t table, int n, int64_t chunk_records, uintptr_t stream);
+  // to FIFO row[kPushFifo] % num_fifos, chunks hold at most `chunk_records` records. `phase` only labels errors.
+  void push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream);
   // Wait until signal[slot_i] >= expected_i (device int64 [n][2] = slot, expected); deadline: the GPU timeout.
-  void wait_signals(uintptr_t slot_expected, int n, uintptr_t stream);
+  // A wait also ends early when the error word is set (by another kernel of this rank, or by abort_waits()).
+  void wait_signals(uintptr_t slot_expected, int n, int phase, uintptr_t stream);
 
   std::string error_message() const;  // "" when fine
+  ErrorWord error_fields() const;     // the raw error word (code 0 when fine)
   void clear_error();
+  // Host side: make every running and future wait_signals of this rank return at once (code kErrAborted), e.g.
+  // because the proxy failed and the data will never come. No effect when an error is already recorded.
+  void abort_waits();
   void destroy();  // stops the proxy, unmaps peers, frees memory (idempotent)
 
  private:
@@ -125,7 +158,11 @@ class Context {
 // Copy `n` rows of `row_bytes`: row i goes from src + (src_idx ? src_idx[i] : i) * src_stride to
 // dst + (dst_idx ? dst_idx[i] : i) * dst_stride; a negative index skips the row. dst may be a peer's IPC-mapped
 // memory (NVLink). Index arrays are device int64. Asynchronous on `stream`.
+// Range check (dst_rows >= 0): a destination row >= dst_rows is not written; the first one is recorded in the
+// error word `err` (device address of an ErrorWord, e.g. Context::error_word_ptr(); 0: not recorded) as
+// kErrScatterRange with `rank`, `phase` and `target` (the destination's local GPU index).
 void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_t src, int64_t src_stride,
-                  uintptr_t src_idx, int64_t n, int64_t row_bytes, uintptr_t stream);
+                  uintptr_t src_idx, int64_t n, int64_t row_bytes, uintptr_t stream, int64_t dst_rows = -1,
+                  uintptr_t err = 0, int rank = -1, int phase = 0, int target = -1);
 
 }  // namespace uccl_ep::internode

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "proxy/errors.hpp"
 #include "proxy/host_memory.hpp"
@@ -131,19 +132,12 @@ struct PendingOp {
   uint64_t deliver_at = 0;
 };
 
-void copy_bytes(void* dst, MemoryKind dk, const void* src, MemoryKind sk, size_t n) {
-  if (n == 0) return;
-  if (dk == MemoryKind::kHost && sk == MemoryKind::kHost) {
-    std::memcpy(dst, src, n);
-    return;
-  }
-#ifdef UCCL_EP_WITH_CUDA
-  if (cudaMemcpy(dst, src, n, cudaMemcpyDefault) != cudaSuccess)
-    throw ProxyError(std::string("loopback: cudaMemcpy failed: ") + cudaGetErrorString(cudaGetLastError()));
-#else
-  throw ProxyError("loopback: device memory needs a build with CUDA");
-#endif
-}
+// Device memory is copied on a stream of the transport's own (non-blocking), never with plain cudaMemcpy on the
+// legacy default stream: a device-to-device cudaMemcpy returns before the bytes land (the immediate would then be
+// published first and the receiver would read stale bytes), and it is serialized behind every kernel this process
+// has queued on the legacy stream of the devices involved -- including its own spinning wait kernel, which only ends
+// when a peer's data arrives, which may wait on ours: a deadlock (docs/internode.md, "Transport ordering").
+bool is_host(MemoryKind k) { return k == MemoryKind::kHost; }
 
 class LoopbackTransport final : public Transport {
  public:
@@ -169,11 +163,30 @@ class LoopbackTransport final : public Transport {
 
   ~LoopbackTransport() override {
     header_->state.store(kStateClosed, std::memory_order_release);
+    // Device copies still running would write through the mappings closed below: wait for them, with a deadline
+    // (a copy engine that never finishes means a wedged GPU; then leak the mappings rather than hang the process).
+    bool drained = true;
+#ifdef UCCL_EP_WITH_CUDA
+    if (stream_) {
+      const uint64_t deadline = now_ns() + kDrainDeadlineNs;
+      cudaError_t q;
+      while ((q = cudaStreamQuery(stream_)) == cudaErrorNotReady && now_ns() < deadline)
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      drained = q != cudaErrorNotReady;
+      (void)cudaGetLastError();
+    }
+    if (drained) {
+      for (auto& f : copying_)
+        if (f.event) cudaEventDestroy(f.event);
+      for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+      if (stream_) cudaStreamDestroy(stream_);
+    }
+#endif
     for (auto& p : peers_) {
       for (auto& r : p.regions) {
         if (r.map_base) unmap_shared_host_memory(r.map_base, r.map_bytes);
 #ifdef UCCL_EP_WITH_CUDA
-        if (r.ipc_opened) cudaIpcCloseMemHandle(r.base);
+        if (r.ipc_opened && drained) cudaIpcCloseMemHandle(r.base);
 #endif
       }
       if (p.control) unmap_shared_host_memory(p.control, p.control_bytes);
@@ -210,6 +223,15 @@ class LoopbackTransport final : public Transport {
         throw ProxyError(std::string("loopback: cudaIpcGetMemHandle failed (pass the base of a cudaMalloc "
                                      "allocation): ") + cudaGetErrorString(cudaGetLastError()));
       lr.ipc.assign(reinterpret_cast<uint8_t*>(&h), reinterpret_cast<uint8_t*>(&h) + sizeof(h));
+      // The device that runs our copies: the one that owns our registered device memory.
+      cudaPointerAttributes a{};
+      if (cudaPointerGetAttributes(&a, base) != cudaSuccess || a.type != cudaMemoryTypeDevice)
+        throw ProxyError(std::string("loopback: cannot tell which device owns the registered device memory: ") +
+                         cudaGetErrorString(cudaGetLastError()));
+      if (device_ >= 0 && device_ != a.device)
+        throw ProxyError("loopback: device regions on two devices (" + std::to_string(device_) + ", " +
+                         std::to_string(a.device) + ") in one endpoint; use one endpoint per GPU");
+      device_ = a.device;
 #else
       throw ProxyError("loopback: device memory registration needs a build with CUDA (UCCL_EP_WITH_GPU=CUDA)");
 #endif
@@ -334,7 +356,8 @@ class LoopbackTransport final : public Transport {
       last_liveness_ns_ = now;
       check_peers(out);
     }
-    deliver(out, max, now);
+    deliver(now);
+    finish(out, max, now);
     // incoming immediates, round robin over senders
     for (int k = 0; k < o_.world && out.size() - start < max; ++k) {
       const int src = (next_src_ + k) % o_.world;
@@ -358,6 +381,8 @@ class LoopbackTransport final : public Transport {
  private:
   static constexpr size_t kMaxPending = 8192;
   static constexpr uint64_t kLivenessPeriodNs = 5'000'000;
+  static constexpr uint64_t kCopyDeadlineNs = 300'000'000'000ull;  // one device copy: a wedged GPU, not a slow one
+  static constexpr uint64_t kDrainDeadlineNs = 10'000'000'000ull;  // copies still running when the endpoint closes
 
   uint64_t schedule(uint64_t now, uint64_t bytes) {
     uint64_t t = now;
@@ -387,44 +412,42 @@ class LoopbackTransport final : public Transport {
     }
   }
 
-  // Returns false when the op must wait (the receiver's immediate ring is full).
-  bool deliver_one(const PendingOp& op, std::vector<Completion>& out) {
-    Completion c;
-    c.kind = op.atomic ? Completion::Kind::kLocalAtomic : Completion::Kind::kLocalWrite;
-    c.wr_id = op.atomic ? op.a.wr_id : op.w.wr_id;
+  // A delivered operation, in the order it was started; it completes (immediate published, local completion
+  // returned) only from the front, once its bytes have landed, so completions and immediates keep the start order.
+  struct InFlight {
+    PendingOp op;
+    uint64_t started_ns = 0;
+    std::string error;  // set: complete with this error (nothing was copied)
+#ifdef UCCL_EP_WITH_CUDA
+    cudaEvent_t event = nullptr;  // device copy still running until it completes
+#endif
+  };
+
+  // Start one operation: validate, then copy (host: memcpy now; device: async on our stream + event).
+  void start_one(const PendingOp& op, uint64_t now) {
+    InFlight f;
+    f.op = op;
+    f.started_ns = now;
     const int dst = op.atomic ? op.a.dst_rank : op.w.dst_rank;
     auto fail = [&](const std::string& why) {
-      c.status = EINVAL;
-      c.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": " + why;
-      out.push_back(c);
-      return true;
+      f.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": " + why;
+      copying_.push_back(std::move(f));
     };
     if (dst < 0 || dst >= o_.world) return fail("destination rank out of range");
     Peer& p = peers_[dst];
-    if (p.dead || (dst != o_.rank && p.control->state.load(std::memory_order_acquire) == kStateClosed)) {
-      c.status = EPIPE;
-      c.error = "loopback: rank " + std::to_string(dst) + " is gone (" + (p.dead ? "died" : "closed") +
-                ") while rank " + std::to_string(o_.rank) + " still writes to it";
-      out.push_back(c);
-      return true;
-    }
+    if (p.dead || (dst != o_.rank && p.control->state.load(std::memory_order_acquire) == kStateClosed))
+      return fail(std::string("rank ") + std::to_string(dst) + " is gone (" + (p.dead ? "died" : "closed") +
+                  ") while rank " + std::to_string(o_.rank) + " still writes to it");
     if (op.atomic) {
       const AtomicRequest& a = op.a;
       if (a.remote_region < 0 || size_t(a.remote_region) >= p.regions.size()) return fail("bad remote region");
       const RemoteRegion& rr = p.regions[a.remote_region];
       if (a.remote_offset % 8 || a.remote_offset + 8 > rr.bytes || rr.kind != MemoryKind::kHost)
         return fail("atomic target outside the registered host region or unaligned");
-      __atomic_fetch_add(reinterpret_cast<int64_t*>(rr.base + a.remote_offset), a.add, __ATOMIC_RELEASE);
-      out.push_back(c);
-      return true;
+      copying_.push_back(std::move(f));  // applied when it reaches the front: after every earlier write landed
+      return;
     }
     const WriteRequest& w = op.w;
-    RingHeader* ring = p.ring_to_peer;
-    uint64_t head = 0;
-    if (w.has_imm) {
-      head = ring->head.load(std::memory_order_relaxed);
-      if (head - ring->tail.load(std::memory_order_acquire) >= o_.ring_capacity) return false;
-    }
     if (w.bytes) {
       if (w.local_region < 0 || size_t(w.local_region) >= regions_.size()) return fail("bad local region");
       if (w.remote_region < 0 || size_t(w.remote_region) >= p.regions.size()) return fail("bad remote region");
@@ -433,21 +456,123 @@ class LoopbackTransport final : public Transport {
       // bounds checked before any byte moves: a bad command must never scribble outside a registered region
       if (w.local_offset > lr.r.bytes || w.bytes > lr.r.bytes - w.local_offset)
         return fail("local range [" + std::to_string(w.local_offset) + ", +" + std::to_string(w.bytes) +
-                    ") exceeds region " + std::to_string(w.local_region) + " of " + std::to_string(lr.r.bytes) + " bytes");
+                    ") exceeds region " + std::to_string(w.local_region) + " of " + std::to_string(lr.r.bytes) +
+                    " bytes");
       if (w.remote_offset > rr.bytes || w.bytes > rr.bytes - w.remote_offset)
         return fail("remote range [" + std::to_string(w.remote_offset) + ", +" + std::to_string(w.bytes) +
-                    ") exceeds region " + std::to_string(w.remote_region) + " of " + std::to_string(rr.bytes) + " bytes");
-      copy_bytes(rr.base + w.remote_offset, rr.kind, static_cast<char*>(lr.r.base) + w.local_offset, lr.r.kind, w.bytes);
+                    ") exceeds region " + std::to_string(w.remote_region) + " of " + std::to_string(rr.bytes) +
+                    " bytes");
+      char* to = rr.base + w.remote_offset;
+      const char* from = static_cast<const char*>(lr.r.base) + w.local_offset;
+      if (is_host(rr.kind) && is_host(lr.r.kind)) {
+        std::memcpy(to, from, w.bytes);
+      } else {
+#ifdef UCCL_EP_WITH_CUDA
+        std::string err = start_device_copy(to, from, w.bytes, &f.event);
+        if (!err.empty()) return fail(err);
+#else
+        return fail("device memory needs a build with CUDA");
+#endif
+      }
     }
-    if (w.has_imm) {
-      ring_entries(ring)[head & (o_.ring_capacity - 1)] = w.imm;
-      ring->head.store(head + 1, std::memory_order_release);  // publishes the bytes copied above too
-    }
-    out.push_back(c);
-    return true;
+    copying_.push_back(std::move(f));
   }
 
-  void deliver(std::vector<Completion>& out, size_t max, uint64_t now) {
+#ifdef UCCL_EP_WITH_CUDA
+  std::string cuda_error(const char* what, cudaError_t e) {
+    (void)cudaGetLastError();
+    return std::string(what) + " failed: " + cudaGetErrorString(e);
+  }
+
+  // The copy runs on a non-blocking stream of our device, so it neither waits for nor is waited on by anything the
+  // process queued on the legacy default stream (the spinning wait kernels). Completion is an event the proxy polls.
+  std::string start_device_copy(char* to, const char* from, uint64_t bytes, cudaEvent_t* event) {
+    if (device_ < 0) return "a device copy, but no device memory was registered on this endpoint";
+    if (bound_ != std::this_thread::get_id()) {  // the proxy thread's current device defaults to 0: set ours
+      if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
+      bound_ = std::this_thread::get_id();
+    }
+    if (!stream_)
+      if (cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); e != cudaSuccess)
+        return cuda_error("cudaStreamCreateWithFlags", e);
+    cudaEvent_t ev = nullptr;
+    if (!free_events_.empty()) {
+      ev = free_events_.back();
+      free_events_.pop_back();
+    } else if (cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess) {
+      return cuda_error("cudaEventCreateWithFlags", e);
+    }
+    if (cudaError_t e = cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream_); e != cudaSuccess) {
+      free_events_.push_back(ev);
+      return cuda_error("cudaMemcpyAsync of " + std::to_string(bytes) + " bytes", e);
+    }
+    if (cudaError_t e = cudaEventRecord(ev, stream_); e != cudaSuccess) {
+      free_events_.push_back(ev);
+      return cuda_error("cudaEventRecord", e);
+    }
+    *event = ev;
+    return {};
+  }
+  std::string cuda_error(const std::string& what, cudaError_t e) { return cuda_error(what.c_str(), e); }
+#endif
+
+  // Complete started operations from the front, in order: publish the immediate only after the bytes landed.
+  void finish(std::vector<Completion>& out, size_t max, uint64_t now) {
+    const size_t start = out.size();
+    while (!copying_.empty() && out.size() - start < max) {
+      InFlight& f = copying_.front();
+      Completion c;
+      c.kind = f.op.atomic ? Completion::Kind::kLocalAtomic : Completion::Kind::kLocalWrite;
+      c.wr_id = f.op.atomic ? f.op.a.wr_id : f.op.w.wr_id;
+      const int dst = f.op.atomic ? f.op.a.dst_rank : f.op.w.dst_rank;
+      if (f.error.empty()) {
+#ifdef UCCL_EP_WITH_CUDA
+        if (f.event) {
+          const cudaError_t q = cudaEventQuery(f.event);
+          if (q == cudaErrorNotReady) {
+            if (now - f.started_ns > kCopyDeadlineNs)
+              f.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": a " +
+                        std::to_string(f.op.w.bytes) + "-byte device copy did not finish within " +
+                        std::to_string(kCopyDeadlineNs / 1000000000ull) + " s (GPU wedged?)";
+            else
+              break;  // later operations wait behind it: completions keep the start order
+          } else if (q != cudaSuccess) {
+            f.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": " +
+                      cuda_error("device copy", q);
+          } else {
+            free_events_.push_back(f.event);
+            f.event = nullptr;
+          }
+        }
+#endif
+      }
+      if (!f.error.empty()) {
+        c.status = EINVAL;
+        c.error = f.error;
+        out.push_back(c);
+#ifdef UCCL_EP_WITH_CUDA
+        if (f.event) f.event = nullptr;  // may still be recorded on the stream: dropped, not reused
+#endif
+        copying_.pop_front();
+        continue;
+      }
+      if (f.op.atomic) {
+        const RemoteRegion& rr = peers_[dst].regions[f.op.a.remote_region];
+        __atomic_fetch_add(reinterpret_cast<int64_t*>(rr.base + f.op.a.remote_offset), f.op.a.add, __ATOMIC_RELEASE);
+      } else if (f.op.w.has_imm) {
+        RingHeader* ring = peers_[dst].ring_to_peer;
+        const uint64_t head = ring->head.load(std::memory_order_relaxed);
+        if (head - ring->tail.load(std::memory_order_acquire) >= o_.ring_capacity) break;  // receiver's ring full
+        ring_entries(ring)[head & (o_.ring_capacity - 1)] = f.op.w.imm;
+        ring->head.store(head + 1, std::memory_order_release);  // publishes the bytes (host copies) too
+      }
+      out.push_back(c);
+      copying_.pop_front();
+    }
+  }
+
+  // Start every operation whose delivery time has come (shuffled in groups when reordering is emulated).
+  void deliver(uint64_t now) {
     size_t ready = 0;
     while (ready < pending_.size() && pending_[ready].deliver_at <= now) ++ready;
     if (ready == 0) {
@@ -466,11 +591,9 @@ class LoopbackTransport final : public Transport {
       ready = k;
     }
     posted_since_poll_ = false;
-    size_t done = 0;
-    while (done < ready && done < max) {
-      if (!deliver_one(pending_.front(), out)) break;
+    for (size_t done = 0; done < ready && copying_.size() < kMaxPending; ++done) {
+      start_one(pending_.front(), now);
       pending_.pop_front();
-      ++done;
     }
   }
 
@@ -487,7 +610,14 @@ class LoopbackTransport final : public Transport {
   int next_src_ = 0;
   std::vector<LocalRegion> regions_;
   std::vector<Peer> peers_;
-  std::deque<PendingOp> pending_;
+  std::deque<PendingOp> pending_;   // posted, not yet started (delay, bandwidth cap, reorder group)
+  std::deque<InFlight> copying_;    // started, completing in start order
+  int device_ = -1;                 // owner of our registered device memory (-1: none)
+#ifdef UCCL_EP_WITH_CUDA
+  std::thread::id bound_;           // the thread whose current device we set
+  cudaStream_t stream_ = nullptr;
+  std::vector<cudaEvent_t> free_events_;
+#endif
 };
 
 }  // namespace

@@ -31,50 +31,103 @@ def _inputs(rank: int, T: int, H: int, R: int, kind: str, seed: int):
     return x, itr
 
 
-def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes: int):
-    """Run the plan for every rank; return (final recv_x per rank, combined per rank, signals, y per rank)."""
+STALE = 0x5A  # every receive area starts full of bytes from "an earlier call": a record read before it lands is junk
+
+
+class _Network:
+    """The proxies + transport of the simulation. ``contract``: a WRITE_SIGNAL's bytes land before its increment is
+    applied (what the loopback and verbs transports must guarantee). ``signal_first``: the increment is applied when
+    the command is taken and the bytes land only later (after the reader has gone on) -- what the loopback transport
+    did with a device-to-device cudaMemcpy on the legacy stream (it returns before the copy ran; see
+    docs/internode.md, "Transport ordering"). The plan must make the second one fail loudly, never silently."""
+
+    def __init__(self, rdma, signals, chunk_bytes: int, mode: str) -> None:
+        self.rdma, self.signals, self.chunk_bytes, self.mode = rdma, signals, chunk_bytes, mode
+        self.late = []
+        self.lanes = {}  # (src, dst, slot) -> FIFO hints seen: one lane per destination slot
+
+    def execute(self, push_table, src: int) -> None:
+        for row in push_table:
+            assert len(row) == 7, row
+            dst, loff, roff, st, recs, slot, fifo = row
+            self.lanes.setdefault((src, dst, slot), set()).add(fifo)
+            per = inn.chunk_records(st, self.chunk_bytes)
+            for first in range(0, recs, per):
+                n = min(per, recs - first)
+                a, b = loff + first * st, roff + first * st
+                assert b % 16 == 0 and a % 16 == 0 and n * st <= inn.CMD_MAX_BYTES and n <= inn.CMD_MAX_VALUE
+                assert b + n * st <= self.rdma[dst].numel() and a + n * st <= self.rdma[src].numel()
+                data = self.rdma[src][a:a + n * st].clone()
+                if self.mode == "contract":
+                    self.rdma[dst][b:b + n * st] = data
+                else:
+                    self.late.append((dst, b, data))
+                self.signals[dst][slot] += n
+
+    def land_late_writes(self) -> None:
+        for dst, b, data in self.late:
+            self.rdma[dst][b:b + data.numel()] = data
+        self.late.clear()
+
+
+def _scatter(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, what: str) -> None:
+    """scatter_rows with its range check: a row index outside the destination area is an error, never a write."""
+    bad = (idx >= dst.size(0)) | (idx < -1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise inn.InternodeError(f"{what}: destination row {int(idx[i])} (list position {i}) is outside the "
+                                 f"{dst.size(0)} rows of the area")
+    sel = idx >= 0
+    dst[idx[sel]] = rows[sel]
+
+
+def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes: int, mode: str = "contract"):
+    """Run the plan for every rank; return (final recv_x per rank, src_idx per rank, combined per rank, y per rank,
+    inputs)."""
     N = R // G
     inputs = [_inputs(r, T, H, R, kind, seed) for r in range(R)]
     counts = inn.counts_from_rows(torch.stack([inn.local_count_row(itr, G) for _, itr in inputs]), R)
     plans = [inn.send_plan(itr, counts, r, G) for r, (_, itr) in enumerate(inputs)]
     layout = inn.record_layout([H * 4], G)
     stride, half = layout.stride, 1 << 22
-    rdma = [torch.zeros(2 * half, dtype=torch.uint8) for _ in range(R)]
+    rdma = [torch.full((2 * half,), STALE, dtype=torch.uint8) for _ in range(R)]
     signals = [[0] * (2 * N) for _ in range(R)]
-
-    def execute(push_table, src):
-        for dst, loff, roff, st, recs, slot in push_table:
-            per = inn.chunk_records(st, chunk_bytes)
-            for first in range(0, recs, per):
-                n = min(per, recs - first)
-                a, b = loff + first * st, roff + first * st
-                assert b % 16 == 0 and a % 16 == 0 and n * st <= inn.CMD_MAX_BYTES and n <= inn.CMD_MAX_VALUE
-                rdma[dst][b:b + n * st] = rdma[src][a:a + n * st]
-                signals[dst][slot] += n
+    net = _Network(rdma, signals, chunk_bytes, mode)
 
     for r, (x, _) in enumerate(inputs):
         p = plans[r]
         S1 = p.hop1_token.numel()
+        assert S1 == sum(p.node_send) and list(p.dest_rows.shape) == [S1, G]
         inn.pack_records(rdma[r][:S1 * stride].view(S1, stride), [x], p, layout)
     for r in range(R):
         node = r // G
         recv = inn.recv_counts(counts, r, G)
         own, so, ro = plans[r].node_send[node], inn.block_offsets(plans[r].node_send, stride), inn.block_offsets(recv, stride)
         rdma[r][half + ro[node]:half + ro[node] + own * stride] = rdma[r][so[node]:so[node] + own * stride]
-        execute(inn.dispatch_push_rows(counts, plans[r], r, G, stride, half), r)
-    final = [torch.zeros((inn.num_recv_rows(counts, r), layout.final_bytes), dtype=torch.uint8) for r in range(R)]
+        rows = inn.dispatch_push_rows(counts, plans[r], r, G, stride, half)
+        assert all(row[6] == row[0] // G for row in rows), "FIFO hint must be the destination node"
+        net.execute(rows, r)
+    final = [torch.full((inn.num_recv_rows(counts, r), layout.final_bytes), STALE, dtype=torch.uint8)
+             for r in range(R)]
+    written = [torch.zeros(inn.num_recv_rows(counts, r), dtype=torch.int64) for r in range(R)]
     fwd = []
     for f in range(R):
         for slot, c in inn.dispatch_waits(counts, f, G):
-            assert signals[f][slot] == c, (f, slot)
+            assert signals[f][slot] >= c, (f, slot)
         A = sum(inn.recv_counts(counts, f, G))
         arrivals = rdma[f][half:half + A * stride].view(A, stride)
         dest = inn.stamp_arrivals(arrivals, layout, G)
         fwd.append(dest)
         node = f // G
         for j in range(G):
-            sel = dest[:, j] >= 0
-            final[node * G + j][dest[sel, j]] = arrivals[sel, :layout.final_bytes]
+            t = node * G + j
+            _scatter(final[t], dest[:, j], arrivals[:, :layout.final_bytes],
+                     f"rank {f}, dispatch forward to local GPU {j} (rank {t})")
+            written[t].index_add_(0, dest[:, j][dest[:, j] >= 0], torch.ones(int((dest[:, j] >= 0).sum()),
+                                                                              dtype=torch.int64))
+    net.land_late_writes()  # too late for the forwarders: they already read the areas
+    for r in range(R):
+        assert bool((written[r] == 1).all()), f"rank {r}: every final row must be written exactly once"
     recv_x = [final[r][:, :H * 4].contiguous().view(torch.float32) for r in range(R)]
     src_idx = [inn.int32_column(final[r], layout.src_idx_offset) for r in range(R)]
     arrival = [inn.int32_column(final[r], layout.arrival_offset) for r in range(R)]
@@ -88,9 +141,14 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
         src_rank = torch.repeat_interleave(torch.arange(R), counts.rank_counts[:, d])
         fl = src_rank % G
         node = d // G
-        for i in range(ys[d].size(0)):
-            gather[node * G + int(fl[i])][d % G, arrival[d][i]] = ys[d][i]
-    rdma = [torch.zeros(2 * half, dtype=torch.uint8) for _ in range(R)]
+        for j in range(G):
+            f = node * G + j
+            sel = (fl == j).nonzero(as_tuple=True)[0]
+            A_f = sum(inn.recv_counts(counts, f, G))
+            _scatter(gather[f][d % G][:A_f], arrival[d][sel], ys[d][sel],
+                     f"rank {d}, combine gather to local GPU {j} (rank {f})")
+    rdma = [torch.full((2 * half,), STALE, dtype=torch.uint8) for _ in range(R)]
+    net.rdma = rdma
     for f in range(R):
         A = fwd[f].size(0)
         partial = torch.zeros((A, C))
@@ -104,11 +162,13 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
         own = recv[node]
         bo, ao = inn.block_offsets(back, cstride), inn.block_offsets(recv, cstride)
         rdma[f][half + bo[node]:half + bo[node] + own * cstride] = rdma[f][ao[node]:ao[node] + own * cstride]
-        execute(inn.combine_push_rows(counts, f, G, cstride, half), f)
+        rows = inn.combine_push_rows(counts, f, G, cstride, half)
+        assert all(row[6] == row[0] // G for row in rows), "FIFO hint must be the destination node"
+        net.execute(rows, f)
     combined = []
     for s in range(R):
         for slot, c in inn.combine_waits(counts, s, G):
-            assert signals[s][slot] == c, (s, slot)
+            assert signals[s][slot] >= c, (s, slot)
         back = plans[s].node_send
         S1 = sum(back)
         got = rdma[s][half:half + S1 * cstride].view(S1, cstride)[:, :4 * C].contiguous().view(torch.float32)
@@ -118,6 +178,9 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
             out.index_add_(0, plans[s].hop1_token[start:start + c], got[start:start + c])
             start += c
         combined.append(out)
+    net.land_late_writes()
+    for (src, dst, slot), hints in net.lanes.items():
+        assert len(hints) == 1, f"rank {src} -> rank {dst} slot {slot} used FIFO hints {hints}: one lane per slot"
     return recv_x, src_idx, combined, ys, inputs
 
 
@@ -132,10 +195,14 @@ def _check_rank(rank, world, G, T, H, kind, seed, chunk_bytes):
     return int(res.recv_x.size(0))
 
 
-@pytest.mark.parametrize("world,G", [(4, 2), (6, 2), (4, 1), (6, 3)])
+# (world, ranks per node): 1 GPU per node (no NVLink hop), 2x2 (the GPU test topology), 2x3, 3x2, 3x1, 4x2 and 2x4.
+TOPOLOGIES = [(2, 1), (4, 1), (4, 2), (6, 2), (6, 3), (8, 2), (8, 4)]
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
 @pytest.mark.parametrize("kind", ["random", "skewed", "empty", "dropped"])
 def test_simulated_internode_plan_matches_reference_dispatch_and_combine(world, G, kind):
-    rows = run_distributed(_check_rank, world, G, 37, 16, kind, 3, 4096, timeout=120)
+    rows = run_distributed(_check_rank, world, G, 37, 16, kind, 3, 4096, timeout=180)
     if kind == "empty":
         assert rows == [0] * world
     elif kind == "skewed":
@@ -144,6 +211,42 @@ def test_simulated_internode_plan_matches_reference_dispatch_and_combine(world, 
 
 def test_tiny_chunks_split_blocks_into_many_signalled_writes_and_still_match():
     run_distributed(_check_rank, 4, 2, 53, 8, "random", 5, 64, timeout=120)
+
+
+@pytest.mark.parametrize("world,G", [(4, 2), (8, 4), (8, 2)])
+def test_a_signal_that_overtakes_its_bytes_is_caught_by_the_forward_range_check(world, G):
+    """The loopback bug of issue 5 (G=2 failures): the immediate was published before the device copy ran. The
+    forwarder then reads stale records; their dest_row must be rejected by the range check (kernel: scatter_rows
+    with dst_rows, error kErrScatterRange naming rank, phase, target and row), not written out of bounds."""
+    with pytest.raises(inn.InternodeError, match=r"rank \d+, dispatch forward to local GPU \d+ .*outside"):
+        _simulate(world, G, 37, 16, "random", 3, 4096, mode="signal_first")
+    _simulate(world, G, 37, 16, "random", 3, 4096, mode="contract")  # the same plan is fine when bytes land first
+
+
+def test_push_rows_route_each_destination_through_its_own_fifo_hint_in_every_call():
+    G, R = 2, 8
+    for seed in range(3):
+        _, itr = _inputs(1, 29, 4, R, "random", seed)
+        rows = [inn.local_count_row(_inputs(r, 29, 4, R, "random", seed)[1], G) for r in range(R)]
+        counts = inn.counts_from_rows(torch.stack(rows), R)
+        plan = inn.send_plan(itr, counts, 1, G)
+        for row in inn.dispatch_push_rows(counts, plan, 1, G, 64, 1 << 20):
+            assert row[6] == row[0] // G and row[5] == 0  # slot = source node 0, hint = destination node
+        for row in inn.combine_push_rows(counts, 1, G, 64, 1 << 20):
+            assert row[6] == row[0] // G and row[5] == R // G + 0
+
+
+def test_gpu_error_context_names_the_counter_its_feeder_and_the_target_rank():
+    codes = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5}
+    # the failure of issue 5: rank 3 (node 1, local 1 of 2x2) waited on slot 0
+    msg = inn.describe_gpu_error({"code": 1, "slot": 0, "aux": 0}, 3, 2, 2, codes)
+    assert "dispatch records from node 0" in msg and "rank 1's proxy" in msg and "forwarder rank 3" in msg
+    msg = inn.describe_gpu_error({"code": 1, "slot": 3, "aux": 0}, 0, 2, 2, codes)
+    assert "combine partial sums from node 1" in msg and "forwarder rank 2" in msg
+    assert "outside" in inn.slot_meaning(9, 0, 2, 2)
+    assert "rank 3" in inn.describe_gpu_error({"code": 4, "slot": 1, "aux": 5}, 2, 2, 2, codes)
+    assert "node 1" in inn.describe_gpu_error({"code": 2, "slot": 0, "aux": 2}, 0, 2, 2, codes)
+    assert inn.describe_gpu_error({"code": 0}, 0, 2, 2, codes) == ""
 
 
 def test_record_layout_is_16_byte_aligned_and_grows_with_ranks_per_node_without_a_cap():

@@ -62,6 +62,10 @@ def run(args) -> int:
     from uccl_ep_train.settings import load_settings
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise SystemExit(f"bench internode: LOCAL_RANK {local} but {torch.cuda.device_count()} GPUs: run one process "
+                         "per GPU (the NCCL baseline needs it, and two processes per GPU are time-sliced, so their "
+                         "timings mean nothing; docs/internode.md, 'Two processes per GPU')")
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
