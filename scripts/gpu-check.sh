@@ -40,8 +40,8 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case $step in
     kernels) run kernels 150 "${tr2[@]}" -m pytest -x -q -rf tests/kernels/test_intranode_gpu.py ;;
-    moelayer) run moelayer 90 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
-    internode) run internode 150 python3 -m pytest -q -rf tests/internode ;;
+    moelayer) run moelayer 180 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
+    internode) run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode ;;
     bench_dispatch) run bench_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --json "$OUT/dispatch.json" ;;
     bench_dispatcher) run bench_dispatcher 120 "${tr2[@]}" -m uccl_ep_train bench dispatcher --json "$OUT/dispatcher.json" ;;
     bench_proxy)  # the default push variant (single-owner warp writer), then the per-command atomic push

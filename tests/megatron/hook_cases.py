@@ -191,6 +191,10 @@ def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int
         g = torch.Generator().manual_seed(seed * 13 + rank)
         x = torch.randn(tokens, 1, hidden, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
         out, _ = layer(x)
+        if dispatcher_type == "uccl":  # which Buffer backend carried it (intranode, internode, reference)
+            from uccl_ep_train.megatron import dispatcher as uccl_dispatcher
+
+            results["uccl_backend"] = [b.backend.name for b in uccl_dispatcher._BUFFERS.values()]
         g_out = torch.randn(out.shape, generator=g).to(device=device, dtype=out.dtype)
         (out.float() * g_out.float()).sum().backward()
         outputs[dispatcher_type] = (out.detach().float().cpu(), x.grad.float().cpu(),
