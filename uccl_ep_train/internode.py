@@ -12,7 +12,6 @@ native module (``_C.internode``): regions, proxy bootstrap, the push/wait/scatte
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -162,19 +161,6 @@ def remote_block_offset(counts: Counts, dst_rank: int, src_node: int, ranks_per_
 
 def num_recv_rows(counts: Counts, rank: int) -> int:
     return int(counts.rank_counts[:, rank].sum())
-
-
-#: Chunks of one block in flight per proxy thread: a chunk is a quarter of the per-thread byte cap, so several writes
-#: overlap (one chunk of the whole cap left exactly one write in flight, and the link idle between writes).
-CHUNKS_PER_CAP = 4
-#: Below this byte cap the chunk is the cap itself (tiny caps are for tests and NICs that want one small write).
-MIN_SPLIT_CAP = 256 << 10
-
-
-def chunk_bytes(max_inflight_bytes: int) -> int:
-    """Bytes per WRITE_SIGNAL for a per-thread in-flight cap (UCCL_IB_MAX_INFLIGHT_BYTES)."""
-    cap = int(max_inflight_bytes)
-    return cap // CHUNKS_PER_CAP if cap >= MIN_SPLIT_CAP else cap
 
 
 def chunk_records(stride: int, max_bytes: int) -> int:
@@ -353,11 +339,6 @@ class NativeInternodeBackend:
         self.N = self.R // self.G
         self.node, self.local = divmod(self.rank, self.G)
         slots = check_topology(self.R, self.G)
-        if os.environ.get("CUDA_LAUNCH_BLOCKING", "0").strip() not in ("", "0"):
-            raise InternodeError("CUDA_LAUNCH_BLOCKING=1: the internode backend needs asynchronous launches (a GPU wait "
-                                 "kernel spins until a CPU proxy's copy lands, and under CUDA_LAUNCH_BLOCKING the "
-                                 "launch and the proxy's copy both block until that kernel ends, so every wait runs "
-                                 "into UCCL_EP_GPU_TIMEOUT_SECS; docs/internode.md, 'CUDA_LAUNCH_BLOCKING'). Unset it")
         _C = native.module()
         if not hasattr(_C, "internode"):
             raise InternodeError("uccl_ep_train._C has no `internode` submodule (built without CUDA, or module.cpp "
@@ -404,8 +385,6 @@ class NativeInternodeBackend:
         self.half_nvl = self.nvl_bytes // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         self._expected = [0] * (2 * self.N)  # running targets of the monotone signal counters
-        # pinned staging for the push table (part 0, <= N rows) and the wait table (part 1, <= N rows)
-        self._staging = torch.zeros((2, self.N * 8), dtype=torch.int64).pin_memory()
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
         self._destroyed = False
@@ -450,22 +429,20 @@ class NativeInternodeBackend:
         t0 = time.monotonic()
         limit = 2 * self.gpu_timeout + self.cpu_timeout
         aborted = False
-        # Sleep between queries, never spin on cudaEventQuery: the proxy threads of this process issue their copies
-        # (cudaMemcpyAsync, cudaEventRecord/Query) through the same CUDA driver, and a host thread hammering the
-        # driver in a tight loop can starve them, so the copies the GPU waits for barely start. That is the most
-        # likely reading of the capped bench, which crawled at seconds per write while the host spun here and sped
-        # up the moment the GPU wait gave up (docs/internode.md, "Host and proxy share the CUDA driver").
+        spins = 0
         while not ev.query():
-            if not aborted and self._cx.proxy_error():
-                self._cx.abort_waits()
-                aborted = True
-            waited = time.monotonic() - t0
-            if waited > limit:
-                raise InternodeError(
-                    f"rank {self.rank}: the GPU stream did not drain within {limit:.0f} s after {what} "
-                    f"(2 x UCCL_EP_GPU_TIMEOUT_SECS + UCCL_EP_CPU_TIMEOUT_SECS); GPU error word "
-                    f"{self._cx.error_fields()}; proxy error {self._cx.proxy_error()!r}\n{_timeout_hint()}")
-            time.sleep(2e-5 if waited < 2e-3 else 1e-4)
+            spins += 1
+            if spins % 16 == 0:
+                if not aborted and self._cx.proxy_error():
+                    self._cx.abort_waits()
+                    aborted = True
+                waited = time.monotonic() - t0
+                if waited > limit:
+                    raise InternodeError(
+                        f"rank {self.rank}: the GPU stream did not drain within {limit:.0f} s after {what} "
+                        f"(2 x UCCL_EP_GPU_TIMEOUT_SECS + UCCL_EP_CPU_TIMEOUT_SECS); GPU error word "
+                        f"{self._cx.error_fields()}; proxy error {self._cx.proxy_error()!r}\n{_timeout_hint()}")
+                time.sleep(0 if waited < 2e-3 else 1e-4)
         self._check(what)
 
     def _proxy_view(self, grace: float = 0.2) -> str:
@@ -482,19 +459,7 @@ class NativeInternodeBackend:
         """Group barrier (gloo, deadline UCCL_EP_CPU_TIMEOUT_SECS); a failure names our proxy's view too (a dead
         peer is usually detected by the proxy first, with its rank and pid)."""
         try:
-            # Asynchronous, so that a proxy failure seen meanwhile (a peer that died: the loopback names it within
-            # milliseconds, while gloo may wait for its deadline when the dead process's sockets linger) ends the wait.
-            work = dist.barrier(group=self._gloo, async_op=True)
-            t0 = time.monotonic()
-            while not work.is_completed() and time.monotonic() - t0 < self.cpu_timeout + 5:
-                perr = self._cx.proxy_error()
-                if perr:
-                    raise InternodeError(f"rank {self.rank}: barrier '{what}' abandoned: rank {self.rank} proxy: "
-                                         f"{perr}\n{_timeout_hint()}")
-                time.sleep(1e-4)
-            work.wait()
-        except InternodeError:
-            raise
+            dist.barrier(group=self._gloo)
         except Exception as exc:  # a dead peer or the gloo deadline
             perr = self._proxy_view()
             raise InternodeError(f"rank {self.rank}: barrier '{what}' failed within {self.cpu_timeout} s "
@@ -527,38 +492,21 @@ class NativeInternodeBackend:
         stream = self._stream()
         ph = self._phases[phase]
         if rows:
-            if len(rows[0]) != self._k.PUSH_COLUMNS:  # checked before anything is queued
+            if len(rows[0]) != self._k.PUSH_COLUMNS:
                 raise InternodeError(f"push table has {len(rows[0])} columns, the module expects "
                                      f"{self._k.PUSH_COLUMNS} (rebuild _C)")
-        # Both tables go up before either kernel is launched, as stream-ordered copies from pinned memory: a blocking
-        # copy here would wait behind the push kernel (and, were the FIFOs full, behind a dead proxy), with the host
-        # unable to notice a failed proxy meanwhile (only _drain aborts the GPU waits).
-        table = t = None
-        if rows:
-            table = self._to_device(rows, 0)
+            table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
+            stride = rows[0][3]
+            self._cx.push_chunks(table.data_ptr(), len(rows), chunk_records(stride, self.inflight_bytes), ph, stream)
+            self._keep = table
         if waits:
             se = []
             for slot, count in waits:
                 self._expected[slot] += count
                 se.append([slot, self._expected[slot]])
-            t = self._to_device(se, 1)
-        if rows:
-            stride = rows[0][3]
-            self._cx.push_chunks(table.data_ptr(), len(rows), chunk_records(stride, chunk_bytes(self.inflight_bytes)),
-                                 ph, stream)
-            self._keep = table
-        if waits:
+            t = torch.tensor(se, dtype=torch.int64).to(self.device)
             self._cx.wait_signals(t.data_ptr(), len(se), ph, stream)
             self._keep_w = t
-
-    def _to_device(self, rows: List[List[int]], which: int) -> torch.Tensor:
-        """Stream-ordered copy of a small int64 table through this backend's pinned staging area (pinned once at
-        construction: no allocation that could synchronize). Part ``which`` is reused only by the next call's
-        _push_and_wait, after the entry drain, when this copy has long run."""
-        n, c = len(rows), len(rows[0])
-        host = self._staging[which, :n * c].view(n, c)  # contiguous, pinned
-        host.copy_(torch.tensor(rows, dtype=torch.int64))
-        return host.to(self.device, non_blocking=True)
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):

@@ -99,8 +99,7 @@ void bind_internode(py::module_& m) {
       .def("signal_value", &in::Context::signal_value, py::arg("slot"))
       .def_property_readonly("error_word_ptr", &in::Context::error_word_ptr)
       .def("push_chunks", &in::Context::push_chunks, py::arg("table"), py::arg("n"), py::arg("chunk_records"),
-           py::arg("phase"), py::arg("stream"), py::arg("lanes") = 0,
-           "lanes: proxy threads one block's chunks are spread over (0: all)")
+           py::arg("phase"), py::arg("stream"))
       .def("wait_signals", &in::Context::wait_signals, py::arg("slot_expected"), py::arg("n"), py::arg("phase"),
            py::arg("stream"))
       .def("error_message", &in::Context::error_message)

@@ -49,22 +49,18 @@ __device__ void report(ErrorWord* err, int code, int rank, int slot, int aux, in
   }
 }
 
-__global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, int fifos_per_thread, int lanes,
-                                   const long long* table, int n, long long chunk_records, int rank, int phase,
-                                   unsigned long long timeout_ns, ErrorWord* err) {
+__global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const long long* table, int n,
+                                   long long chunk_records, int rank, int phase, unsigned long long timeout_ns,
+                                   ErrorWord* err) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const long long* row = table + i * kPushColumns;
   const long long records = row[kPushRecords];
   if (records <= 0) return;
   const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
-  const int base = int(hint % num_fifos);
+  const DeviceFifo& f = fifos[hint % num_fifos];
   const long long stride = row[kPushStride];
-  int lane = 0;
   for (long long first = 0; first < records; first += chunk_records) {
-    // round robin over the proxy threads: thread t owns FIFOs [t * fifos_per_thread, (t + 1) * fifos_per_thread)
-    const DeviceFifo& f = fifos[(base + lane * fifos_per_thread) % num_fifos];
-    lane = lane + 1 == lanes ? 0 : lane + 1;
     const long long count = min(chunk_records, records - first);
     Command c;
     const int e = encode_write_signal(&c, uint32_t(row[kPushDstRank]), uint64_t(count * stride),
@@ -82,16 +78,6 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, int f
   }
 }
 
-__device__ __forceinline__ long long relaxed_load_sys(const unsigned long long* p) {
-#if defined(__HIPCC__)
-  return static_cast<long long>(__hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM));
-#else
-  unsigned long long v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return static_cast<long long>(v);
-#endif
-}
-
 __global__ void wait_signals_kernel(const unsigned long long* signals, const long long* slot_expected, int n,
                                     int rank, int phase, unsigned long long timeout_ns, ErrorWord* err) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -99,16 +85,9 @@ __global__ void wait_signals_kernel(const unsigned long long* signals, const lon
   const long long slot = slot_expected[2 * i], expected = slot_expected[2 * i + 1];
   const unsigned long long start = fifo_now_ns();
   long long v = 0;
-  unsigned sleep_ns = 100;
   for (unsigned spins = 0;; ++spins) {
-    // Poll with a relaxed load and pay for the system-scope acquire once, when the value is there: an acquire load
-    // at system scope per poll is a heavy operation (it orders against every other agent) and the loop runs millions
-    // of times while peers' copies stream into this GPU.
-    v = relaxed_load_sys(signals + slot);
-    if (v >= expected) {
-      v = static_cast<long long>(fifo_load_tail(signals + slot));  // acquire: the bytes it counts are visible
-      return;
-    }
+    v = static_cast<long long>(fifo_load_tail(signals + slot));
+    if (v >= expected) return;
     if (fifo_now_ns() - start > timeout_ns) {
       report(err, kErrWaitTimeout, rank, int(slot), 0, phase, v, expected);
       return;
@@ -120,8 +99,7 @@ __global__ void wait_signals_kernel(const unsigned long long* signals, const lon
 #if defined(__HIPCC__)
     __builtin_amdgcn_s_sleep(4);
 #else
-    __nanosleep(sleep_ns);
-    if (sleep_ns < 1000) sleep_ns *= 2;  // a wait that is not over at once is network-bound: poll ~1/us
+    __nanosleep(200);
 #endif
   }
 }
@@ -349,20 +327,14 @@ int64_t Context::signal_value(uint32_t slot) const {
   return __atomic_load_n(proxy_->signals() + slot, __ATOMIC_ACQUIRE);
 }
 
-void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream, int lanes) {
+void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream) {
   if (n <= 0) return;
-  const int threads_total = proxy_->config().num_threads;
-  if (lanes < 0 || lanes > threads_total)
-    throw std::invalid_argument("push_chunks: lanes must be 0 (all) .. " + std::to_string(threads_total) +
-                                " proxy threads");
-  if (lanes == 0) lanes = threads_total;
   if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
     throw std::invalid_argument("push_chunks: chunk_records must be 1.." + std::to_string(cmd::kMaxValue) +
                                 " (18-bit signal value)");
   const int threads = 64, blocks = (n + threads - 1) / threads;
   push_chunks_kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), proxy_->config().fifos_per_thread, lanes,
-      reinterpret_cast<const long long*>(table), n,
+      static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
       chunk_records, rank_, phase, timeout_ns_, error_dev_);
   check(cudaGetLastError(), "push_chunks launch");
 }
@@ -449,7 +421,7 @@ void Context::proxy_stop() {}
 std::string Context::proxy_error() const { return ""; }
 ProxyTotals Context::proxy_totals() const { return {}; }
 int64_t Context::signal_value(uint32_t) const { return 0; }
-void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t, int) {}
+void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
 void Context::wait_signals(uintptr_t, int, int, uintptr_t) {}
 std::string Context::error_message() const { return ""; }
 ErrorWord Context::error_fields() const { return ErrorWord{}; }

@@ -24,10 +24,8 @@ enum PushColumn : int {
   kPushStride = 3,       // bytes per record (multiple of 16)
   kPushRecords = 4,      // records in the block (0: nothing is pushed)
   kPushSlot = 5,         // signal slot on the destination; each chunk adds its record count
-  kPushFifo = 6,         // FIFO hint (the destination node): chunk c of the row goes to FIFO
-                         // (hint + (c % lanes) * fifos_per_thread) % num_fifos, i.e. the chunks of one block are
-                         // spread round robin over `lanes` proxy threads (a slot's counter is a sum of positive
-                         // increments, each published after its bytes landed, so lanes need no order between them)
+  kPushFifo = 6,         // FIFO hint (the destination node): the row's chunks go to FIFO hint % num_fifos, so every
+                         // increment of one destination slot travels one proxy lane in every call
   kPushColumns = 7,
 };
 
@@ -126,9 +124,8 @@ class Context {
 
   // ---- kernels (asynchronous on `stream`)
   // Push one WRITE_SIGNAL per chunk of every block of the push table (device int64 [n][kPushColumns]); row i goes
-  // to FIFO row[kPushFifo] % num_fifos, chunks hold at most `chunk_records` records and are spread over `lanes`
-  // proxy threads (0: all of them; see kPushFifo). `phase` only labels errors.
-  void push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream, int lanes = 0);
+  // to FIFO row[kPushFifo] % num_fifos, chunks hold at most `chunk_records` records. `phase` only labels errors.
+  void push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream);
   // Wait until signal[slot_i] >= expected_i (device int64 [n][2] = slot, expected); deadline: the GPU timeout.
   // A wait also ends early when the error word is set (by another kernel of this rank, or by abort_waits()).
   void wait_signals(uintptr_t slot_expected, int n, int phase, uintptr_t stream);

@@ -7,11 +7,8 @@
 // seq_bits is the smallest S with 2^S >= 2 * window, so an arrival at most `window` ahead of the expected number is
 // never confused with an old one. Each (receiver, source rank, slot) lane has its own sequence: the receiver applies
 // lane increments strictly in sequence, holding early ones (at most `window` of them).
-// Rule: a counter read as a *prefix* (value v proves that the first v units landed, e.g. a ring tail) needs every
-// increment for that slot to arrive through the same lane, i.e. from one sender rank's proxy thread: feed such a slot
-// from one sender thread. A counter waited on for a *total* of positive increments (the internode staged path waits
-// for base + count) may be fed by several lanes: each increment is applied after its own write landed, so the total
-// is reached only when all of them did (docs/internode.md, "Dispatch" step 3).
+// Rule: a slot's counter only proves that the writes which carried its increments landed if every increment for that
+// slot arrives through the same lane, i.e. from one sender rank's proxy thread. Feed each slot from one sender thread.
 #pragma once
 
 #include <cstdint>

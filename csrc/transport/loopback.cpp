@@ -11,8 +11,6 @@
 #include <deque>
 #include <fstream>
 #include <random>
-#include <sstream>
-#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -66,18 +64,7 @@ bool process_alive(int pid) {
   const size_t p = line.rfind(')');
   if (p == std::string::npos || p + 2 >= line.size()) return true;
   const char st = line[p + 2];
-  if (st == 'Z' || st == 'X') return false;
-  // A process inside exit() (PF_EXITING in the flags, field 9) never writes again, but it can stay in that state for
-  // a long time: a CUDA process's exit tears its contexts down in the driver, which may wait for GPU work of *other*
-  // processes (e.g. a peer's spinning wait kernel, up to its deadline). Treat it as dead now, so the survivors abort
-  // their waits in milliseconds instead of at the GPU deadline.
-  std::istringstream rest(line.substr(p + 2));
-  std::string field;
-  unsigned long long flags = 0;
-  for (int i = 3; i <= 9 && (rest >> field); ++i)
-    if (i == 9) flags = std::strtoull(field.c_str(), nullptr, 10);
-  constexpr unsigned long long kPfExiting = 0x00000004ull;
-  return (flags & kPfExiting) == 0;
+  return st != 'Z' && st != 'X';
 }
 
 struct Writer {
@@ -180,19 +167,19 @@ class LoopbackTransport final : public Transport {
     // (a copy engine that never finishes means a wedged GPU; then leak the mappings rather than hang the process).
     bool drained = true;
 #ifdef UCCL_EP_WITH_CUDA
-    const uint64_t deadline = now_ns() + kDrainDeadlineNs;
-    for (cudaStream_t st : streams_) {
+    if (stream_) {
+      const uint64_t deadline = now_ns() + kDrainDeadlineNs;
       cudaError_t q;
-      while ((q = cudaStreamQuery(st)) == cudaErrorNotReady && now_ns() < deadline)
+      while ((q = cudaStreamQuery(stream_)) == cudaErrorNotReady && now_ns() < deadline)
         std::this_thread::sleep_for(std::chrono::microseconds(100));
-      drained = drained && q != cudaErrorNotReady;
+      drained = q != cudaErrorNotReady;
       (void)cudaGetLastError();
     }
     if (drained) {
       for (auto& f : copying_)
         if (f.event) cudaEventDestroy(f.event);
       for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
-      for (cudaStream_t st : streams_) cudaStreamDestroy(st);
+      if (stream_) cudaStreamDestroy(stream_);
     }
 #endif
     for (auto& p : peers_) {
@@ -344,7 +331,6 @@ class LoopbackTransport final : public Transport {
       pending_.push_back(op);
     }
     posted_since_poll_ = posted_since_poll_ || accepted > 0;
-    if (in_order_ && connected_) deliver(now);  // start the copies now, not at the next poll
     return accepted;
   }
 
@@ -359,7 +345,6 @@ class LoopbackTransport final : public Transport {
       pending_.push_back(op);
     }
     posted_since_poll_ = posted_since_poll_ || accepted > 0;
-    if (in_order_ && connected_) deliver(now);  // start the copies now, not at the next poll
     return accepted;
   }
 
@@ -395,8 +380,6 @@ class LoopbackTransport final : public Transport {
 
  private:
   static constexpr size_t kMaxPending = 8192;
-  static constexpr size_t kCopyStreams = 4;
-  static constexpr uint64_t kEventQueryGapNs = 2'000;
   static constexpr uint64_t kLivenessPeriodNs = 5'000'000;
   static constexpr uint64_t kCopyDeadlineNs = 300'000'000'000ull;  // one device copy: a wedged GPU, not a slow one
   static constexpr uint64_t kDrainDeadlineNs = 10'000'000'000ull;  // copies still running when the endpoint closes
@@ -509,16 +492,9 @@ class LoopbackTransport final : public Transport {
       if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
       bound_ = std::this_thread::get_id();
     }
-    // A few streams, used round robin, so that several copies of this endpoint run at once (one stream would
-    // serialize them: one copy engine, and a gap between copies while the proxy publishes and posts the next).
-    // Completion order does not depend on it: finish() publishes strictly in start order.
-    if (streams_.size() < kCopyStreams) {
-      cudaStream_t st = nullptr;
-      if (cudaError_t e = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking); e != cudaSuccess)
+    if (!stream_)
+      if (cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); e != cudaSuccess)
         return cuda_error("cudaStreamCreateWithFlags", e);
-      streams_.push_back(st);
-    }
-    cudaStream_t stream = streams_[next_stream_++ % streams_.size()];
     cudaEvent_t ev = nullptr;
     if (!free_events_.empty()) {
       ev = free_events_.back();
@@ -526,11 +502,11 @@ class LoopbackTransport final : public Transport {
     } else if (cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess) {
       return cuda_error("cudaEventCreateWithFlags", e);
     }
-    if (cudaError_t e = cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream); e != cudaSuccess) {
+    if (cudaError_t e = cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream_); e != cudaSuccess) {
       free_events_.push_back(ev);
       return cuda_error("cudaMemcpyAsync of " + std::to_string(bytes) + " bytes", e);
     }
-    if (cudaError_t e = cudaEventRecord(ev, stream); e != cudaSuccess) {
+    if (cudaError_t e = cudaEventRecord(ev, stream_); e != cudaSuccess) {
       free_events_.push_back(ev);
       return cuda_error("cudaEventRecord", e);
     }
@@ -550,15 +526,10 @@ class LoopbackTransport final : public Transport {
       c.wr_id = f.op.atomic ? f.op.a.wr_id : f.op.w.wr_id;
       const int dst = f.op.atomic ? f.op.a.dst_rank : f.op.w.dst_rank;
       if (f.error.empty()) {
-        if (now < f.op.deliver_at) break;  // the emulated wire (bandwidth cap, delay) has not carried it yet
 #ifdef UCCL_EP_WITH_CUDA
         if (f.event) {
-          // Rate-limited: several proxy threads and the host share the CUDA driver; a thread that queries in a tight
-          // loop slows everyone else's copy submissions. A copy lasts microseconds at least.
-          if (now < next_event_query_ns_) break;
           const cudaError_t q = cudaEventQuery(f.event);
           if (q == cudaErrorNotReady) {
-            next_event_query_ns_ = now + kEventQueryGapNs;
             if (now - f.started_ns > kCopyDeadlineNs)
               f.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": a " +
                         std::to_string(f.op.w.bytes) + "-byte device copy did not finish within " +
@@ -600,31 +571,29 @@ class LoopbackTransport final : public Transport {
     }
   }
 
-  // Start every posted operation now (shuffled in groups when reordering is emulated). The bandwidth cap and the
-  // delay do not hold the copy back: they hold back its *publication* (finish() waits for deliver_at), which is what
-  // a receiver can observe. Holding the start instead made the copy wait for a later poll of this thread and
-  // serialized copy time and wire time.
+  // Start every operation whose delivery time has come (shuffled in groups when reordering is emulated).
   void deliver(uint64_t now) {
-    const bool posting = posted_since_poll_;
-    posted_since_poll_ = false;
-    if (in_order_) {
-      while (!pending_.empty() && copying_.size() < kMaxPending) {
-        start_one(pending_.front(), now);
-        pending_.pop_front();
-      }
+    size_t ready = 0;
+    while (ready < pending_.size() && pending_[ready].deliver_at <= now) ++ready;
+    if (ready == 0) {
+      posted_since_poll_ = false;
       return;
     }
-    // Shuffle whole groups of `reorder` writes; a partial group waits while the proxy keeps posting (it may grow) and
-    // goes out at the first poll after posting paused, so an in-flight cap below the group size never deadlocks.
-    const size_t group = size_t(o_.reorder);
-    while (!pending_.empty() && copying_.size() < kMaxPending) {
-      const size_t k = std::min(pending_.size(), group);
-      if (k < group && posting) return;
-      for (size_t i = k; i > 1; --i) std::swap(pending_[i - 1], pending_[rng_() % i]);
-      for (size_t done = 0; done < k && copying_.size() < kMaxPending; ++done) {
-        start_one(pending_.front(), now);
-        pending_.pop_front();
+    if (!in_order_) {
+      // Let a group build up while the proxy keeps posting; deliver it shuffled once it is full or posting paused.
+      const size_t group = size_t(o_.reorder);
+      if (ready < group && posted_since_poll_) {
+        posted_since_poll_ = false;
+        return;
       }
+      const size_t k = std::min(ready, group);
+      for (size_t i = k; i > 1; --i) std::swap(pending_[i - 1], pending_[rng_() % i]);
+      ready = k;
+    }
+    posted_since_poll_ = false;
+    for (size_t done = 0; done < ready && copying_.size() < kMaxPending; ++done) {
+      start_one(pending_.front(), now);
+      pending_.pop_front();
     }
   }
 
@@ -641,14 +610,12 @@ class LoopbackTransport final : public Transport {
   int next_src_ = 0;
   std::vector<LocalRegion> regions_;
   std::vector<Peer> peers_;
-  std::deque<PendingOp> pending_;   // posted, not yet started (a reorder group building up)
+  std::deque<PendingOp> pending_;   // posted, not yet started (delay, bandwidth cap, reorder group)
   std::deque<InFlight> copying_;    // started, completing in start order
   int device_ = -1;                 // owner of our registered device memory (-1: none)
 #ifdef UCCL_EP_WITH_CUDA
   std::thread::id bound_;           // the thread whose current device we set
-  std::vector<cudaStream_t> streams_;  // created on first use, at most kCopyStreams
-  size_t next_stream_ = 0;
-  uint64_t next_event_query_ns_ = 0;  // finish() queries the front copy's event at most every kEventQueryGapNs
+  cudaStream_t stream_ = nullptr;
   std::vector<cudaEvent_t> free_events_;
 #endif
 };
