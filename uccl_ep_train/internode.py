@@ -171,6 +171,13 @@ def chunk_records(stride: int, max_bytes: int) -> int:
     return max(1, min(min(max_bytes, CMD_MAX_BYTES) // stride, CMD_MAX_VALUE))
 
 
+def chunk_bytes(max_inflight_bytes: int) -> int:
+    """Bytes per write: a quarter of the proxy thread's in-flight byte cap, so several writes overlap (a chunk as
+    large as the cap left exactly one write in flight: 12 GB/s on 2x H200). Caps below 256 KiB (Thor-2/Pollara
+    style tuning, or tests with tiny chunks) are used whole."""
+    return max_inflight_bytes // 4 if max_inflight_bytes >= (256 << 10) else max_inflight_bytes
+
+
 def push_rows(node_send_or_recv: Sequence[int], rank: int, ranks_per_node: int, local_base: int,
               remote_offset_of, stride: int, slot_base: int) -> List[List[int]]:
     """One push-table row per remote node with records (columns of _C.internode: dst, local off, remote off, stride,
@@ -497,7 +504,8 @@ class NativeInternodeBackend:
                                      f"{self._k.PUSH_COLUMNS} (rebuild _C)")
             table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
             stride = rows[0][3]
-            self._cx.push_chunks(table.data_ptr(), len(rows), chunk_records(stride, self.inflight_bytes), ph, stream)
+            self._cx.push_chunks(table.data_ptr(), len(rows), chunk_records(stride, chunk_bytes(self.inflight_bytes)),
+                                 ph, stream)
             self._keep = table
         if waits:
             se = []

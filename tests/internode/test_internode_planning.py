@@ -267,6 +267,12 @@ def test_chunking_respects_byte_cap_value_bits_and_rejects_unencodable_records()
         inn.chunk_records(inn.CMD_MAX_BYTES + 16, 1 << 20)
 
 
+def test_writes_are_a_quarter_of_the_inflight_byte_cap_so_several_overlap_except_for_tiny_caps():
+    assert inn.chunk_bytes(2 << 20) == 512 << 10  # the IB/RoCE default: four writes in flight per proxy thread
+    assert inn.chunk_bytes(8 << 20) == 2 << 20    # EFA's default
+    assert inn.chunk_bytes(4096) == 4096          # tiny caps (tests, Thor-2-style tuning) are used whole
+
+
 def test_topology_limits_come_from_the_command_format_not_fixed_gpu_or_node_counts():
     assert inn.check_topology(4096, 128) >= 64
     assert inn.check_topology(64, 1) == 512  # 64 nodes of 1 GPU: no 20-node limit
