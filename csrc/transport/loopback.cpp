@@ -11,6 +11,8 @@
 #include <deque>
 #include <fstream>
 #include <random>
+#include <sstream>
+#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -64,7 +66,17 @@ bool process_alive(int pid) {
   const size_t p = line.rfind(')');
   if (p == std::string::npos || p + 2 >= line.size()) return true;
   const char st = line[p + 2];
-  return st != 'Z' && st != 'X';
+  if (st == 'Z' || st == 'X') return false;
+  // A process inside exit() (PF_EXITING in the flags, field 9 of stat) never writes again, but it can stay in that
+  // state for long: a CUDA process's exit tears its contexts down in the driver, which may wait for GPU work. Count it
+  // as dead now, so the survivors abort their waits instead of sitting out the GPU deadline.
+  std::istringstream rest(line.substr(p + 2));
+  std::string field;
+  unsigned long long flags = 0;
+  for (int i = 3; i <= 9 && (rest >> field); ++i)
+    if (i == 9) flags = std::strtoull(field.c_str(), nullptr, 10);
+  constexpr unsigned long long kPfExiting = 0x00000004ull;
+  return (flags & kPfExiting) == 0;
 }
 
 struct Writer {
