@@ -137,14 +137,40 @@ def test_unknown_command_type_is_refused_at_push(C):
             c.close()
 
 
-def test_bandwidth_cap_slows_delivery(C):
-    cs = make_pair(loopback_bandwidth_gbps=0.01)  # 10 MB/s
+def _wait_signal(c, slot, want, timeout):
+    deadline = time.time() + timeout
+    while c.signals()[slot] < want:
+        assert time.time() < deadline, f"signal {slot} is {c.signals()[slot]}, expected {want}"
+        time.sleep(0.0005)
+
+
+@pytest.mark.parametrize("inflight", [1, 8])
+def test_bandwidth_cap_paces_delivery_at_bytes_over_the_cap_without_stalling(C, inflight):
+    gbps, writes, size = 0.1, 64, 32 << 10  # 2 MiB at 100 MB/s: 21 ms on the emulated wire
+    cs = make_pair(loopback_bandwidth_gbps=gbps, max_inflight_writes=inflight, max_inflight_bytes=1 << 20)
     try:
-        t0 = time.time()
-        for i in range(16):
-            cs[0].push(0, C.command.write(1, 4096, 0, 4096 * (i % 8)))
+        t0 = time.perf_counter()
+        for _ in range(writes):
+            cs[0].push(0, C.command.write_signal(1, size, 0, DATA // 2, 0, 1))
         cs[0].proxy.wait_done(0, cs[0].push(0, C.command.quiet()))
-        assert time.time() - t0 >= 0.9 * 16 * 4096 / 10e6
+        _wait_signal(cs[1], 0, writes, 10)
+        took, ideal = time.perf_counter() - t0, writes * size / (gbps * 1e9)
+        assert took >= 0.9 * ideal, f"{took * 1e3:.1f} ms is faster than the {ideal * 1e3:.1f} ms cap"
+        assert took <= 3.0 * ideal + 0.2, f"{took * 1e3:.1f} ms: the cap of {ideal * 1e3:.1f} ms stalls delivery"
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_reorder_window_wider_than_an_inflight_cap_of_one_still_drains_promptly(C):
+    cs = make_pair(loopback_reorder=8, max_inflight_writes=1, max_inflight_bytes=4096)
+    try:
+        t0 = time.perf_counter()
+        for i in range(200):
+            cs[0].push(0, C.command.write_signal(1, 4096, 0, DATA // 2 + 4096 * (i % 8), 0, 1))
+        cs[0].proxy.wait_done(0, cs[0].push(0, C.command.quiet()))
+        _wait_signal(cs[1], 0, 200, 10)
+        assert time.perf_counter() - t0 < 2.0
     finally:
         for c in cs:
             c.close()
