@@ -410,35 +410,27 @@ void bind_host_core(py::module_& m) {
         return d;
       });
 
-  m.def("loopback_selftest", [](uint64_t commands, int reorder, uint64_t seed, double timeout_secs) {
+  // Both selftest entry points run the same thing; the GIL is released while the proxies work.
+  auto run_selftest = [](uint64_t commands, int reorder, uint64_t seed, double timeout_secs,
+                         std::string inject_fault) {
     SelftestOptions o;
     o.commands = commands;
     o.reorder = reorder;
     o.seed = seed;
     o.timeout_secs = timeout_secs;
-    SelftestResult r;
-    {
-      py::gil_scoped_release nogil;
-      r = loopback_selftest(o);
-    }
-    return r.summary;
+    o.inject_fault = std::move(inject_fault);
+    py::gil_scoped_release nogil;
+    return loopback_selftest(o);
+  };
+  m.def("loopback_selftest", [run_selftest](uint64_t commands, int reorder, uint64_t seed, double timeout_secs) {
+    return run_selftest(commands, reorder, seed, timeout_secs, "").summary;
   }, py::arg("commands") = 4096, py::arg("reorder") = 8, py::arg("seed") = 1, py::arg("timeout_secs") = 30.0,
      "Two proxies in this process over loopback (reordering injected) exchange `commands` write+signal commands each "
      "way; verifies every byte and counter and returns a one-line summary with commands/s. Raises ProxyError "
      "(wrong byte or counter) or TimeoutError.");
-  m.def("loopback_selftest_details", [](uint64_t commands, int reorder, uint64_t seed, double timeout_secs,
-                                        std::string inject_fault) {
-    SelftestOptions o;
-    o.inject_fault = inject_fault;
-    o.commands = commands;
-    o.reorder = reorder;
-    o.seed = seed;
-    o.timeout_secs = timeout_secs;
-    SelftestResult r;
-    {
-      py::gil_scoped_release nogil;
-      r = loopback_selftest(o);
-    }
+  m.def("loopback_selftest_details", [run_selftest](uint64_t commands, int reorder, uint64_t seed,
+                                                    double timeout_secs, std::string inject_fault) {
+    const SelftestResult r = run_selftest(commands, reorder, seed, timeout_secs, std::move(inject_fault));
     py::dict d;
     d["commands"] = r.commands;
     d["bytes"] = r.bytes;
