@@ -76,18 +76,25 @@ def record_layout(column_bytes: Sequence[int], ranks_per_node: int) -> RecordLay
                         dest_rows_offset, _align(arrival_offset + 4), _align(dest_rows_offset + 4 * ranks_per_node))
 
 
-def check_topology(num_ranks: int, ranks_per_node: int) -> int:
-    """Raise ValueError for a topology the command format cannot address; return the signal slots needed."""
+def check_topology(num_ranks: int, ranks_per_node: int, num_lanes: int = 1) -> int:
+    """Raise ValueError for a topology the command format cannot address; return the signal slots needed (two per
+    node and lane: dispatch records and combine partial sums, one counter per proxy FIFO that carries them)."""
     if ranks_per_node < 1 or num_ranks % ranks_per_node:
         raise ValueError(f"ranks_per_node={ranks_per_node} must divide the group size {num_ranks} "
                          "(UCCL_EP_RANKS_PER_NODE)")
     if num_ranks > CMD_MAX_RANKS:
         raise ValueError(f"{num_ranks} ranks exceed the command format's {CMD_MAX_RANKS} (12-bit destination rank)")
+    if num_lanes < 1:
+        raise ValueError(f"num_lanes={num_lanes} must be >= 1 (proxy FIFOs: UCCL_EP_NUM_PROXY_THREADS x "
+                         "UCCL_EP_FIFOS_PER_THREAD)")
     num_nodes = num_ranks // ranks_per_node
-    slots = _align(2 * num_nodes, SLOT_PAGE)
+    need = 2 * num_nodes * num_lanes
+    slots = _align(need, SLOT_PAGE)
     if slots > CMD_MAX_SLOTS:
-        raise ValueError(f"{num_nodes} nodes need {2 * num_nodes} signal slots (two per node); the command format "
-                         f"has {CMD_MAX_SLOTS}: at most {(CMD_MAX_SLOTS // SLOT_PAGE * SLOT_PAGE) // 2} nodes")
+        most = (CMD_MAX_SLOTS // SLOT_PAGE * SLOT_PAGE) // (2 * num_lanes)
+        raise ValueError(f"{num_nodes} nodes x {num_lanes} proxy FIFOs need {need} signal slots (two per node and "
+                         f"FIFO); the command format has {CMD_MAX_SLOTS}: at most {most} nodes with {num_lanes} "
+                         "FIFOs (fewer UCCL_EP_NUM_PROXY_THREADS / UCCL_EP_FIFOS_PER_THREAD allow more nodes)")
     return slots
 
 
@@ -178,11 +185,28 @@ def chunk_bytes(max_inflight_bytes: int) -> int:
     return max_inflight_bytes // 4 if max_inflight_bytes >= (256 << 10) else max_inflight_bytes
 
 
+def chunk_lanes(records: int, per_chunk: int, hint: int, num_lanes: int) -> List[int]:
+    """Records each lane (proxy FIFO) carries when a block of ``records`` is cut into chunks of ``per_chunk`` and chunk
+    c goes to FIFO ``(hint + c) % num_lanes`` -- what the push_chunks kernel does. Sender and receiver both derive it
+    from the counts, so the receiver knows what to wait for on every lane's counter without being told."""
+    out = [0] * num_lanes
+    full, rest = divmod(int(records), per_chunk)
+    for c in range(full):
+        out[(hint + c) % num_lanes] += per_chunk
+    if rest:
+        out[(hint + full) % num_lanes] += rest
+    return out
+
+
 def push_rows(node_send_or_recv: Sequence[int], rank: int, ranks_per_node: int, local_base: int,
-              remote_offset_of, stride: int, slot_base: int) -> List[List[int]]:
+              remote_offset_of, stride: int, slot_base: int, num_lanes: int = 1) -> List[List[int]]:
     """One push-table row per remote node with records (columns of _C.internode: dst, local off, remote off, stride,
-    records, slot, FIFO hint). ``remote_offset_of(dst_rank)`` returns the block's byte offset at the destination.
-    The FIFO hint is the destination node, so one destination's increments always take the same proxy lane."""
+    records, first slot, FIFO hint). ``remote_offset_of(dst_rank)`` returns the block's byte offset at the
+    destination. The block's chunks are spread over every proxy FIFO (lane), chunk c through FIFO
+    ``(hint + c) % num_lanes``, and the chunk taken by FIFO f adds to slot ``first slot + f``: each counter is fed by
+    one FIFO, hence one proxy thread, which is what the ordering emulation of an unordered NIC needs (every increment
+    of a slot in one sequence), while all proxy threads move one block's bytes at once. The hint is the destination
+    node, so destinations start on different lanes."""
     G = ranks_per_node
     node, local = divmod(rank, G)
     rows = []
@@ -191,60 +215,82 @@ def push_rows(node_send_or_recv: Sequence[int], rank: int, ranks_per_node: int, 
         if m == node or count == 0:
             continue
         dst = m * G + local
-        rows.append([dst, local_base + offs[m], remote_offset_of(dst), stride, int(count), slot_base + node, m])
+        rows.append([dst, local_base + offs[m], remote_offset_of(dst), stride, int(count),
+                     (slot_base + node) * num_lanes, m])
     return rows
 
 
 def dispatch_push_rows(counts: Counts, plan: SendPlan, rank: int, ranks_per_node: int, stride: int,
-                       recv_base: int) -> List[List[int]]:
+                       recv_base: int, num_lanes: int = 1) -> List[List[int]]:
     """Hop 1 of dispatch: our block for node m goes to rank m*G + local, into the block of our node there."""
     node = rank // ranks_per_node
     return push_rows(plan.node_send, rank, ranks_per_node, 0,
-                     lambda d: recv_base + remote_block_offset(counts, d, node, ranks_per_node, stride), stride, 0)
+                     lambda d: recv_base + remote_block_offset(counts, d, node, ranks_per_node, stride), stride, 0,
+                     num_lanes)
 
 
-def dispatch_waits(counts: Counts, rank: int, ranks_per_node: int) -> List[Tuple[int, int]]:
-    """(slot, records) the forwarder waits for: slot n counts the records from node n."""
+def lane_waits(blocks: Sequence[Tuple[int, int]], per_chunk: int, hint: int, num_lanes: int
+               ) -> List[Tuple[int, int]]:
+    """(slot, records) per lane for blocks given as (first slot, records) that were pushed with FIFO hint ``hint``."""
+    out = []
+    for first, records in blocks:
+        out += [(first + f, c) for f, c in enumerate(chunk_lanes(records, per_chunk, hint, num_lanes)) if c]
+    return out
+
+
+def dispatch_waits(counts: Counts, rank: int, ranks_per_node: int, per_chunk: int = CMD_MAX_VALUE,
+                   num_lanes: int = 1) -> List[Tuple[int, int]]:
+    """(slot, records) the forwarder waits for: slot n * L + f counts the records from node n that came through the
+    sender's FIFO f (the sender's hint was our node)."""
     node = rank // ranks_per_node
-    return [(n, c) for n, c in enumerate(recv_counts(counts, rank, ranks_per_node)) if n != node and c]
+    blocks = [(n * num_lanes, c) for n, c in enumerate(recv_counts(counts, rank, ranks_per_node)) if n != node and c]
+    return lane_waits(blocks, per_chunk, node, num_lanes)
 
 
-def combine_push_rows(counts: Counts, rank: int, ranks_per_node: int, cstride: int, recv_base: int
-                      ) -> List[List[int]]:
+def combine_push_rows(counts: Counts, rank: int, ranks_per_node: int, cstride: int, recv_base: int,
+                      num_lanes: int = 1) -> List[List[int]]:
     """Combine's network hop: the partial sums of the arrivals from node n go back to rank n*G + local, into the
     block of our node there (blocks at a source are ordered by forwarder node and sized by its own send counts)."""
     node = rank // ranks_per_node
     num_nodes = counts.node_counts.size(1)
     return push_rows(recv_counts(counts, rank, ranks_per_node), rank, ranks_per_node, 0,
                      lambda d: recv_base + block_offsets(counts.node_counts[d].tolist(), cstride)[node], cstride,
-                     num_nodes)
+                     num_nodes, num_lanes)
 
 
-def combine_waits(counts: Counts, rank: int, ranks_per_node: int) -> List[Tuple[int, int]]:
+def combine_waits(counts: Counts, rank: int, ranks_per_node: int, per_chunk: int = CMD_MAX_VALUE,
+                  num_lanes: int = 1) -> List[Tuple[int, int]]:
+    """(slot, partial sums) the source waits for: slot (N + m) * L + f counts those from node m's forwarder that came
+    through its FIFO f (the forwarder's hint was our node)."""
     node = rank // ranks_per_node
     num_nodes = counts.node_counts.size(1)
-    return [(num_nodes + m, int(c)) for m, c in enumerate(counts.node_counts[rank].tolist()) if m != node and c]
+    blocks = [((num_nodes + m) * num_lanes, int(c)) for m, c in enumerate(counts.node_counts[rank].tolist())
+              if m != node and c]
+    return lane_waits(blocks, per_chunk, node, num_lanes)
 
 
-def slot_meaning(slot: int, rank: int, ranks_per_node: int, num_nodes: int) -> str:
+def slot_meaning(slot: int, rank: int, ranks_per_node: int, num_nodes: int, num_lanes: int = 1) -> str:
     """What a signal slot of ``rank`` counts and which rank's proxy feeds it (for error messages)."""
-    G, N = ranks_per_node, num_nodes
+    G, N, L = ranks_per_node, num_nodes, num_lanes
     local = rank % G
-    if 0 <= slot < N:
-        return (f"slot {slot} counts dispatch records from node {slot}, written by rank {slot * G + local}'s proxy "
-                f"(rank {slot * G + local} -> forwarder rank {rank})")
-    if N <= slot < 2 * N:
-        n = slot - N
+    group, lane = divmod(slot, L)
+    via = f" through its FIFO {lane}" if L > 1 else ""
+    if 0 <= group < N:
+        return (f"slot {slot} counts dispatch records from node {group}, written by rank {group * G + local}'s proxy"
+                f"{via} (rank {group * G + local} -> forwarder rank {rank})")
+    if N <= group < 2 * N:
+        n = group - N
         return (f"slot {slot} counts combine partial sums from node {n}, written by forwarder rank {n * G + local}'s "
-                f"proxy (rank {n * G + local} -> source rank {rank})")
-    return f"slot {slot} is outside the 2 x {N} slots this topology uses"
+                f"proxy{via} (rank {n * G + local} -> source rank {rank})")
+    return f"slot {slot} is outside the 2 x {N} x {L} slots this topology uses"
 
 
-def describe_gpu_error(fields: dict, rank: int, ranks_per_node: int, num_nodes: int, codes: dict) -> str:
+def describe_gpu_error(fields: dict, rank: int, ranks_per_node: int, num_nodes: int, codes: dict,
+                       num_lanes: int = 1) -> str:
     """Topology context for a GPU error word (appended to the kernel's own message): who should have sent what."""
     code = fields.get("code", 0)
     if code == codes.get("wait_timeout"):
-        return " [" + slot_meaning(int(fields["slot"]), rank, ranks_per_node, num_nodes) + "]"
+        return " [" + slot_meaning(int(fields["slot"]), rank, ranks_per_node, num_nodes, num_lanes) + "]"
     if code == codes.get("scatter_range"):
         node = rank // ranks_per_node
         return f" [target local GPU {fields['slot']} is rank {node * ranks_per_node + int(fields['slot'])}]"
@@ -345,13 +391,14 @@ class NativeInternodeBackend:
         self.rank, self.R, self.G = ctx.rank, ctx.num_ranks, ctx.ranks_per_node
         self.N = self.R // self.G
         self.node, self.local = divmod(self.rank, self.G)
-        slots = check_topology(self.R, self.G)
+        s = ctx.settings
+        self.L = int(s.proxy.num_threads) * int(s.proxy.fifos_per_thread)  # lanes: every proxy FIFO carries chunks
+        slots = check_topology(self.R, self.G, self.L)
         _C = native.module()
         if not hasattr(_C, "internode"):
             raise InternodeError("uccl_ep_train._C has no `internode` submodule (built without CUDA, or module.cpp "
                                  "does not call bind_internode)")
         self._k = _C.internode
-        s = ctx.settings
         self.device = ctx.device if ctx.device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.cpu_timeout = float(s.proxy.timeout_secs)
         self.gpu_timeout = float(s.kernel.gpu_timeout_secs)
@@ -391,11 +438,15 @@ class NativeInternodeBackend:
         self.half_rdma = self.rdma_bytes // 2 // CMD_UNIT * CMD_UNIT
         self.half_nvl = self.nvl_bytes // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
-        self._expected = [0] * (2 * self.N)  # running targets of the monotone signal counters
+        if self._cx.num_fifos != self.L:
+            raise InternodeError(f"the proxy has {self._cx.num_fifos} FIFOs, planning assumed {self.L}")
+        self._expected = [0] * (2 * self.N * self.L)  # running targets of the monotone signal counters
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
         self._destroyed = False
         self.last_traffic = None
+        # Benchmarks set this to time the network hop alone (push -> last signal) with CUDA events: phase -> [ms]
+        self.network_timing: Optional[dict] = None
 
     # ---------------------------------------------------------------- host-side steps
     def _stream(self) -> int:
@@ -411,7 +462,8 @@ class NativeInternodeBackend:
             return
         parts = []
         if fields["code"] and fields["code"] != self._codes["aborted"]:
-            msg = self._cx.error_message() + describe_gpu_error(fields, self.rank, self.G, self.N, self._codes)
+            msg = self._cx.error_message() + describe_gpu_error(fields, self.rank, self.G, self.N, self._codes,
+                                                                 self.L)
             if fields["code"] == self._codes["wait_timeout"]:
                 slot = int(fields["slot"])
                 msg += f" [the host reads signal[{slot}] = {self._cx.signal_value(slot)}]"
@@ -495,17 +547,23 @@ class NativeInternodeBackend:
         self._check()
         return counts_from_rows(torch.stack(out), self.R)
 
-    def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str) -> None:
+    def _per_chunk(self, stride: int) -> int:
+        """Records per write; every rank derives the same number (same settings), so receivers know the lanes."""
+        return chunk_records(stride, chunk_bytes(self.inflight_bytes))
+
+    def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int
+                       ) -> None:
         stream = self._stream()
         ph = self._phases[phase]
+        if self.network_timing is not None:
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
         if rows:
             if len(rows[0]) != self._k.PUSH_COLUMNS:
                 raise InternodeError(f"push table has {len(rows[0])} columns, the module expects "
                                      f"{self._k.PUSH_COLUMNS} (rebuild _C)")
             table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
-            stride = rows[0][3]
-            self._cx.push_chunks(table.data_ptr(), len(rows), chunk_records(stride, chunk_bytes(self.inflight_bytes)),
-                                 ph, stream)
+            self._cx.push_chunks(table.data_ptr(), len(rows), per_chunk, ph, stream)
             self._keep = table
         if waits:
             se = []
@@ -515,6 +573,15 @@ class NativeInternodeBackend:
             t = torch.tensor(se, dtype=torch.int64).to(self.device)
             self._cx.wait_signals(t.data_ptr(), len(se), ph, stream)
             self._keep_w = t
+        if self.network_timing is not None:
+            t1.record()
+            self.network_timing.setdefault(phase, []).append((t0, t1))
+        # Nothing else is launched while wait_signals spins: with CUDA's lazy module loading (torch's default) the
+        # first launch of a kernel not yet loaded synchronizes the context, i.e. waits for our spinning kernel, whose
+        # data needs our proxy thread's copies, which queue behind that same load -- a stall until the GPU deadline
+        # (seen as the capped-NIC bench stall and as a killed peer detected only at the deadline). The drain polls an
+        # event and aborts the waits as soon as the proxy reports a failure.
+        self._drain(f"{phase} wait")
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -546,8 +613,9 @@ class NativeInternodeBackend:
         if own:  # own node: a device copy, never the network
             dst = recv_base + recv_offs[self.node]
             self._rdma[dst:dst + own * stride].copy_(self._rdma[send_offs[self.node]:send_offs[self.node] + own * stride])
-        self._push_and_wait(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base),
-                            dispatch_waits(counts, self.rank, G), "dispatch_network")
+        per = self._per_chunk(stride)
+        self._push_and_wait(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base, self.L),
+                            dispatch_waits(counts, self.rank, G, per, self.L), "dispatch_network", per)
         A = sum(recv_by_node)
         arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
         fwd_dest = stamp_arrivals(arrivals, layout, G)
@@ -768,8 +836,9 @@ class NativeInternodeBackend:
         if own:
             self._rdma[recv_base + back_offs[self.node]:recv_base + back_offs[self.node] + own * cstride].copy_(
                 self._rdma[arr_offs[self.node]:arr_offs[self.node] + own * cstride])
-        self._push_and_wait(combine_push_rows(h.counts, self.rank, G, cstride, recv_base),
-                            combine_waits(h.counts, self.rank, G), "combine_network")
+        per = self._per_chunk(cstride)
+        self._push_and_wait(combine_push_rows(h.counts, self.rank, G, cstride, recv_base, self.L),
+                            combine_waits(h.counts, self.rank, G, per, self.L), "combine_network", per)
         S1 = sum(back)
         out = torch.zeros((h.num_tokens, C), dtype=torch.float32, device=dev)
         got = self._rdma[recv_base:recv_base + S1 * cstride].view(S1, cstride)

@@ -58,15 +58,17 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const
   const long long records = row[kPushRecords];
   if (records <= 0) return;
   const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
-  const DeviceFifo& f = fifos[hint % num_fifos];
   const long long stride = row[kPushStride];
-  for (long long first = 0; first < records; first += chunk_records) {
+  long long chunk = 0;
+  for (long long first = 0; first < records; first += chunk_records, ++chunk) {
+    const int lane = int((hint + chunk) % num_fifos);
+    const DeviceFifo& f = fifos[lane];
     const long long count = min(chunk_records, records - first);
     Command c;
     const int e = encode_write_signal(&c, uint32_t(row[kPushDstRank]), uint64_t(count * stride),
                                       uint64_t(row[kPushLocalOffset] + first * stride),
-                                      uint64_t(row[kPushRemoteOffset] + first * stride), uint32_t(row[kPushSlot]),
-                                      uint32_t(count));
+                                      uint64_t(row[kPushRemoteOffset] + first * stride),
+                                      uint32_t(row[kPushSlot] + lane), uint32_t(count));
     if (e != kCmdOk) {
       report(err, kErrEncode, rank, int(row[kPushDstRank]), e, phase, first, records);
       return;

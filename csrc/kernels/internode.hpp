@@ -23,9 +23,10 @@ enum PushColumn : int {
   kPushRemoteOffset = 2, // block start in the destination's RDMA region (bytes, multiple of 16)
   kPushStride = 3,       // bytes per record (multiple of 16)
   kPushRecords = 4,      // records in the block (0: nothing is pushed)
-  kPushSlot = 5,         // signal slot on the destination; each chunk adds its record count
-  kPushFifo = 6,         // FIFO hint (the destination node): the row's chunks go to FIFO hint % num_fifos, so every
-                         // increment of one destination slot travels one proxy lane in every call
+  kPushSlot = 5,         // first of num_fifos signal slots on the destination: a chunk pushed into FIFO f adds its
+                         // record count to slot + f, so each counter is fed by one FIFO (one proxy thread's lane)
+  kPushFifo = 6,         // FIFO hint (the destination node): chunk c of the row goes to FIFO (hint + c) % num_fifos,
+                         // so one block's chunks travel every proxy thread at once
   kPushColumns = 7,
 };
 
@@ -123,8 +124,9 @@ class Context {
   uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
 
   // ---- kernels (asynchronous on `stream`)
-  // Push one WRITE_SIGNAL per chunk of every block of the push table (device int64 [n][kPushColumns]); row i goes
-  // to FIFO row[kPushFifo] % num_fifos, chunks hold at most `chunk_records` records. `phase` only labels errors.
+  // Push one WRITE_SIGNAL per chunk of every block of the push table (device int64 [n][kPushColumns]); chunk c of a
+  // row goes to FIFO (row[kPushFifo] + c) % num_fifos and signals slot row[kPushSlot] + that FIFO; chunks hold at
+  // most `chunk_records` records. `phase` only labels errors.
   void push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream);
   // Wait until signal[slot_i] >= expected_i (device int64 [n][2] = slot, expected); deadline: the GPU timeout.
   // A wait also ends early when the error word is set (by another kernel of this rank, or by abort_waits()).

@@ -137,13 +137,6 @@ struct Peer {
   bool dead = false;
 };
 
-struct PendingOp {
-  bool atomic = false;
-  WriteRequest w;
-  AtomicRequest a;
-  uint64_t deliver_at = 0;
-};
-
 // Device memory is copied on a stream of the transport's own (non-blocking), never with plain cudaMemcpy on the
 // legacy default stream: a device-to-device cudaMemcpy returns before the bytes land (the immediate would then be
 // published first and the receiver would read stale bytes), and it is serialized behind every kernel this process
@@ -188,7 +181,7 @@ class LoopbackTransport final : public Transport {
       (void)cudaGetLastError();
     }
     if (drained) {
-      for (auto& f : copying_)
+      for (auto& f : posted_)
         if (f.event) cudaEventDestroy(f.event);
       for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
       if (stream_) cudaStreamDestroy(stream_);
@@ -336,11 +329,12 @@ class LoopbackTransport final : public Transport {
   size_t post_writes(const WriteRequest* reqs, size_t n) override {
     size_t accepted = 0;
     const uint64_t now = now_ns();
-    for (; accepted < n && pending_.size() < kMaxPending; ++accepted) {
-      PendingOp op;
+    for (; accepted < n && posted_.size() < kMaxPosted; ++accepted) {
+      Op op;
       op.w = reqs[accepted];
       op.deliver_at = schedule(now, op.w.bytes);
-      pending_.push_back(op);
+      start(op, now);
+      posted_.push_back(std::move(op));
     }
     posted_since_poll_ = posted_since_poll_ || accepted > 0;
     return accepted;
@@ -349,12 +343,13 @@ class LoopbackTransport final : public Transport {
   size_t post_atomics(const AtomicRequest* reqs, size_t n) override {
     size_t accepted = 0;
     const uint64_t now = now_ns();
-    for (; accepted < n && pending_.size() < kMaxPending; ++accepted) {
-      PendingOp op;
+    for (; accepted < n && posted_.size() < kMaxPosted; ++accepted) {
+      Op op;
       op.atomic = true;
       op.a = reqs[accepted];
       op.deliver_at = schedule(now, 8);
-      pending_.push_back(op);
+      start(op, now);
+      posted_.push_back(std::move(op));
     }
     posted_since_poll_ = posted_since_poll_ || accepted > 0;
     return accepted;
@@ -368,8 +363,7 @@ class LoopbackTransport final : public Transport {
       last_liveness_ns_ = now;
       check_peers(out);
     }
-    deliver(now);
-    finish(out, max, now);
+    complete(out, max, now);
     // incoming immediates, round robin over senders
     for (int k = 0; k < o_.world && out.size() - start < max; ++k) {
       const int src = (next_src_ + k) % o_.world;
@@ -390,11 +384,51 @@ class LoopbackTransport final : public Transport {
     return out.size() - start;
   }
 
+  std::string debug_state() const override {
+    std::ostringstream m;
+    m << "loopback rank " << o_.rank << " thread " << o_.thread_index << ": " << posted_.size() << " posted";
+    if (!posted_.empty()) {
+      const Op& f = posted_.front();
+      const uint64_t now = now_ns();
+      size_t copying = 0;
+      for (const Op& op : posted_) copying += op.copying() ? 1 : 0;
+      m << " (" << copying << " device copies not known finished; oldest: " << (f.atomic ? "atomic" : "write of ")
+        << (f.atomic ? 0 : f.w.bytes) << " bytes to rank " << (f.atomic ? f.a.dst_rank : f.w.dst_rank) << ", posted "
+        << (now - f.started_ns) / 1000 << " us ago, "
+        << (f.deliver_at > now ? "wire time in " + std::to_string((f.deliver_at - now) / 1000) + " us"
+                               : std::string("wire time passed"))
+        << (f.copying() ? ", its copy still running" : "") << (f.error.empty() ? "" : ", failed: " + f.error) << ")";
+    }
+    if (ring_full_) m << "; a receiver's immediate ring was full at the last completion";
+    m << "; totals: " << copies_ << " device copies, " << copy_ns_ / 1000 << " us copying (longest "
+      << max_copy_ns_ / 1000 << " us)";
+    return m.str();
+  }
+
  private:
-  static constexpr size_t kMaxPending = 8192;
+  static constexpr size_t kMaxPosted = 8192;
   static constexpr uint64_t kLivenessPeriodNs = 5'000'000;
   static constexpr uint64_t kCopyDeadlineNs = 300'000'000'000ull;  // one device copy: a wedged GPU, not a slow one
   static constexpr uint64_t kDrainDeadlineNs = 10'000'000'000ull;  // copies still running when the endpoint closes
+
+  // A posted operation. Its bytes start moving at post (host: memcpy at once; device: an async copy on our stream),
+  // as a NIC starts DMA at once; what the emulation delays is the *completion*: the immediate (and the local
+  // completion) goes out no earlier than the wire time of the bandwidth cap and the delay, and never before the
+  // bytes landed. Completions leave in post order, or shuffled in groups when reordering is emulated.
+  struct Op {
+    bool atomic = false;
+    WriteRequest w;
+    AtomicRequest a;
+    uint64_t deliver_at = 0;
+    uint64_t started_ns = 0;
+    std::string error;  // set: complete with this error (nothing was copied)
+#ifdef UCCL_EP_WITH_CUDA
+    cudaEvent_t event = nullptr;  // device copy not yet seen finished
+    bool copying() const { return event != nullptr; }
+#else
+    bool copying() const { return false; }
+#endif
+  };
 
   uint64_t schedule(uint64_t now, uint64_t bytes) {
     uint64_t t = now;
@@ -410,7 +444,7 @@ class LoopbackTransport final : public Transport {
       Peer& p = peers_[r];
       if (r == o_.rank || p.dead) continue;
       const uint32_t st = p.control->state.load(std::memory_order_acquire);
-      if (st == kStateClosed) continue;  // closed cleanly: only an error if we still send to it (see deliver)
+      if (st == kStateClosed) continue;  // closed cleanly: only an error if we still send to it (see start)
       if (!process_alive(p.pid)) {
         p.dead = true;
         Completion c;
@@ -424,26 +458,12 @@ class LoopbackTransport final : public Transport {
     }
   }
 
-  // A delivered operation, in the order it was started; it completes (immediate published, local completion
-  // returned) only from the front, once its bytes have landed, so completions and immediates keep the start order.
-  struct InFlight {
-    PendingOp op;
-    uint64_t started_ns = 0;
-    std::string error;  // set: complete with this error (nothing was copied)
-#ifdef UCCL_EP_WITH_CUDA
-    cudaEvent_t event = nullptr;  // device copy still running until it completes
-#endif
-  };
-
-  // Start one operation: validate, then copy (host: memcpy now; device: async on our stream + event).
-  void start_one(const PendingOp& op, uint64_t now) {
-    InFlight f;
-    f.op = op;
-    f.started_ns = now;
+  // Validate, then start moving the bytes. A failure is kept in the op and reported as its completion.
+  void start(Op& op, uint64_t now) {
+    op.started_ns = now;
     const int dst = op.atomic ? op.a.dst_rank : op.w.dst_rank;
     auto fail = [&](const std::string& why) {
-      f.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": " + why;
-      copying_.push_back(std::move(f));
+      op.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": " + why;
     };
     if (dst < 0 || dst >= o_.world) return fail("destination rank out of range");
     Peer& p = peers_[dst];
@@ -456,38 +476,35 @@ class LoopbackTransport final : public Transport {
       const RemoteRegion& rr = p.regions[a.remote_region];
       if (a.remote_offset % 8 || a.remote_offset + 8 > rr.bytes || rr.kind != MemoryKind::kHost)
         return fail("atomic target outside the registered host region or unaligned");
-      copying_.push_back(std::move(f));  // applied when it reaches the front: after every earlier write landed
-      return;
+      return;  // applied when it completes: after every earlier write landed
     }
     const WriteRequest& w = op.w;
-    if (w.bytes) {
-      if (w.local_region < 0 || size_t(w.local_region) >= regions_.size()) return fail("bad local region");
-      if (w.remote_region < 0 || size_t(w.remote_region) >= p.regions.size()) return fail("bad remote region");
-      const LocalRegion& lr = regions_[w.local_region];
-      const RemoteRegion& rr = p.regions[w.remote_region];
-      // bounds checked before any byte moves: a bad command must never scribble outside a registered region
-      if (w.local_offset > lr.r.bytes || w.bytes > lr.r.bytes - w.local_offset)
-        return fail("local range [" + std::to_string(w.local_offset) + ", +" + std::to_string(w.bytes) +
-                    ") exceeds region " + std::to_string(w.local_region) + " of " + std::to_string(lr.r.bytes) +
-                    " bytes");
-      if (w.remote_offset > rr.bytes || w.bytes > rr.bytes - w.remote_offset)
-        return fail("remote range [" + std::to_string(w.remote_offset) + ", +" + std::to_string(w.bytes) +
-                    ") exceeds region " + std::to_string(w.remote_region) + " of " + std::to_string(rr.bytes) +
-                    " bytes");
-      char* to = rr.base + w.remote_offset;
-      const char* from = static_cast<const char*>(lr.r.base) + w.local_offset;
-      if (is_host(rr.kind) && is_host(lr.r.kind)) {
-        std::memcpy(to, from, w.bytes);
-      } else {
-#ifdef UCCL_EP_WITH_CUDA
-        std::string err = start_device_copy(to, from, w.bytes, &f.event);
-        if (!err.empty()) return fail(err);
-#else
-        return fail("device memory needs a build with CUDA");
-#endif
-      }
+    if (!w.bytes) return;
+    if (w.local_region < 0 || size_t(w.local_region) >= regions_.size()) return fail("bad local region");
+    if (w.remote_region < 0 || size_t(w.remote_region) >= p.regions.size()) return fail("bad remote region");
+    const LocalRegion& lr = regions_[w.local_region];
+    const RemoteRegion& rr = p.regions[w.remote_region];
+    // bounds checked before any byte moves: a bad command must never scribble outside a registered region
+    if (w.local_offset > lr.r.bytes || w.bytes > lr.r.bytes - w.local_offset)
+      return fail("local range [" + std::to_string(w.local_offset) + ", +" + std::to_string(w.bytes) +
+                  ") exceeds region " + std::to_string(w.local_region) + " of " + std::to_string(lr.r.bytes) +
+                  " bytes");
+    if (w.remote_offset > rr.bytes || w.bytes > rr.bytes - w.remote_offset)
+      return fail("remote range [" + std::to_string(w.remote_offset) + ", +" + std::to_string(w.bytes) +
+                  ") exceeds region " + std::to_string(w.remote_region) + " of " + std::to_string(rr.bytes) +
+                  " bytes");
+    char* to = rr.base + w.remote_offset;
+    const char* from = static_cast<const char*>(lr.r.base) + w.local_offset;
+    if (is_host(rr.kind) && is_host(lr.r.kind)) {
+      std::memcpy(to, from, w.bytes);
+      return;
     }
-    copying_.push_back(std::move(f));
+#ifdef UCCL_EP_WITH_CUDA
+    std::string err = start_device_copy(to, from, w.bytes, &op.event);
+    if (!err.empty()) fail(err);
+#else
+    fail("device memory needs a build with CUDA");
+#endif
   }
 
 #ifdef UCCL_EP_WITH_CUDA
@@ -495,6 +512,7 @@ class LoopbackTransport final : public Transport {
     (void)cudaGetLastError();
     return std::string(what) + " failed: " + cudaGetErrorString(e);
   }
+  std::string cuda_error(const std::string& what, cudaError_t e) { return cuda_error(what.c_str(), e); }
 
   // The copy runs on a non-blocking stream of our device, so it neither waits for nor is waited on by anything the
   // process queued on the legacy default stream (the spinning wait kernels). Completion is an event the proxy polls.
@@ -525,87 +543,88 @@ class LoopbackTransport final : public Transport {
     *event = ev;
     return {};
   }
-  std::string cuda_error(const std::string& what, cudaError_t e) { return cuda_error(what.c_str(), e); }
 #endif
 
-  // Complete started operations from the front, in order: publish the immediate only after the bytes landed.
-  void finish(std::vector<Completion>& out, size_t max, uint64_t now) {
-    const size_t start = out.size();
-    while (!copying_.empty() && out.size() - start < max) {
-      InFlight& f = copying_.front();
-      Completion c;
-      c.kind = f.op.atomic ? Completion::Kind::kLocalAtomic : Completion::Kind::kLocalWrite;
-      c.wr_id = f.op.atomic ? f.op.a.wr_id : f.op.w.wr_id;
-      const int dst = f.op.atomic ? f.op.a.dst_rank : f.op.w.dst_rank;
-      if (f.error.empty()) {
+  // Has the op's device copy finished? false while it runs; on failure or past the copy deadline sets op.error.
+  bool landed(Op& op, uint64_t now) {
 #ifdef UCCL_EP_WITH_CUDA
-        if (f.event) {
-          const cudaError_t q = cudaEventQuery(f.event);
-          if (q == cudaErrorNotReady) {
-            if (now - f.started_ns > kCopyDeadlineNs)
-              f.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": a " +
-                        std::to_string(f.op.w.bytes) + "-byte device copy did not finish within " +
-                        std::to_string(kCopyDeadlineNs / 1000000000ull) + " s (GPU wedged?)";
-            else
-              break;  // later operations wait behind it: completions keep the start order
-          } else if (q != cudaSuccess) {
-            f.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(dst) + ": " +
-                      cuda_error("device copy", q);
-          } else {
-            free_events_.push_back(f.event);
-            f.event = nullptr;
-          }
-        }
-#endif
-      }
-      if (!f.error.empty()) {
-        c.status = EINVAL;
-        c.error = f.error;
-        out.push_back(c);
-#ifdef UCCL_EP_WITH_CUDA
-        if (f.event) f.event = nullptr;  // may still be recorded on the stream: dropped, not reused
-#endif
-        copying_.pop_front();
-        continue;
-      }
-      if (f.op.atomic) {
-        const RemoteRegion& rr = peers_[dst].regions[f.op.a.remote_region];
-        __atomic_fetch_add(reinterpret_cast<int64_t*>(rr.base + f.op.a.remote_offset), f.op.a.add, __ATOMIC_RELEASE);
-      } else if (f.op.w.has_imm) {
-        RingHeader* ring = peers_[dst].ring_to_peer;
-        const uint64_t head = ring->head.load(std::memory_order_relaxed);
-        if (head - ring->tail.load(std::memory_order_acquire) >= o_.ring_capacity) break;  // receiver's ring full
-        ring_entries(ring)[head & (o_.ring_capacity - 1)] = f.op.w.imm;
-        ring->head.store(head + 1, std::memory_order_release);  // publishes the bytes (host copies) too
-      }
-      out.push_back(c);
-      copying_.pop_front();
+    if (!op.event) return true;
+    const cudaError_t q = cudaEventQuery(op.event);
+    if (q == cudaErrorNotReady) {
+      if (now - op.started_ns <= kCopyDeadlineNs) return false;
+      op.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(op.w.dst_rank) + ": a " +
+                 std::to_string(op.w.bytes) + "-byte device copy did not finish within " +
+                 std::to_string(kCopyDeadlineNs / 1000000000ull) + " s (GPU wedged?)";
+      op.event = nullptr;  // may still be recorded on the stream: dropped, not reused
+      return true;
     }
+    if (q != cudaSuccess) {
+      op.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(op.w.dst_rank) + ": " +
+                 cuda_error("device copy", q);
+      op.event = nullptr;
+      return true;
+    }
+    ++copies_;
+    copy_ns_ += now - op.started_ns;
+    max_copy_ns_ = std::max(max_copy_ns_, now - op.started_ns);
+    free_events_.push_back(op.event);
+    op.event = nullptr;
+#else
+    (void)op;
+    (void)now;
+#endif
+    return true;
   }
 
-  // Start every operation whose delivery time has come (shuffled in groups when reordering is emulated).
-  void deliver(uint64_t now) {
-    size_t ready = 0;
-    while (ready < pending_.size() && pending_[ready].deliver_at <= now) ++ready;
-    if (ready == 0) {
+  bool ready(Op& op, uint64_t now) { return landed(op, now) && (op.deliver_at <= now || !op.error.empty()); }
+
+  // Complete posted operations: publish the immediate (after the bytes landed), return the local completion.
+  // In order: from the front, each waiting for the one before it. Unordered: a group of ready ones is shuffled first.
+  void complete(std::vector<Completion>& out, size_t max, uint64_t now) {
+    size_t n = 0;
+    const size_t group = in_order_ ? 1 : size_t(o_.reorder);
+    while (n < posted_.size() && n < group && ready(posted_[n], now)) ++n;
+    if (n == 0) {
       posted_since_poll_ = false;
       return;
     }
     if (!in_order_) {
-      // Let a group build up while the proxy keeps posting; deliver it shuffled once it is full or posting paused.
-      const size_t group = size_t(o_.reorder);
-      if (ready < group && posted_since_poll_) {
+      // Let a group build up while the proxy keeps posting; complete it shuffled once full or posting paused.
+      if (n < group && posted_since_poll_) {
         posted_since_poll_ = false;
         return;
       }
-      const size_t k = std::min(ready, group);
-      for (size_t i = k; i > 1; --i) std::swap(pending_[i - 1], pending_[rng_() % i]);
-      ready = k;
+      for (size_t i = n; i > 1; --i) std::swap(posted_[i - 1], posted_[rng_() % i]);
     }
     posted_since_poll_ = false;
-    for (size_t done = 0; done < ready && copying_.size() < kMaxPending; ++done) {
-      start_one(pending_.front(), now);
-      pending_.pop_front();
+    ring_full_ = false;
+    const size_t start = out.size();
+    while (!posted_.empty() && out.size() - start < max) {
+      Op& f = posted_.front();
+      if (in_order_ ? !ready(f, now) : n == 0) break;
+      Completion c;
+      c.kind = f.atomic ? Completion::Kind::kLocalAtomic : Completion::Kind::kLocalWrite;
+      c.wr_id = f.atomic ? f.a.wr_id : f.w.wr_id;
+      const int dst = f.atomic ? f.a.dst_rank : f.w.dst_rank;
+      if (!f.error.empty()) {
+        c.status = EINVAL;
+        c.error = f.error;
+      } else if (f.atomic) {
+        const RemoteRegion& rr = peers_[dst].regions[f.a.remote_region];
+        __atomic_fetch_add(reinterpret_cast<int64_t*>(rr.base + f.a.remote_offset), f.a.add, __ATOMIC_RELEASE);
+      } else if (f.w.has_imm) {
+        RingHeader* ring = peers_[dst].ring_to_peer;
+        const uint64_t head = ring->head.load(std::memory_order_relaxed);
+        if (head - ring->tail.load(std::memory_order_acquire) >= o_.ring_capacity) {  // receiver's ring full
+          ring_full_ = true;
+          break;
+        }
+        ring_entries(ring)[head & (o_.ring_capacity - 1)] = f.w.imm;
+        ring->head.store(head + 1, std::memory_order_release);  // publishes the bytes (host copies) too
+      }
+      out.push_back(c);
+      posted_.pop_front();
+      if (n) --n;
     }
   }
 
@@ -622,8 +641,9 @@ class LoopbackTransport final : public Transport {
   int next_src_ = 0;
   std::vector<LocalRegion> regions_;
   std::vector<Peer> peers_;
-  std::deque<PendingOp> pending_;   // posted, not yet started (delay, bandwidth cap, reorder group)
-  std::deque<InFlight> copying_;    // started, completing in start order
+  std::deque<Op> posted_;           // bytes moving or landed, completion not yet returned
+  bool ring_full_ = false;
+  uint64_t copies_ = 0, copy_ns_ = 0, max_copy_ns_ = 0;  // finished device copies (for debug_state)
   int device_ = -1;                 // owner of our registered device memory (-1: none)
 #ifdef UCCL_EP_WITH_CUDA
   std::thread::id bound_;           // the thread whose current device we set

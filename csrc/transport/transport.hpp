@@ -20,7 +20,7 @@
 
 namespace uccl_ep {
 
-constexpr int kTransportApiVersion = 1;
+constexpr int kTransportApiVersion = 2;  // 2: debug_state()
 
 enum class MemoryKind : uint8_t { kHost = 0, kDevice = 1 };
 
@@ -97,6 +97,10 @@ class Transport {
 
   // Append up to `max` completions to `out`; returns how many. Never blocks.
   virtual size_t poll(std::vector<Completion>& out, size_t max) = 0;
+
+  // One line on what the endpoint still holds (posted, copying, oldest age), for watchdog and timeout messages:
+  // when a wait passes its deadline the first question is whether the NIC side is the one that is stuck.
+  virtual std::string debug_state() const { return {}; }
 };
 
 }  // namespace uccl_ep

@@ -41,18 +41,21 @@ class _Network:
     did with a device-to-device cudaMemcpy on the legacy stream (it returns before the copy ran; see
     docs/internode.md, "Transport ordering"). The plan must make the second one fail loudly, never silently."""
 
-    def __init__(self, rdma, signals, chunk_bytes: int, mode: str) -> None:
+    def __init__(self, rdma, signals, chunk_bytes: int, mode: str, num_lanes: int) -> None:
         self.rdma, self.signals, self.chunk_bytes, self.mode = rdma, signals, chunk_bytes, mode
+        self.num_lanes = num_lanes
         self.late = []
-        self.lanes = {}  # (src, dst, slot) -> FIFO hints seen: one lane per destination slot
+        self.lanes = {}  # (src, dst, slot) -> FIFOs seen: a destination slot must be fed by one FIFO only
 
     def execute(self, push_table, src: int) -> None:
         for row in push_table:
             assert len(row) == 7, row
-            dst, loff, roff, st, recs, slot, fifo = row
-            self.lanes.setdefault((src, dst, slot), set()).add(fifo)
+            dst, loff, roff, st, recs, first_slot, hint = row
             per = inn.chunk_records(st, self.chunk_bytes)
-            for first in range(0, recs, per):
+            for c, first in enumerate(range(0, recs, per)):  # as push_chunks: chunk c through FIFO (hint + c) % L
+                fifo = (hint + c) % self.num_lanes
+                slot = first_slot + fifo
+                self.lanes.setdefault((src, dst, slot), set()).add(fifo)
                 n = min(per, recs - first)
                 a, b = loff + first * st, roff + first * st
                 assert b % 16 == 0 and a % 16 == 0 and n * st <= inn.CMD_MAX_BYTES and n <= inn.CMD_MAX_VALUE
@@ -81,7 +84,8 @@ def _scatter(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, what: str
     dst[idx[sel]] = rows[sel]
 
 
-def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes: int, mode: str = "contract"):
+def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes: int, mode: str = "contract",
+              num_lanes: int = 1):
     """Run the plan for every rank; return (final recv_x per rank, src_idx per rank, combined per rank, y per rank,
     inputs)."""
     N = R // G
@@ -91,8 +95,10 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
     layout = inn.record_layout([H * 4], G)
     stride, half = layout.stride, 1 << 22
     rdma = [torch.full((2 * half,), STALE, dtype=torch.uint8) for _ in range(R)]
-    signals = [[0] * (2 * N) for _ in range(R)]
-    net = _Network(rdma, signals, chunk_bytes, mode)
+    L = num_lanes
+    signals = [[0] * (2 * N * L) for _ in range(R)]
+    net = _Network(rdma, signals, chunk_bytes, mode, L)
+    per = inn.chunk_records(stride, chunk_bytes)
 
     for r, (x, _) in enumerate(inputs):
         p = plans[r]
@@ -104,7 +110,7 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
         recv = inn.recv_counts(counts, r, G)
         own, so, ro = plans[r].node_send[node], inn.block_offsets(plans[r].node_send, stride), inn.block_offsets(recv, stride)
         rdma[r][half + ro[node]:half + ro[node] + own * stride] = rdma[r][so[node]:so[node] + own * stride]
-        rows = inn.dispatch_push_rows(counts, plans[r], r, G, stride, half)
+        rows = inn.dispatch_push_rows(counts, plans[r], r, G, stride, half, L)
         assert all(row[6] == row[0] // G for row in rows), "FIFO hint must be the destination node"
         net.execute(rows, r)
     final = [torch.full((inn.num_recv_rows(counts, r), layout.final_bytes), STALE, dtype=torch.uint8)
@@ -112,8 +118,10 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
     written = [torch.zeros(inn.num_recv_rows(counts, r), dtype=torch.int64) for r in range(R)]
     fwd = []
     for f in range(R):
-        for slot, c in inn.dispatch_waits(counts, f, G):
-            assert signals[f][slot] >= c, (f, slot)
+        waits = inn.dispatch_waits(counts, f, G, per, L)
+        assert sum(c for _, c in waits) == sum(n for m, n in enumerate(inn.recv_counts(counts, f, G)) if m != f // G)
+        for slot, c in waits:
+            assert signals[f][slot] == c, (f, slot)  # exactly: nothing more arrives on a counter than awaited
         A = sum(inn.recv_counts(counts, f, G))
         arrivals = rdma[f][half:half + A * stride].view(A, stride)
         dest = inn.stamp_arrivals(arrivals, layout, G)
@@ -149,6 +157,7 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
                      f"rank {d}, combine gather to local GPU {j} (rank {f})")
     rdma = [torch.full((2 * half,), STALE, dtype=torch.uint8) for _ in range(R)]
     net.rdma = rdma
+    dispatch_signals = [list(v) for v in signals]
     for f in range(R):
         A = fwd[f].size(0)
         partial = torch.zeros((A, C))
@@ -162,13 +171,13 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
         own = recv[node]
         bo, ao = inn.block_offsets(back, cstride), inn.block_offsets(recv, cstride)
         rdma[f][half + bo[node]:half + bo[node] + own * cstride] = rdma[f][ao[node]:ao[node] + own * cstride]
-        rows = inn.combine_push_rows(counts, f, G, cstride, half)
+        rows = inn.combine_push_rows(counts, f, G, cstride, half, L)
         assert all(row[6] == row[0] // G for row in rows), "FIFO hint must be the destination node"
         net.execute(rows, f)
     combined = []
     for s in range(R):
-        for slot, c in inn.combine_waits(counts, s, G):
-            assert signals[s][slot] >= c, (s, slot)
+        for slot, c in inn.combine_waits(counts, s, G, inn.chunk_records(cstride, chunk_bytes), L):
+            assert signals[s][slot] - dispatch_signals[s][slot] == c, (s, slot)
         back = plans[s].node_send
         S1 = sum(back)
         got = rdma[s][half:half + S1 * cstride].view(S1, cstride)[:, :4 * C].contiguous().view(torch.float32)
@@ -184,8 +193,8 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
     return recv_x, src_idx, combined, ys, inputs
 
 
-def _check_rank(rank, world, G, T, H, kind, seed, chunk_bytes):
-    recv_x, src_idx, combined, ys, inputs = _simulate(world, G, T, H, kind, seed, chunk_bytes)
+def _check_rank(rank, world, G, T, H, kind, seed, chunk_bytes, num_lanes=1):
+    recv_x, src_idx, combined, ys, inputs = _simulate(world, G, T, H, kind, seed, chunk_bytes, num_lanes=num_lanes)
     x, itr = inputs[rank]
     res = ref.dispatch(x, None, None, is_token_in_rank=itr, num_experts=world, ranks_per_node=G)
     assert torch.equal(res.recv_x, recv_x[rank]), "dispatch rows differ from the reference's rank-major order"
@@ -213,6 +222,22 @@ def test_tiny_chunks_split_blocks_into_many_signalled_writes_and_still_match():
     run_distributed(_check_rank, 4, 2, 53, 8, "random", 5, 64, timeout=120)
 
 
+@pytest.mark.parametrize("world,G,lanes", [(4, 2, 4), (4, 1, 3), (8, 2, 8)])
+def test_chunks_spread_over_every_proxy_fifo_with_one_counter_per_fifo_still_match(world, G, lanes):
+    """A block's chunks rotate over all proxy FIFOs (so every proxy thread moves bytes at once); each lane has its
+    own counter, the receiver derives every lane's share from the counts alone, and the outputs stay exact."""
+    run_distributed(_check_rank, world, G, 53, 8, "random", 5, 256, lanes, timeout=180)
+
+
+def test_chunk_lanes_rotate_from_the_hint_and_add_up_to_the_block():
+    got = inn.chunk_lanes(10, 3, 1, 4)
+    assert got == [1, 3, 3, 3] and sum(got) == 10
+    assert inn.chunk_lanes(0, 5, 2, 3) == [0, 0, 0]
+    assert inn.chunk_lanes(7, 100, 5, 4) == [0, 7, 0, 0]  # one chunk: FIFO hint % L
+    waits = inn.lane_waits([(8, 10)], 3, 1, 4)
+    assert waits == [(8, 1), (9, 3), (10, 3), (11, 3)]
+
+
 @pytest.mark.parametrize("world,G", [(4, 2), (8, 4), (8, 2)])
 def test_a_signal_that_overtakes_its_bytes_is_caught_by_the_forward_range_check(world, G):
     """The loopback bug of issue 5 (G=2 failures): the immediate was published before the device copy ran. The
@@ -230,10 +255,10 @@ def test_push_rows_route_each_destination_through_its_own_fifo_hint_in_every_cal
         rows = [inn.local_count_row(_inputs(r, 29, 4, R, "random", seed)[1], G) for r in range(R)]
         counts = inn.counts_from_rows(torch.stack(rows), R)
         plan = inn.send_plan(itr, counts, 1, G)
-        for row in inn.dispatch_push_rows(counts, plan, 1, G, 64, 1 << 20):
-            assert row[6] == row[0] // G and row[5] == 0  # slot = source node 0, hint = destination node
-        for row in inn.combine_push_rows(counts, 1, G, 64, 1 << 20):
-            assert row[6] == row[0] // G and row[5] == R // G + 0
+        for row in inn.dispatch_push_rows(counts, plan, 1, G, 64, 1 << 20, 4):
+            assert row[6] == row[0] // G and row[5] == 0  # slots 0..3 = source node 0's lanes, hint = dest node
+        for row in inn.combine_push_rows(counts, 1, G, 64, 1 << 20, 4):
+            assert row[6] == row[0] // G and row[5] == (R // G + 0) * 4
 
 
 def test_gpu_error_context_names_the_counter_its_feeder_and_the_target_rank():
@@ -244,6 +269,9 @@ def test_gpu_error_context_names_the_counter_its_feeder_and_the_target_rank():
     msg = inn.describe_gpu_error({"code": 1, "slot": 3, "aux": 0}, 0, 2, 2, codes)
     assert "combine partial sums from node 1" in msg and "forwarder rank 2" in msg
     assert "outside" in inn.slot_meaning(9, 0, 2, 2)
+    # with 4 FIFOs per proxy: slot 6 = dispatch from node 1 through FIFO 2; slot 13 = combine from node 1, FIFO 1
+    assert "dispatch records from node 1" in inn.slot_meaning(6, 0, 2, 2, 4) and "FIFO 2" in inn.slot_meaning(6, 0, 2, 2, 4)
+    assert "combine partial sums from node 1" in inn.slot_meaning(13, 0, 2, 2, 4)
     assert "rank 3" in inn.describe_gpu_error({"code": 4, "slot": 1, "aux": 5}, 2, 2, 2, codes)
     assert "node 1" in inn.describe_gpu_error({"code": 2, "slot": 0, "aux": 2}, 0, 2, 2, codes)
     assert inn.describe_gpu_error({"code": 0}, 0, 2, 2, codes) == ""
@@ -276,6 +304,9 @@ def test_writes_are_a_quarter_of_the_inflight_byte_cap_so_several_overlap_except
 def test_topology_limits_come_from_the_command_format_not_fixed_gpu_or_node_counts():
     assert inn.check_topology(4096, 128) >= 64
     assert inn.check_topology(64, 1) == 512  # 64 nodes of 1 GPU: no 20-node limit
+    assert inn.check_topology(1024, 8, 4) == 1024  # 128 nodes x 4 FIFOs x 2 phases
+    with pytest.raises(ValueError, match="FIFOs"):
+        inn.check_topology(2048, 1, 8)  # 2048 nodes x 8 FIFOs x 2 > 14-bit slots
     with pytest.raises(ValueError, match="12-bit"):
         inn.check_topology(8192, 8)
     with pytest.raises(ValueError, match="must divide"):
