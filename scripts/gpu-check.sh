@@ -6,7 +6,8 @@
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), fifo (GPU
 # producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
 # CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel).
-# TRAIN_DISPATCHERS (default "uccl alltoall") picks the dispatchers the train step compares.
+# TRAIN_DISPATCHERS (default "uccl alltoall") picks the dispatchers the train step compares; EMULATE_NODES (default
+# "2") the node counts bench_internode plays with the host's GPUs (e.g. "2 4" on 4 GPUs: 2 x 2 and 4 x 1).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/.gpu-out}
@@ -49,11 +50,13 @@ for step in "${steps[@]}"; do
         --fifos 1,2,4,8 --json "$OUT/proxy.json"
       UCCL_EP_CPU_TIMEOUT_SECS=20 run bench_proxy_push 90 python3 -m uccl_ep_train bench proxy --producer gpu \
         --fifos 1,4 --push push --json "$OUT/proxy-push.json" ;;
-    bench_internode)  # 2 emulated nodes: NIC uncapped, then capped at 50 GB/s per GPU (one 400 Gb/s NIC)
-      run bench_internode "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" -m uccl_ep_train bench internode \
-        --emulate-nodes 2 --json "$OUT/internode-uncapped.json"
-      UCCL_EP_LOOPBACK_BW_GBPS=50 run bench_internode_capped "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" \
-        -m uccl_ep_train bench internode --emulate-nodes 2 --json "$OUT/internode-capped50.json" ;;
+    bench_internode)  # EMULATE_NODES (default 2) emulated nodes: NIC uncapped, then capped at 50 GB/s per GPU
+      for n in ${EMULATE_NODES:-2}; do
+        run "bench_internode_${n}n" "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" -m uccl_ep_train bench internode \
+          --emulate-nodes "$n" --json "$OUT/internode-${n}n-uncapped.json"
+        UCCL_EP_LOOPBACK_BW_GBPS=50 run "bench_internode_${n}n_capped" "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" \
+          -m uccl_ep_train bench internode --emulate-nodes "$n" --json "$OUT/internode-${n}n-capped50.json"
+      done ;;
     profile)
       run profile_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --sweep "" --iters 10 \
         --profile "$OUT/profile-dispatch.txt"

@@ -447,6 +447,9 @@ class NativeInternodeBackend:
         self.last_traffic = None
         # Benchmarks set this to time the network hop alone (push -> last signal) with CUDA events: phase -> [ms]
         self.network_timing: Optional[dict] = None
+        # ... and this to split the host's wall time of each call into its steps: step -> [seconds, calls]
+        self.host_timing: Optional[dict] = None
+        self._lap_t = 0.0
 
     # ---------------------------------------------------------------- host-side steps
     def _stream(self) -> int:
@@ -583,6 +586,17 @@ class NativeInternodeBackend:
         # event and aborts the waits as soon as the proxy reports a failure.
         self._drain(f"{phase} wait")
 
+    def _lap(self, step: Optional[str]) -> None:
+        """Benchmarks: add the host wall time since the previous lap to ``step`` (None: start a call)."""
+        if self.host_timing is None:
+            return
+        now = time.perf_counter()
+        if step is not None:
+            acc = self.host_timing.setdefault(step, [0.0, 0])
+            acc[0] += now - self._lap_t
+            acc[1] += 1
+        self._lap_t = now
+
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         from uccl_ep_train.reference import get_dispatch_layout
@@ -606,6 +620,7 @@ class NativeInternodeBackend:
         check_area("dispatch final rows (NVL)", [num_recv_rows(counts, r) for r in range(self.R)], layout.final_bytes,
                    self.half_nvl, "num_nvl_bytes")
         pack_records(self._rdma[:S1 * stride].view(S1, stride), columns, plan, layout)
+        self._lap("dispatch.pack")
         recv_base = self.half_rdma
         send_offs = block_offsets(plan.node_send, stride)
         recv_offs = block_offsets(recv_by_node, stride)
@@ -616,6 +631,7 @@ class NativeInternodeBackend:
         per = self._per_chunk(stride)
         self._push_and_wait(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base, self.L),
                             dispatch_waits(counts, self.rank, G, per, self.L), "dispatch_network", per)
+        self._lap("dispatch.network")
         A = sum(recv_by_node)
         arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
         fwd_dest = stamp_arrivals(arrivals, layout, G)
@@ -629,6 +645,7 @@ class NativeInternodeBackend:
                                      err=self._cx.error_word_ptr, rank=self.rank,
                                      phase=self._phases["dispatch_forward"], target=j)
         self._sync_barrier("dispatch forward")
+        self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
         return final, layout, fwd_dest, A
@@ -643,9 +660,11 @@ class NativeInternodeBackend:
         from uccl_ep_train.reference import TrafficReport, _payload_bytes
 
         self._check()
+        self._lap(None)
         x, scales = args.x, args.x_scales
         self._drain("entry of dispatch")
         self._barrier("entry of dispatch")  # every rank finished its previous use of the areas
+        self._lap("dispatch.entry")
         if args.handle is not None:
             h: InternodeHandle = args.handle
             cols = [x] + ([scales] if scales is not None else [])
@@ -656,6 +675,7 @@ class NativeInternodeBackend:
             else:
                 parts = [_pad(p, h.num_recv_rows) for p in parts]
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
+            self._lap("dispatch.finish")
             return DispatchResult(parts[0], parts[1] if scales is not None else None, None, None, None, h,
                                   self.last_traffic)
 
@@ -664,7 +684,9 @@ class NativeInternodeBackend:
         if itr is None:
             itr = self.get_dispatch_layout(topk_idx, args.num_tokens_per_expert.numel())[3]
         counts = self._notify(itr)
+        self._lap("dispatch.notify")
         plan = send_plan(itr, counts, self.rank, self.G)
+        self._lap("dispatch.plan")
         T = x.size(0)
         cols = [x] + ([scales] if scales is not None else [])
         if topk_idx is not None:
@@ -676,8 +698,9 @@ class NativeInternodeBackend:
         parts = [self._column(final, layout, i, c) for i, c in enumerate(cols)]
         src_idx = int32_column(final, layout.src_idx_offset)
         arrival = int32_column(final, layout.arrival_offset)
-        src_rank = torch.repeat_interleave(torch.arange(self.R, device=self.device),
-                                           counts.rank_counts[:, self.rank].to(self.device))
+        # counts live on the host: expanding them there needs no device sync (a device repeat_interleave does one)
+        src_rank = torch.repeat_interleave(torch.arange(self.R), counts.rank_counts[:, self.rank]).to(
+            self.device, non_blocking=True)
         recv_x = parts[0].clone()
         recv_scales = parts[1].clone() if scales is not None else None
         if args.num_tokens_per_expert is None:
@@ -730,6 +753,7 @@ class NativeInternodeBackend:
         if weights is None:
             recv_w = None
         self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
+        self._lap("dispatch.finish")
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_w, [] if worst else aligned, h,
                               self.last_traffic)
 
@@ -772,6 +796,7 @@ class NativeInternodeBackend:
         from uccl_ep_train.reference import TrafficReport
 
         self._check()
+        self._lap(None)
         h = handle
         G, dev = self.G, self.device
         nrecv, H = h.num_recv_tokens, x.size(1)
@@ -802,8 +827,10 @@ class NativeInternodeBackend:
                    self.half_rdma, "num_rdma_bytes")
         check_area("combine (RDMA)", [int(h.counts.node_counts[r].sum()) for r in range(self.R)], cstride,
                    self.half_rdma, "num_rdma_bytes")
+        self._lap("combine.prepare")
         self._drain("entry of combine")
         self._barrier("entry of combine")
+        self._lap("combine.entry")
         stream = self._stream()
         # NVLink hop: each copy goes to its forwarder (same local index as the token's source), block = our local
         fwd_local = h.recv_src_rank % G
@@ -819,6 +846,7 @@ class NativeInternodeBackend:
                                  err=self._cx.error_word_ptr, rank=self.rank,
                                  phase=self._phases["combine_gather"], target=j)
         self._sync_barrier("combine gather")
+        self._lap("combine.gather")
         # forwarder: node-local sum in ascending local rank, into the combine send area (block per source node)
         partial = torch.zeros((A, C), dtype=torch.float32, device=dev)
         for j in range(G):
@@ -837,8 +865,10 @@ class NativeInternodeBackend:
             self._rdma[recv_base + back_offs[self.node]:recv_base + back_offs[self.node] + own * cstride].copy_(
                 self._rdma[arr_offs[self.node]:arr_offs[self.node] + own * cstride])
         per = self._per_chunk(cstride)
+        self._lap("combine.node_sum")
         self._push_and_wait(combine_push_rows(h.counts, self.rank, G, cstride, recv_base, self.L),
                             combine_waits(h.counts, self.rank, G, per, self.L), "combine_network", per)
+        self._lap("combine.network")
         S1 = sum(back)
         out = torch.zeros((h.num_tokens, C), dtype=torch.float32, device=dev)
         got = self._rdma[recv_base:recv_base + S1 * cstride].view(S1, cstride)
@@ -856,6 +886,7 @@ class NativeInternodeBackend:
         network = sum(c for n, c in enumerate(recv_by_node) if n != self.node)
         eb = H * x.element_size()
         self.last_traffic = TrafficReport(nvlink * eb, network * eb, nrecv * eb)
+        self._lap("combine.finish")
         return combined_x, combined_w
 
     def _traffic_forward(self, h: InternodeHandle, row_bytes: int):

@@ -123,9 +123,9 @@ ALL = [(k, fp8, em, worst, i) for i, (k, fp8, em, worst) in enumerate([
     ("dropped", False, False, 0), ("random", True, False, 0), ("dropped", True, False, 0),
     ("random", False, True, 0), ("random", False, False, 512), ("random", True, True, 2048)])]
 
-# (world, ranks per node) on 2 GPUs: 2 nodes x 1 GPU, and 2 nodes x 2 ranks (two processes per GPU; the only tested
-# topology with an NVLink forwarding hop).
-TOPOLOGIES = [(2, 1), (4, 2)]
+# (world, ranks per node): 2 nodes x 1 GPU, and 2 nodes x 2 ranks (on 2 GPUs two processes per GPU, on 4 GPUs one
+# each; the topology with an NVLink forwarding hop); with 4 GPUs also 4 nodes x 1 GPU.
+TOPOLOGIES = [(2, 1), (4, 2)] + ([(4, 1)] if torch.cuda.device_count() >= 4 else [])
 
 
 def _need(world, gpus=2):

@@ -99,6 +99,7 @@ def run(args) -> int:
     comb_traffic = nat.last_traffic
 
     nat.network_timing = {}  # the network hop alone (push -> last signal), CUDA events, over the timed calls
+    nat.host_timing = {}  # the host's wall time per step (where the staged path spends a call)
     cpu0, wall0 = _cpu(), time.perf_counter()
     t_disp = _wall(lambda: nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)), args.iters,
                    args.warmup)
@@ -109,6 +110,8 @@ def run(args) -> int:
     torch.cuda.synchronize()
     hop_ms = {ph: sorted(a.elapsed_time(b) for a, b in ev) for ph, ev in nat.network_timing.items()}
     nat.network_timing = None
+    host_steps = {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}  # us per call
+    nat.host_timing = None
 
     # NCCL baseline: the same rows (one per (token, destination rank)), uneven splits
     send_counts = itr.sum(0).tolist()
@@ -146,6 +149,7 @@ def run(args) -> int:
         "combine_network_bytes_bf16_equiv": comb_traffic.network_bytes,
         "combine_network_bytes_on_wire_fp32": comb_traffic.network_bytes * 2,  # bf16 rows travel as fp32 partials
         "proxy": nat.proxy_stats(), "process_cpu_per_wall_s": cpu_frac,
+        "host_step_us_rank0": host_steps,  # mean host wall time per call and step (uncached and cached together)
         # median over the timed calls (dispatch: uncached and cached calls together), max over ranks
         "dispatch_network_hop_us": mx(_median(hop_ms.get("dispatch_network", [0.0])) * 1e3),
         "combine_network_hop_us": mx(_median(hop_ms.get("combine_network", [0.0])) * 1e3),
