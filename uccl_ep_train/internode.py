@@ -652,8 +652,11 @@ class NativeInternodeBackend:
 
     @staticmethod
     def _column(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Column i of the final rows as a tensor of its own (one copy): the NVL area is reused by the next call."""
         off, nb = layout.column_offsets[i], layout.column_bytes[i]
-        out = final[:, off:off + nb].contiguous().view(like.dtype)
+        out = torch.empty((final.size(0), nb), dtype=torch.uint8, device=final.device)
+        out.copy_(final[:, off:off + nb])
+        out = out.view(like.dtype)
         return out.reshape((final.size(0),) + tuple(like.shape[1:]))
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
@@ -669,7 +672,7 @@ class NativeInternodeBackend:
             h: InternodeHandle = args.handle
             cols = [x] + ([scales] if scales is not None else [])
             final, layout, _, _ = self._move(cols, h.counts, h.plan)
-            parts = [self._column(final, layout, i, c).clone() for i, c in enumerate(cols)]
+            parts = [self._column(final, layout, i, c) for i, c in enumerate(cols)]
             if h.expert_major:
                 parts = self._to_expert_major(h, parts)
             else:
@@ -701,8 +704,8 @@ class NativeInternodeBackend:
         # counts live on the host: expanding them there needs no device sync (a device repeat_interleave does one)
         src_rank = torch.repeat_interleave(torch.arange(self.R), counts.rank_counts[:, self.rank]).to(
             self.device, non_blocking=True)
-        recv_x = parts[0].clone()
-        recv_scales = parts[1].clone() if scales is not None else None
+        recv_x = parts[0]
+        recv_scales = parts[1] if scales is not None else None
         if args.num_tokens_per_expert is None:
             raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) when no handle is given")
         L = args.num_tokens_per_expert.numel() // self.R
