@@ -188,8 +188,16 @@ void bind_host_core(py::module_& m) {
         f.pop();
         return as_tuple(c);
       }, "Take the command at the tail, or None when the slot is still empty.")
+      .def("push_as_device", [](Fifo& f, py::tuple cmd, double timeout) {
+        Command c = from_pair(cmd[0].cast<uint64_t>(), cmd[1].cast<uint64_t>());
+        py::gil_scoped_release nogil;
+        return f.push_as_device(c, timeout);
+      }, py::arg("command"), py::arg("timeout_secs"),
+         "Push the way a kernel does (its own head, not `head`; the FIFO becomes GPU-fed), for tests without a GPU.")
       .def_property_readonly("tail", &Fifo::tail)
       .def_property_readonly("head", &Fifo::host_head)
+      .def_property_readonly("drained", &Fifo::drained,
+                             "No published command waits for the consumer (what Proxy.wait_idle checks per FIFO).")
       .def_property_readonly("producer", [](const Fifo& f) { return fifo_producer_name(f.producer()); },
                              "'none', 'host' or 'device': which kind of producer uses this FIFO")
       .def("bind_producer", [](Fifo& f, const std::string& kind) {
@@ -380,6 +388,20 @@ void bind_host_core(py::module_& m) {
         p.proxy->push_many(fifo, c, n);
       }, py::arg("fifo"), py::arg("commands"), "Push uint64[n, 2] commands in order (GIL released).")
       .def("fifo_tail", [](PyProxy& p, int fifo) { return p.proxy->fifo(fifo).tail(); })
+      .def("fifo_push_as_device", [](PyProxy& p, int fifo, py::tuple cmd) {
+        Command c = from_pair(cmd[0].cast<uint64_t>(), cmd[1].cast<uint64_t>());
+        Fifo& f = p.proxy->fifo(fifo);
+        const double timeout = p.proxy->config().timeout_secs;
+        py::gil_scoped_release nogil;
+        return f.push_as_device(c, timeout);
+      }, py::arg("fifo"), py::arg("command"),
+         "Push onto `fifo` the way a kernel does (Fifo.push_as_device): tests of GPU-fed FIFOs on machines without a "
+         "GPU.")
+      .def("describe", [](PyProxy& p) {
+        py::gil_scoped_release nogil;
+        return p.proxy->describe();
+      }, "One line per proxy thread: queued operations, writes and bytes in flight, per-FIFO outstanding operations "
+         "and barriers, signals held for order, and the transport's debug state. Safe while the proxy runs.")
       .def("wait_done", [](PyProxy& p, int fifo, uint64_t index) {
         py::gil_scoped_release nogil;
         p.proxy->wait_done(fifo, index);

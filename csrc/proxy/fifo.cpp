@@ -94,38 +94,62 @@ Fifo::~Fifo() {
   std::free(alloc_);
 }
 
+bool Fifo::wait_space(uint64_t idx, double timeout_secs, const std::atomic<bool>* abort) {
+  if (idx - cached_tail_.load(std::memory_order_relaxed) < depth_) return true;
+  const auto t0 = Clock::now();
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t tail = __atomic_load_n(tail_, __ATOMIC_ACQUIRE);
+    if (idx - tail < depth_) {
+      uint64_t seen = cached_tail_.load(std::memory_order_relaxed);
+      while (seen < tail && !cached_tail_.compare_exchange_weak(seen, tail)) {
+      }
+      return true;
+    }
+    if (abort && abort->load(std::memory_order_relaxed)) return false;
+    if (++spins % 256 == 0) {
+      if (seconds_since(t0) > timeout_secs)
+        throw TimeoutError("FIFO full past the deadline (" + std::to_string(timeout_secs) + " s): rank " +
+                           std::to_string(rank_) + " fifo " + std::to_string(fifo_id_) + " waited for tail > " +
+                           std::to_string(idx - depth_) + ", tail is " + std::to_string(tail) +
+                           " (is the proxy running? UCCL_EP_CPU_TIMEOUT_SECS)");
+      std::this_thread::yield();
+    }
+  }
+}
+
 uint64_t Fifo::push(const Command& c, double timeout_secs, const std::atomic<bool>* abort) {
   if (command_type(c) == kCmdEmpty || command_type(c) >= kCmdTypeCount)
     throw ProxyError("Fifo::push: command type " + std::to_string(command_type(c)) + " is not a valid command");
   if (producer_.load(std::memory_order_relaxed) != int(FifoProducer::kHost)) bind_producer(FifoProducer::kHost);
   const uint64_t idx = head_.fetch_add(1, std::memory_order_acq_rel);
-  uint64_t tail = cached_tail_.load(std::memory_order_relaxed);
-  if (idx - tail >= depth_) {
-    const auto t0 = Clock::now();
-    uint32_t spins = 0;
-    while (true) {
-      tail = __atomic_load_n(tail_, __ATOMIC_ACQUIRE);
-      if (idx - tail < depth_) {
-        uint64_t seen = cached_tail_.load(std::memory_order_relaxed);
-        while (seen < tail && !cached_tail_.compare_exchange_weak(seen, tail)) {
-        }
-        break;
-      }
-      if (abort && abort->load(std::memory_order_relaxed)) return UINT64_MAX;
-      if (++spins % 256 == 0) {
-        if (seconds_since(t0) > timeout_secs)
-          throw TimeoutError("FIFO full past the deadline (" + std::to_string(timeout_secs) + " s): rank " +
-                             std::to_string(rank_) + " fifo " + std::to_string(fifo_id_) + " waited for tail > " +
-                             std::to_string(idx - depth_) + ", tail is " + std::to_string(tail) +
-                             " (is the proxy running? UCCL_EP_CPU_TIMEOUT_SECS)");
-        std::this_thread::yield();
-      }
-    }
-  }
+  if (!wait_space(idx, timeout_secs, abort)) return UINT64_MAX;
   Command* slot = ring_ + (idx & mask_);
   __atomic_store_n(&slot->hi, c.hi, __ATOMIC_RELAXED);
   __atomic_store_n(&slot->lo, c.lo, __ATOMIC_RELEASE);
   return idx;
+}
+
+uint64_t Fifo::push_as_device(const Command& c, double timeout_secs) {
+  if (command_type(c) == kCmdEmpty || command_type(c) >= kCmdTypeCount)
+    throw ProxyError("Fifo::push_as_device: command type " + std::to_string(command_type(c)) +
+                     " is not a valid command");
+  if (dev_counters_)
+    throw ProxyError("rank " + std::to_string(rank_) + " fifo " + std::to_string(fifo_id_) +
+                     ": push_as_device refused: kernels already took a device view (their head lives in GPU memory)");
+  bind_producer(FifoProducer::kDevice);
+  const uint64_t idx = emulated_device_head_.fetch_add(1, std::memory_order_acq_rel);
+  wait_space(idx, timeout_secs, nullptr);
+  Command* slot = ring_ + (idx & mask_);
+  __atomic_store_n(&slot->hi, c.hi, __ATOMIC_RELAXED);
+  __atomic_store_n(&slot->lo, c.lo, __ATOMIC_RELEASE);
+  return idx;
+}
+
+bool Fifo::drained() const {
+  if (producer() == FifoProducer::kHost) return tail() == host_head();
+  const Command* slot = ring_ + (tail() & mask_);
+  return command_type(Command{__atomic_load_n(&slot->lo, __ATOMIC_ACQUIRE), 0}) == kCmdEmpty;
 }
 
 void Fifo::wait_done(uint64_t index, double timeout_secs, const std::atomic<bool>* abort) const {
@@ -146,6 +170,9 @@ void Fifo::wait_done(uint64_t index, double timeout_secs, const std::atomic<bool
 DeviceFifo Fifo::device_view() {
 #ifdef UCCL_EP_WITH_CUDA
   if (device_mapped_) {
+    if (emulated_device_head_.load(std::memory_order_acquire))
+      throw ProxyError("rank " + std::to_string(rank_) + " fifo " + std::to_string(fifo_id_) +
+                       ": device view refused: push_as_device already reserved slots from its own head");
     bind_producer(FifoProducer::kDevice);
     if (!dev_counters_) {
       if (cudaMalloc(&dev_counters_, 2 * sizeof(unsigned long long)) != cudaSuccess ||

@@ -62,6 +62,17 @@ class SignalSequencer {
   // Appends the immediates carrying `add` to `out` (at least one, even for add == 0, so the write it rides on is
   // still announced).
   void encode(int dst, uint32_t slot, int64_t add, std::vector<uint32_t>* out);
+  // encode() for the common increment that fits one immediate, without a vector (the proxy calls this once per
+  // command). False, and nothing numbered, when `add` must be split: then call encode().
+  bool encode_one(int dst, uint32_t slot, int64_t add, uint32_t* imm) {
+    const bool negative = add < 0;
+    const uint64_t magnitude = negative ? 0 - uint64_t(add) : uint64_t(add);
+    if (magnitude > codec_.max_magnitude()) return false;
+    uint32_t& seq = next_[size_t(dst) * num_slots_ + slot];
+    *imm = codec_.signal(slot, seq, negative, uint32_t(magnitude));
+    seq = (seq + 1) & codec_.seq_mask();
+    return true;
+  }
 
  private:
   const ImmCodec& codec_;

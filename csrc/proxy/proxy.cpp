@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <deque>
+#include <mutex>
 #include <sstream>
 #include <unordered_map>
 
@@ -28,15 +28,92 @@ struct ProxyInfo {
   int32_t rank, world, num_slots, window, fifos_per_thread, in_order;
 };
 
-struct PendingOp {
-  bool atomic = false;
+// Queued operations are WriteRequests so that a run of them can go to post_writes() straight from the queue. An
+// atomic shares the queue (one FIFO's operations keep their order) and is told apart by local_region ==
+// kAtomicMarker; it carries its addend in local_offset, which an atomic has no other use for.
+constexpr int kAtomicMarker = -1;
+
+bool is_atomic(const WriteRequest& w) { return w.local_region == kAtomicMarker; }
+
+WriteRequest queued_atomic(const AtomicRequest& a) {
   WriteRequest w;
+  w.dst_rank = a.dst_rank;
+  w.local_region = kAtomicMarker;
+  w.local_offset = uint64_t(a.add);
+  w.remote_region = a.remote_region;
+  w.remote_offset = a.remote_offset;
+  w.wr_id = a.wr_id;
+  return w;
+}
+
+AtomicRequest as_atomic(const WriteRequest& w) {
   AtomicRequest a;
+  a.dst_rank = w.dst_rank;
+  a.remote_region = w.remote_region;
+  a.remote_offset = w.remote_offset;
+  a.add = int64_t(w.local_offset);
+  a.wr_id = w.wr_id;
+  return a;
+}
+
+// Operations waiting for in-flight budget. A ring rather than std::deque: a refused tail goes back to the front, the
+// front run is contiguous for post_writes() (up to the wrap), and after warm-up nothing is allocated.
+class OpQueue {
+ public:
+  explicit OpQueue(size_t capacity) {
+    size_t c = 16;
+    while (c < capacity) c <<= 1;
+    buf_.resize(c);
+    mask_ = c - 1;
+  }
+  size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  WriteRequest& front() { return buf_[head_]; }
+  const WriteRequest& operator[](size_t i) const { return buf_[(head_ + i) & mask_]; }
+  // Operations from the front that lie one after another in memory.
+  size_t contiguous() const { return std::min(n_, buf_.size() - head_); }
+  void push_back(const WriteRequest& w) {
+    if (n_ == buf_.size()) grow();
+    buf_[(head_ + n_) & mask_] = w;
+    ++n_;
+  }
+  // The new back slot, left as it was: the caller sets every field.
+  WriteRequest& emplace_back() {
+    if (n_ == buf_.size()) grow();
+    return buf_[(head_ + n_++) & mask_];
+  }
+  void push_front(const WriteRequest& w) {
+    if (n_ == buf_.size()) grow();
+    head_ = (head_ - 1) & mask_;
+    buf_[head_] = w;
+    ++n_;
+  }
+  void pop_front(size_t k) {
+    head_ = (head_ + k) & mask_;
+    n_ -= k;
+  }
+
+ private:
+  void grow() {
+    std::vector<WriteRequest> b(buf_.size() * 2);
+    for (size_t i = 0; i < n_; ++i) b[i] = (*this)[i];
+    buf_.swap(b);
+    head_ = 0;
+    mask_ = buf_.size() - 1;
+  }
+  std::vector<WriteRequest> buf_;
+  size_t head_ = 0, n_ = 0, mask_ = 0;
 };
 
 void update_max(std::atomic<uint64_t>& m, uint64_t v) {
   if (v > m.load(std::memory_order_relaxed)) m.store(v, std::memory_order_relaxed);
 }
+
+// What describe() reads of one FIFO; written by its proxy thread only.
+struct FifoView {
+  std::atomic<uint64_t> outstanding{0};
+  std::atomic<uint32_t> barrier{0};  // 0: no barrier announced; else its epoch + 1
+};
 
 }  // namespace
 
@@ -52,13 +129,26 @@ struct Proxy::ThreadState {
   std::vector<int> barrier_phase;                          // 0 none, 1 announced
   std::vector<uint32_t> barrier_epoch;
   std::vector<std::unordered_map<uint32_t, int>> arrivals;  // per local FIFO: epoch -> ranks arrived
-  std::deque<PendingOp> pending;
+  OpQueue pending{256};
   uint64_t inflight_writes = 0, inflight_bytes = 0;
+  uint64_t n_commands = 0, n_writes_posted = 0, n_signals_applied = 0;  // the thread's own counts
   std::vector<uint64_t> remote_data_bytes;
   std::thread th;
-  std::atomic<uint64_t> busy{0};  // queued + in flight, all FIFOs (read by wait_idle)
+  // Published by the proxy thread for other threads, with plain (relaxed) stores: one writer, and an atomic
+  // read-modify-write per command was a measurable part of the per-command cost.
+  // busy = queued + in flight, all FIFOs; stored before the FIFO slots whose commands it counts are given back, so
+  // wait_idle, seeing a slot given back (Fifo::drained), sees the operations it turned into.
+  std::atomic<uint64_t> busy{0};
   std::atomic<uint64_t> commands{0}, writes_posted{0}, signals_applied{0};
   std::atomic<uint64_t> max_inflight_writes{0}, max_inflight_bytes{0}, max_reorder_held{0};
+  std::atomic<uint64_t> queued{0}, writes_in_flight{0}, bytes_in_flight{0}, reorder_held{0};
+  std::unique_ptr<FifoView[]> fifo_view;
+  // describe() asks for the transport's debug_state(); the proxy thread answers between rounds, since a transport
+  // is not made for two threads. `in_loop`: the thread may touch the transport (set by start(), cleared on exit).
+  std::atomic<bool> in_loop{false};
+  std::atomic<uint64_t> state_asked{0}, state_answered{0};
+  mutable std::mutex state_mu;
+  std::string state;
 };
 
 Proxy::Proxy(const ProxyConfig& c, const TransportFactory& factory, void* data, size_t data_bytes, MemoryKind kind)
@@ -94,6 +184,7 @@ Proxy::Proxy(const ProxyConfig& c, const TransportFactory& factory, void* data, 
     ts->barrier_phase.assign(c.fifos_per_thread, 0);
     ts->barrier_epoch.assign(c.fifos_per_thread, 0);
     ts->arrivals.resize(c.fifos_per_thread);
+    ts->fifo_view = std::make_unique<FifoView[]>(c.fifos_per_thread);
     threads_.push_back(std::move(ts));
   }
 }
@@ -157,6 +248,7 @@ void Proxy::start() {
   if (running_.exchange(true)) return;
   for (auto& ts : threads_) {
     ThreadState* p = ts.get();
+    p->in_loop.store(true, std::memory_order_release);  // before the thread exists: describe() must not race it
     p->th = std::thread([this, p] { run(p); });
     if (!cfg_.cpus.empty()) {
       cpu_set_t set;
@@ -218,16 +310,22 @@ void Proxy::wait_idle(double timeout_secs) {
     check();
     bool idle = true;
     std::string what;
+    // FIFOs first: a proxy thread publishes its queued operations before it gives their slots back, so a FIFO seen
+    // drained here has its commands counted in `busy` below.
     for (auto& f : fifos_)
-      if (f->tail() != f->host_head()) {
+      if (!f->drained()) {
         idle = false;
-        what = "fifo " + std::to_string(f->fifo_id()) + " tail " + std::to_string(f->tail()) + " != head " +
-               std::to_string(f->host_head());
+        if (f->producer() == FifoProducer::kHost)
+          what = "fifo " + std::to_string(f->fifo_id()) + " tail " + std::to_string(f->tail()) + " != head " +
+                 std::to_string(f->host_head());
+        else
+          what = "fifo " + std::to_string(f->fifo_id()) + " (GPU producers) holds command #" +
+                 std::to_string(f->tail()) + " not yet taken by its proxy thread";
         break;
       }
     if (idle)
       for (auto& ts : threads_)
-        if (uint64_t b = ts->busy.load()) {
+        if (uint64_t b = ts->busy.load(std::memory_order_acquire)) {
           idle = false;
           what = "thread " + std::to_string(ts->index) + " has " + std::to_string(b) + " operations outstanding";
           break;
@@ -265,13 +363,49 @@ int64_t Proxy::wait_signal(uint32_t slot, int64_t expected, double timeout_secs)
 ProxyThreadStats Proxy::stats(int thread) const {
   const ThreadState& ts = *threads_.at(thread);
   ProxyThreadStats s;
-  s.commands = ts.commands.load();
-  s.writes_posted = ts.writes_posted.load();
-  s.signals_applied = ts.signals_applied.load();
-  s.max_inflight_writes = ts.max_inflight_writes.load();
-  s.max_inflight_bytes = ts.max_inflight_bytes.load();
-  s.max_reorder_held = ts.max_reorder_held.load();
+  s.commands = ts.commands.load(std::memory_order_relaxed);
+  s.writes_posted = ts.writes_posted.load(std::memory_order_relaxed);
+  s.signals_applied = ts.signals_applied.load(std::memory_order_relaxed);
+  s.max_inflight_writes = ts.max_inflight_writes.load(std::memory_order_relaxed);
+  s.max_inflight_bytes = ts.max_inflight_bytes.load(std::memory_order_relaxed);
+  s.max_reorder_held = ts.max_reorder_held.load(std::memory_order_relaxed);
   return s;
+}
+
+std::string Proxy::transport_state(ThreadState& ts) const {
+  constexpr double kAnswerSecs = 0.5;
+  const uint64_t ticket = ts.state_asked.fetch_add(1, std::memory_order_relaxed) + 1;
+  const auto t0 = Clock::now();
+  while (ts.state_answered.load(std::memory_order_acquire) < ticket) {
+    // Not (or no longer) polling: nothing else touches the transport, so ask it directly.
+    if (!ts.in_loop.load(std::memory_order_acquire)) return ts.transport->debug_state();
+    if (since(t0) > kAnswerSecs) return "(no answer from the proxy thread within 0.5 s: it is inside a transport call)";
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  std::lock_guard<std::mutex> g(ts.state_mu);
+  return ts.state;
+}
+
+std::string Proxy::describe() const {
+  std::ostringstream m;
+  for (const auto& p : threads_) {
+    ThreadState& ts = *p;
+    m << "rank " << cfg_.rank << " proxy thread " << ts.index << ": "
+      << ts.queued.load(std::memory_order_relaxed) << " operations queued, "
+      << ts.writes_in_flight.load(std::memory_order_relaxed) << " writes / "
+      << ts.bytes_in_flight.load(std::memory_order_relaxed) << " bytes in flight (caps " << cfg_.max_inflight_writes
+      << " / " << cfg_.max_inflight_bytes << ");";
+    for (size_t j = 0; j < ts.fifos.size(); ++j) {
+      m << " fifo " << ts.fifos[j]->fifo_id() << " " << ts.fifo_view[j].outstanding.load(std::memory_order_relaxed)
+        << " outstanding";
+      if (uint32_t b = ts.fifo_view[j].barrier.load(std::memory_order_relaxed)) m << " (barrier epoch " << b - 1 << ")";
+      m << ";";
+    }
+    m << " " << ts.reorder_held.load(std::memory_order_relaxed) << " signals held for order";
+    const std::string t = transport_state(ts);
+    m << "; transport: " << (t.empty() ? "(no debug state)" : t) << "\n";
+  }
+  return m.str();
 }
 
 // ------------------------------------------------------------------------------------------------ the proxy loop
@@ -279,51 +413,69 @@ ProxyThreadStats Proxy::stats(int thread) const {
 void Proxy::run(ThreadState* ts) {
   const int world = cfg_.world;
   const uint32_t nslots = cfg_.num_signal_slots;
+  const uint64_t max_writes = cfg_.max_inflight_writes, max_bytes = cfg_.max_inflight_bytes;
   const size_t max_chain = size_t(std::max(1, ts->caps.max_writes_per_post));
   const size_t pending_limit = std::max<size_t>(2 * max_chain, 2 * cfg_.max_inflight_writes);
-  const std::string who = "rank " + std::to_string(cfg_.rank) + " proxy thread " + std::to_string(ts->index);
+  const size_t nf = ts->fifos.size();
+  OpQueue& pending = ts->pending;
   std::vector<Completion> comps;
   std::vector<uint32_t> imms;
-  std::vector<WriteRequest> batch, sorted;
+  // the multi-destination path of post(): writes grouped by destination, and a refused tail to re-queue
+  std::vector<WriteRequest> grouped, refused;
+  constexpr uint32_t kNoGroup = UINT32_MAX;
+  std::vector<uint32_t> group_of(size_t(world), kNoGroup);
+  std::vector<int> group_dst;
+  std::vector<size_t> group_size, group_fill;
+  // Signal increments of one poll batch, summed per slot: one atomic add on the signal buffer per slot and batch
+  // instead of one per immediate. Waiters compare against thresholds, and every increment summed here already had
+  // its data land, so the sum reaches the same values, only the earlier increments of a batch show a little later.
+  struct SlotAdd {
+    uint32_t slot;
+    int64_t add;
+  };
+  constexpr int kMaxSlotAdds = 8;
+  SlotAdd adds[kMaxSlotAdds];
+  int nadds = 0;
   auto last_progress = Clock::now();
-  uint64_t idle_rounds = 0;
+  uint64_t idle_rounds = 0, state_answered = 0;
   size_t rr = 0;
   int64_t* sig = signals();
 
-  auto local_fail = [&](const std::string& s, bool timeout = false) { fail(who + ": " + s, timeout); };
+  auto who = [&] { return "rank " + std::to_string(cfg_.rank) + " proxy thread " + std::to_string(ts->index); };
+  auto local_fail = [&](const std::string& s, bool timeout = false) { fail(who() + ": " + s, timeout); };
 
-  auto queue_write = [&](int j, const WriteRequest& w) {
-    PendingOp op;
-    op.w = w;
-    op.w.wr_id = (uint64_t(j) << 56) | w.bytes;
-    ts->pending.push_back(op);
+  auto queue_write = [&](int j, WriteRequest& w) {
+    w.wr_id = (uint64_t(j) << 56) | w.bytes;
+    pending.push_back(w);
     ++ts->outstanding[j];
-    ts->busy.fetch_add(1, std::memory_order_relaxed);
   };
 
-  // Turns one command into queued operations. Returns an error message for a command that must not run.
-  auto expand = [&](int j, uint64_t index, const Command& c) -> std::string {
+  // Turns one command into queued operations. False (with `err` set) for a command that must not run.
+  std::string err;
+  auto expand = [&](int j, uint64_t index, const Command& c) -> bool {
     const CommandFields f = decode(c);
     auto where = [&] {
       return "fifo " + std::to_string(ts->fifos[j]->fifo_id()) + " command #" + std::to_string(index) + ": ";
     };
-    if (int(f.dst_rank) >= world)
-      return where() + "dst_rank " + std::to_string(f.dst_rank) + " >= world size " + std::to_string(world);
-    if (f.type != kCmdWrite && f.slot >= nslots)
-      return where() + "signal slot " + std::to_string(f.slot) + " >= " + std::to_string(nslots) + " slots";
+    if (int(f.dst_rank) >= world) {
+      err = where() + "dst_rank " + std::to_string(f.dst_rank) + " >= world size " + std::to_string(world);
+      return false;
+    }
+    if (f.type != kCmdWrite && f.slot >= nslots) {
+      err = where() + "signal slot " + std::to_string(f.slot) + " >= " + std::to_string(nslots) + " slots";
+      return false;
+    }
     if (f.type == kCmdAtomic) {
       if (ts->caps.native_atomics) {
-        PendingOp op;
-        op.atomic = true;
-        op.a.dst_rank = int(f.dst_rank);
-        op.a.remote_region = kSignalRegion;
-        op.a.remote_offset = uint64_t(f.slot) * sizeof(int64_t);
-        op.a.add = f.atomic_add;
-        op.a.wr_id = uint64_t(j) << 56;
-        ts->pending.push_back(op);
+        AtomicRequest a;
+        a.dst_rank = int(f.dst_rank);
+        a.remote_region = kSignalRegion;
+        a.remote_offset = uint64_t(f.slot) * sizeof(int64_t);
+        a.add = f.atomic_add;
+        a.wr_id = uint64_t(j) << 56;
+        pending.push_back(queued_atomic(a));
         ++ts->outstanding[j];
-        ts->busy.fetch_add(1, std::memory_order_relaxed);
-        return {};
+        return true;
       }
       imms.clear();
       ts->sequencer->encode(int(f.dst_rank), f.slot, f.atomic_add, &imms);
@@ -334,34 +486,38 @@ void Proxy::run(ThreadState* ts) {
         w.imm = imm;
         queue_write(j, w);
       }
-      return {};
+      return true;
     }
-    if (f.local_offset + f.bytes > data_bytes_)
-      return where() + "local range [" + std::to_string(f.local_offset) + ", " +
-             std::to_string(f.local_offset + f.bytes) + ") exceeds the registered " + std::to_string(data_bytes_) +
-             "-byte data region";
-    if (f.remote_offset + f.bytes > ts->remote_data_bytes[f.dst_rank])
-      return where() + "remote range [" + std::to_string(f.remote_offset) + ", " +
-             std::to_string(f.remote_offset + f.bytes) + ") exceeds rank " + std::to_string(f.dst_rank) + "'s " +
-             std::to_string(ts->remote_data_bytes[f.dst_rank]) + "-byte data region";
-    WriteRequest w;
+    if (f.local_offset + f.bytes > data_bytes_) {
+      err = where() + "local range [" + std::to_string(f.local_offset) + ", " +
+            std::to_string(f.local_offset + f.bytes) + ") exceeds the registered " + std::to_string(data_bytes_) +
+            "-byte data region";
+      return false;
+    }
+    if (f.remote_offset + f.bytes > ts->remote_data_bytes[f.dst_rank]) {
+      err = where() + "remote range [" + std::to_string(f.remote_offset) + ", " +
+            std::to_string(f.remote_offset + f.bytes) + ") exceeds rank " + std::to_string(f.dst_rank) + "'s " +
+            std::to_string(ts->remote_data_bytes[f.dst_rank]) + "-byte data region";
+      return false;
+    }
+    // built in its queue slot: this is the one operation nearly every command becomes
+    WriteRequest& w = pending.emplace_back();
     w.dst_rank = int(f.dst_rank);
     w.local_region = kDataRegion;
     w.remote_region = kDataRegion;
     w.local_offset = f.local_offset;
     w.remote_offset = f.remote_offset;
     w.bytes = f.bytes;
-    if (f.type == kCmdWrite) {
-      queue_write(j, w);
-      return {};
-    }
+    w.has_imm = f.type != kCmdWrite;
+    w.imm = 0;
+    w.wr_id = (uint64_t(j) << 56) | w.bytes;
+    ++ts->outstanding[j];
+    if (!w.has_imm || ts->sequencer->encode_one(int(f.dst_rank), f.slot, int64_t(f.value), &w.imm)) return true;
     // The first immediate rides on the data; the rest of a large increment follows as zero-length writes whose
     // higher sequence numbers keep them behind it.
     imms.clear();
     ts->sequencer->encode(int(f.dst_rank), f.slot, int64_t(f.value), &imms);
-    w.has_imm = true;
     w.imm = imms[0];
-    queue_write(j, w);
     for (size_t i = 1; i < imms.size(); ++i) {
       WriteRequest z;
       z.dst_rank = int(f.dst_rank);
@@ -369,88 +525,169 @@ void Proxy::run(ThreadState* ts) {
       z.imm = imms[i];
       queue_write(j, z);
     }
-    return {};
+    return true;
   };
 
   auto account_post = [&](uint64_t n, uint64_t bytes) {
     ts->inflight_writes += n;
     ts->inflight_bytes += bytes;
-    ts->writes_posted.fetch_add(n, std::memory_order_relaxed);
+    ts->n_writes_posted += n;
     update_max(ts->max_inflight_writes, ts->inflight_writes);
     update_max(ts->max_inflight_bytes, ts->inflight_bytes);
   };
 
-  // Posts queued operations within the in-flight caps, writes grouped by destination into chains.
+  // Posts `n` grouped writes of one destination in chains; returns how many were accepted (a refusal ends it).
+  auto post_chains = [&](WriteRequest* w, size_t n, uint64_t* bytes) -> size_t {
+    size_t done = 0;
+    while (done < n) {
+      const size_t len = std::min(n - done, max_chain);
+      const size_t ok = ts->transport->post_writes(w + done, len);
+      for (size_t i = 0; i < ok; ++i) *bytes += w[done + i].bytes;
+      done += ok;
+      if (ok < len) break;
+    }
+    return done;
+  };
+
+  // Posts queued operations within the in-flight caps, writes grouped by destination into chains; per-destination
+  // order is kept (a refused write and every later one to its destination go back to the front, in order).
   auto post = [&]() -> bool {
     bool progress = false;
-    while (!ts->pending.empty() && ts->inflight_writes < cfg_.max_inflight_writes) {
-      if (ts->pending.front().atomic) {
-        if (ts->transport->post_atomics(&ts->pending.front().a, 1) != 1) break;
-        ts->pending.pop_front();
+    while (!pending.empty() && ts->inflight_writes < max_writes) {
+      if (is_atomic(pending.front())) {
+        const AtomicRequest a = as_atomic(pending.front());
+        if (ts->transport->post_atomics(&a, 1) != 1) break;
+        pending.pop_front(1);
         account_post(1, 0);
         progress = true;
         continue;
       }
-      batch.clear();
+      // the run of writes at the front that fits the caps
+      const uint64_t room = max_writes - ts->inflight_writes;
+      const int dst0 = pending.front().dst_rank;
+      size_t k = 0;
       uint64_t bytes = 0;
-      for (size_t i = 0; i < ts->pending.size() && !ts->pending[i].atomic; ++i) {
-        const WriteRequest& w = ts->pending[i].w;
-        if (ts->inflight_writes + batch.size() >= cfg_.max_inflight_writes) break;
+      bool one_dst = true;
+      while (k < pending.size() && k < room) {
+        const WriteRequest& w = pending[k];
+        if (is_atomic(w)) break;
         // one write larger than the byte cap may go alone, or it could never be posted
-        if (ts->inflight_bytes + bytes + w.bytes > cfg_.max_inflight_bytes && (ts->inflight_writes + batch.size()) > 0)
-          break;
-        batch.push_back(w);
+        if (ts->inflight_bytes + bytes + w.bytes > max_bytes && ts->inflight_writes + k > 0) break;
+        one_dst = one_dst && w.dst_rank == dst0;
         bytes += w.bytes;
+        ++k;
       }
-      if (batch.empty()) break;
-      sorted = batch;
-      std::stable_sort(sorted.begin(), sorted.end(),
-                       [](const WriteRequest& a, const WriteRequest& b) { return a.dst_rank < b.dst_rank; });
-      std::vector<WriteRequest> rejected;
+      if (k == 0) break;
       uint64_t posted = 0, posted_bytes = 0;
-      for (size_t s = 0; s < sorted.size();) {
-        size_t e = s;
-        while (e < sorted.size() && sorted[e].dst_rank == sorted[s].dst_rank && e - s < max_chain) ++e;
-        const size_t ok = ts->transport->post_writes(&sorted[s], e - s);
-        for (size_t i = s; i < s + ok; ++i) posted_bytes += sorted[i].bytes;
-        posted += ok;
-        if (ok < e - s) {
-          // keep per-destination order: everything after the first refused one for this destination waits
-          size_t k = s + ok;
-          const int dst = sorted[s].dst_rank;
-          while (k < sorted.size() && sorted[k].dst_rank == dst) rejected.push_back(sorted[k++]);
-          s = k;
-        } else {
-          s = e;
+      bool stopped = false;
+      if (one_dst) {
+        // The common case: post from the queue in place (in two parts where the ring wraps); what is refused simply
+        // stays at the front.
+        while (posted < k) {
+          const size_t len = std::min<size_t>(k - posted, pending.contiguous());
+          const size_t ok = post_chains(&pending.front(), len, &posted_bytes);
+          pending.pop_front(ok);
+          posted += ok;
+          if (ok < len) {
+            stopped = true;
+            break;
+          }
         }
-      }
-      ts->pending.erase(ts->pending.begin(), ts->pending.begin() + batch.size());
-      for (auto it = rejected.rbegin(); it != rejected.rend(); ++it) {
-        PendingOp op;
-        op.w = *it;
-        ts->pending.push_front(op);
+      } else {
+        // Stable counting sort by destination, then one chain per destination; ascending destinations keep the
+        // posting order deterministic (the verbs tests check the chains a NIC receives).
+        group_dst.clear();
+        for (size_t i = 0; i < k; ++i) {
+          const int d = pending[i].dst_rank;
+          if (group_of[d] == kNoGroup) {
+            group_of[d] = 0;
+            group_dst.push_back(d);
+          }
+        }
+        std::sort(group_dst.begin(), group_dst.end());
+        for (size_t g = 0; g < group_dst.size(); ++g) group_of[group_dst[g]] = uint32_t(g);
+        group_size.assign(group_dst.size(), 0);
+        for (size_t i = 0; i < k; ++i) ++group_size[group_of[pending[i].dst_rank]];
+        group_fill.assign(group_dst.size(), 0);
+        for (size_t g = 1; g < group_dst.size(); ++g) group_fill[g] = group_fill[g - 1] + group_size[g - 1];
+        grouped.resize(k);
+        for (size_t i = 0; i < k; ++i) grouped[group_fill[group_of[pending[i].dst_rank]]++] = pending[i];
+        for (int d : group_dst) group_of[d] = kNoGroup;
+        pending.pop_front(k);
+        refused.clear();
+        size_t start = 0;
+        for (size_t g = 0; g < group_dst.size(); ++g) {
+          const size_t ok = post_chains(&grouped[start], group_size[g], &posted_bytes);
+          posted += ok;
+          refused.insert(refused.end(), grouped.begin() + start + ok, grouped.begin() + start + group_size[g]);
+          start += group_size[g];
+        }
+        for (auto it = refused.rbegin(); it != refused.rend(); ++it) pending.push_front(*it);
+        stopped = !refused.empty();
       }
       account_post(posted, posted_bytes);
       if (posted) progress = true;
-      if (!rejected.empty() || posted == 0) break;
+      if (stopped || posted == 0) break;
     }
     return progress;
   };
 
-  auto complete_local = [&](uint64_t wr_id) {
-    const int j = int(wr_id >> 56);
-    const uint64_t bytes = wr_id & kBytesMask;
-    --ts->inflight_writes;
-    ts->inflight_bytes -= bytes;
-    --ts->outstanding[j];
-    ts->busy.fetch_sub(1, std::memory_order_relaxed);
+  auto flush_signals = [&] {
+    for (int i = 0; i < nadds; ++i)
+      if (adds[i].add) __atomic_fetch_add(sig + adds[i].slot, adds[i].add, __ATOMIC_RELEASE);
+    nadds = 0;
+  };
+  auto add_signal = [&](uint32_t slot, int64_t d) {
+    ++ts->n_signals_applied;
+    for (int i = 0; i < nadds; ++i)
+      if (adds[i].slot == slot) {
+        adds[i].add += d;
+        return;
+      }
+    if (nadds == kMaxSlotAdds) flush_signals();
+    adds[nadds++] = SlotAdd{slot, d};
+  };
+
+  // What other threads read (wait_idle, stats, describe). `busy` goes out before any FIFO slot is given back, and
+  // last (release): whoever sees it at 0 after waiting also sees the counts that led there.
+  auto publish_busy = [&] {
+    ts->commands.store(ts->n_commands, std::memory_order_relaxed);
+    ts->busy.store(pending.size() + ts->inflight_writes, std::memory_order_release);
+  };
+  auto publish = [&] {
+    ts->writes_posted.store(ts->n_writes_posted, std::memory_order_relaxed);
+    ts->signals_applied.store(ts->n_signals_applied, std::memory_order_relaxed);
+    ts->queued.store(pending.size(), std::memory_order_relaxed);
+    ts->writes_in_flight.store(ts->inflight_writes, std::memory_order_relaxed);
+    ts->bytes_in_flight.store(ts->inflight_bytes, std::memory_order_relaxed);
+    ts->reorder_held.store(ts->reorder->held(), std::memory_order_relaxed);
+    for (size_t j = 0; j < nf; ++j) {
+      ts->fifo_view[j].outstanding.store(ts->outstanding[j], std::memory_order_relaxed);
+      ts->fifo_view[j].barrier.store(ts->barrier_phase[j] ? ts->barrier_epoch[j] + 1 : 0, std::memory_order_relaxed);
+    }
+    publish_busy();
+  };
+
+  auto transport_debug = [&] {
+    std::string s = ts->transport->debug_state();
+    return s.empty() ? s : " transport: " + s + ";";
   };
 
   while (running_.load(std::memory_order_relaxed) && !failed()) {
     bool progress = false;
+    if (const uint64_t asked = ts->state_asked.load(std::memory_order_relaxed); asked != state_answered) {
+      std::string s = ts->transport->debug_state();
+      {
+        std::lock_guard<std::mutex> g(ts->state_mu);
+        ts->state = std::move(s);
+      }
+      state_answered = asked;
+      ts->state_answered.store(asked, std::memory_order_release);
+    }
     // 1. completions: ours (free in-flight budget) and peers' (signals, barriers)
     comps.clear();
     ts->transport->poll(comps, 256);
+    uint64_t completed = 0, completed_bytes = 0;  // summed, not stored to the thread state per completion
     for (const Completion& c : comps) {
       if (c.status != 0) {
         local_fail("transport error: " + (c.error.empty() ? "status " + std::to_string(c.status) : c.error));
@@ -458,7 +695,9 @@ void Proxy::run(ThreadState* ts) {
       }
       progress = true;
       if (c.kind != Completion::Kind::kRemoteImm) {
-        complete_local(c.wr_id);
+        ++completed;
+        completed_bytes += c.wr_id & kBytesMask;
+        --ts->outstanding[c.wr_id >> 56];
       } else if (ImmCodec::is_control(c.imm)) {
         const uint32_t j = ImmCodec::control_fifo(c.imm);
         if (j >= ts->arrivals.size()) {
@@ -467,29 +706,34 @@ void Proxy::run(ThreadState* ts) {
         }
         ++ts->arrivals[j][ImmCodec::control_epoch(c.imm)];
       } else {
-        std::string err = ts->reorder->receive(c.src_rank, c.imm, [&](uint32_t slot, int64_t d) {
-          __atomic_fetch_add(sig + slot, d, __ATOMIC_RELEASE);
-          ts->signals_applied.fetch_add(1, std::memory_order_relaxed);
-        });
-        if (!err.empty()) {
-          local_fail(err);
+        std::string e = ts->reorder->receive(c.src_rank, c.imm, add_signal);
+        if (!e.empty()) {
+          local_fail(e);
           break;
         }
-        update_max(ts->max_reorder_held, ts->reorder->held());
+        update_max(ts->max_reorder_held, ts->reorder->held());  // per arrival: the batch's end may hide the peak
       }
     }
+    flush_signals();
+    ts->inflight_writes -= completed;
+    ts->inflight_bytes -= completed_bytes;
     if (failed()) break;
     // 2. post what is queued
     if (post()) progress = true;
     // 3. take new commands, round robin over this thread's FIFOs
-    const size_t nf = ts->fifos.size();
-    for (size_t k = 0; k < nf && ts->pending.size() < pending_limit; ++k) {
+    for (size_t k = 0; k < nf && pending.size() < pending_limit; ++k) {
       const int j = int((rr + k) % nf);
       Fifo& q = *ts->fifos[j];
       Command c;
-      while (ts->pending.size() < pending_limit && q.peek(&c)) {
+      uint64_t taken = 0;
+      while (pending.size() < pending_limit && q.peek(&c)) {
         const uint32_t type = command_type(c);
-        if (type == kCmdQuiet) {
+        if (type == kCmdWrite || type == kCmdWriteSignal || type == kCmdAtomic) {
+          if (!expand(j, q.consumer_index(), c)) {
+            local_fail("rejected " + err);
+            break;
+          }
+        } else if (type == kCmdQuiet) {
           if (ts->outstanding[j]) break;
         } else if (type == kCmdBarrier) {
           if (ts->outstanding[j]) break;
@@ -512,20 +756,19 @@ void Proxy::run(ThreadState* ts) {
           if (it != arr.end()) arr.erase(it);
           ts->barrier_phase[j] = 0;
           ts->barrier_epoch[j] = (ts->barrier_epoch[j] + 1) & ImmCodec::kEpochMask;
-        } else if (type == kCmdWrite || type == kCmdWriteSignal || type == kCmdAtomic) {
-          std::string err = expand(j, q.tail(), c);
-          if (!err.empty()) {
-            local_fail("rejected " + err);
-            break;
-          }
         } else {
-          local_fail("fifo " + std::to_string(q.fifo_id()) + " command #" + std::to_string(q.tail()) +
+          local_fail("fifo " + std::to_string(q.fifo_id()) + " command #" + std::to_string(q.consumer_index()) +
                      " has unknown type " + std::to_string(type));
           break;
         }
-        q.pop();
-        ts->commands.fetch_add(1, std::memory_order_relaxed);
+        q.advance();
+        ++taken;
+      }
+      if (taken) {
         progress = true;
+        ts->n_commands += taken;
+        publish_busy();
+        q.release();
       }
       if (failed()) break;
     }
@@ -533,15 +776,15 @@ void Proxy::run(ThreadState* ts) {
     if (failed()) break;
     if (post()) progress = true;
 
-    // 4. watchdog and idle back-off
+    // 4. watchdog and idle back-off. The clock is read when a quiet spell starts, not after every busy round.
     if (progress) {
-      last_progress = Clock::now();
+      publish();
       idle_rounds = 0;
       continue;
     }
-    ++idle_rounds;
+    if (++idle_rounds == 1) last_progress = Clock::now();
     if (idle_rounds % 64 == 0) {
-      const bool waiting = ts->inflight_writes || !ts->pending.empty() || ts->reorder->held() ||
+      const bool waiting = ts->inflight_writes || !pending.empty() || ts->reorder->held() ||
                            std::any_of(ts->barrier_phase.begin(), ts->barrier_phase.end(), [](int p) { return p; });
       if (waiting && since(last_progress) > cfg_.timeout_secs) {
         std::ostringstream m;
@@ -563,6 +806,7 @@ void Proxy::run(ThreadState* ts) {
         if (ts->reorder->oldest_gap(&src, &slot, &exp))
           m << " signal lane rank " << src << " slot " << slot << " waits for sequence " << exp << " ("
             << ts->reorder->held() << " held);";
+        m << transport_debug();
         local_fail(m.str(), true);
         break;
       }
@@ -570,6 +814,8 @@ void Proxy::run(ThreadState* ts) {
     }
     if (cfg_.idle_backoff_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(cfg_.idle_backoff_us));
   }
+  publish();
+  ts->in_loop.store(false, std::memory_order_release);
 }
 
 }  // namespace uccl_ep

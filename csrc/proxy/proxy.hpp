@@ -80,16 +80,26 @@ class Proxy {
   void push_many(int fifo, const Command* cmds, size_t n);
   void wait_done(int fifo, uint64_t index);
 
-  // Wait until every FIFO is drained (host producers) and nothing is queued or in flight.
+  // Wait until no command published to any FIFO waits to be taken (Fifo::drained: host- and GPU-fed FIFOs alike)
+  // and nothing is queued or in flight. A GPU push whose store has not landed yet is not seen: call it after the
+  // pushing kernels finished.
   void wait_idle(double timeout_secs);
   // Wait until signals[slot] >= expected; raises TimeoutError naming rank, slot, expected and current value.
   int64_t wait_signal(uint32_t slot, int64_t expected, double timeout_secs);
 
   ProxyThreadStats stats(int thread) const;
 
+  // One line per proxy thread: operations queued, writes and bytes in flight, per-FIFO outstanding operations and
+  // barriers, signals held for order, and the transport's own debug_state(). Safe from any thread while the proxy
+  // runs (for a stuck job: what is each thread waiting for). The counters are the ones the thread last published
+  // (once per round), so they can lag by one round; the transport part is taken by the proxy thread itself when
+  // asked, because a transport is used by one thread only (or directly when the thread does not run).
+  std::string describe() const;
+
  private:
   struct ThreadState;
   void run(ThreadState* ts);
+  std::string transport_state(ThreadState& ts) const;
   void fail(const std::string& what, bool timeout = false);
 
   ProxyConfig cfg_;

@@ -303,6 +303,26 @@ class VerbsTransportImpl final : public VerbsTransport {
     return out;
   }
 
+  // Work the NIC still owes us: a send queue that stays full while nothing completes points at the NIC or the peer,
+  // not at the proxy.
+  std::string debug_state() const override {
+    std::ostringstream os;
+    size_t wrs = 0;
+    for (const auto& kv : chains_) wrs += size_t(kv.second.wrs);
+    os << (efa_ ? "verbs-srd" : "verbs-rc") << " rank " << cfg_.rank << ": " << chains_.size() << " chains ("
+       << wrs << " work requests) posted and not completed";
+    for (size_t slot = 0; slot < sq_used_.size(); ++slot) {
+      if (sq_used_[slot] == 0) continue;
+      const bool per_peer = slot < size_t(cfg_.world_size);
+      const int dev = per_peer ? peers_[slot].dev : int(slot) - cfg_.world_size;
+      os << "; " << (per_peer ? "send queue to rank " + std::to_string(slot) : "SRD send queue") << " on "
+         << devs_[dev].name << " " << sq_used_[slot] << "/" << sq_depth(devs_[dev]);
+      if (per_peer && peers_[slot].failed) os << " (failed)";
+    }
+    if (!pending_.empty()) os << "; " << pending_.size() << " completions not yet returned";
+    return os.str();
+  }
+
  private:
   // ------------------------------------------------------------ setup
   void open_devices() {

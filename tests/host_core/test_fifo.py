@@ -89,3 +89,38 @@ def test_device_view_is_refused_on_a_fifo_host_producers_use(C):
     with pytest.raises(ValueError, match="'host' or 'device'"):
         f.bind_producer("gpu")
 
+
+
+def test_drained_tracks_published_commands_for_host_and_gpu_style_producers(C):
+    # Host producers: drained once the tail caught up with the host head. GPU producers: their head lives in GPU
+    # memory (host_head stays 0), so drained must look at the slot at the tail; push_as_device writes slots the way a
+    # kernel does, from the host.
+    cmd = C.command.write(0, 16, 0, 0)
+    host = C.Fifo(8, rank=0, fifo_id=1)
+    assert host.drained
+    host.push(cmd, 1.0)
+    assert not host.drained
+    assert host.pop() == cmd and host.drained
+
+    gpu = C.Fifo(8, rank=0, fifo_id=2)
+    assert gpu.drained
+    assert gpu.push_as_device(cmd, 1.0) == 0 and gpu.push_as_device(cmd, 1.0) == 1
+    assert gpu.producer == "device" and gpu.head == 0 and gpu.tail == 0
+    assert not gpu.drained  # tail == host head == 0, yet two commands wait
+    assert gpu.pop() == cmd and not gpu.drained
+    assert gpu.pop() == cmd and gpu.drained and gpu.tail == 2
+
+
+def test_gpu_style_pushes_wrap_the_ring_and_refuse_host_pushes(C):
+    f = C.Fifo(4, rank=5, fifo_id=7)
+    for i in range(10):  # several laps of a 4-slot ring, one command in it at a time
+        cmd = C.command.write(0, 16, 0, 16 * i)
+        assert f.push_as_device(cmd, 1.0) == i
+        assert not f.drained
+        assert f.pop() == cmd and f.drained
+    with pytest.raises(C.ProxyError, match=r"rank 5 fifo 7: host push refused: GPU producers feed this FIFO"):
+        f.push(C.command.quiet(), 1.0)
+    h = C.Fifo(4, rank=5, fifo_id=8)
+    h.push(C.command.quiet(), 1.0)
+    with pytest.raises(C.ProxyError, match=r"rank 5 fifo 8: device view refused: host producers already pushed 1"):
+        h.push_as_device(C.command.quiet(), 1.0)

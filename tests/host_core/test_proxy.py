@@ -1,5 +1,8 @@
 """Proxy behaviour within one process (two ranks over loopback): signals, splits, atomics, quiet, barrier,
-watchdog, and rejection of malformed commands before any byte moves."""
+watchdog, wait_idle for host- and GPU-fed FIFOs, describe(), and rejection of malformed commands before any byte
+moves."""
+import json
+import re
 import time
 
 import numpy as np
@@ -195,3 +198,112 @@ def test_settings_reach_the_proxy_and_bad_combinations_are_refused():
 def test_fifo_depth_must_be_a_power_of_two():
     with pytest.raises(RuntimeError, match="power of two"):
         comm.HostComm(4096, 0, 1, settings=load_settings({}), fifo_depth=3)
+
+
+def make_unstarted(**kw):
+    """One rank, connected but with its proxy threads not started: whatever is pushed stays in the FIFOs."""
+    opts = dict(num_threads=1, fifos_per_thread=2, idle_backoff_us=20, timeout_secs=5.0)
+    opts.update(kw)
+    c = comm.HostComm(DATA, 0, 1, settings=load_settings({}), num_signal_slots=64, **opts)
+    c.connect_infos([c.local_infos()])
+    native.module().unlink_shared_host_memory_names()
+    c.data()[:] = np.random.default_rng(3).integers(0, 256, DATA, dtype=np.uint8)
+    return c
+
+
+@pytest.mark.parametrize("producer", ["host", "gpu"])
+def test_wait_idle_waits_until_the_proxy_took_every_published_command(C, producer):
+    c = make_unstarted()
+    try:
+        cmd = C.command.write_signal(0, 256, 0, DATA // 2, 3, 1)
+        if producer == "host":
+            c.proxy.push(1, cmd)
+            stuck = r"fifo 1 tail 0 != head 1"
+        else:  # slots written as a kernel writes them: the host head stays 0, so only the ring shows the command
+            c.proxy.fifo_push_as_device(1, cmd)
+            stuck = r"fifo 1 \(GPU producers\) holds command #0 not yet taken"
+        with pytest.raises(TimeoutError, match=r"rank 0: proxy not idle after .*: " + stuck):
+            c.proxy.wait_idle(0.2)
+        c.start()
+        c.proxy.wait_idle(5)
+        assert c.signals()[3] == 1  # idle means done: the write and its signal landed
+        assert np.array_equal(c.data()[DATA // 2:DATA // 2 + 256], c.data()[:256])
+        assert c.stats()[0]["commands"] == 1
+    finally:
+        c.close()
+
+
+def test_wait_idle_is_not_fooled_by_a_barrier_waiting_in_a_gpu_fed_fifo(C):
+    # The barrier's announcements completed (nothing queued or in flight), but the barrier itself stays in rank 0's
+    # ring until rank 1 arrives: a GPU-fed FIFO must still count as busy although its host head says nothing.
+    cs = make_pair()
+    try:
+        cs[0].proxy.fifo_push_as_device(1, C.command.barrier())
+        time.sleep(0.05)
+        with pytest.raises(TimeoutError, match=r"fifo 1 \(GPU producers\) holds command #0"):
+            cs[0].proxy.wait_idle(0.2)
+        cs[1].proxy.fifo_push_as_device(1, C.command.barrier())
+        for c in cs:
+            c.proxy.wait_idle(5)
+            assert c.proxy.fifo_tail(1) == 1
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_describe_names_each_thread_with_its_writes_in_flight_and_queued(C):
+    cs = make_pair(num_threads=2, fifos_per_thread=1, loopback_delay_us=400_000, max_inflight_writes=4,
+                   max_inflight_bytes=1 << 20)
+    try:
+        for i in range(10):
+            cs[0].push(0, C.command.write(1, 4096, 0, 4096 * (i % 8)))
+        want = (r"rank 0 proxy thread 0: 6 operations queued, 4 writes / 16384 bytes in flight \(caps 4 / 1048576\);"
+                r" fifo 0 10 outstanding; 0 signals held for order; transport: \S")
+        deadline = time.time() + 2
+        text = cs[0].proxy.describe()
+        while not re.search(want, text):
+            assert time.time() < deadline, text
+            time.sleep(0.005)
+            text = cs[0].proxy.describe()
+        lines = text.splitlines()
+        assert len(lines) == 2 and re.match(want, lines[0]), text
+        assert lines[1].startswith("rank 0 proxy thread 1: 0 operations queued, 0 writes / 0 bytes in flight"), text
+        cs[0].wait_idle(5)
+        assert "0 operations queued, 0 writes / 0 bytes in flight" in cs[0].proxy.describe().splitlines()[0]
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_describe_reads_the_transport_directly_when_the_threads_are_not_running(C):
+    c = make_unstarted()
+    try:
+        text = c.proxy.describe()
+        assert text.startswith("rank 0 proxy thread 0: 0 operations queued, 0 writes / 0 bytes in flight")
+        assert "transport: " in text and "no answer" not in text
+    finally:
+        c.close()
+    assert "no answer" not in c.proxy.describe()  # stopped: answered without the thread
+
+
+def test_watchdog_message_ends_with_the_transport_debug_state(C):
+    cs = make_pair(timeout_secs=0.5, loopback_delay_us=3_000_000)
+    try:
+        cs[0].push(0, C.command.write(1, 64, 0, 0))
+        with pytest.raises(C.ProxyError, match=r"rank 0 proxy thread 0: no progress .* 1 writes in flight waiting for "
+                                               r"completion .* transport: loopback rank 0 thread 0: 1 posted"):
+            cs[0].wait_idle(10)
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_bench_proxy_prefill_runs_each_fifo_count_and_reports_the_commands_it_drained(tmp_path):
+    from uccl_ep_train import cli
+
+    out = tmp_path / "proxy.json"
+    assert cli.main(["bench", "proxy", "--producer", "cpu", "--prefill", "--fifos", "1,2", "--commands", "3000",
+                     "--latency-samples", "20", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["fifos"], r["commands"], r["push"]) for r in results] == [(1, 3000, "prefill"), (2, 6000, "prefill")]
+    assert all(r["commands_per_s"] > 0 and r["max_inflight_writes"] >= 1 for r in results)

@@ -233,7 +233,7 @@ def test_a_rank_killed_mid_dispatch_makes_the_others_raise_fast_naming_the_dead_
     detection aborts the GPU waits (abort_waits) instead of every rank waiting out UCCL_EP_GPU_TIMEOUT_SECS."""
     _need(world)
     with pytest.raises(TimeoutError):
-        run_distributed(_killed_peer, world, G, str(tmp_path), timeout=45,
+        run_distributed(_killed_peer, world, G, str(tmp_path), timeout=25,
                         env={"UCCL_EP_CPU_TIMEOUT_SECS": "20", "UCCL_EP_GPU_TIMEOUT_SECS": "30"})
     for rank in range(world - 1):
         path = tmp_path / f"rank{rank}.json"

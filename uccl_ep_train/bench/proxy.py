@@ -6,6 +6,10 @@ every FIFO completed. Latency: one write+signal at a time on FIFO 0, from the pu
 applied, by the same kind of producer (CPU: includes the Python call overhead of about a microsecond; GPU: a kernel
 timing itself on the GPU clock). A FIFO is fed by host or by GPU producers, never both (the other kind is refused),
 so the GPU latency run pushes from a kernel too. ``--push`` picks the device push variant (docs/host-core.md).
+
+``--prefill`` (CPU producer) fills every FIFO before the proxy threads start (the FIFO depth grows to hold them), so
+the rate is the proxy threads' alone: no producer thread competes for a core or bounces the ring's cache lines with
+the proxy, which on a machine with few cores is most of what the plain CPU figure measures.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="GPU push variant (--producer gpu): push = fifo_push per command, warp = one reservation per "
                         "warp, writer / writer-warp = the FIFO owned by one thread / warp (default writer-warp)")
     p.add_argument("--depth", type=int, default=None, help="FIFO depth (default UCCL_EP_FIFO_DEPTH)")
+    p.add_argument("--prefill", action="store_true",
+                   help="CPU producer: push every command before the proxy starts and time the drain alone")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=run)
     return p
@@ -51,8 +57,15 @@ def _measure(C: Any, settings: Any, nfifos: int, args: argparse.Namespace) -> di
     overrides: dict[str, Any] = {"num_threads": threads, "fifos_per_thread": nfifos // threads}
     if args.depth:
         overrides["fifo_depth"] = args.depth
+    prefill = args.prefill
+    if prefill:  # the whole run, closing quiet included, must fit in the ring
+        overrides["fifo_depth"] = max(overrides.get("fifo_depth", 0), 1 << args.commands.bit_length())
     c = comm.HostComm(1 << 20, 0, 1, settings=settings, num_signal_slots=max(64, nfifos + 1), **overrides)
-    comm.connect_in_process([c])
+    if prefill:
+        c.connect_infos([c.local_infos()])
+        C.unlink_shared_host_memory_names()
+    else:
+        comm.connect_in_process([c])
     try:
         n = args.commands
         if args.producer == "gpu":
@@ -73,12 +86,18 @@ def _measure(C: Any, settings: Any, nfifos: int, args: argparse.Namespace) -> di
             def produce(f: int) -> None:
                 c.push_array(f, cmds[f])
 
-            ts = [threading.Thread(target=produce, args=(f,)) for f in range(nfifos)]
-            t0 = time.perf_counter()
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            if prefill:
+                for f in range(nfifos):
+                    produce(f)
+                t0 = time.perf_counter()
+                c.start()
+            else:
+                ts = [threading.Thread(target=produce, args=(f,)) for f in range(nfifos)]
+                t0 = time.perf_counter()
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
             c.wait_idle()  # every FIFO drained, its closing quiet included, and nothing in flight
             seconds = time.perf_counter() - t0
         c.check()
@@ -99,7 +118,8 @@ def _measure(C: Any, settings: Any, nfifos: int, args: argparse.Namespace) -> di
         c.check()
         stats = c.stats()
         return {"fifos": nfifos, "proxy_threads": threads, "producer": args.producer,
-                "push": args.push if args.producer == "gpu" else "host", "commands": n * nfifos,
+                "push": args.push if args.producer == "gpu" else ("prefill" if prefill else "host"),
+                "commands": n * nfifos,
                 "seconds": seconds, "commands_per_s": n * nfifos / seconds,
                 "latency_us": _percentiles(lat), "transport": c.proxy.caps["name"],
                 "max_inflight_writes": max(s["max_inflight_writes"] for s in stats)}
@@ -119,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     results = []
     if args.latency_samples < 1:
         raise SystemExit("--latency-samples must be at least 1")
+    if args.prefill and args.producer != "cpu":
+        raise SystemExit("--prefill fills the FIFOs from the host: it needs --producer cpu")
     print(f"{'fifos':>5} {'threads':>7} {'producer':>8} {'push':>11} {'Mcmd/s':>8} {'p50 us':>8} {'p90 us':>8} "
           f"{'p99 us':>8}")
     for nf in counts:
