@@ -21,6 +21,8 @@ void bind_internode(py::module_& m) {
   phases["combine_network"] = int(in::kPhaseCombineNetwork);
   phases["dispatch_forward"] = int(in::kPhaseDispatchForward);
   phases["combine_gather"] = int(in::kPhaseCombineGather);
+  phases["barrier"] = int(in::kPhaseBarrier);
+  phases["notify"] = int(in::kPhaseNotify);
   k.attr("PHASES") = phases;
   py::dict codes;
   codes["wait_timeout"] = int(in::kErrWaitTimeout);

@@ -134,6 +134,8 @@ const char* phase_name(int phase) {
     case kPhaseCombineNetwork: return "combine network hop (push_chunks / wait_signals)";
     case kPhaseDispatchForward: return "dispatch forward over NVLink (scatter_rows)";
     case kPhaseCombineGather: return "combine gather over NVLink (scatter_rows)";
+    case kPhaseBarrier: return "group barrier through the proxies (push_chunks / wait_signals)";
+    case kPhaseNotify: return "notify: count exchange through the proxies (push_chunks / wait_signals)";
     default: return "unknown phase";
   }
 }

@@ -49,6 +49,8 @@ enum Phase : int32_t {
   kPhaseCombineNetwork = 2,   // combine: partial sums pushed back to / awaited from the forwarders
   kPhaseDispatchForward = 3,  // dispatch: forwarder -> final rows of the node's GPUs (NVLink scatter)
   kPhaseCombineGather = 4,    // combine: received rows -> the forwarder's gather block (NVLink scatter)
+  kPhaseBarrier = 5,          // group barrier between steps: zero-byte signals through the proxies
+  kPhaseNotify = 6,           // count exchange: every rank's count row to every other rank through the proxies
 };
 const char* phase_name(int phase);
 

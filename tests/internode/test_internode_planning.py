@@ -272,6 +272,7 @@ def test_gpu_error_context_names_the_counter_its_feeder_and_the_target_rank():
     # with 4 FIFOs per proxy: slot 6 = dispatch from node 1 through FIFO 2; slot 13 = combine from node 1, FIFO 1
     assert "dispatch records from node 1" in inn.slot_meaning(6, 0, 2, 2, 4) and "FIFO 2" in inn.slot_meaning(6, 0, 2, 2, 4)
     assert "combine partial sums from node 1" in inn.slot_meaning(13, 0, 2, 2, 4)
+    assert "barrier" in inn.slot_meaning(16, 0, 2, 2, 4)  # the one slot after the 2 x N x L data counters
     assert "rank 3" in inn.describe_gpu_error({"code": 4, "slot": 1, "aux": 5}, 2, 2, 2, codes)
     assert "node 1" in inn.describe_gpu_error({"code": 2, "slot": 0, "aux": 2}, 0, 2, 2, codes)
     assert inn.describe_gpu_error({"code": 0}, 0, 2, 2, codes) == ""
@@ -304,7 +305,7 @@ def test_writes_are_a_quarter_of_the_inflight_byte_cap_so_several_overlap_except
 def test_topology_limits_come_from_the_command_format_not_fixed_gpu_or_node_counts():
     assert inn.check_topology(4096, 128) >= 64
     assert inn.check_topology(64, 1) == 512  # 64 nodes of 1 GPU: no 20-node limit
-    assert inn.check_topology(1024, 8, 4) == 1024  # 128 nodes x 4 FIFOs x 2 phases
+    assert inn.check_topology(1024, 8, 4) == 1536  # 128 nodes x 4 FIFOs x 2 phases + 1 barrier, in 512-slot pages
     with pytest.raises(ValueError, match="FIFOs"):
         inn.check_topology(2048, 1, 8)  # 2048 nodes x 8 FIFOs x 2 > 14-bit slots
     with pytest.raises(ValueError, match="12-bit"):
