@@ -34,6 +34,9 @@ def _context():
 def _child(fn, rank: int, world_size: int, args: tuple, port: int, backend: str, timeout: float,
            env: Dict[str, str], sys_path: List[str], results) -> None:
     try:
+        import faulthandler
+
+        faulthandler.enable(all_threads=True)  # a child that crashes in native code leaves its Python stack in the log
         sys.path[:] = sys_path
         os.environ.update(env)
         import torch

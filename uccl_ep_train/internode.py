@@ -488,10 +488,8 @@ class NativeInternodeBackend:
             if fields["code"] == self._codes["wait_timeout"]:
                 slot = int(fields["slot"])
                 msg += f" [the host reads signal[{slot}] = {self._cx.signal_value(slot)}]"
-                try:  # is the NIC side (our proxy threads and their transports) the part that is stuck?
-                    msg += f" [rank {self.rank} proxy state: {self._cx.proxy_describe()}]"
-                except Exception:  # noqa: BLE001 - diagnostics only
-                    pass
+                # The proxy's describe() is not appended: called from here it crashed the process (SIGSEGV) on the
+                # 2x H200 build (session 3, absent-peer test), cause not found yet; see docs/internode.md.
             parts.append(msg)
         if perr:
             parts.append(f"rank {self.rank} proxy: {perr}")

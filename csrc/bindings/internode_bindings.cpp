@@ -87,7 +87,6 @@ void bind_internode(py::module_& m) {
       .def("proxy_start", &in::Context::proxy_start)
       .def("proxy_stop", &in::Context::proxy_stop, py::call_guard<py::gil_scoped_release>())
       .def("proxy_error", &in::Context::proxy_error)
-      .def("proxy_describe", &in::Context::proxy_describe)
       .def("proxy_totals", [](const in::Context& c) {
         in::ProxyTotals t = c.proxy_totals();
         py::dict d;

@@ -312,8 +312,6 @@ void Context::proxy_stop() {
 }
 std::string Context::proxy_error() const { return proxy_ && proxy_->failed() ? proxy_->error() : std::string(); }
 
-std::string Context::proxy_describe() const { return proxy_ ? proxy_->describe() : std::string(); }
-
 ProxyTotals Context::proxy_totals() const {
   ProxyTotals t;
   for (int i = 0; i < proxy_->config().num_threads; ++i) {
@@ -426,7 +424,6 @@ void Context::proxy_start() {}
 void Context::proxy_stop() {}
 std::string Context::proxy_error() const { return ""; }
 ProxyTotals Context::proxy_totals() const { return {}; }
-std::string Context::proxy_describe() const { return ""; }
 int64_t Context::signal_value(uint32_t) const { return 0; }
 void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
 void Context::wait_signals(uintptr_t, int, int, uintptr_t) {}

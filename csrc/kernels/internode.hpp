@@ -120,8 +120,6 @@ class Context {
   void proxy_stop();
   std::string proxy_error() const;  // "" while healthy
   ProxyTotals proxy_totals() const;
-  // One line per proxy thread: queued work, writes in flight, and what its transport still holds (diagnostics).
-  std::string proxy_describe() const;
   // Host read of a signal counter (tests, diagnostics).
   int64_t signal_value(uint32_t slot) const;
   // Device address of the error word (for scatter_rows' range check).
