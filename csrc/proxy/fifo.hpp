@@ -44,6 +44,9 @@ class Fifo {
   // ---- consumer (one thread)
   // Reads the command at the consumer's position (acquire). False when that slot is still empty.
   bool peek(Command* out) const {
+    // Slots taken since the last release() still hold their commands (release clears them): a drain that took a
+    // whole ring's worth must stop here, or it would lap the ring and take those commands a second time.
+    if (consumer_tail_ - published_tail_ > mask_) return false;
     Command* slot = ring_ + (consumer_tail_ & mask_);
     const uint64_t lo = __atomic_load_n(&slot->lo, __ATOMIC_ACQUIRE);
     if (command_type(Command{lo, 0}) == kCmdEmpty) return false;

@@ -307,3 +307,30 @@ def test_bench_proxy_prefill_runs_each_fifo_count_and_reports_the_commands_it_dr
     results = json.loads(out.read_text())["results"]
     assert [(r["fifos"], r["commands"], r["push"]) for r in results] == [(1, 3000, "prefill"), (2, 6000, "prefill")]
     assert all(r["commands_per_s"] > 0 and r["max_inflight_writes"] >= 1 for r in results)
+
+
+@pytest.mark.parametrize("producer", ["host", "gpu"])
+def test_a_drain_of_a_full_small_ring_takes_each_command_once(C, producer):
+    """A drain takes commands until the ring is empty and clears their slots only at its end; with a full ring it
+    must stop after one lap, or it reads its own taken (not yet cleared) slots again: duplicated writes and signals.
+    Found with a 4-slot ring filled before the proxy thread started (UCCL_EP_FIFO_DEPTH accepts any power of two)."""
+    c = make_unstarted(fifo_depth=4)
+    try:
+        cmd = C.command.write_signal(0, 256, 0, DATA // 2, 3, 1)
+        for _ in range(4):  # the ring is full when the proxy thread first looks at it
+            if producer == "host":
+                c.push(0, cmd)
+            else:
+                c.proxy.fifo_push_as_device(0, cmd)
+        c.start()
+        for _ in range(8):  # and it keeps being refilled while the proxy drains
+            if producer == "host":
+                c.push(0, cmd)
+            else:
+                c.proxy.fifo_push_as_device(0, cmd)
+        _wait_signal(c, 3, 12, 5)
+        time.sleep(0.05)  # a lap would show up as extra increments and commands
+        assert c.signals()[3] == 12
+        assert sum(s["commands"] for s in c.stats()) == 12
+    finally:
+        c.close()
