@@ -116,8 +116,14 @@ def run_exact(rank: int, world: int, port: int, cfg: dict, out) -> None:
 
         def produce(f: int) -> None:
             try:
-                c.push_array(f, cmds[f])
-                c.proxy.wait_done(f, c.push(f, _C.command.quiet()))
+                if cfg.get("producer") == "device":  # slot by slot, as a kernel writes them (Fifo.push_as_device)
+                    for cmd in cmds[f]:
+                        c.proxy.fifo_push_as_device(f, (int(cmd[0]), int(cmd[1])))
+                    last = c.proxy.fifo_push_as_device(f, _C.command.quiet())
+                else:
+                    c.push_array(f, cmds[f])
+                    last = c.push(f, _C.command.quiet())
+                c.proxy.wait_done(f, last)
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 errors.append(e)
 

@@ -93,6 +93,20 @@ def test_inflight_cap_of_one_is_never_exceeded():
         assert max(s["max_inflight_writes"] for s in r["stats"]) == 1
 
 
+def test_gpu_style_producers_on_every_fifo_with_reordering_and_one_write_in_flight_stay_exact():
+    """The internode path's shape: 4 proxy threads x 8 FIFOs per rank, every FIFO fed the way a kernel feeds it
+    (push_as_device: GPU-owned head, slots published one by one), an unordered transport and one write in flight per
+    thread; every byte and counter must match the sequential model."""
+    cfg = base_cfg(UCCL_EP_LOOPBACK_REORDER=8, UCCL_IB_MAX_INFLIGHT_NORMAL=1, UCCL_EP_LOOPBACK_SEED=5,
+                   UCCL_EP_PROXY_IDLE_BACKOFF_US=0)
+    cfg.update(num_threads=4, fifos_per_thread=8, num_signal_slots=512, n=600, producer="device")
+    results = spawn(wl.run_exact, cfg, timeout=240)
+    check_exact(results)
+    for r in results.values():
+        assert max(s["max_inflight_writes"] for s in r["stats"]) == 1
+        assert sum(s["commands"] for s in r["stats"]) >= 32 * 600
+
+
 def test_killed_peer_makes_every_other_rank_raise_within_deadline():
     cfg = base_cfg(UCCL_EP_CPU_TIMEOUT_SECS=5)
     cfg.update(n=20000, victim=3, give_up_secs=30)
