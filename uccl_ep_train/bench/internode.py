@@ -7,7 +7,10 @@ the NIC capped (UCCL_EP_LOOPBACK_BW_GBPS=50, one 400 Gb/s NIC per GPU) and uncap
 Reported per rank (max over ranks of the time, bytes of rank 0): wall time per call (the staged path synchronises the
 host, so events would hide nothing), logical bytes (DeepEP's way), physical bytes over the emulated network and over
 NVLink, their bandwidths, proxy commands, and proxy CPU use (process CPU seconds per wall second over the timed loop,
-which includes the Python driver: an upper bound).
+which includes the Python driver: an upper bound). Also: the network hop alone (CUDA events from the push kernel to
+the end of the last signal wait, median), the raw bandwidth of the same bytes copied straight into the peer GPU by
+the copy engines (the uncapped ceiling; with UCCL_EP_LOOPBACK_BW_GBPS the cap is the ceiling), each figure's ratio
+to its ceiling, and rank 0's host wall time per step of a call (where the staged path spends it).
 """
 from __future__ import annotations
 
