@@ -94,8 +94,9 @@ def check_topology(num_ranks: int, ranks_per_node: int, num_lanes: int = 1) -> i
     if slots > CMD_MAX_SLOTS:
         most = (CMD_MAX_SLOTS // SLOT_PAGE * SLOT_PAGE - 2) // (2 * num_lanes)
         raise ValueError(f"{num_nodes} nodes x {num_lanes} proxy FIFOs need {need} signal slots (two per node and "
-                         f"FIFO, barrier, notify); the command format has {CMD_MAX_SLOTS}: at most {most} nodes with {num_lanes} "
-                         "FIFOs (fewer UCCL_EP_NUM_PROXY_THREADS / UCCL_EP_FIFOS_PER_THREAD allow more nodes)")
+                         f"FIFO, barrier, notify); the command format has {CMD_MAX_SLOTS}: at most {most} nodes "
+                         f"with {num_lanes} FIFOs (fewer UCCL_EP_NUM_PROXY_THREADS / UCCL_EP_FIFOS_PER_THREAD allow "
+                         "more nodes)")
     return slots
 
 

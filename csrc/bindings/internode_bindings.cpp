@@ -5,6 +5,7 @@
 
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #include "../kernels/internode.hpp"
+#include "bindings/proxy_stats_dict.hpp"
 #endif
 
 namespace py = pybind11;
@@ -87,17 +88,7 @@ void bind_internode(py::module_& m) {
       .def("proxy_start", &in::Context::proxy_start)
       .def("proxy_stop", &in::Context::proxy_stop, py::call_guard<py::gil_scoped_release>())
       .def("proxy_error", &in::Context::proxy_error)
-      .def("proxy_totals", [](const in::Context& c) {
-        in::ProxyTotals t = c.proxy_totals();
-        py::dict d;
-        d["commands"] = t.commands;
-        d["writes_posted"] = t.writes_posted;
-        d["signals_applied"] = t.signals_applied;
-        d["max_inflight_writes"] = t.max_inflight_writes;
-        d["max_inflight_bytes"] = t.max_inflight_bytes;
-        d["max_reorder_held"] = t.max_reorder_held;
-        return d;
-      })
+      .def("proxy_totals", [](const in::Context& c) { return proxy_stats_dict(c.proxy_totals()); })
       .def("signal_value", &in::Context::signal_value, py::arg("slot"))
       .def_property_readonly("error_word_ptr", &in::Context::error_word_ptr)
       .def("push_chunks", &in::Context::push_chunks, py::arg("table"), py::arg("n"), py::arg("chunk_records"),

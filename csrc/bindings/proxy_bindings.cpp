@@ -16,6 +16,7 @@
 #include "proxy/ordering.hpp"
 #include "proxy/proxy.hpp"
 #include "proxy/selftest.hpp"
+#include "bindings/proxy_stats_dict.hpp"
 #include "transport/loopback.hpp"
 #include "transport/verbs.hpp"
 #include "uccl_ep/command.hpp"
@@ -420,17 +421,7 @@ void bind_host_core(py::module_& m) {
                                     p.proxy->signals(), self);
       }, "A live int64 view of this rank's signal counters.")
       .def_property_readonly("signals_ptr", [](PyProxy& p) { return reinterpret_cast<uintptr_t>(p.proxy->signals()); })
-      .def("stats", [](PyProxy& p, int t) {
-        ProxyThreadStats s = p.proxy->stats(t);
-        py::dict d;
-        d["commands"] = s.commands;
-        d["writes_posted"] = s.writes_posted;
-        d["signals_applied"] = s.signals_applied;
-        d["max_inflight_writes"] = s.max_inflight_writes;
-        d["max_inflight_bytes"] = s.max_inflight_bytes;
-        d["max_reorder_held"] = s.max_reorder_held;
-        return d;
-      });
+      .def("stats", [](PyProxy& p, int t) { return proxy_stats_dict(p.proxy->stats(t)); });
 
   // Both selftest entry points run the same thing; the GIL is released while the proxies work.
   auto run_selftest = [](uint64_t commands, int reorder, uint64_t seed, double timeout_secs,

@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "proxy/errors.hpp"
@@ -127,6 +128,18 @@ void launch_latency(const DeviceFifo& f, const unsigned long long* signal, int s
   fifo_latency_kernel<V><<<1, 32>>>(f, signal, samples, dst_rank, slot, timeout_ns, out, failed);
 }
 
+// Calls fn(std::integral_constant<PushVariant, v>) for the run-time variant: the one place that maps the setting to
+// the compiled kernels.
+template <class Fn>
+void with_variant(PushVariant v, Fn&& fn) {
+  switch (v) {
+    case PushVariant::kPush: return fn(std::integral_constant<PushVariant, PushVariant::kPush>{});
+    case PushVariant::kWarp: return fn(std::integral_constant<PushVariant, PushVariant::kWarp>{});
+    case PushVariant::kWriter: return fn(std::integral_constant<PushVariant, PushVariant::kWriter>{});
+    case PushVariant::kWriterWarp: return fn(std::integral_constant<PushVariant, PushVariant::kWriterWarp>{});
+  }
+}
+
 }  // namespace
 
 PushVariant parse_push_variant(const std::string& name) {
@@ -151,20 +164,9 @@ double launch_fifo_bench(const DeviceFifo* fifos, int num_fifos, uint64_t comman
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&stop), "cudaEventCreate");
   check(cudaEventRecord(start), "cudaEventRecord");
-  switch (variant) {
-    case PushVariant::kPush:
-      launch_bench<PushVariant::kPush>(d_fifos, num_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
-      break;
-    case PushVariant::kWarp:
-      launch_bench<PushVariant::kWarp>(d_fifos, num_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
-      break;
-    case PushVariant::kWriter:
-      launch_bench<PushVariant::kWriter>(d_fifos, num_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
-      break;
-    case PushVariant::kWriterWarp:
-      launch_bench<PushVariant::kWriterWarp>(d_fifos, num_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
-      break;
-  }
+  with_variant(variant, [&](auto v) {
+    launch_bench<decltype(v)::value>(d_fifos, num_fifos, commands_per_fifo, dst_rank, timeout_ns, d_failed);
+  });
   check(cudaGetLastError(), "kernel launch");
   check(cudaEventRecord(stop), "cudaEventRecord");
   check(cudaEventSynchronize(stop), "kernel");
@@ -208,20 +210,9 @@ std::vector<uint64_t> launch_fifo_latency(const DeviceFifo& fifo, int64_t* signa
     check(cudaMalloc(&d_failed, sizeof(int)), "cudaMalloc");
     check(cudaMemset(d_failed, 0, sizeof(int)), "cudaMemset");
     const auto* signal = static_cast<const unsigned long long*>(d_signals) + slot;
-    switch (variant) {
-      case PushVariant::kPush:
-        launch_latency<PushVariant::kPush>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
-        break;
-      case PushVariant::kWarp:
-        launch_latency<PushVariant::kWarp>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
-        break;
-      case PushVariant::kWriter:
-        launch_latency<PushVariant::kWriter>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
-        break;
-      case PushVariant::kWriterWarp:
-        launch_latency<PushVariant::kWriterWarp>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
-        break;
-    }
+    with_variant(variant, [&](auto v) {
+      launch_latency<decltype(v)::value>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
+    });
     check(cudaGetLastError(), "kernel launch");
     check(cudaDeviceSynchronize(), "latency kernel");
     check(cudaMemcpy(out.data(), d_out, sizeof(unsigned long long) * samples, cudaMemcpyDeviceToHost), "cudaMemcpy");

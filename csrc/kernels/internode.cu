@@ -312,19 +312,7 @@ void Context::proxy_stop() {
 }
 std::string Context::proxy_error() const { return proxy_ && proxy_->failed() ? proxy_->error() : std::string(); }
 
-ProxyTotals Context::proxy_totals() const {
-  ProxyTotals t;
-  for (int i = 0; i < proxy_->config().num_threads; ++i) {
-    ProxyThreadStats s = proxy_->stats(i);
-    t.commands += s.commands;
-    t.writes_posted += s.writes_posted;
-    t.signals_applied += s.signals_applied;
-    t.max_inflight_writes = std::max(t.max_inflight_writes, s.max_inflight_writes);
-    t.max_inflight_bytes = std::max(t.max_inflight_bytes, s.max_inflight_bytes);
-    t.max_reorder_held = std::max(t.max_reorder_held, s.max_reorder_held);
-  }
-  return t;
-}
+ProxyThreadStats Context::proxy_totals() const { return proxy_->totals(); }
 
 int64_t Context::signal_value(uint32_t slot) const {
   if (slot >= num_slots_) throw std::invalid_argument("signal_value: slot out of range");
@@ -423,7 +411,7 @@ void Context::proxy_connect(const std::vector<std::vector<std::string>>&) {}
 void Context::proxy_start() {}
 void Context::proxy_stop() {}
 std::string Context::proxy_error() const { return ""; }
-ProxyTotals Context::proxy_totals() const { return {}; }
+ProxyThreadStats Context::proxy_totals() const { return {}; }
 int64_t Context::signal_value(uint32_t) const { return 0; }
 void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
 void Context::wait_signals(uintptr_t, int, int, uintptr_t) {}

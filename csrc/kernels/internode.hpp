@@ -10,9 +10,7 @@
 #include <string>
 #include <vector>
 
-namespace uccl_ep {
-class Proxy;
-}
+#include "proxy/proxy.hpp"  // Proxy, ProxyThreadStats (host-only header)
 
 namespace uccl_ep::internode {
 
@@ -83,11 +81,6 @@ struct ProxyParams {
   uint64_t loopback_seed = 0;
 };
 
-struct ProxyTotals {
-  uint64_t commands = 0, writes_posted = 0, signals_applied = 0, max_inflight_writes = 0, max_inflight_bytes = 0,
-           max_reorder_held = 0;
-};
-
 class Context {
  public:
   Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nvl_bytes, const ProxyParams& params,
@@ -119,7 +112,7 @@ class Context {
   void proxy_start();
   void proxy_stop();
   std::string proxy_error() const;  // "" while healthy
-  ProxyTotals proxy_totals() const;
+  ProxyThreadStats proxy_totals() const;  // every proxy thread together (Proxy::totals)
   // Host read of a signal counter (tests, diagnostics).
   int64_t signal_value(uint32_t slot) const;
   // Device address of the error word (for scatter_rows' range check).

@@ -372,6 +372,20 @@ ProxyThreadStats Proxy::stats(int thread) const {
   return s;
 }
 
+ProxyThreadStats Proxy::totals() const {
+  ProxyThreadStats t;
+  for (int i = 0; i < cfg_.num_threads; ++i) {
+    const ProxyThreadStats s = stats(i);
+    t.commands += s.commands;
+    t.writes_posted += s.writes_posted;
+    t.signals_applied += s.signals_applied;
+    t.max_inflight_writes = std::max(t.max_inflight_writes, s.max_inflight_writes);
+    t.max_inflight_bytes = std::max(t.max_inflight_bytes, s.max_inflight_bytes);
+    t.max_reorder_held = std::max(t.max_reorder_held, s.max_reorder_held);
+  }
+  return t;
+}
+
 std::string Proxy::transport_state(ThreadState& ts) const {
   constexpr double kAnswerSecs = 0.5;
   const uint64_t ticket = ts.state_asked.fetch_add(1, std::memory_order_relaxed) + 1;

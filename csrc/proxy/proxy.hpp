@@ -88,6 +88,8 @@ class Proxy {
   int64_t wait_signal(uint32_t slot, int64_t expected, double timeout_secs);
 
   ProxyThreadStats stats(int thread) const;
+  // Every thread together: counts summed, maxima of the maxima.
+  ProxyThreadStats totals() const;
 
   // One line per proxy thread: operations queued, writes and bytes in flight, per-FIFO outstanding operations and
   // barriers, signals held for order, and the transport's own debug_state(). Safe from any thread while the proxy

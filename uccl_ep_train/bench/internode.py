@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import time
 
 
@@ -49,11 +50,6 @@ def _wall(fn, iters: int, warmup: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters
-
-
-def _median(v) -> float:
-    v = sorted(v)
-    return v[len(v) // 2] if v else 0.0
 
 
 def _cpu() -> float:
@@ -111,7 +107,7 @@ def run(args) -> int:
     t_comb = _wall(lambda: nat.combine(y, handle, None, None), args.iters, args.warmup)
     cpu_frac = (_cpu() - cpu0) / (time.perf_counter() - wall0)
     torch.cuda.synchronize()
-    hop_ms = {ph: sorted(a.elapsed_time(b) for a, b in ev) for ph, ev in nat.network_timing.items()}
+    hop_ms = {ph: [a.elapsed_time(b) for a, b in ev] for ph, ev in nat.network_timing.items()}
     nat.network_timing = None
     host_steps = {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}  # us per call
     nat.host_timing = None
@@ -154,8 +150,8 @@ def run(args) -> int:
         "proxy": nat.proxy_stats(), "process_cpu_per_wall_s": cpu_frac,
         "host_step_us_rank0": host_steps,  # mean host wall time per call and step (uncached and cached together)
         # median over the timed calls (dispatch: uncached and cached calls together), max over ranks
-        "dispatch_network_hop_us": mx(_median(hop_ms.get("dispatch_network", [0.0])) * 1e3),
-        "combine_network_hop_us": mx(_median(hop_ms.get("combine_network", [0.0])) * 1e3),
+        "dispatch_network_hop_us": mx(statistics.median(hop_ms.get("dispatch_network", [0.0])) * 1e3),
+        "combine_network_hop_us": mx(statistics.median(hop_ms.get("combine_network", [0.0])) * 1e3),
     }
     row["dispatch_network_GBps"] = row["dispatch_network_bytes"] / (row["dispatch_us"] * 1e3)
     row["dispatch_logical_GBps"] = row["dispatch_logical_bytes"] / (row["dispatch_us"] * 1e3)
