@@ -459,6 +459,7 @@ class NativeInternodeBackend:
             raise InternodeError(f"the proxy has {self._cx.num_fifos} FIFOs, planning assumed {self.L}")
         self._barrier_slot = 2 * self.N * self.L
         self._notify_slot = self._barrier_slot + 1
+        self._fixed_tables: dict = {}  # phase -> device push table that never changes (barrier, notify)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
@@ -545,7 +546,7 @@ class NativeInternodeBackend:
         into peers' NVL areas -- are complete, and the writes its proxy made for them have landed. It replaced a
         gloo barrier over TCP (~1 ms per barrier with 4 processes; docs/internode.md)."""
         rows = [[r, 0, 0, 0, 1, self._barrier_slot, 0] for r in range(self.R) if r != self.rank]
-        self._push_and_wait(rows, [(self._barrier_slot, self.R - 1)], "barrier", 1, what)
+        self._push_and_wait(rows, [(self._barrier_slot, self.R - 1)], "barrier", 1, what, fixed=True)
 
     def _notify(self, is_token_in_rank: torch.Tensor) -> Counts:
         row = local_count_row(is_token_in_rank, self.G)
@@ -577,13 +578,15 @@ class NativeInternodeBackend:
         own = base + self.rank * rb
         self._rdma[own:own + 8 * row.numel()].view(torch.int64).copy_(row)
         rows = [[r, own, own, rb, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
-        self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)")
+        self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)", fixed=True)
         width = 8 * row.numel()
         mat = self._rdma[base:base + R * rb].view(R, rb)[:, :width].cpu().contiguous().view(torch.int64)
         return counts_from_rows(mat, R)
 
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
-                       what: str = "") -> None:
+                       what: str = "", fixed: bool = False) -> None:
+        """Push the table's chunks, wait for the signals, drain. ``fixed``: the rows are the same in every call of
+        this phase (barrier, notify), so their device copy is made once and reused."""
         stream = self._stream()
         ph = self._phases[phase]
         if self.network_timing is not None:
@@ -593,7 +596,11 @@ class NativeInternodeBackend:
             if len(rows[0]) != self._k.PUSH_COLUMNS:
                 raise InternodeError(f"push table has {len(rows[0])} columns, the module expects "
                                      f"{self._k.PUSH_COLUMNS} (rebuild _C)")
-            table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
+            table = self._fixed_tables.get(phase) if fixed else None
+            if table is None:
+                table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
+                if fixed:
+                    self._fixed_tables[phase] = table
             self._cx.push_chunks(table.data_ptr(), len(rows), per_chunk, ph, stream)
             self._keep = table
         if waits:
