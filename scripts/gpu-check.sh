@@ -5,7 +5,8 @@
 # but train and bench_internode);
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), fifo (GPU
 # producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
-# CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel).
+# CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency with staggered
+# watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered case, LOOPS times).
 # TRAIN_DISPATCHERS (default "uccl alltoall") picks the dispatchers the train step compares; EMULATE_NODES (default
 # "2") the node counts bench_internode plays with the host's GPUs (e.g. "2 4" on 4 GPUs: 2 x 2 and 4 x 1).
 set -uo pipefail
@@ -63,6 +64,18 @@ for step in "${steps[@]}"; do
       run profile_dispatcher 180 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers alltoall,uccl \
         --iters 10 --profile "$OUT/profile-dispatcher" ;;
     fifo) run fifo 120 python3 -m pytest -q -s -rf tests/host_core/test_gpu_fifo.py ;;
+    latency)  # push-to-signal latency with 1..16 staggered watching warps, beside the GPU->host->GPU echo floor
+      for push in writer-warp writer push; do
+        UCCL_EP_CPU_TIMEOUT_SECS=20 run "latency_$push" 60 python3 -m uccl_ep_train bench proxy --producer gpu \
+          --fifos 1 --commands 20000 --latency-samples 5000 --poll-warps 1,4,8,16 --push "$push" \
+          --json "$OUT/latency-$push.json"
+      done ;;
+    internode_loop)  # the intermittent case (reorder + cap 1 + 4 KiB chunks, 2 x 2), LOOPS times, stop at a failure
+      for i in $(seq "${LOOPS:-6}"); do
+        run "internode_loop_$i" 240 python3 -m pytest -x -q -rf tests/internode \
+          -k "reordered_transport and 4-2"
+        tail -1 "$OUT/summary.txt" | grep -q "rc=0" || break
+      done ;;
     internode_2x2) CUDA_LAUNCH_BLOCKING=1 run internode_2x2 150 python3 -m pytest -x -q -rf tests/internode \
                      -k "every_output and 4-2" ;;
     train)  # 1-GPU runs side by side (one per GPU), then the EP=2 runs; same seed, mock data, 50 steps

@@ -62,6 +62,45 @@ def _local_gpu(rank: int, gpu: Optional[int]) -> int:
     return int(local) if local not in (None, "") else rank
 
 
+@dataclass(frozen=True)
+class GpuNics:
+    """The RDMA NICs topology.plan() gives one GPU, with what the host has, for messages when they are none."""
+
+    gpu: int
+    devices: tuple[str, ...] = ()
+    gid_index: tuple[int, ...] = ()
+    gid_reason: tuple[str, ...] = ()
+    efa: bool = False
+    host_nics: tuple[str, ...] = ()       # every RDMA device sysfs shows on this host
+    problem: str = ""                     # why ``devices`` is empty
+    gid_unusable: bool = False            # the problem is a NIC whose GIDs cannot be used (plan() raised)
+
+
+def gpu_nics(settings: Settings, rank: int, *, gpu: Optional[int] = None,
+             topology: Optional[topo_mod.Topology] = None) -> GpuNics:
+    """The NICs (and GID indices) topology.plan() assigns to this rank's GPU (``gpu``, default LOCAL_RANK, else
+    ``rank``) under UCCL_IB_HCA / UCCL_IB_GID_INDEX; shared by every proxy owner (HostComm, the internode backend)."""
+    t = settings.transport
+    topo = topology if topology is not None else _discover("/sys")
+    gpu_index = _local_gpu(rank, gpu)
+    host_nics = tuple(n.name for n in topo.nics)
+    try:
+        plans = topo_mod.plan(topo, t.ib_hca, t.ib_gid_index)
+    except ValueError as exc:  # a NIC exists but no GID of it can be used
+        return GpuNics(gpu_index, host_nics=host_nics, problem=str(exc), gid_unusable=True)
+    mine = next((p for p in plans if p.gpu == gpu_index), None)
+    if mine is None:
+        return GpuNics(gpu_index, host_nics=host_nics,
+                       problem=f"no GPU {gpu_index} on this host ({len(topo.gpus)} found)")
+    if not mine.nics:
+        return GpuNics(gpu_index, host_nics=host_nics, problem=f"no RDMA NIC for GPU {gpu_index}" + (
+            f" (UCCL_IB_HCA={','.join(t.ib_hca)})" if t.ib_hca else ""))
+    by_name = {n.name: n for n in topo.nics}
+    return GpuNics(gpu_index, devices=tuple(mine.nics), gid_index=tuple(mine.gid_index),
+                   gid_reason=tuple(mine.gid_reason), efa=any(by_name[n].is_efa for n in mine.nics if n in by_name),
+                   host_nics=host_nics)
+
+
 def choose_transport(settings: Settings, rank: int, *, gpu: Optional[int] = None,
                      topology: Optional[topo_mod.Topology] = None) -> TransportChoice:
     """Resolve UCCL_EP_TRANSPORT: "verbs" (or "auto" when this GPU has a usable RDMA NIC and libibverbs loads) drives
@@ -71,33 +110,25 @@ def choose_transport(settings: Settings, rank: int, *, gpu: Optional[int] = None
     if t.transport == "loopback":
         return TransportChoice("loopback", "UCCL_EP_TRANSPORT=loopback")
     explicit = t.transport == "verbs"
-    topo = topology if topology is not None else _discover("/sys")
-    gpu_index = _local_gpu(rank, gpu)
-    try:
-        plans = topo_mod.plan(topo, t.ib_hca, t.ib_gid_index)
-    except ValueError as exc:  # a NIC exists but no GID of it can be used
+    mine = gpu_nics(settings, rank, gpu=gpu, topology=topology)
+    if mine.gid_unusable:
         if explicit:
-            raise SettingsError(f"UCCL_EP_TRANSPORT=verbs: {exc}") from None
-        return TransportChoice("loopback", f"UCCL_EP_TRANSPORT=auto: no usable RDMA NIC ({exc})")
-    mine = next((p for p in plans if p.gpu == gpu_index), None)
-    if mine is None or not mine.nics:
-        why = (f"no GPU {gpu_index} on this host ({len(topo.gpus)} found)" if mine is None else
-               f"no RDMA NIC for GPU {gpu_index}" + (f" (UCCL_IB_HCA={','.join(t.ib_hca)})" if t.ib_hca else ""))
+            raise SettingsError(f"UCCL_EP_TRANSPORT=verbs: {mine.problem}")
+        return TransportChoice("loopback", f"UCCL_EP_TRANSPORT=auto: no usable RDMA NIC ({mine.problem})")
+    if not mine.devices:
         if explicit:
-            raise SettingsError(f"UCCL_EP_TRANSPORT=verbs but {why}: run `uccl-ep-train doctor`, widen UCCL_IB_HCA, "
-                                "or set UCCL_EP_TRANSPORT=loopback for a single-host run")
-        return TransportChoice("loopback", f"UCCL_EP_TRANSPORT=auto: {why}")
+            raise SettingsError(f"UCCL_EP_TRANSPORT=verbs but {mine.problem}: run `uccl-ep-train doctor`, widen "
+                                "UCCL_IB_HCA, or set UCCL_EP_TRANSPORT=loopback for a single-host run")
+        return TransportChoice("loopback", f"UCCL_EP_TRANSPORT=auto: {mine.problem}")
     ok, why = _verbs_loadable()
     if not ok:
         if explicit:
             raise SettingsError(f"UCCL_EP_TRANSPORT=verbs but the verbs transport cannot run: {why}")
-        return TransportChoice("loopback", f"UCCL_EP_TRANSPORT=auto: RDMA NIC(s) {','.join(mine.nics)} found but "
+        return TransportChoice("loopback", f"UCCL_EP_TRANSPORT=auto: RDMA NIC(s) {','.join(mine.devices)} found but "
                                f"{why}")
-    by_name = {n.name: n for n in topo.nics}
-    efa = any(by_name[n].is_efa for n in mine.nics if n in by_name)
-    return TransportChoice("verbs", f"UCCL_EP_TRANSPORT={t.transport}: GPU {gpu_index} -> " + "; ".join(
-        f"{n} ({r})" for n, r in zip(mine.nics, mine.gid_reason)), gpu=gpu_index, devices=tuple(mine.nics),
-        gid_index=tuple(mine.gid_index), efa=efa)
+    return TransportChoice("verbs", f"UCCL_EP_TRANSPORT={t.transport}: GPU {mine.gpu} -> " + "; ".join(
+        f"{n} ({r})" for n, r in zip(mine.devices, mine.gid_reason)), gpu=mine.gpu, devices=mine.devices,
+        gid_index=mine.gid_index, efa=mine.efa)
 
 
 @dataclass(frozen=True)

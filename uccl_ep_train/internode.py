@@ -12,15 +12,19 @@ native module (``_C.internode``): regions, proxy bootstrap, the push/wait/scatte
 from __future__ import annotations
 
 import math
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
+
+if TYPE_CHECKING:
+    from uccl_ep_train.comm import GpuNics
 
 #: Command-format limits (csrc/include/uccl_ep/command.hpp); mirrored here so planning can check without _C.
 CMD_UNIT = 16
@@ -34,6 +38,31 @@ SLOT_PAGE = 512  # signal counters are registered for the GPU in whole pages (51
 
 class InternodeError(RuntimeError):
     """A failure of the internode path; the message names the rank, what was awaited and the value expected."""
+
+
+def describe_fifo_states(states: Sequence[dict], rank: int) -> str:
+    """One clause on this rank's command FIFOs for an error message. A FIFO whose kernels reserved more slots
+    (device head) than its proxy took (tail) either still has commands queued (slots full from the tail on) or lost a
+    push: the slot at the tail is empty, so the proxy waits there forever, and no watchdog fires because nothing is
+    queued or in flight from its point of view. That is the question the "last chunk of a lane never arrived"
+    failures leave open (docs/internode.md, "Open")."""
+    odd = []
+    for f in states:
+        head, tail, full = int(f["device_head"]), int(f["tail"]), int(f["full"])
+        if head == tail and full == 0:
+            continue
+        if head < 0:
+            kind = "head unreadable"
+        elif head > tail and (full == 0 or int(f["first_full"]) != tail):
+            kind = f"LOST PUSH: slot {tail} is empty, {head - tail} reserved past the tail, {full} full"
+        elif head > tail:
+            kind = f"{full} queued"
+        else:
+            kind = f"{full} full slots past the tail"
+        odd.append(f"fifo {f['fifo']} head {head} tail {tail} ({kind})")
+    if not odd:
+        return f"rank {rank} FIFOs: every command kernels pushed was taken by the proxy ({len(states)} FIFOs)"
+    return f"rank {rank} FIFOs: " + ", ".join(odd)
 
 
 def _timeout_hint() -> str:
@@ -347,6 +376,104 @@ def check_area(what: str, rows_by_rank: Sequence[int], stride: int, capacity: in
                                  f"{capacity}; raise {env} (the area is a fixed share of it, see docs/internode.md)")
 
 
+@dataclass(frozen=True)
+class InternodeTransport:
+    """What the backend's proxies run over (resolve_internode_transport), and for verbs the NICs of this GPU."""
+
+    name: str                          # "loopback" or "verbs"
+    reason: str
+    devices: Tuple[str, ...] = ()
+    gid_index: Tuple[int, ...] = ()
+    efa: bool = False
+
+
+_REBUILD_WITH_VERBS = ("this uccl_ep_train._C was built without the verbs transport (infiniband/verbs.h was not "
+                       "found at build time): install rdma-core's headers (libibverbs-dev / rdma-core-devel) and "
+                       "rebuild")
+
+
+def resolve_internode_transport(setting: str, hostnames: Sequence[str], rank: int,
+                                nics_for_this_gpu: Callable[[], "GpuNics"], verbs_built: bool) -> InternodeTransport:
+    """UCCL_EP_TRANSPORT for the internode backend, given every rank's host name (``hostnames[r]``).
+
+    auto: loopback when every rank is on this host, verbs otherwise. loopback across hosts raises: its writes are
+    memcpys into peers' shared memory and CUDA IPC mappings, which exist on one host only. verbs needs the module
+    built with it and an RDMA device for this GPU. ``nics_for_this_gpu`` (comm.gpu_nics for the real host) is only
+    called when verbs is chosen, so single-host runs never depend on the NIC survey. Raises InternodeError naming
+    what to change."""
+    if setting not in ("auto", "loopback", "verbs"):
+        raise InternodeError(f"rank {rank}: UCCL_EP_TRANSPORT={setting} is not a transport: use auto, verbs or "
+                             "loopback")
+    ranks_of: dict = {}
+    for r, h in enumerate(hostnames):
+        ranks_of.setdefault(h, []).append(r)
+    one_host = len(ranks_of) == 1
+    if one_host and setting != "verbs":
+        return InternodeTransport("loopback", f"UCCL_EP_TRANSPORT={setting}: all {len(hostnames)} ranks on host "
+                                  f"{next(iter(ranks_of))}")
+    if not one_host and setting == "loopback":
+        spread = "; ".join(f"{h}: ranks {_rank_list(rs)}" for h, rs in list(ranks_of.items())[:4])
+        more = f"; ... {len(ranks_of) - 4} more hosts" if len(ranks_of) > 4 else ""
+        raise InternodeError(f"rank {rank}: UCCL_EP_TRANSPORT=loopback but the group spans {len(ranks_of)} hosts "
+                             f"({spread}{more}); the loopback transport reaches only ranks on one host (shared "
+                             "memory and CUDA IPC): set UCCL_EP_TRANSPORT=auto or verbs to go through the RDMA NICs")
+    why = ("UCCL_EP_TRANSPORT=verbs" if setting == "verbs" else
+           f"UCCL_EP_TRANSPORT=auto and the group spans {len(ranks_of)} hosts")
+    if not verbs_built:
+        fix = "; or set UCCL_EP_TRANSPORT=auto for this single-host run" if one_host else ""
+        raise InternodeError(f"rank {rank}: {why}, so the proxies need the verbs transport, but "
+                             f"{_REBUILD_WITH_VERBS}{fix}")
+    nics = nics_for_this_gpu()
+    if not nics.devices:
+        found = ", ".join(nics.host_nics) if nics.host_nics else "none (no /sys/class/infiniband entries)"
+        fix = "; or set UCCL_EP_TRANSPORT=auto for this single-host run" if one_host else ""
+        raise InternodeError(f"rank {rank}: {why}, but this rank has no RDMA device to use: {nics.problem}. "
+                             f"RDMA devices on this host: {found}. Set UCCL_IB_HCA to the device(s) this GPU should "
+                             "use (UCCL_IB_GID_INDEX if its GID cannot be chosen), see `uccl-ep-train doctor`"
+                             f"{fix}")
+    return InternodeTransport("verbs", f"{why}: GPU {nics.gpu} -> " + "; ".join(
+        f"{n} ({r})" for n, r in zip(nics.devices, nics.gid_reason)), devices=tuple(nics.devices),
+        gid_index=tuple(nics.gid_index), efa=nics.efa)
+
+
+def select_internode_transport(setting: str, rank: int, world: int, group: Any,
+                               nics_for_this_gpu: Callable[[], "GpuNics"], verbs_built: bool,
+                               hostname: Optional[str] = None) -> InternodeTransport:
+    """resolve_internode_transport on every rank of ``group`` (gloo) from the host names they gather
+    (``hostname``: this rank's, default socket.gethostname()). Every rank ends the same way: a rank that cannot set
+    up the transport (no NIC, no verbs in its build) raises, and so does every other rank, naming it, instead of
+    waiting in the proxy bootstrap until the gloo deadline."""
+    hosts: List[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname() if hostname is None else hostname, group=group)
+    try:
+        choice: Optional[InternodeTransport] = resolve_internode_transport(setting, hosts, rank, nics_for_this_gpu,
+                                                                           verbs_built)
+        failure = ""
+    except InternodeError as exc:
+        choice, failure = None, str(exc)
+    failures: List[Any] = [None] * world
+    dist.all_gather_object(failures, failure, group=group)
+    if failure:
+        raise InternodeError(failure)
+    first = next((f for f in failures if f), "")
+    if first:
+        raise InternodeError(f"{first} (rank {rank} stops too: the proxies of every rank connect to each other)")
+    assert choice is not None
+    return choice
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """'0-3,8' for messages about many ranks."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
+
+
 # ====================================================================================================================
 # Native backend
 # ====================================================================================================================
@@ -418,12 +545,15 @@ class NativeInternodeBackend:
             raise ValueError(f"num_rdma_bytes={self.rdma_bytes} exceeds the 4 GiB a command can address "
                              "(28-bit offsets in 16-byte units)")
         t, p, e = s.transport, s.proxy, s.emulation
-        if t.transport not in ("auto", "loopback"):
-            raise InternodeError(f"UCCL_EP_TRANSPORT={t.transport}: the internode backend runs over the loopback "
-                                 "transport only for now (set UCCL_EP_TRANSPORT=loopback)")
-        self.inflight_bytes = t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else 2 << 20
         ranks = dist.get_process_group_ranks(ctx.group) if ctx.group is not None else list(range(self.R))
         self._gloo = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=self.cpu_timeout))
+        from uccl_ep_train import comm
+
+        self.transport = select_internode_transport(
+            t.transport, self.rank, self.R, self._gloo, lambda: comm.gpu_nics(s, self.local),
+            verbs_built=bool(getattr(getattr(_C, "verbs", None), "available", False)))
+        default_bytes = comm.DEFAULT_INFLIGHT_BYTES_EFA if self.transport.efa else comm.DEFAULT_INFLIGHT_BYTES
+        self.inflight_bytes = t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes
         torch.cuda.set_device(self.device)
         self._cx = self._k.InternodeContext(
             rank=self.rank, world=self.R, device=self.device.index, rdma_bytes=self.rdma_bytes,
@@ -433,7 +563,9 @@ class NativeInternodeBackend:
             max_inflight_bytes=self.inflight_bytes, reorder_window=t.reorder_window, num_signal_slots=slots,
             loopback_reorder=e.loopback_reorder, loopback_delay_us=e.loopback_delay_us,
             loopback_bandwidth_gbps=e.loopback_bandwidth_gbps, loopback_seed=e.loopback_seed,
-            gpu_timeout_secs=float(s.kernel.gpu_timeout_secs))
+            gpu_timeout_secs=float(s.kernel.gpu_timeout_secs), transport=self.transport.name,
+            ib_devices=list(self.transport.devices), gid_index=list(self.transport.gid_index),
+            sl=-1 if t.ib_sl is None else t.ib_sl, tc=-1 if t.ib_tc is None else t.ib_tc)
         infos = [self._cx.proxy_local_info(i) for i in range(p.num_threads)]
         gathered: List[Any] = [None] * self.R
         dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle()), group=self._gloo)
@@ -499,6 +631,10 @@ class NativeInternodeBackend:
             parts.append(f"rank {self.rank}: GPU waits were aborted by the host")
         try:
             parts.append(f"proxy totals {self._cx.proxy_totals()}")
+        except Exception:  # noqa: BLE001 - diagnostics only
+            pass
+        try:
+            parts.append(describe_fifo_states(self._cx.fifo_states(), self.rank))
         except Exception:  # noqa: BLE001 - diagnostics only
             pass
         self._cx.clear_error()

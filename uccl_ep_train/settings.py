@@ -91,7 +91,8 @@ class TransportSettings:
     """How proxies reach remote GPUs: which transport, which NIC, and the NIC-level flow control."""
 
     transport: str = field(default="auto", metadata=_meta(
-        "UCCL_EP_TRANSPORT", "auto (verbs when an RDMA NIC is usable, else loopback), verbs, or loopback",
+        "UCCL_EP_TRANSPORT", "auto, verbs, or loopback (one host only). auto: internode backend: loopback when "
+        "every rank is on one host, else verbs; standalone proxies: verbs when an RDMA NIC is usable, else loopback",
         _choice("auto", "verbs", "loopback")))
     socket_ifname: Optional[str] = field(default=None, metadata=_meta(
         "UCCL_SOCKET_IFNAME", "network interface for bootstrap traffic (as NCCL_SOCKET_IFNAME)", str.strip))

@@ -3,6 +3,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <string>
+#include <variant>
+#include <vector>
+
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #include "../kernels/internode.hpp"
 #include "bindings/proxy_stats_dict.hpp"
@@ -46,7 +50,8 @@ void bind_internode(py::module_& m) {
                        double timeout_secs, uint64_t max_inflight_writes, uint64_t max_inflight_bytes,
                        int reorder_window, uint32_t num_signal_slots, int loopback_reorder,
                        uint64_t loopback_delay_us, double loopback_bandwidth_gbps, uint64_t loopback_seed,
-                       double gpu_timeout_secs) {
+                       double gpu_timeout_secs, std::string transport, std::vector<std::string> ib_devices,
+                       int ib_port, std::variant<int, std::vector<int>> gid_index, int sl, int tc) {
              in::ProxyParams p;
              p.num_threads = num_threads;
              p.fifos_per_thread = fifos_per_thread;
@@ -62,6 +67,16 @@ void bind_internode(py::module_& m) {
              p.loopback_delay_us = loopback_delay_us;
              p.loopback_bandwidth_gbps = loopback_bandwidth_gbps;
              p.loopback_seed = loopback_seed;
+             p.transport = transport;
+             p.ib_devices = ib_devices;
+             p.ib_port = ib_port;
+             // One int stands for every device (UCCL_IB_GID_INDEX is a single setting); a list is per device.
+             if (const int* one = std::get_if<int>(&gid_index))
+               p.gid_index.assign(ib_devices.size(), *one);
+             else
+               p.gid_index = std::get<std::vector<int>>(gid_index);
+             p.sl = sl;
+             p.tc = tc;
              return std::make_unique<in::Context>(rank, world, device, rdma_bytes, nvl_bytes, p, gpu_timeout_secs);
            }),
            py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("rdma_bytes"), py::arg("nvl_bytes"),
@@ -69,7 +84,11 @@ void bind_internode(py::module_& m) {
            py::arg("idle_backoff_us"), py::arg("timeout_secs"), py::arg("max_inflight_writes"),
            py::arg("max_inflight_bytes"), py::arg("reorder_window"), py::arg("num_signal_slots"),
            py::arg("loopback_reorder"), py::arg("loopback_delay_us"), py::arg("loopback_bandwidth_gbps"),
-           py::arg("loopback_seed"), py::arg("gpu_timeout_secs"))
+           py::arg("loopback_seed"), py::arg("gpu_timeout_secs"), py::arg("transport") = "loopback",
+           py::arg("ib_devices") = std::vector<std::string>{}, py::arg("ib_port") = 1, py::arg("gid_index") = -1,
+           py::arg("sl") = -1, py::arg("tc") = -1,
+           "transport: 'loopback' (one host) or 'verbs' (ib_devices: this GPU's RDMA devices; gid_index: one int for "
+           "every device or a list, -1 chooses; sl / tc: -1 is the NIC family's default)")
       .def_property_readonly("rank", &in::Context::rank)
       .def_property_readonly("world", &in::Context::world)
       .def_property_readonly("rdma_bytes", &in::Context::rdma_bytes)
@@ -90,6 +109,20 @@ void bind_internode(py::module_& m) {
       .def("proxy_error", &in::Context::proxy_error)
       .def("proxy_totals", [](const in::Context& c) { return proxy_stats_dict(c.proxy_totals()); })
       .def("signal_value", &in::Context::signal_value, py::arg("slot"))
+      .def("fifo_states", [](const in::Context& c) {
+        py::list out;
+        for (const auto& f : c.fifo_states()) {
+          py::dict d;
+          d["fifo"] = f.fifo;
+          d["device_head"] = f.device_head;
+          d["tail"] = f.tail;
+          d["full"] = f.full;
+          d["first_full"] = f.first_full;
+          d["last_full"] = f.last_full;
+          out.append(d);
+        }
+        return out;
+      }, "per FIFO: slots kernels reserved (device_head), published tail, non-empty slots past it (diagnostics)")
       .def_property_readonly("error_word_ptr", &in::Context::error_word_ptr)
       .def("push_chunks", &in::Context::push_chunks, py::arg("table"), py::arg("n"), py::arg("chunk_records"),
            py::arg("phase"), py::arg("stream"))

@@ -16,9 +16,8 @@
 #include "proxy/ordering.hpp"
 #include "proxy/proxy.hpp"
 #include "proxy/selftest.hpp"
+#include "proxy/transport_factory.hpp"
 #include "bindings/proxy_stats_dict.hpp"
-#include "transport/loopback.hpp"
-#include "transport/verbs.hpp"
 #include "uccl_ep/command.hpp"
 
 #ifdef UCCL_EP_WITH_CUDA
@@ -296,40 +295,20 @@ void bind_host_core(py::module_& m) {
              cfg.max_inflight_bytes = max_inflight_bytes;
              cfg.reorder_window = reorder_window;
              cfg.num_signal_slots = num_signal_slots;
-             Proxy::TransportFactory factory;
-             if (transport == "verbs") {
-               if (ib_devices.empty())
-                 throw py::value_error("Proxy: transport 'verbs' needs at least one RDMA device (ib_devices); "
-                                       "uccl_ep_train.comm.proxy_options picks them with topology.plan()");
-               if (!ib_gid_index.empty() && ib_gid_index.size() != ib_devices.size())
-                 throw py::value_error("Proxy: ib_gid_index must name one GID index per device in ib_devices");
-               VerbsConfig vc;
-               vc.rank = rank;
-               vc.world_size = world;
-               vc.devices = ib_devices;
-               vc.gid_index = ib_gid_index;
-               vc.port = ib_port;
-               vc.sl = ib_sl;
-               vc.tc = ib_tc;
-               vc.sq_depth = ib_sq_depth;
-               vc.rq_depth = ib_rq_depth;
-               // one endpoint (its own QPs and CQ) per proxy thread: thread t talks to thread t of every rank
-               factory = [vc](int) -> std::unique_ptr<Transport> { return make_verbs_transport(vc); };
-             } else if (transport == "loopback") {
-             factory = [=](int t) -> std::unique_ptr<Transport> {
-               LoopbackOptions o;
-               o.rank = rank;
-               o.world = world;
-               o.thread_index = t;
-               o.reorder = loopback_reorder;
-               o.delay_us = loopback_delay_us;
-               o.bandwidth_gbps = loopback_bandwidth_gbps / num_threads;  // the cap is per GPU, split over threads
-               o.seed = loopback_seed;
-               return make_loopback_transport(o);
-             };
-             } else {
-               throw py::value_error("Proxy: transport must be 'loopback' or 'verbs', got '" + transport + "'");
-             }
+             TransportSpec spec;
+             spec.name = transport;
+             spec.loopback.reorder = loopback_reorder;
+             spec.loopback.delay_us = loopback_delay_us;
+             spec.loopback.bandwidth_gbps = loopback_bandwidth_gbps;
+             spec.loopback.seed = loopback_seed;
+             spec.verbs.devices = ib_devices;
+             spec.verbs.gid_index = ib_gid_index;
+             spec.verbs.port = ib_port;
+             spec.verbs.sl = ib_sl;
+             spec.verbs.tc = ib_tc;
+             spec.verbs.sq_depth = ib_sq_depth;
+             spec.verbs.rq_depth = ib_rq_depth;
+             const Proxy::TransportFactory factory = make_transport_factory(spec, rank, world, num_threads, "Proxy");
              auto p = std::make_unique<PyProxy>();
              p->data = data;
              p->proxy = std::make_unique<Proxy>(cfg, factory, data->data(), data->bytes(), MemoryKind::kHost);
@@ -472,20 +451,27 @@ void bind_host_core(py::module_& m) {
      "`push` ('push', 'warp', 'writer', 'writer-warp'); returns seconds. The FIFOs become GPU-fed: host pushes to "
      "them raise ProxyError from then on.");
   m.def("fifo_latency_gpu", [](PyProxy& p, int fifo, uint32_t slot, int samples, double timeout_secs,
-                               const std::string& push) {
+                               const std::string& push, int poll_warps) {
     const PushVariant variant = parse_push_variant(push);
     const DeviceFifo view = p.proxy->fifo(fifo).device_view();
     std::vector<uint64_t> ns;
     {
       py::gil_scoped_release nogil;
       ns = launch_fifo_latency(view, p.proxy->signals(), p.proxy->config().num_signal_slots, slot, samples,
-                               p.proxy->config().rank, uint64_t(timeout_secs * 1e9), variant);
+                               p.proxy->config().rank, uint64_t(timeout_secs * 1e9), variant, poll_warps);
     }
     return ns;
   }, py::arg("proxy"), py::arg("fifo"), py::arg("slot"), py::arg("samples"), py::arg("timeout_secs") = 100.0,
-     py::arg("push") = push_variant_name(kDefaultPushVariant),
-     "A GPU kernel pushes one write+signal to this rank (increment 1 on `slot`) at a time onto `fifo` and spins until "
-     "the proxy applied it to this rank's counter; returns the nanoseconds of every sample (GPU global timer).");
+     py::arg("push") = push_variant_name(kDefaultPushVariant), py::arg("poll_warps") = 1,
+     "A GPU kernel pushes one write+signal to this rank (increment 1 on `slot`) at a time onto `fifo` and waits until "
+     "the proxy applied it to this rank's counter, watched by `poll_warps` warps with staggered loads; returns the "
+     "nanoseconds of every sample (GPU global timer).");
+  m.def("pcie_echo_gpu", [](int samples, double timeout_secs, int poll_warps) {
+    py::gil_scoped_release nogil;
+    return launch_pcie_echo(samples, uint64_t(timeout_secs * 1e9), poll_warps);
+  }, py::arg("samples"), py::arg("timeout_secs") = 10.0, py::arg("poll_warps") = 1,
+     "The floor under fifo_latency_gpu: a kernel stores a word into host memory, a spinning host thread copies it "
+     "back, `poll_warps` warps watch for it; returns nanoseconds per round trip.");
 #endif
 }
 

@@ -3,8 +3,10 @@
 
 #include "kernels/fifo_bench.hpp"
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -72,41 +74,106 @@ __global__ void fifo_bench_kernel(const DeviceFifo* fifos, uint64_t n, int dst_r
   if (lane == 0 && !fifo_wait_done(f, idx, timeout_ns)) atomicExch(failed, 1);
 }
 
+// Several warps watch one host-mapped counter, each starting `stagger` ns after the previous one. Why: a GPU thread's
+// acquire loads from host memory go one at a time, one PCIe round trip (~1 us) each, so a single poller notices a
+// change on average a whole round trip after it landed; pollers whose loads are spread over the round trip notice it
+// about half a round trip earlier. Every thread of the block calls it; returns the globaltimer value at which the
+// first poller saw `*counter >= want`, or 0 after the deadline (the caller reports).
+__device__ unsigned long long staggered_wait(const unsigned long long* counter, unsigned long long want,
+                                             unsigned long long t0, unsigned long long stagger_ns,
+                                             unsigned long long timeout_ns) {
+  __shared__ unsigned long long s_seen_at;
+  __shared__ int s_done;
+  if (threadIdx.x == 0) {
+    s_seen_at = ~0ull;
+    s_done = 0;
+  }
+  __syncthreads();
+  const unsigned warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+    const unsigned long long start = t0 + warp * stagger_ns;
+    while (fifo_now_ns() < start && !*reinterpret_cast<volatile int*>(&s_done)) {
+    }
+    while (!*reinterpret_cast<volatile int*>(&s_done)) {
+      if (fifo_load_tail(counter) >= want) {
+        atomicMin(&s_seen_at, fifo_now_ns());
+        *reinterpret_cast<volatile int*>(&s_done) = 1;
+        break;
+      }
+      if (fifo_now_ns() - t0 > timeout_ns) {
+        *reinterpret_cast<volatile int*>(&s_done) = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  const unsigned long long seen = s_seen_at;
+  __syncthreads();  // s_seen_at is reset by the next call
+  return seen == ~0ull ? 0 : seen;
+}
+
+// Warp 0 pushes (all its lanes for the warp variants); `blockDim.x / 32` warps watch the counter (staggered_wait).
 template <PushVariant V>
 __global__ void fifo_latency_kernel(DeviceFifo f, const unsigned long long* signal, int samples, int dst_rank,
-                                    uint32_t slot, uint64_t timeout_ns, unsigned long long* out, int* failed) {
+                                    uint32_t slot, uint64_t timeout_ns, unsigned long long stagger_ns,
+                                    unsigned long long* out, int* failed) {
+  __shared__ unsigned long long s_t0;
+  __shared__ int s_stop;
   const unsigned lane = threadIdx.x % 32;
-  if (threadIdx.x >= 32 || (!warp_push(V) && lane != 0)) return;
+  const bool pusher = threadIdx.x < 32 && (warp_push(V) || lane == 0);
   FifoWriter w{};
-  if (owner_push(V)) w = fifo_writer_open(f);
+  if (pusher && owner_push(V)) w = fifo_writer_open(f);
   const unsigned long long base = fifo_load_tail(signal);
   Command c;
   encode_write_signal(&c, uint32_t(dst_rank), 16, 0, 4096, slot, 1);
+  if (threadIdx.x == 0) s_stop = 0;
   for (int s = 0; s < samples; ++s) {
     const unsigned long long t0 = fifo_now_ns();
-    if (push_one<V>(f, w, uint64_t(s), c, lane == 0, timeout_ns) == kFifoPushTimedOut) {
-      if (lane == 0) atomicExch(failed, 1);
-      return;
+    if (pusher && push_one<V>(f, w, uint64_t(s), c, lane == 0, timeout_ns) == kFifoPushTimedOut && lane == 0) {
+      atomicExch(failed, 1);
+      s_stop = 1;
     }
-    int stop = 0;
-    if (lane == 0) {
-      const unsigned long long want = base + uint64_t(s) + 1;
-      unsigned long long v;
-      while ((v = fifo_load_tail(signal)) < want) {
-        if (fifo_now_ns() - t0 > timeout_ns) {
-          printf("uccl_ep: fifo latency bench: rank %d fifo %d signal slot %u is %llu, expected >= %llu after the "
-                 "deadline (is the proxy running?)\n", f.rank, f.fifo_id, slot, v, want);
-          atomicExch(failed, 1);
-          stop = 1;
-          break;
-        }
+    if (threadIdx.x == 0) s_t0 = t0;
+    __syncthreads();
+    if (s_stop) return;
+    const unsigned long long want = base + uint64_t(s) + 1;
+    const unsigned long long seen = staggered_wait(signal, want, s_t0, stagger_ns, timeout_ns);
+    if (threadIdx.x == 0) {
+      if (seen == 0) {
+        printf("uccl_ep: fifo latency bench: rank %d fifo %d signal slot %u is %llu, expected >= %llu after the "
+               "deadline (is the proxy running?)\n", f.rank, f.fifo_id, slot, fifo_load_tail(signal), want);
+        atomicExch(failed, 1);
+        s_stop = 1;
+      } else {
+        out[s] = seen - s_t0;
       }
-      out[s] = fifo_now_ns() - t0;
     }
-    if (warp_push(V)) stop = __shfl_sync(~0u, stop, 0);
-    if (stop) return;
+    __syncthreads();
+    if (s_stop) return;
   }
-  close_writer<V>(f, w);
+  if (pusher) close_writer<V>(f, w);
+}
+
+// The floor under any GPU -> CPU -> GPU signal on this machine: the kernel stores `ping` into host memory, a host
+// thread that spins on it copies it to `pong`, and the kernel watches `pong` the way the latency kernel watches a
+// signal counter. No FIFO, no proxy, no transport.
+__global__ void pcie_echo_kernel(unsigned long long* ping, const unsigned long long* pong, int samples,
+                                 uint64_t timeout_ns, unsigned long long stagger_ns, unsigned long long* out,
+                                 int* failed) {
+  __shared__ unsigned long long s_t0;
+  for (int s = 0; s < samples; ++s) {
+    if (threadIdx.x == 0) {
+      s_t0 = fifo_now_ns();
+      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ping), "l"(uint64_t(s) + 1) : "memory");
+    }
+    __syncthreads();
+    const unsigned long long seen = staggered_wait(pong, uint64_t(s) + 1, s_t0, stagger_ns, timeout_ns);
+    if (threadIdx.x == 0) {
+      if (seen == 0) atomicExch(failed, 1); else out[s] = seen - s_t0;
+    }
+    __syncthreads();
+    if (*reinterpret_cast<volatile int*>(failed)) return;
+  }
 }
 
 void check(cudaError_t e, const char* what) {
@@ -122,10 +189,19 @@ void launch_bench(const DeviceFifo* d_fifos, int num_fifos, uint64_t n, int dst_
   fifo_bench_kernel<V><<<num_fifos, 32>>>(d_fifos, n, dst_rank, timeout_ns, d_failed);
 }
 
+// The stagger spreads the pollers' loads over about one PCIe read round trip (~1 us on PCIe Gen5).
+unsigned long long stagger_for(int poll_warps) { return 1024ull / unsigned(poll_warps); }
+
+void check_poll_warps(int poll_warps) {
+  if (poll_warps < 1 || poll_warps > 32)
+    throw std::invalid_argument("poll_warps must be 1..32 (warps of one block), got " + std::to_string(poll_warps));
+}
+
 template <PushVariant V>
 void launch_latency(const DeviceFifo& f, const unsigned long long* signal, int samples, int dst_rank, uint32_t slot,
-                    uint64_t timeout_ns, unsigned long long* out, int* failed) {
-  fifo_latency_kernel<V><<<1, 32>>>(f, signal, samples, dst_rank, slot, timeout_ns, out, failed);
+                    uint64_t timeout_ns, int poll_warps, unsigned long long* out, int* failed) {
+  fifo_latency_kernel<V><<<1, 32 * poll_warps>>>(f, signal, samples, dst_rank, slot, timeout_ns,
+                                                 stagger_for(poll_warps), out, failed);
 }
 
 // Calls fn(std::integral_constant<PushVariant, v>) for the run-time variant: the one place that maps the setting to
@@ -183,7 +259,9 @@ double launch_fifo_bench(const DeviceFifo* fifos, int num_fifos, uint64_t comman
 }
 
 std::vector<uint64_t> launch_fifo_latency(const DeviceFifo& fifo, int64_t* signals, uint32_t num_slots, uint32_t slot,
-                                          int samples, int dst_rank, uint64_t timeout_ns, PushVariant variant) {
+                                          int samples, int dst_rank, uint64_t timeout_ns, PushVariant variant,
+                                          int poll_warps) {
+  check_poll_warps(poll_warps);
   if (slot >= num_slots) throw ProxyError("fifo latency bench: slot " + std::to_string(slot) + " >= " +
                                           std::to_string(num_slots) + " signal slots");
   if (samples < 1) return {};
@@ -211,7 +289,8 @@ std::vector<uint64_t> launch_fifo_latency(const DeviceFifo& fifo, int64_t* signa
     check(cudaMemset(d_failed, 0, sizeof(int)), "cudaMemset");
     const auto* signal = static_cast<const unsigned long long*>(d_signals) + slot;
     with_variant(variant, [&](auto v) {
-      launch_latency<decltype(v)::value>(fifo, signal, samples, dst_rank, slot, timeout_ns, d_out, d_failed);
+      launch_latency<decltype(v)::value>(fifo, signal, samples, dst_rank, slot, timeout_ns, poll_warps, d_out,
+                                         d_failed);
     });
     check(cudaGetLastError(), "kernel launch");
     check(cudaDeviceSynchronize(), "latency kernel");
@@ -230,6 +309,54 @@ std::vector<uint64_t> launch_fifo_latency(const DeviceFifo& fifo, int64_t* signa
     throw TimeoutError("fifo latency bench: signal slot " + std::to_string(slot) +
                        " did not count a GPU-pushed write+signal within the deadline (FIFO " +
                        std::to_string(fifo.fifo_id) + "; the kernel printed the counters)");
+  return std::vector<uint64_t>(out.begin(), out.end());
+}
+
+std::vector<uint64_t> launch_pcie_echo(int samples, uint64_t timeout_ns, int poll_warps) {
+  check_poll_warps(poll_warps);
+  if (samples < 1) return {};
+  unsigned long long* words = nullptr;  // [0] ping (GPU writes), [8] pong (host writes): separate cache lines
+  check(cudaHostAlloc(reinterpret_cast<void**>(&words), 128, cudaHostAllocMapped), "cudaHostAlloc");
+  words[0] = words[8] = 0;
+  unsigned long long* d_words = nullptr;
+  unsigned long long* d_out = nullptr;
+  int* d_failed = nullptr;
+  std::atomic<bool> stop{false};
+  // The echo thread spins without pausing: it stands for a proxy thread's poll loop, which does not sleep either.
+  std::thread echo([&] {
+    unsigned long long last = 0;
+    while (!stop.load(std::memory_order_relaxed)) {
+      const unsigned long long v = __atomic_load_n(&words[0], __ATOMIC_ACQUIRE);
+      if (v != last) {
+        __atomic_store_n(&words[8], v, __ATOMIC_RELEASE);
+        last = v;
+      }
+    }
+  });
+  std::vector<unsigned long long> out(samples);
+  int failed = 0;
+  std::string error;
+  try {
+    check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_words), words, 0), "cudaHostGetDevicePointer");
+    check(cudaMalloc(&d_out, sizeof(unsigned long long) * samples), "cudaMalloc");
+    check(cudaMalloc(&d_failed, sizeof(int)), "cudaMalloc");
+    check(cudaMemset(d_failed, 0, sizeof(int)), "cudaMemset");
+    pcie_echo_kernel<<<1, 32 * poll_warps>>>(d_words, d_words + 8, samples, timeout_ns, stagger_for(poll_warps),
+                                             d_out, d_failed);
+    check(cudaGetLastError(), "echo kernel launch");
+    check(cudaDeviceSynchronize(), "echo kernel");
+    check(cudaMemcpy(out.data(), d_out, sizeof(unsigned long long) * samples, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    check(cudaMemcpy(&failed, d_failed, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  stop.store(true);
+  echo.join();
+  if (d_out) cudaFree(d_out);
+  if (d_failed) cudaFree(d_failed);
+  cudaFreeHost(words);
+  if (!error.empty()) throw ProxyError(error);
+  if (failed) throw TimeoutError("pcie echo: the host echo did not come back within the deadline");
   return std::vector<uint64_t>(out.begin(), out.end());
 }
 

@@ -38,8 +38,14 @@ double launch_fifo_bench(const DeviceFifo* fifos, int num_fifos, uint64_t comman
 // `slot` of rank `dst_rank`) is pushed onto `fifo` and the kernel spins until this rank's counter `signals[slot]`
 // (host memory; registered with the GPU for the call) shows it. With dst_rank = this rank that is the full round trip
 // producer -> proxy -> transport -> receiving proxy -> signal. Returns nanoseconds per sample.
+// `poll_warps` warps watch the counter, their loads staggered over a PCIe round trip (1: one thread polls, as a
+// kernel waiting on one counter usually does).
 std::vector<uint64_t> launch_fifo_latency(const DeviceFifo& fifo, int64_t* signals, uint32_t num_slots, uint32_t slot,
                                           int samples, int dst_rank, uint64_t timeout_ns,
-                                          PushVariant variant = kDefaultPushVariant);
+                                          PushVariant variant = kDefaultPushVariant, int poll_warps = 1);
+
+// The floor under the latency above: a kernel stores a word into host memory, a spinning host thread copies it back,
+// and `poll_warps` warps watch for it as launch_fifo_latency does. Nanoseconds per round trip.
+std::vector<uint64_t> launch_pcie_echo(int samples, uint64_t timeout_ns, int poll_warps = 1);
 
 }  // namespace uccl_ep

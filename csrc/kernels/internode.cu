@@ -16,7 +16,7 @@
 
 #include "proxy/errors.hpp"
 #include "proxy/proxy.hpp"
-#include "transport/loopback.hpp"
+#include "proxy/transport_factory.hpp"
 
 #if defined(UCCL_EP_WITH_CUDA) && !defined(UCCL_EP_HIP)
 #define UCCL_EP_INTERNODE_PROXY 1
@@ -203,18 +203,22 @@ Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nv
     cfg.max_inflight_bytes = p.max_inflight_bytes;
     cfg.reorder_window = p.reorder_window;
     cfg.num_signal_slots = p.num_signal_slots;
-    const int threads = p.num_threads;
-    Proxy::TransportFactory factory = [=](int t) {
-      LoopbackOptions o;
-      o.rank = rank;
-      o.world = world;
-      o.thread_index = t;
-      o.reorder = p.loopback_reorder;
-      o.delay_us = p.loopback_delay_us;
-      o.bandwidth_gbps = p.loopback_bandwidth_gbps / threads;  // the cap is per GPU, split over the threads
-      o.seed = p.loopback_seed;
-      return make_loopback_transport(o);
-    };
+    TransportSpec spec;
+    spec.name = p.transport;
+    spec.loopback.reorder = p.loopback_reorder;
+    spec.loopback.delay_us = p.loopback_delay_us;
+    spec.loopback.bandwidth_gbps = p.loopback_bandwidth_gbps;
+    spec.loopback.seed = p.loopback_seed;
+    spec.verbs.devices = p.ib_devices;
+    spec.verbs.port = p.ib_port;
+    spec.verbs.gid_index = p.gid_index;
+    spec.verbs.sl = p.sl;
+    spec.verbs.tc = p.tc;
+    // Every write-with-immediate in flight holds a send WR here and a receive WR at its target: queues shallower
+    // than the proxy's in-flight cap would refuse posts the cap allows (comm.proxy_options sizes them the same way).
+    const int depth = int(std::max<uint64_t>(1024, p.max_inflight_writes));
+    spec.verbs.sq_depth = spec.verbs.rq_depth = depth;
+    const Proxy::TransportFactory factory = make_transport_factory(spec, rank, world, p.num_threads, "internode");
     proxy_ = std::make_unique<Proxy>(cfg, factory, rdma_, size_t(rdma_bytes), MemoryKind::kDevice);
 
     void* sig = proxy_->signals();
@@ -319,6 +323,37 @@ int64_t Context::signal_value(uint32_t slot) const {
   return __atomic_load_n(proxy_->signals() + slot, __ATOMIC_ACQUIRE);
 }
 
+std::vector<Context::FifoState> Context::fifo_states() const {
+  std::vector<FifoState> out;
+  const int n = proxy_->num_fifos();
+  // The heads live in GPU memory. Read them on a stream of our own that does not wait for the legacy default
+  // stream, so a wait kernel still spinning there cannot block the diagnosis of why it spins.
+  std::vector<DeviceFifo> views(static_cast<size_t>(n));
+  std::vector<unsigned long long> heads(static_cast<size_t>(n), ~0ull);
+  cudaStream_t s = nullptr;
+  bool ok = cudaSetDevice(device_) == cudaSuccess && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess;
+  ok = ok && cudaMemcpyAsync(views.data(), fifos_dev_, views.size() * sizeof(DeviceFifo), cudaMemcpyDeviceToHost,
+                             s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess;
+  for (int i = 0; ok && i < n; ++i)
+    ok = cudaMemcpyAsync(&heads[size_t(i)], views[size_t(i)].head, sizeof(unsigned long long),
+                         cudaMemcpyDeviceToHost, s) == cudaSuccess;
+  ok = ok && cudaStreamSynchronize(s) == cudaSuccess;
+  if (s) (void)cudaStreamDestroy(s);
+  if (!ok) (void)cudaGetLastError();
+  for (int i = 0; i < n; ++i) {
+    const Fifo::Snapshot snap = proxy_->fifo(i).snapshot();
+    FifoState f;
+    f.fifo = i;
+    f.device_head = ok ? int64_t(heads[size_t(i)]) : -1;
+    f.tail = snap.tail;
+    f.full = snap.full;
+    f.first_full = snap.first_full;
+    f.last_full = snap.last_full;
+    out.push_back(f);
+  }
+  return out;
+}
+
 void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream) {
   if (n <= 0) return;
   if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
@@ -413,6 +448,7 @@ void Context::proxy_stop() {}
 std::string Context::proxy_error() const { return ""; }
 ProxyThreadStats Context::proxy_totals() const { return {}; }
 int64_t Context::signal_value(uint32_t) const { return 0; }
+std::vector<Context::FifoState> Context::fifo_states() const { return {}; }
 void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
 void Context::wait_signals(uintptr_t, int, int, uintptr_t) {}
 std::string Context::error_message() const { return ""; }

@@ -1,4 +1,4 @@
-// Host API of the internode (hierarchical) path: a rank's RDMA and NVL regions, its CPU proxy (loopback transport),
+// Host API of the internode (hierarchical) path: a rank's RDMA and NVL regions, its CPU proxy (loopback or verbs),
 // and the three kernels the staged data path needs (docs/internode.md). Plain C++: no CUDA types cross this header,
 // so the pybind11 bindings compile with the host compiler. Pointers are device addresses as integers; `stream` is a
 // cudaStream_t as an integer.
@@ -77,8 +77,16 @@ struct ProxyParams {
   uint32_t num_signal_slots = 512;
   int loopback_reorder = 0;
   uint64_t loopback_delay_us = 0;
-  double loopback_bandwidth_gbps = 0;
+  double loopback_bandwidth_gbps = 0;  // GB/s of the whole proxy, split over its threads
   uint64_t loopback_seed = 0;
+  // "loopback" (ranks on one host: shared memory and CUDA IPC) or "verbs" (RDMA NICs). Python decides which
+  // (internode.resolve_internode_transport) and which NICs (topology.plan()).
+  std::string transport = "loopback";
+  std::vector<std::string> ib_devices;  // verbs: the RDMA devices of this rank's GPU
+  int ib_port = 1;
+  std::vector<int> gid_index;           // verbs: empty or one per device; -1 chooses (choose_gid, UCCL_IB_GID_INDEX)
+  int sl = -1;                          // verbs: -1 is 3 on IB/RoCE, 8 on EFA (UCCL_IB_SL)
+  int tc = -1;                          // verbs: -1 is 104 on IB/RoCE, 0 on EFA (UCCL_IB_TC)
 };
 
 class Context {
@@ -115,6 +123,17 @@ class Context {
   ProxyThreadStats proxy_totals() const;  // every proxy thread together (Proxy::totals)
   // Host read of a signal counter (tests, diagnostics).
   int64_t signal_value(uint32_t slot) const;
+  // Per FIFO, for error messages: how many slots kernels reserved (the head in GPU memory), how far the proxy got
+  // (published tail), and what the ring holds beyond it (Fifo::Snapshot). head > tail with the slot at the tail
+  // empty is a lost push; head == tail means the proxy took every command kernels pushed.
+  struct FifoState {
+    int fifo = 0;
+    int64_t device_head = -1;  // -1: could not be read
+    uint64_t tail = 0;
+    uint32_t full = 0;
+    int64_t first_full = -1, last_full = -1;
+  };
+  std::vector<FifoState> fifo_states() const;
   // Device address of the error word (for scatter_rows' range check).
   uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
 

@@ -152,6 +152,19 @@ bool Fifo::drained() const {
   return command_type(Command{__atomic_load_n(&slot->lo, __ATOMIC_ACQUIRE), 0}) == kCmdEmpty;
 }
 
+Fifo::Snapshot Fifo::snapshot() const {
+  Snapshot s;
+  s.tail = tail();
+  for (uint64_t i = s.tail; i != s.tail + depth_; ++i) {
+    const Command* slot = ring_ + (i & mask_);
+    if (command_type(Command{__atomic_load_n(&slot->lo, __ATOMIC_ACQUIRE), 0}) == kCmdEmpty) continue;
+    ++s.full;
+    if (s.first_full < 0) s.first_full = int64_t(i);
+    s.last_full = int64_t(i);
+  }
+  return s;
+}
+
 void Fifo::wait_done(uint64_t index, double timeout_secs, const std::atomic<bool>* abort) const {
   const auto t0 = Clock::now();
   uint32_t spins = 0;

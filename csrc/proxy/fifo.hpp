@@ -88,6 +88,18 @@ class Fifo {
   // ask after the kernels that push finished, or after the caller knows their stores landed.
   bool drained() const;
 
+  // Any thread, for diagnostics: what the ring holds from the published tail on. A ring whose slot at the tail is
+  // empty while a later slot is full has a hole: a producer reserved that slot and its store never became visible
+  // to the host (or was lost); the consumer waits at the hole forever, and no watchdog sees it, since nothing is
+  // queued or in flight.
+  struct Snapshot {
+    uint64_t tail = 0;         // published tail: commands before it were taken and their slots given back
+    uint32_t full = 0;         // non-empty slots in [tail, tail + depth)
+    int64_t first_full = -1;   // index of the first of them (-1: none)
+    int64_t last_full = -1;    // ... and of the last
+  };
+  Snapshot snapshot() const;
+
   // Wait until the tail passed `index` (e.g. a quiet pushed at that index completed).
   void wait_done(uint64_t index, double timeout_secs, const std::atomic<bool>* abort = nullptr) const;
 

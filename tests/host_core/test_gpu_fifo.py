@@ -96,3 +96,30 @@ def test_gpu_producer_through_the_proxy_then_gpu_latency_on_the_same_fifo(push):
         c.check()
     finally:
         c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+def test_staggered_watchers_see_every_signal_once_and_the_echo_floor_is_below_the_proxy_round_trip():
+    C = _cuda_module()
+    if C is None:
+        pytest.skip("needs a CUDA build of the native module")
+    from uccl_ep_train import comm
+
+    c = comm.HostComm(1 << 20, 0, 1, num_threads=1, fifos_per_thread=1, num_signal_slots=64)
+    comm.connect_in_process([c])
+    try:
+        for warps in (1, 8):
+            before = int(c.signals()[3])
+            ns = C.fifo_latency_gpu(c.proxy, 0, 3, 300, 30.0, poll_warps=warps)
+            assert len(ns) == 300 and min(ns) > 0
+            assert int(c.signals()[3]) == before + 300  # one command per sample, none lost or doubled
+            echo = C.pcie_echo_gpu(300, 10.0, poll_warps=warps)
+            assert len(echo) == 300 and min(echo) > 0
+            # the proxy round trip contains an echo's two PCIe crossings plus the proxy's own work
+            assert sorted(echo)[150] < sorted(ns)[150]
+        with pytest.raises(ValueError, match="poll_warps"):
+            C.pcie_echo_gpu(10, 1.0, poll_warps=33)
+        c.check()
+    finally:
+        c.close()

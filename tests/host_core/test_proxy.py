@@ -309,6 +309,14 @@ def test_bench_proxy_prefill_runs_each_fifo_count_and_reports_the_commands_it_dr
     assert all(r["commands_per_s"] > 0 and r["max_inflight_writes"] >= 1 for r in results)
 
 
+@pytest.mark.parametrize("value", ["0", "1,x", "33", ""])
+def test_bench_proxy_rejects_a_malformed_watcher_count_before_any_kernel_runs(value):
+    from uccl_ep_train import cli
+
+    with pytest.raises(SystemExit, match="--poll-warps"):
+        cli.main(["bench", "proxy", "--producer", "gpu", "--poll-warps", value, "--fifos", "1"])
+
+
 @pytest.mark.parametrize("producer", ["host", "gpu"])
 def test_a_drain_of_a_full_small_ring_takes_each_command_once(C, producer):
     """A drain takes commands until the ring is empty and clears their slots only at its end; with a full ring it

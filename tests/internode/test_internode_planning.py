@@ -278,6 +278,24 @@ def test_gpu_error_context_names_the_counter_its_feeder_and_the_target_rank():
     assert inn.describe_gpu_error({"code": 0}, 0, 2, 2, codes) == ""
 
 
+def test_fifo_clause_tells_a_lost_push_from_queued_commands_and_stays_short_when_all_were_taken():
+    def state(fifo, head, tail, full=0, first=-1, last=-1):
+        return {"fifo": fifo, "device_head": head, "tail": tail, "full": full, "first_full": first, "last_full": last}
+    healthy = [state(i, 40, 40) for i in range(8)]
+    assert inn.describe_fifo_states(healthy, 2) == ("rank 2 FIFOs: every command kernels pushed was taken by the "
+                                                    "proxy (8 FIFOs)")
+    # slot 41 reserved, its store never seen; 42 is full behind it: the proxy waits at 41 forever
+    hole = inn.describe_fifo_states([state(0, 40, 40), state(5, 43, 41, 1, 42, 42)], 0)
+    assert "fifo 5 head 43 tail 41 (LOST PUSH: slot 41 is empty, 2 reserved past the tail, 1 full)" in hole
+    assert "fifo 0" not in hole
+    # reserved and none visible at all is a lost push too
+    assert "LOST PUSH" in inn.describe_fifo_states([state(3, 10, 9)], 1)
+    # full from the tail on: the proxy is merely behind
+    behind = inn.describe_fifo_states([state(1, 12, 9, 3, 9, 11)], 1)
+    assert "fifo 1 head 12 tail 9 (3 queued)" in behind and "LOST" not in behind
+    assert "head unreadable" in inn.describe_fifo_states([state(0, -1, 5)], 0)
+
+
 def test_record_layout_is_16_byte_aligned_and_grows_with_ranks_per_node_without_a_cap():
     for G in (1, 2, 8, 9, 72):
         lay = inn.record_layout([7168 * 2, 56 * 4, 8 * 8, 8 * 4], G)

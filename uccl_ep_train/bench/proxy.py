@@ -32,6 +32,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--push", choices=PUSH_VARIANTS, default="writer-warp",
                    help="GPU push variant (--producer gpu): push = fifo_push per command, warp = one reservation per "
                         "warp, writer / writer-warp = the FIFO owned by one thread / warp (default writer-warp)")
+    p.add_argument("--poll-warps", default="1",
+                   help="GPU producer: comma separated counts of warps that watch the signal counter in the latency "
+                        "run, their loads staggered over a PCIe round trip (default 1: one polling thread). Each "
+                        "count also measures the GPU -> host -> GPU echo floor with the same watchers")
     p.add_argument("--depth", type=int, default=None, help="FIFO depth (default UCCL_EP_FIFO_DEPTH)")
     p.add_argument("--prefill", action="store_true",
                    help="CPU producer: push every command before the proxy starts and time the drain alone")
@@ -103,9 +107,14 @@ def _measure(C: Any, settings: Any, nfifos: int, args: argparse.Namespace) -> di
         c.check()
         # latency: one command at a time on FIFO 0, pushed by the same kind of producer that fed it above
         slot = nfifos
+        by_watchers: dict[str, Any] = {}
         if args.producer == "gpu":
-            lat = list(C.fifo_latency_gpu(c.proxy, 0, slot, args.latency_samples, c.options["timeout_secs"],
-                                          push=args.push))
+            for w in _poll_warps(args):
+                samples = C.fifo_latency_gpu(c.proxy, 0, slot, args.latency_samples, c.options["timeout_secs"],
+                                             push=args.push, poll_warps=w)
+                echo = C.pcie_echo_gpu(args.latency_samples, c.options["timeout_secs"], poll_warps=w)
+                by_watchers[str(w)] = {"latency_us": _percentiles(samples), "echo_floor_us": _percentiles(echo)}
+                lat = samples  # the row's headline: the last (most watchers) count given
         else:
             base = int(c.signals()[slot])
             cmd = C.command.write_signal(0, 16, 0, 4096, slot, 1)
@@ -121,10 +130,21 @@ def _measure(C: Any, settings: Any, nfifos: int, args: argparse.Namespace) -> di
                 "push": args.push if args.producer == "gpu" else ("prefill" if prefill else "host"),
                 "commands": n * nfifos,
                 "seconds": seconds, "commands_per_s": n * nfifos / seconds,
-                "latency_us": _percentiles(lat), "transport": c.proxy.caps["name"],
+                "latency_us": _percentiles(lat), "latency_by_poll_warps": by_watchers,
+                "transport": c.proxy.caps["name"],
                 "max_inflight_writes": max(s["max_inflight_writes"] for s in stats)}
     finally:
         c.close()
+
+
+def _poll_warps(args: argparse.Namespace) -> list[int]:
+    try:
+        counts = [int(x) for x in str(args.poll_warps).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--poll-warps must be comma separated integers, got {args.poll_warps!r}") from None
+    if not counts or min(counts) < 1 or max(counts) > 32:
+        raise SystemExit(f"--poll-warps counts must be 1..32 (warps of one block), got {args.poll_warps!r}")
+    return counts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     results = []
     if args.latency_samples < 1:
         raise SystemExit("--latency-samples must be at least 1")
+    if args.producer == "gpu":
+        _poll_warps(args)  # reject a malformed list before any kernel runs
     if args.prefill and args.producer != "cpu":
         raise SystemExit("--prefill fills the FIFOs from the host: it needs --producer cpu")
     print(f"{'fifos':>5} {'threads':>7} {'producer':>8} {'push':>11} {'Mcmd/s':>8} {'p50 us':>8} {'p90 us':>8} "
@@ -149,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
         lat = r["latency_us"]
         print(f"{nf:>5} {r['proxy_threads']:>7} {r['producer']:>8} {r['push']:>11} {r['commands_per_s'] / 1e6:>8.2f} "
               f"{lat['p50']:>8.2f} {lat['p90']:>8.2f} {lat['p99']:>8.2f}", flush=True)
+        for w, row in r["latency_by_poll_warps"].items():
+            la, fl = row["latency_us"], row["echo_floor_us"]
+            print(f"      {w:>2} watching warps: push-to-signal p50 {la['p50']:.2f} p99 {la['p99']:.2f} us; "
+                  f"GPU->host->GPU echo floor p50 {fl['p50']:.2f} p99 {fl['p99']:.2f} us", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "proxy", "settings": settings.to_env(), "results": results}, f, indent=2)

@@ -1,0 +1,144 @@
+"""Which transport the internode backend's proxies run over (UCCL_EP_TRANSPORT), decided without a GPU or a NIC:
+the rule on host names, the NIC of this GPU from recorded sysfs trees (tests/fixtures/sysfs), and every error naming
+the setting or the build step that fixes it. The agreement step runs on 4 gloo ranks."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.distributed import run_distributed
+from uccl_ep_train import comm, topology
+from uccl_ep_train.internode import InternodeError, resolve_internode_transport, select_internode_transport
+from uccl_ep_train.settings import load_settings
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "sysfs")
+ONE_HOST = ["gpu-a"] * 4
+TWO_HOSTS = ["gpu-a", "gpu-a", "gpu-b", "gpu-b"]
+
+
+def _nics(host: str, gpu: int = 0, env: dict | None = None):
+    """What comm.gpu_nics finds for ``gpu`` on a recorded host, as the backend asks for it."""
+    topo = topology.discover(os.path.join(FIXTURES, host), use_tools=False)
+    return lambda: comm.gpu_nics(load_settings(env or {}), 0, gpu=gpu, topology=topo)
+
+
+def _never():
+    raise AssertionError("the NIC survey ran although no rank needs the verbs transport")
+
+
+@pytest.mark.parametrize("setting", ["auto", "loopback"])
+def test_ranks_all_on_one_host_use_loopback_without_looking_at_nics(setting):
+    t = resolve_internode_transport(setting, ONE_HOST, 2, _never, verbs_built=True)
+    assert (t.name, t.devices, t.gid_index) == ("loopback", (), ())
+    assert "all 4 ranks on host gpu-a" in t.reason
+
+
+def test_auto_across_hosts_uses_verbs_on_the_nic_nearest_this_gpu_with_its_gid():
+    t = resolve_internode_transport("auto", TWO_HOSTS, 3, _nics("cx7_roce", gpu=3), verbs_built=True)
+    assert (t.name, t.devices, t.gid_index, t.efa) == ("verbs", ("mlx5_3",), (3,), False)
+    assert "spans 2 hosts" in t.reason and "GPU 3 -> mlx5_3" in t.reason and "RoCE v2" in t.reason
+
+
+def test_verbs_on_an_efa_host_drives_both_nics_of_the_gpu_and_says_efa():
+    t = resolve_internode_transport("verbs", TWO_HOSTS, 0, _nics("p5en", gpu=0), verbs_built=True)
+    assert (t.name, t.devices, t.gid_index, t.efa) == ("verbs", ("rdmap39s0", "rdmap40s0"), (0, 0), True)
+
+
+def test_explicit_verbs_on_one_host_goes_through_the_nic_instead_of_loopback():
+    t = resolve_internode_transport("verbs", ONE_HOST, 1, _nics("cx7_roce", gpu=1), verbs_built=True)
+    assert (t.name, t.devices) == ("verbs", ("mlx5_1",))
+
+
+def test_loopback_across_hosts_is_refused_naming_the_hosts_and_the_setting_to_use():
+    with pytest.raises(InternodeError) as e:
+        resolve_internode_transport("loopback", TWO_HOSTS, 1, _never, verbs_built=True)
+    msg = str(e.value)
+    assert msg.startswith("rank 1: UCCL_EP_TRANSPORT=loopback but the group spans 2 hosts")
+    assert "gpu-a: ranks 0-1; gpu-b: ranks 2-3" in msg
+    assert "shared memory and CUDA IPC" in msg and "set UCCL_EP_TRANSPORT=auto or verbs" in msg
+
+
+def test_loopback_across_many_hosts_lists_four_and_counts_the_rest():
+    hosts = [f"node{r // 2}" for r in range(16)]
+    with pytest.raises(InternodeError, match=r"spans 8 hosts \(node0: ranks 0-1; .*node3: ranks 6-7; \.\.\. 4 more "
+                                             r"hosts\)"):
+        resolve_internode_transport("loopback", hosts, 0, _never, verbs_built=True)
+
+
+def test_verbs_without_an_rdma_device_names_what_was_found_and_uccl_ib_hca():
+    with pytest.raises(InternodeError) as e:
+        resolve_internode_transport("auto", TWO_HOSTS, 2, _nics("no_rdma", gpu=0), verbs_built=True)
+    msg = str(e.value)
+    assert msg.startswith("rank 2: UCCL_EP_TRANSPORT=auto and the group spans 2 hosts")
+    assert "no RDMA NIC for GPU 0" in msg and "RDMA devices on this host: none" in msg
+    assert "Set UCCL_IB_HCA" in msg and "uccl-ep-train doctor" in msg
+
+
+def test_an_hca_filter_that_matches_nothing_lists_the_devices_the_host_has():
+    env = {"UCCL_IB_HCA": "=mlx5_99"}
+    with pytest.raises(InternodeError) as e:
+        resolve_internode_transport("verbs", TWO_HOSTS, 0, _nics("cx7_roce", 0, env), verbs_built=True)
+    msg = str(e.value)
+    assert "no RDMA NIC for GPU 0 (UCCL_IB_HCA==mlx5_99)" in msg
+    assert "RDMA devices on this host: mlx5_0, mlx5_1" in msg and "mlx5_8" in msg
+    assert "single-host" not in msg  # loopback is no way out across hosts
+
+
+def test_a_gid_index_the_nic_lacks_is_reported_with_its_gid_table_and_the_setting():
+    env = {"UCCL_IB_GID_INDEX": "9"}
+    with pytest.raises(InternodeError) as e:
+        resolve_internode_transport("auto", TWO_HOSTS, 0, _nics("mi300x_thor2", 0, env), verbs_built=True)
+    msg = str(e.value)
+    assert "UCCL_IB_GID_INDEX=9 names no GID of bnxt_re" in msg and "its GIDs are:" in msg
+    assert "UCCL_IB_GID_INDEX if its GID cannot be chosen" in msg
+    assert "RDMA devices on this host: bnxt_re0" in msg
+
+
+def test_verbs_on_one_host_without_a_device_also_offers_auto():
+    with pytest.raises(InternodeError, match="or set UCCL_EP_TRANSPORT=auto for this single-host run"):
+        resolve_internode_transport("verbs", ONE_HOST, 0, _nics("no_rdma"), verbs_built=True)
+
+
+@pytest.mark.parametrize("setting,hosts", [("auto", TWO_HOSTS), ("verbs", ONE_HOST)])
+def test_a_build_without_verbs_says_how_to_rebuild_before_surveying_nics(setting, hosts):
+    with pytest.raises(InternodeError) as e:
+        resolve_internode_transport(setting, hosts, 3, _never, verbs_built=False)
+    msg = str(e.value)
+    assert msg.startswith(f"rank 3: UCCL_EP_TRANSPORT={setting}")
+    assert "built without the verbs transport" in msg and "libibverbs-dev" in msg and "rebuild" in msg
+    assert ("UCCL_EP_TRANSPORT=auto for this single-host run" in msg) == (hosts is ONE_HOST)
+
+
+def test_an_unknown_transport_name_is_refused():
+    with pytest.raises(InternodeError, match="UCCL_EP_TRANSPORT=tcp is not a transport: use auto, verbs or loopback"):
+        resolve_internode_transport("tcp", ONE_HOST, 0, _never, verbs_built=True)
+
+
+# ---------------------------------------------------------------------------------------- agreement over gloo
+def _select(rank, world, hosts, nic_hosts):
+    """Rank r claims to run on hosts[r]; its GPU's NICs come from the recorded host nic_hosts[r]. Returns the choice,
+    or the InternodeError text."""
+    try:
+        t = select_internode_transport("auto", rank, world, None, _nics(nic_hosts[rank], gpu=rank),
+                                       verbs_built=True, hostname=hosts[rank])
+        return (t.name, t.devices)
+    except InternodeError as exc:
+        return str(exc)
+
+
+def test_every_rank_agrees_on_verbs_when_the_group_spans_hosts():
+    got = run_distributed(_select, 4, TWO_HOSTS, ["cx7_roce"] * 4, timeout=120)
+    assert got == [("verbs", (f"mlx5_{r}",)) for r in range(4)]
+
+
+def test_ranks_on_one_host_agree_on_loopback():
+    got = run_distributed(_select, 4, ONE_HOST, ["no_rdma"] * 4, timeout=120)
+    assert got == [("loopback", ())] * 4
+
+
+def test_a_rank_without_a_nic_makes_every_rank_raise_naming_it():
+    got = run_distributed(_select, 4, TWO_HOSTS, ["cx7_roce", "cx7_roce", "no_rdma", "cx7_roce"], timeout=120)
+    assert got[2].startswith("rank 2: UCCL_EP_TRANSPORT=auto") and "RDMA devices on this host: none" in got[2]
+    for r in (0, 1, 3):
+        assert got[r].startswith("rank 2: ") and f"(rank {r} stops too" in got[r]
