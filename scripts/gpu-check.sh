@@ -63,6 +63,9 @@ for step in "${steps[@]}"; do
         --profile "$OUT/profile-dispatch.txt"
       run profile_dispatcher 180 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers alltoall,uccl \
         --iters 10 --profile "$OUT/profile-dispatcher" ;;
+    profile_dispatcher)  # the uccl round trip alone, torch.profiler tables per kernel
+      run profile_dispatcher 180 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers uccl --iters 10 \
+        --profile "$OUT/profile-dispatcher" ;;
     fifo) run fifo 120 python3 -m pytest -q -s -rf tests/host_core/test_gpu_fifo.py ;;
     latency)  # push-to-signal latency with 1..16 staggered watching warps, beside the GPU->host->GPU echo floor
       for push in writer-warp writer push; do

@@ -313,6 +313,26 @@ class NativeIntranodeBackend:
         return out_x, out_scales, em_expert, em_weights
 
     # ---------------------------------------------------------------- combine
+    def _expert_major_partials(self, x: torch.Tensor, h: IntranodeHandle, weights: Optional[torch.Tensor],
+                               stream: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Local half of an expert-major combine: one rank-major row per received token, the sum of its local
+        experts' rows in top-k slot order in fp32, rounded once to x's dtype; and the rank-major weights [rows, K]
+        (0 on slots that are not local). Rows from recv_info[0] on (sync-free padding) are left unwritten; combine_send
+        never reads them. A kernel of its own over the whole GPU, not fused into the communication kernel that holds
+        num_sms SMs: it reads every expert-major row and is bound by HBM, not NVLink (docs/intranode.md)."""
+        if weights is not None and (weights.dim() != 1 or weights.numel() < h.num_recv_rows):
+            raise ValueError(f"expert-major combine takes one weight per row ([{h.num_recv_rows}] float32), "
+                             f"got {tuple(weights.shape)}")
+        rows, H = h.num_rank_major_rows, x.shape[1]
+        # torch.empty: the caching allocator (the graph's pool under capture), no host sync, no memset.
+        partials = torch.empty((rows, H), dtype=x.dtype, device=x.device)
+        rm_weights = (torch.empty((rows, h.num_topk), dtype=torch.float32, device=x.device) if weights is not None
+                      else None)
+        self._cx.expert_major_partials(x.data_ptr(), _ptr(weights), h.slot_of.data_ptr(), h.recv_info.data_ptr(),
+                                       rows, H, x.element_size(), h.num_topk, partials.data_ptr(), _ptr(rm_weights),
+                                       stream)
+        return partials, rm_weights
+
     def combine(self, x: torch.Tensor, handle: IntranodeHandle, topk_weights: Optional[torch.Tensor], config: Any
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         self._check_error()
@@ -324,6 +344,8 @@ class NativeIntranodeBackend:
         elem = x.element_size()
         if (H * elem) % 16:
             raise ValueError(f"combine: hidden {H} of {x.dtype} is not a multiple of 16 bytes")
+        if h.expert_major and rows < h.num_recv_rows:  # slot_of indexes rows up to num_recv_rows
+            raise ValueError(f"expert-major combine: x has {rows} rows, the handle's layout has {h.num_recv_rows}")
         K = h.num_topk
         T = h.num_tokens
         # The combine area counts rows in bf16 units (a float32 row is two). Expert-major rows are summed over their
@@ -340,14 +362,14 @@ class NativeIntranodeBackend:
         weights = topk_weights.to(torch.float32).contiguous() if topk_weights is not None else None
         out = torch.empty((T, H), dtype=x.dtype, device=x.device)
         out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if weights is not None else None
-        self._cx.barrier(stream)  # peers must be done reading their combine areas
         if h.expert_major:
-            self._cx.combine_send(x.data_ptr(), _ptr(weights), h.recv_src_idx.data_ptr(), h.rank_prefix_matrix.data_ptr(),
-                                  h.recv_info.data_ptr(), h.slot_of.data_ptr(), h.num_rank_major_rows, H, elem, K, cap,
-                                  num_sms, stream)
-        else:
-            self._cx.combine_send(x.data_ptr(), _ptr(weights), h.recv_src_idx.data_ptr(), h.rank_prefix_matrix.data_ptr(),
-                                  h.recv_info.data_ptr(), 0, rows, H, elem, K, cap, num_sms, stream)
+            # Two launches on this stream: the local reduction to rank-major partials (whole GPU), then the ordinary
+            # rank-major send of those. The local one goes before the barrier: it touches no shared buffer.
+            x, weights = self._expert_major_partials(x, h, weights, stream)
+            rows = h.num_rank_major_rows
+        self._cx.barrier(stream)  # peers must be done reading their combine areas
+        self._cx.combine_send(x.data_ptr(), _ptr(weights), h.recv_src_idx.data_ptr(), h.rank_prefix_matrix.data_ptr(),
+                              h.recv_info.data_ptr(), rows, H, elem, K, cap, num_sms, stream)
         self._cx.barrier(stream)
         self._cx.combine_reduce(h.is_token_in_rank.data_ptr(), T, H, elem, K, out.data_ptr(), _ptr(out_w), cap,
                                 num_sms, stream)

@@ -6,6 +6,7 @@
 // receive area out to the output tensors. Combine is the mirror image: each rank stores its rows into row
 // (source index, own rank) of the source's combine area, a barrier, and the source sums its copies in rank order.
 // No rings and no head/tail flow control: the price is a buffer sized for the worst case.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <atomic>
@@ -455,19 +456,52 @@ UCCL_DEVICE int warp_compact(int n, int lane, int* scratch, int* list, const Kee
 }
 
 // ---------------------------------------------------------------- combine
-// Row i of this rank's received tokens goes back to row (recv_src_idx[i], rank) of its source's combine area, in
-// x's dtype. With `slot_of` (expert-major input) the row is first summed over its local experts' outputs in fp32
-// and rounded once: one partial sum per (token, rank) crosses the link, as with DeepEP behind Megatron's flex
-// dispatcher (docs/intranode.md, "Combine precision").
+// Expert-major input, local half: rank-major row i (i < min(num_rows, recv_info[0])) becomes the sum of its local
+// experts' rows slot_of[i][k], k in increasing order, in fp32, rounded once to x's dtype; with weights, the
+// expert-major weight of each (row, k) goes back to its slot (0 where k is not local). One partial sum per (token,
+// rank) then crosses the link, as with DeepEP behind Megatron's flex dispatcher (docs/intranode.md, "Combine of
+// expert-major rows"). Why a kernel of its own and not part of combine_send: this pass reads every expert-major row
+// (~470 MB per call at DeepSeek-V3 shape) and is bound by HBM and load latency, so it wants the whole GPU, while the
+// communication kernel is held to `num_sms` SMs; fused, the reduction ran on those few SMs only. Rows past
+// recv_info[0] (sync-free padding) are not touched: combine_send never reads them either.
+template <bool kF32>
+__global__ void __launch_bounds__(kThreads) expert_major_partials_kernel(
+    const int4* __restrict__ x, const float* __restrict__ topk_weights, const int* __restrict__ slot_of,
+    const int* __restrict__ recv_info, int num_rows, int hidden, int topk, int4* __restrict__ partials,
+    float* __restrict__ out_weights) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  __shared__ int s_scratch[kWarps][kMaxTopk];
+  __shared__ int s_slots[kWarps][kMaxTopk];
+  const int units = hidden / (kF32 ? 4 : 8);
+  const int rows = min(num_rows, recv_info[0]);
+  const int total_warps = gridDim.x * kWarps;
+  for (int i = blockIdx.x * kWarps + warp; i < rows; i += total_warps) {
+    const int* slots_of_row = slot_of + static_cast<int64_t>(i) * topk;
+    const int n = warp_compact(topk, lane, s_scratch[warp], s_slots[warp], [&](int k) { return slots_of_row[k]; });
+    const int* slots = s_slots[warp];
+    int4* dst = partials + static_cast<int64_t>(i) * units;
+    // Plain stores: combine_send, next on the stream, reads the partials back (some may still be in L2).
+    warp_sum_rows<kF32>(n, units, lane, [&](int j) { return x + static_cast<int64_t>(slots[j]) * units; },
+                        [&](int u, const int4& v) { dst[u] = v; });
+    if (out_weights)
+      for (int k = lane; k < topk; k += kWarpSize) {
+        const int slot = slots_of_row[k];  // expert-major weights are one per row: each goes back to its slot
+        out_weights[static_cast<int64_t>(i) * topk + k] = slot >= 0 ? topk_weights[slot] : 0.0f;
+      }
+    warp_sync();  // s_slots is reused by the next row
+  }
+}
+
+// Row i of this rank's received tokens (rank-major: the dispatch output, or the partials above) goes back to row
+// (recv_src_idx[i], rank) of its source's combine area, in x's dtype, with its rank-major weights [rows, topk].
+// Rows past recv_info[0] (sync-free padding) are not sent.
 template <int kUnroll, bool kF32>
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(
     void** peers, int rank, int num_ranks, const int4* __restrict__ x, const float* __restrict__ topk_weights,
     const int* __restrict__ recv_src_idx, const int* __restrict__ rank_prefix, const int* __restrict__ recv_info,
-    const int* __restrict__ slot_of, int num_rows, int hidden, int topk, int64_t max_src_tokens) {
+    int num_rows, int hidden, int topk, int64_t max_src_tokens) {
   const int R = num_ranks;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  __shared__ int s_scratch[kWarps][kMaxTopk];
-  __shared__ int s_slots[kWarps][kMaxTopk];
   const CombineArea area(max_src_tokens, R, hidden * (kF32 ? 2 : 1), topk);
   const int units = hidden / (kF32 ? 4 : 8);
   const int rows = min(num_rows, recv_info[0]);
@@ -477,29 +511,12 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(
     while (s < R - 1 && rank_prefix[s * R + rank] <= i) ++s;
     const int64_t out_row = static_cast<int64_t>(recv_src_idx[i]) * R + rank;
     char* dst_base = data_of(peers[s]);
-    int4* dst = reinterpret_cast<int4*>(dst_base + area.x) + out_row * units;
-    if (slot_of == nullptr) {
-      warp_copy_v4<kUnroll>(dst, x + static_cast<int64_t>(i) * units, units, lane);
-    } else {
-      const int* slots_of_row = slot_of + static_cast<int64_t>(i) * topk;
-      const int n = warp_compact(topk, lane, s_scratch[warp], s_slots[warp],
-                                 [&](int k) { return slots_of_row[k]; });
-      const int* slots = s_slots[warp];
-      warp_sum_rows<kF32>(n, units, lane, [&](int j) { return x + static_cast<int64_t>(slots[j]) * units; },
-                          [&](int u, const int4& v) { st_na_v4(dst + u, v); });
-    }
+    warp_copy_v4<kUnroll>(reinterpret_cast<int4*>(dst_base + area.x) + out_row * units,
+                          x + static_cast<int64_t>(i) * units, units, lane);
     if (topk_weights)
-      for (int k = lane; k < topk; k += kWarpSize) {
-        float w;
-        if (slot_of == nullptr) {
-          w = topk_weights[static_cast<int64_t>(i) * topk + k];
-        } else {  // expert-major weights are one per row: each goes back to its slot
-          const int slot = slot_of[static_cast<int64_t>(i) * topk + k];
-          w = slot >= 0 ? topk_weights[slot] : 0.0f;
-        }
-        reinterpret_cast<float*>(dst_base + area.weights)[out_row * topk + k] = w;
-      }
-    warp_sync();  // s_slots is reused by the next row
+      for (int k = lane; k < topk; k += kWarpSize)
+        reinterpret_cast<float*>(dst_base + area.weights)[out_row * topk + k] =
+            topk_weights[static_cast<int64_t>(i) * topk + k];
   }
   fence_system();  // the barrier kernel that follows publishes these stores
 }
@@ -657,6 +674,18 @@ Context::Context(int rank, int num_ranks, int64_t num_bytes, int device, double 
   peers_.assign(num_ranks_, nullptr);
   peers_[rank_] = local_;
   check(cudaMalloc(reinterpret_cast<void**>(&peers_dev_), sizeof(void*) * num_ranks_), "cudaMalloc");
+  // Grid of the local kernels: every SM, as many resident blocks as fit. Asked once here: a launch may be under
+  // CUDA-graph capture, and this never changes for the device.
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "cudaDeviceGetAttribute");
+  const void* local_kernels[2] = {reinterpret_cast<const void*>(expert_major_partials_kernel<false>),
+                                  reinterpret_cast<const void*>(expert_major_partials_kernel<true>)};
+  for (int i = 0; i < 2; ++i) {
+    int per_sm = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, local_kernels[i], kThreads, 0),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    local_grid_[i] = std::max(1, sms * std::max(1, per_sm));
+  }
 }
 
 Context::~Context() {
@@ -815,19 +844,36 @@ void Context::expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv
   check(cudaGetLastError(), "expert_major_kernel launch");
 }
 
-void Context::combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx, uintptr_t rank_prefix_matrix,
-                           uintptr_t recv_info, uintptr_t slot_of, int num_rows, int hidden, int elem_size, int topk,
-                           int64_t max_src_tokens, int num_sms, uintptr_t stream) {
+void Context::expert_major_partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t recv_info,
+                                    int num_rows, int hidden, int elem_size, int topk, uintptr_t partials,
+                                    uintptr_t out_topk_weights, uintptr_t stream) {
   if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
   if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
   if (topk > kMaxTopk) throw std::invalid_argument("combine: top-k above " + std::to_string(kMaxTopk));
+  if ((topk_weights == 0) != (out_topk_weights == 0))
+    throw std::invalid_argument("expert_major_partials: give both topk_weights and out_topk_weights, or neither");
+  if (num_rows == 0) return;
+  const bool f32 = elem_size == 4;
+  auto kernel = f32 ? expert_major_partials_kernel<true> : expert_major_partials_kernel<false>;
+  // Local work only: the whole GPU, not num_sms (see the kernel).
+  kernel<<<local_grid_[f32 ? 1 : 0], kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const int4*>(x), reinterpret_cast<const float*>(topk_weights),
+      reinterpret_cast<const int*>(slot_of), reinterpret_cast<const int*>(recv_info), num_rows, hidden, topk,
+      reinterpret_cast<int4*>(partials), reinterpret_cast<float*>(out_topk_weights));
+  check(cudaGetLastError(), "expert_major_partials_kernel launch");
+}
+
+void Context::combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx, uintptr_t rank_prefix_matrix,
+                           uintptr_t recv_info, int num_rows, int hidden, int elem_size, int topk,
+                           int64_t max_src_tokens, int num_sms, uintptr_t stream) {
+  if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
+  if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
   if (num_rows == 0) return;
   auto kernel = elem_size == 4 ? combine_send_kernel<4, true> : combine_send_kernel<4, false>;
   kernel<<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       peers_dev_, rank_, num_ranks_, reinterpret_cast<const int4*>(x), reinterpret_cast<const float*>(topk_weights),
       reinterpret_cast<const int*>(recv_src_idx), reinterpret_cast<const int*>(rank_prefix_matrix),
-      reinterpret_cast<const int*>(recv_info), reinterpret_cast<const int*>(slot_of), num_rows, hidden, topk,
-      max_src_tokens);
+      reinterpret_cast<const int*>(recv_info), num_rows, hidden, topk, max_src_tokens);
   check(cudaGetLastError(), "combine_send_kernel launch");
 }
 

@@ -99,11 +99,19 @@ class Context {
                     uintptr_t em_token, uintptr_t em_slot, uintptr_t em_expert, uintptr_t em_weights,
                     uintptr_t slot_of, uintptr_t stream);
 
-  // combine: every rank writes each received row back to row (src_idx, me) of the source rank's combine area
-  // (with `slot_of`, x is expert-major and each row is first summed over its local experts in fp32, then rounded to
-  // x's dtype once before it crosses the link) ...
+  // combine of expert-major rows, local half (no communication; launched over the whole GPU, not num_sms): for
+  // every rank-major row i < min(num_rows, recv_info[0]), partials[i] = the sum of x[slot_of[i][k]] over the k with
+  // slot_of[i][k] >= 0, in k order, in fp32, rounded once to x's dtype; with topk_weights (expert-major, one float
+  // per row), out_topk_weights[i][k] = that row's weight, 0 where slot_of[i][k] < 0. Rows from recv_info[0] on are
+  // left untouched. The partials and weights are then an ordinary rank-major input of combine_send.
+  void expert_major_partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t recv_info,
+                             int num_rows, int hidden, int elem_size, int topk, uintptr_t partials,
+                             uintptr_t out_topk_weights, uintptr_t stream);
+
+  // combine: every rank writes each received (rank-major) row i < min(num_rows, recv_info[0]) back to row
+  // (src_idx, me) of the source rank's combine area, in x's dtype, with its weights [num_rows, topk] ...
   void combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx, uintptr_t rank_prefix_matrix,
-                    uintptr_t recv_info, uintptr_t slot_of, int num_rows, int hidden, int elem_size, int topk,
+                    uintptr_t recv_info, int num_rows, int hidden, int elem_size, int topk,
                     int64_t max_src_tokens, int num_sms, uintptr_t stream);
   // ... and the source sums the copies of each token in rank order, in fp32.
   void combine_reduce(uintptr_t is_token_in_rank, int num_tokens, int hidden, int elem_size, int topk,
@@ -123,6 +131,7 @@ class Context {
   HostCounts* host_counts_dev_ = nullptr;
   bool opened_ = false;
   int host_seq_ = 0;                    // notify's sequence number the host waits for in host_counts_->ready
+  int local_grid_[2] = {1, 1};          // blocks of the local (no-communication) kernels for [bf16, fp32]: all SMs
 };
 
 // get_dispatch_layout: per-rank, per-node and per-expert token counts and is_token_in_rank from topk_idx (int64,

@@ -147,6 +147,11 @@ def run_case(backends, kind, T, H, K, E, *, fp8=False, worst=0, expert_major=Fal
     # combine(dispatch(w)) gives w back on every kept slot
     kept = topk_idx >= 0
     torch.testing.assert_close(own[kept], w[kept], rtol=1e-6, atol=1e-6)
+    # combine without weights, with the handle a cached dispatch went through: the same rows, bit for bit
+    # (expert-major: the local partial sums and the send are separate launches, each must cope with no weights)
+    on2, own2 = nat.combine(y, cn.handle, None, None)
+    assert own2 is None
+    same(on2, on, "combine without weights")
     torch.cuda.synchronize()
 
 
@@ -191,11 +196,53 @@ def test_expert_major_fp8_deepseek_shape(backends):
     run_case(backends, "random", 1024, 7168, 8, 256, fp8=True, expert_major=True, align=128, seed=9)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("worst", [0, 1])
+@pytest.mark.parametrize("kind", ["random", "dropped", "skewed"])
+def test_expert_major_partials_are_one_fp32_sum_in_slot_order(backends, kind, worst, dtype):
+    """The local half of an expert-major combine, bit for bit: each rank-major row is its local experts' rows
+    summed in top-k slot order in fp32 from 0 and rounded once to x's dtype (what reference.combine computes, and
+    what the former fused send produced); weights go back to their slot, 0 elsewhere."""
+    nat, _ = backends
+    R, rank = dist.get_world_size(), dist.get_rank()
+    T, H, K, E, align = 257, 2048, 4, 16, 16
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(13 * 1000 + rank)
+    topk_idx = make_routing(kind, T, K, E, R, gen)
+    x, _, w = make_inputs(T, H, K, False, gen)
+    per_rank, per_rdma, per_expert, in_rank = nat.get_dispatch_layout(topk_idx, E)
+    res = nat.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
+                                    num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                    num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w,
+                                    expert_alignment=align, expert_major=True,
+                                    num_worst_tokens=T * R * K + (E // R) * align if worst else 0))
+    h = res.handle
+    y = torch.randn((h.num_recv_rows, H), generator=gen).to(dev, dtype)
+    partials, rm_w = nat._expert_major_partials(y, h, res.recv_topk_weights, torch.cuda.current_stream().cuda_stream)
+    partials_nw, rm_nw = nat._expert_major_partials(y, h, None, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert rm_nw is None
+    assert partials.shape == (h.num_rank_major_rows, H) and partials.dtype == dtype
+    n = int(h.recv_info[0])  # rows past it (sync-free padding) are left unwritten
+    slot_of = h.slot_of[:n].long()
+    acc = torch.zeros((n, H), dtype=torch.float32, device=dev)
+    for k in range(K):
+        sel = slot_of[:, k] >= 0
+        acc[sel] += y[slot_of[sel, k]].float()
+    same(partials[:n], acc.to(dtype), "partials")
+    same(partials_nw[:n], acc.to(dtype), "partials without weights")
+    expected_w = torch.where(slot_of >= 0, res.recv_topk_weights[slot_of.clamp(min=0)],
+                             torch.zeros((), dtype=torch.float32, device=dev))
+    same(rm_w[:n], expected_w, "rank-major weights")
+    dist.barrier()
+
+
 def test_empty_batch_dispatches_and_combines_nothing(backends):
     run_case(backends, "random", 0, 2048, 2, 8, seed=11)
 
 
-def test_cuda_graph_replays_sync_free_dispatch_and_combine(backends):
+@pytest.mark.parametrize("expert_major", [False, True], ids=["rank-major", "expert-major"])
+def test_cuda_graph_replays_sync_free_dispatch_and_combine(backends, expert_major):
     nat, ref = backends
     R, rank = dist.get_world_size(), dist.get_rank()
     T, H, K, E = 256, 2048, 4, 16
@@ -203,14 +250,15 @@ def test_cuda_graph_replays_sync_free_dispatch_and_combine(backends):
     gen = torch.Generator().manual_seed(100 + rank)
     static_idx = make_routing("random", T, K, E, R, gen)
     static_x, _, static_w = make_inputs(T, H, K, False, gen)
-    worst = T * R
+    # expert-major: every slot local in the worst case, plus one padding row per expert (alignment 1 pads none)
+    worst = T * R * K + E // R if expert_major else T * R
 
     def step():
         per_rank, per_rdma, per_expert, in_rank = nat.get_dispatch_layout(static_idx, E)
         res = nat.dispatch(DispatchArgs(x=static_x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
                                         num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
                                         num_tokens_per_expert=per_expert, topk_idx=static_idx,
-                                        topk_weights=static_w, num_worst_tokens=worst))
+                                        topk_weights=static_w, num_worst_tokens=worst, expert_major=expert_major))
         out, out_w = nat.combine(res.recv_x, res.handle, res.recv_topk_weights, None)
         return res.recv_x, out, out_w
 
@@ -235,7 +283,7 @@ def test_cuda_graph_replays_sync_free_dispatch_and_combine(backends):
         rr = ref.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
                                        num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
                                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
-                                       num_worst_tokens=worst))
+                                       num_worst_tokens=worst, expert_major=expert_major))
         same(g_recv, rr.recv_x, f"replay {it} recv_x")
         orr, owr = ref.combine(rr.recv_x, rr.handle, rr.recv_topk_weights, None)
         torch.testing.assert_close(g_out.float(), orr.float(), rtol=1e-2, atol=1e-2)

@@ -35,6 +35,9 @@
 #define cudaIpcCloseMemHandle hipIpcCloseMemHandle
 #define cudaIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
 #define cudaFuncSetAttribute hipFuncSetAttribute
+#define cudaDeviceGetAttribute hipDeviceGetAttribute
+#define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define cudaOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
 #else
 #include <cuda_runtime.h>
 #define UCCL_EP_CUDA 1
