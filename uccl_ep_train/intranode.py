@@ -88,6 +88,7 @@ class NativeIntranodeBackend:
         self.device = ctx.device if ctx.device.index is not None else torch.device("cuda", torch.cuda.current_device())
         kernel_settings = ctx.settings.kernel
         self.num_sms = int(kernel_settings.num_sms)
+        self.local_sms = int(kernel_settings.local_sms)  # 0: the whole GPU for the kernels that touch only our memory
         self.timeout_secs = float(kernel_settings.gpu_timeout_secs)
         self._k = native.module().kernels
         if self.num_ranks > self._k.max_ranks:
@@ -250,7 +251,7 @@ class NativeIntranodeBackend:
         self._cx.barrier(stream)
         self._cx.dispatch_recv(_ptr(recv_x), _ptr(recv_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
                                _ptr(recv_src_idx), recv_info.data_ptr(), rank_prefix.data_ptr(), self_direct, out_rows,
-                               hidden_bytes, num_scales, K, cap, num_sms, stream)
+                               hidden_bytes, num_scales, K, cap, self.local_sms, stream)
 
         if cached:
             if h.expert_major:
@@ -318,8 +319,8 @@ class NativeIntranodeBackend:
         """Local half of an expert-major combine: one rank-major row per received token, the sum of its local
         experts' rows in top-k slot order in fp32, rounded once to x's dtype; and the rank-major weights [rows, K]
         (0 on slots that are not local). Rows from recv_info[0] on (sync-free padding) are left unwritten; combine_send
-        never reads them. A kernel of its own over the whole GPU, not fused into the communication kernel that holds
-        num_sms SMs: it reads every expert-major row and is bound by HBM, not NVLink (docs/intranode.md)."""
+        never reads them. A kernel of its own on local_sms SMs (0: the whole GPU), not fused into the communication
+        kernel that holds num_sms SMs: it reads every expert-major row and is bound by HBM, not NVLink (docs/intranode.md)."""
         if weights is not None and (weights.dim() != 1 or weights.numel() < h.num_recv_rows):
             raise ValueError(f"expert-major combine takes one weight per row ([{h.num_recv_rows}] float32), "
                              f"got {tuple(weights.shape)}")
@@ -330,7 +331,7 @@ class NativeIntranodeBackend:
                       else None)
         self._cx.expert_major_partials(x.data_ptr(), _ptr(weights), h.slot_of.data_ptr(), h.recv_info.data_ptr(),
                                        rows, H, x.element_size(), h.num_topk, partials.data_ptr(), _ptr(rm_weights),
-                                       stream)
+                                       self.local_sms, stream)
         return partials, rm_weights
 
     def combine(self, x: torch.Tensor, handle: IntranodeHandle, topk_weights: Optional[torch.Tensor], config: Any
@@ -372,7 +373,7 @@ class NativeIntranodeBackend:
                               h.recv_info.data_ptr(), rows, H, elem, K, cap, num_sms, stream)
         self._cx.barrier(stream)
         self._cx.combine_reduce(h.is_token_in_rank.data_ptr(), T, H, elem, K, out.data_ptr(), _ptr(out_w), cap,
-                                num_sms, stream)
+                                self.local_sms, stream)
         return out, out_w
 
     # ---------------------------------------------------------------- teardown

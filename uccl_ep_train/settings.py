@@ -149,7 +149,12 @@ class KernelSettings:
         "UCCL_EP_BACKEND", "auto (native kernels when built for this device, else reference), native, reference",
         _choice("auto", "native", "reference")))
     num_sms: int = field(default=24, metadata=_meta(
-        "UCCL_EP_NUM_SMS", "SMs used by dispatch/combine kernels (even number)", _int(2, 1024)))
+        "UCCL_EP_NUM_SMS", "SMs used by the dispatch/combine kernels that move data between GPUs (even number)",
+        _int(2, 1024)))
+    local_sms: int = field(default=0, metadata=_meta(
+        "UCCL_EP_LOCAL_SMS", "SMs for the kernels of a call that touch only this GPU's memory (dispatch's receive "
+        "copy, combine's reduce, the expert-major sum); 0: the whole GPU. Set it to UCCL_EP_NUM_SMS to hold a whole "
+        "call to that many SMs", _int(0, 1024)))
     gpu_timeout_secs: float = field(default=100.0, metadata=_meta(
         "UCCL_EP_GPU_TIMEOUT_SECS", "deadline for any GPU spin wait before the kernel reports and traps",
         _float(0.001)))

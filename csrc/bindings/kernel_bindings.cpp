@@ -56,7 +56,7 @@ void bind_kernels(py::module_& m) {
       .def("dispatch_recv", &in::Context::dispatch_recv, py::arg("recv_x"), py::arg("recv_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("recv_info"),
            py::arg("rank_prefix_matrix"), py::arg("self_direct"), py::arg("out_rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("topk"),
-           py::arg("rows_capacity"), py::arg("num_sms"), py::arg("stream"))
+           py::arg("rows_capacity"), py::arg("local_sms"), py::arg("stream"))
       .def("expert_major", &in::Context::expert_major, py::arg("src_x"), py::arg("src_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_info"), py::arg("out_rows"),
            py::arg("expert_rows"), py::arg("num_local_experts"), py::arg("alignment"), py::arg("hidden_bytes"),
@@ -64,13 +64,13 @@ void bind_kernels(py::module_& m) {
            py::arg("em_slot"), py::arg("em_expert"), py::arg("em_weights"), py::arg("slot_of"), py::arg("stream"))
       .def("expert_major_partials", &in::Context::expert_major_partials, py::arg("x"), py::arg("topk_weights"),
            py::arg("slot_of"), py::arg("recv_info"), py::arg("num_rows"), py::arg("hidden"), py::arg("elem_size"),
-           py::arg("topk"), py::arg("partials"), py::arg("out_topk_weights"), py::arg("stream"))
+           py::arg("topk"), py::arg("partials"), py::arg("out_topk_weights"), py::arg("local_sms"), py::arg("stream"))
       .def("combine_send", &in::Context::combine_send, py::arg("x"), py::arg("topk_weights"), py::arg("recv_src_idx"),
            py::arg("rank_prefix_matrix"), py::arg("recv_info"), py::arg("num_rows"), py::arg("hidden"),
            py::arg("elem_size"), py::arg("topk"), py::arg("max_src_tokens"), py::arg("num_sms"), py::arg("stream"))
       .def("combine_reduce", &in::Context::combine_reduce, py::arg("is_token_in_rank"), py::arg("num_tokens"),
            py::arg("hidden"), py::arg("elem_size"), py::arg("topk"), py::arg("out_x"), py::arg("out_topk_weights"),
-           py::arg("max_src_tokens"), py::arg("num_sms"), py::arg("stream"));
+           py::arg("max_src_tokens"), py::arg("local_sms"), py::arg("stream"));
 #else
   (void)m;  // built without a GPU toolchain: no `kernels` submodule, native.has_kernels() is False
 #endif

@@ -678,14 +678,22 @@ Context::Context(int rank, int num_ranks, int64_t num_bytes, int device, double 
   // CUDA-graph capture, and this never changes for the device.
   int sms = 0;
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "cudaDeviceGetAttribute");
-  const void* local_kernels[2] = {reinterpret_cast<const void*>(expert_major_partials_kernel<false>),
-                                  reinterpret_cast<const void*>(expert_major_partials_kernel<true>)};
-  for (int i = 0; i < 2; ++i) {
+  const void* local_kernels[kLocalKernels] = {
+      reinterpret_cast<const void*>(dispatch_recv_kernel<4>),
+      reinterpret_cast<const void*>(combine_reduce_kernel<false>),
+      reinterpret_cast<const void*>(combine_reduce_kernel<true>),
+      reinterpret_cast<const void*>(expert_major_partials_kernel<false>),
+      reinterpret_cast<const void*>(expert_major_partials_kernel<true>)};
+  for (int i = 0; i < kLocalKernels; ++i) {
     int per_sm = 0;
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, local_kernels[i], kThreads, 0),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    local_grid_[i] = std::max(1, sms * std::max(1, per_sm));
+    whole_gpu_grid_[i] = std::max(1, sms * std::max(1, per_sm));
   }
+}
+
+int Context::local_grid(LocalKernel k, int local_sms) const {
+  return local_sms > 0 ? local_sms : whole_gpu_grid_[k];
 }
 
 Context::~Context() {
@@ -814,9 +822,9 @@ void Context::dispatch_send(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx,
 void Context::dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
                             uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t recv_info,
                             uintptr_t rank_prefix_matrix, bool self_direct, int64_t out_rows, int hidden_bytes,
-                            int num_scales, int topk, int64_t rows_capacity, int num_sms, uintptr_t stream) {
+                            int num_scales, int topk, int64_t rows_capacity, int local_sms, uintptr_t stream) {
   if (out_rows == 0) return;
-  dispatch_recv_kernel<4><<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  dispatch_recv_kernel<4><<<local_grid(kLocalRecv, local_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       local_, rank_, num_ranks_, reinterpret_cast<int4*>(recv_x), reinterpret_cast<float*>(recv_scales),
       reinterpret_cast<int64_t*>(recv_topk_idx), reinterpret_cast<float*>(recv_topk_weights),
       reinterpret_cast<int*>(recv_src_idx), reinterpret_cast<const int*>(recv_info),
@@ -846,7 +854,7 @@ void Context::expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv
 
 void Context::expert_major_partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t recv_info,
                                     int num_rows, int hidden, int elem_size, int topk, uintptr_t partials,
-                                    uintptr_t out_topk_weights, uintptr_t stream) {
+                                    uintptr_t out_topk_weights, int local_sms, uintptr_t stream) {
   if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
   if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
   if (topk > kMaxTopk) throw std::invalid_argument("combine: top-k above " + std::to_string(kMaxTopk));
@@ -855,8 +863,8 @@ void Context::expert_major_partials(uintptr_t x, uintptr_t topk_weights, uintptr
   if (num_rows == 0) return;
   const bool f32 = elem_size == 4;
   auto kernel = f32 ? expert_major_partials_kernel<true> : expert_major_partials_kernel<false>;
-  // Local work only: the whole GPU, not num_sms (see the kernel).
-  kernel<<<local_grid_[f32 ? 1 : 0], kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  // Local work only: local_sms (0: the whole GPU), not num_sms (see the kernel).
+  kernel<<<local_grid(f32 ? kLocalPartialsF32 : kLocalPartialsBf16, local_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int4*>(x), reinterpret_cast<const float*>(topk_weights),
       reinterpret_cast<const int*>(slot_of), reinterpret_cast<const int*>(recv_info), num_rows, hidden, topk,
       reinterpret_cast<int4*>(partials), reinterpret_cast<float*>(out_topk_weights));
@@ -878,11 +886,11 @@ void Context::combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_s
 }
 
 void Context::combine_reduce(uintptr_t is_token_in_rank, int num_tokens, int hidden, int elem_size, int topk,
-                             uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens, int num_sms,
+                             uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens, int local_sms,
                              uintptr_t stream) {
   if (num_tokens == 0) return;
   auto kernel = elem_size == 4 ? combine_reduce_kernel<true> : combine_reduce_kernel<false>;
-  kernel<<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  kernel<<<local_grid(elem_size == 4 ? kLocalReduceF32 : kLocalReduceBf16, local_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       local_, num_ranks_, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, hidden, topk,
       reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_topk_weights), max_src_tokens);
   check(cudaGetLastError(), "combine_reduce_kernel launch");

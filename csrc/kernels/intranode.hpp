@@ -87,7 +87,7 @@ class Context {
   void dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
                      uintptr_t recv_src_idx, uintptr_t recv_info, uintptr_t rank_prefix_matrix, bool self_direct,
                      int64_t out_rows, int hidden_bytes, int num_scales, int topk, int64_t rows_capacity,
-                     int num_sms, uintptr_t stream);
+                     int local_sms, uintptr_t stream);
 
   // Expert-major expansion (reference.py's layout): every (row, local expert) pair once, grouped by expert in
   // rank-major row order, expert e's segment starting at the aligned prefix of the counts, zero padding rows, the
@@ -99,14 +99,14 @@ class Context {
                     uintptr_t em_token, uintptr_t em_slot, uintptr_t em_expert, uintptr_t em_weights,
                     uintptr_t slot_of, uintptr_t stream);
 
-  // combine of expert-major rows, local half (no communication; launched over the whole GPU, not num_sms): for
+  // combine of expert-major rows, local half (no communication; on local_sms SMs, 0: the whole GPU): for
   // every rank-major row i < min(num_rows, recv_info[0]), partials[i] = the sum of x[slot_of[i][k]] over the k with
   // slot_of[i][k] >= 0, in k order, in fp32, rounded once to x's dtype; with topk_weights (expert-major, one float
   // per row), out_topk_weights[i][k] = that row's weight, 0 where slot_of[i][k] < 0. Rows from recv_info[0] on are
   // left untouched. The partials and weights are then an ordinary rank-major input of combine_send.
   void expert_major_partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t recv_info,
                              int num_rows, int hidden, int elem_size, int topk, uintptr_t partials,
-                             uintptr_t out_topk_weights, uintptr_t stream);
+                             uintptr_t out_topk_weights, int local_sms, uintptr_t stream);
 
   // combine: every rank writes each received (rank-major) row i < min(num_rows, recv_info[0]) back to row
   // (src_idx, me) of the source rank's combine area, in x's dtype, with its weights [num_rows, topk] ...
@@ -116,7 +116,7 @@ class Context {
   // ... and the source sums the copies of each token in rank order, in fp32.
   void combine_reduce(uintptr_t is_token_in_rank, int num_tokens, int hidden, int elem_size, int topk,
                       uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens,
-                      int num_sms, uintptr_t stream);
+                      int local_sms, uintptr_t stream);
 
  private:
   int rank_, num_ranks_, device_;
@@ -131,7 +131,12 @@ class Context {
   HostCounts* host_counts_dev_ = nullptr;
   bool opened_ = false;
   int host_seq_ = 0;                    // notify's sequence number the host waits for in host_counts_->ready
-  int local_grid_[2] = {1, 1};          // blocks of the local (no-communication) kernels for [bf16, fp32]: all SMs
+  // The kernels that touch only this rank's memory (the receive copy, combine's reduce, the expert-major sum) run
+  // on `local_sms` SMs, 0 meaning the whole GPU: blocks per SM from the occupancy API, asked once in the
+  // constructor because a launch may be under CUDA-graph capture.
+  enum LocalKernel { kLocalRecv, kLocalReduceBf16, kLocalReduceF32, kLocalPartialsBf16, kLocalPartialsF32, kLocalKernels };
+  int whole_gpu_grid_[kLocalKernels] = {1, 1, 1, 1, 1};
+  int local_grid(LocalKernel k, int local_sms) const;
 };
 
 // get_dispatch_layout: per-rank, per-node and per-expert token counts and is_token_in_rank from topk_idx (int64,

@@ -32,6 +32,7 @@ def test_values_are_parsed_into_typed_fields():
     ("UCCL_EP_CPU_TIMEOUT_SECS", "nan"), ("UCCL_EP_CPU_TIMEOUT_SECS", "0"), ("UCCL_EP_TRANSPORT", "tcp"),
     ("UCCL_EP_PROXY_CPUS", "3-1"), ("UCCL_EP_PROXY_CPUS", "-1"), ("UCCL_IB_MAX_INFLIGHT_NORMAL", "0"),
     ("UCCL_IB_MAX_INFLIGHT_BYTES", "-5"), ("UCCL_EP_REORDER_WINDOW", "1"), ("UCCL_IB_SL", "16"),
+    ("UCCL_EP_LOCAL_SMS", "-1"), ("UCCL_EP_LOCAL_SMS", "all"),
 ])
 def test_malformed_value_raises_naming_the_variable(name, value):
     with pytest.raises(SettingsError, match=name):

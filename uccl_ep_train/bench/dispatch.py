@@ -24,7 +24,11 @@ def add_parser(sub) -> None:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--sweep", type=str, default=",".join(map(str, DEFAULT_TOKENS)),
                    help="comma-separated token counts of the sweep ('' to skip)")
-    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--num-sms", type=int, default=24, help="SMs of the kernels that move data between GPUs")
+    p.add_argument("--local-sms", type=int, default=None,
+                   help="SMs of the kernels that touch only the own GPU (receive copy, combine's reduce); 0: the "
+                        "whole GPU (default: UCCL_EP_LOCAL_SMS, itself 0). Give --num-sms's value to hold every "
+                        "kernel of a call to that many SMs, as DeepEP's figures are")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", type=str, default="", help="write the results here")
@@ -186,6 +190,11 @@ def run(args: argparse.Namespace) -> int:
                          settings=settings)
     backend = NativeIntranodeBackend(ctx)
     backend.num_sms = args.num_sms
+    if args.local_sms is not None:
+        if args.local_sms < 0:
+            raise SystemExit(f"--local-sms must be >= 0, got {args.local_sms}")
+        backend.local_sms = args.local_sms
+    local_sms = backend.local_sms
     deep = None
     try:
         import deep_ep  # type: ignore
@@ -203,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
 
     if rank == 0:
         dev = torch.cuda.get_device_name()
-        print(f"# uccl-ep-train bench dispatch: {R} x {dev}, hidden {H}, top-{K} of {E}, {args.num_sms} SMs, "
+        local_desc = f"{local_sms} SMs" if local_sms else "the whole GPU"
+        print(f"# uccl-ep-train bench dispatch: {R} x {dev}, hidden {H}, top-{K} of {E}, {args.num_sms} SMs "
+              f"moving data between GPUs, {local_desc} for the local kernels, "
               f"{args.iters} iterations; times are the max over ranks; GB/s per rank")
         cols = ["dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "dispatch_bf16_syncfree", "combine_bf16",
                 "nccl_all_to_all_bf16"]
@@ -220,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"device": dev, "ranks": R, "num_sms": args.num_sms, "results": results}, f, indent=1)
+                json.dump({"device": dev, "ranks": R, "num_sms": args.num_sms, "local_sms": local_sms,
+                           "results": results}, f, indent=1)
         if args.plot:
             try:
                 import matplotlib
