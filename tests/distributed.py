@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -37,6 +38,7 @@ def _child(fn, rank: int, world_size: int, args: tuple, port: int, backend: str,
         import faulthandler
 
         faulthandler.enable(all_threads=True)  # a child that crashes in native code leaves its Python stack in the log
+        _answer_state_requests(rank, results)
         sys.path[:] = sys_path
         os.environ.update(env)
         import torch
@@ -58,6 +60,32 @@ def _child(fn, rank: int, world_size: int, args: tuple, port: int, backend: str,
         results.put((rank, True, value, time.time()))
     except BaseException:  # report everything, including assertion failures and KeyboardInterrupt
         results.put((rank, False, traceback.format_exc(), time.time()))
+
+
+def _answer_state_requests(rank: int, results) -> None:
+    """SIGUSR1 makes this rank report _live_state() to the parent. A thread of its own waits for the signal (blocked
+    in every other thread, including those started later, which inherit the mask): the main thread may be stuck in a
+    native call, e.g. a gloo collective waiting for the rank that failed, where a Python signal handler never runs."""
+    import threading
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+    def serve() -> None:
+        while True:
+            signal.sigwait({signal.SIGUSR1})
+            try:
+                state = _live_state()
+            except BaseException as exc:  # noqa: BLE001 - report whatever happened
+                state = f"state not readable: {exc!r}"
+            results.put((rank, "state", state, time.time()))
+
+    threading.Thread(target=serve, name="state-requests", daemon=True).start()
+
+
+def _live_state() -> str:
+    """What this rank's communication objects say about themselves (the parent asks when another rank failed)."""
+    internode = sys.modules.get("uccl_ep_train.internode")
+    return internode.live_state() if internode is not None else "no internode backend imported"
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
@@ -100,24 +128,38 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                                        f"finish within {timeout:.0f} s")
                 else:
                     continue
+            if ok == "state":
+                continue
             if ok:
                 values[rank] = value
                 continue
             # The first rank to fail makes its peers fail too (connection reset); collect those for a moment and
-            # lead with the earliest, which is the cause.
+            # lead with the earliest, which is the cause. The ranks still running are asked for their own state
+            # (SIGUSR1): the failing rank only sees its side, e.g. a counter that never reached its target, while the
+            # rank that should have fed it knows whether it ever pushed or sent the command.
             failures.append((when, rank, value))
-            grace = time.monotonic() + 2.0
+            states: List[tuple] = []
+            for r, p in enumerate(procs):
+                if r != rank and r not in values and p.is_alive():
+                    try:
+                        os.kill(p.pid, signal.SIGUSR1)
+                    except OSError:
+                        pass
+            grace = time.monotonic() + 3.0
             while time.monotonic() < grace and len(failures) + len(values) < world_size:
                 try:
                     rank, ok, value, when = results.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if not ok:
+                if ok == "state":
+                    states.append((rank, value))
+                elif not ok:
                     failures.append((when, rank, value))
             failures.sort()
             name = getattr(fn, "__name__", fn)
             failure = "\n".join(f"rank {r} of {world_size} failed{' first' if i == 0 else ''} in {name}:\n{tb}"
                                  for i, (_, r, tb) in enumerate(failures))
+            failure += "".join(f"\nstate of rank {r} when asked after the failure:\n{st}" for r, st in sorted(states))
     finally:
         for p in procs:
             if p.is_alive() and (failure is not None or len(values) < world_size):

@@ -29,6 +29,25 @@ def _sleeps(rank, world):
     time.sleep(60)
 
 
+def _rank_zero_fails_while_one_polls(rank, world):
+    if rank == 0:
+        raise ValueError("rank zero gave up")
+    for _ in range(600):  # a host wait that polls, like the internode backend's drain
+        time.sleep(0.05)
+
+
+def _rank_zero_fails_while_one_waits_in_gloo(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 0:
+        time.sleep(1)
+        raise ValueError("rank zero gave up")
+    if rank == 1:
+        dist.recv(torch.zeros(1), src=2)  # native wait: rank 2 never sends
+    time.sleep(30)
+
+
 def test_run_distributed_returns_each_ranks_result_in_rank_order():
     assert run_distributed(_rank_and_sum, 3, timeout=60) == [(0, 6), (1, 6), (2, 6)]
 
@@ -45,3 +64,20 @@ def test_run_distributed_times_out_instead_of_hanging():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3 s"):
         run_distributed(_sleeps, 2, timeout=3)
     assert time.monotonic() - start < 20
+
+
+def test_a_failure_brings_back_the_state_of_the_ranks_still_running():
+    with pytest.raises(RuntimeError) as exc:
+        run_distributed(_rank_zero_fails_while_one_polls, 2, timeout=60)
+    msg = str(exc.value)
+    assert msg.startswith("rank 0 of 2 failed first") and "rank zero gave up" in msg
+    assert "state of rank 1 when asked after the failure:\nno internode backend imported" in msg
+
+
+def test_a_rank_stuck_in_a_native_wait_still_reports_its_state():
+    with pytest.raises(RuntimeError) as exc:
+        run_distributed(_rank_zero_fails_while_one_waits_in_gloo, 3, timeout=60)
+    msg = str(exc.value)
+    assert "rank zero gave up" in msg
+    assert "state of rank 1 when asked after the failure:\nno internode backend imported" in msg
+    assert "state of rank 2 when asked after the failure" in msg

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import socket
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
@@ -63,6 +64,31 @@ def describe_fifo_states(states: Sequence[dict], rank: int) -> str:
     if not odd:
         return f"rank {rank} FIFOs: every command kernels pushed was taken by the proxy ({len(states)} FIFOs)"
     return f"rank {rank} FIFOs: " + ", ".join(odd)
+
+
+# Every backend of this process, for live_state(): a test harness asks a rank that did not fail for its side of a
+# failure (tests/distributed.py sends SIGUSR1 to the other ranks when one fails).
+_LIVE: "weakref.WeakSet[NativeInternodeBackend]" = weakref.WeakSet()
+
+
+def live_state() -> str:
+    """One line per live backend of this process: its FIFOs, its proxy's totals and error, and every signal counter
+    that differs from what this rank has waited for so far. Read-only and safe while kernels run (host memory, and
+    the FIFO heads through a stream of its own)."""
+    lines = []
+    for b in list(_LIVE):
+        if b._destroyed:
+            continue
+        try:
+            off = [f"{i}={b._cx.signal_value(i)}/{e}" for i, e in enumerate(b._expected)
+                   if b._cx.signal_value(i) != e]
+            lines.append(f"rank {b.rank}: {describe_fifo_states(b._cx.fifo_states(), b.rank)}; proxy totals "
+                         f"{b._cx.proxy_totals()}; proxy error {b._cx.proxy_error()!r}; signals differing from "
+                         f"what was waited for (slot=value/expected): {', '.join(off) or 'none'}\n"
+                         f"{b._cx.proxy_counters()}")
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            lines.append(f"rank {b.rank}: state not readable: {exc}")
+    return "\n".join(lines) or "no live internode backend in this process"
 
 
 def _timeout_hint() -> str:
@@ -596,6 +622,7 @@ class NativeInternodeBackend:
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
         self._destroyed = False
+        _LIVE.add(self)
         self.last_traffic = None
         # Benchmarks set this to time the network hop alone (push -> last signal) with CUDA events: phase -> [ms]
         self.network_timing: Optional[dict] = None

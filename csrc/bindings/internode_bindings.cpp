@@ -109,6 +109,8 @@ void bind_internode(py::module_& m) {
       .def("proxy_error", &in::Context::proxy_error)
       .def("proxy_totals", [](const in::Context& c) { return proxy_stats_dict(c.proxy_totals()); })
       .def("signal_value", &in::Context::signal_value, py::arg("slot"))
+      .def("proxy_counters", &in::Context::proxy_counters,
+           "the proxy threads' published counters, one line per thread (never asks the transport)")
       .def("fifo_states", [](const in::Context& c) {
         py::list out;
         for (const auto& f : c.fifo_states()) {

@@ -354,6 +354,8 @@ std::vector<Context::FifoState> Context::fifo_states() const {
   return out;
 }
 
+std::string Context::proxy_counters() const { return proxy_->describe(false); }
+
 void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream) {
   if (n <= 0) return;
   if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
@@ -449,6 +451,7 @@ std::string Context::proxy_error() const { return ""; }
 ProxyThreadStats Context::proxy_totals() const { return {}; }
 int64_t Context::signal_value(uint32_t) const { return 0; }
 std::vector<Context::FifoState> Context::fifo_states() const { return {}; }
+std::string Context::proxy_counters() const { return ""; }
 void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
 void Context::wait_signals(uintptr_t, int, int, uintptr_t) {}
 std::string Context::error_message() const { return ""; }

@@ -134,6 +134,9 @@ class Context {
     int64_t first_full = -1, last_full = -1;
   };
   std::vector<FifoState> fifo_states() const;
+  // The proxy threads' published counters (queued, in flight, outstanding per FIFO, held for order); never asks the
+  // transport (Proxy::describe(false)).
+  std::string proxy_counters() const;
   // Device address of the error word (for scatter_rows' range check).
   uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
 

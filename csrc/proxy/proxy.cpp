@@ -400,7 +400,7 @@ std::string Proxy::transport_state(ThreadState& ts) const {
   return ts.state;
 }
 
-std::string Proxy::describe() const {
+std::string Proxy::describe(bool ask_transport) const {
   std::ostringstream m;
   for (const auto& p : threads_) {
     ThreadState& ts = *p;
@@ -416,8 +416,11 @@ std::string Proxy::describe() const {
       m << ";";
     }
     m << " " << ts.reorder_held.load(std::memory_order_relaxed) << " signals held for order";
-    const std::string t = transport_state(ts);
-    m << "; transport: " << (t.empty() ? "(no debug state)" : t) << "\n";
+    if (ask_transport) {
+      const std::string t = transport_state(ts);
+      m << "; transport: " << (t.empty() ? "(no debug state)" : t);
+    }
+    m << "\n";
   }
   return m.str();
 }

@@ -96,7 +96,9 @@ class Proxy {
   // runs (for a stuck job: what is each thread waiting for). The counters are the ones the thread last published
   // (once per round), so they can lag by one round; the transport part is taken by the proxy thread itself when
   // asked, because a transport is used by one thread only (or directly when the thread does not run).
-  std::string describe() const;
+  // ask_transport = false: only the counters the proxy threads publish (atomics), never the transport; safe from
+  // any thread at any time, e.g. a diagnostic dump of a process whose other threads are stuck.
+  std::string describe(bool ask_transport = true) const;
 
  private:
   struct ThreadState;
