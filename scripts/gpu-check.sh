@@ -78,7 +78,7 @@ for step in "${steps[@]}"; do
       done ;;
     internode_loop)  # the intermittent case (reorder + cap 1 + 4 KiB chunks, 2 x 2), LOOPS times, stop at a failure
       for i in $(seq "${LOOPS:-6}"); do
-        run "internode_loop_$i" 240 python3 -m pytest -x -q -rf tests/internode \
+        run "internode_loop_$i" 240 python3 -m pytest -x -q -s -rf tests/internode \
           -k "reordered_transport and 4-2"
         tail -1 "$OUT/summary.txt" | grep -q "rc=0" || break
       done ;;

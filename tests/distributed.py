@@ -145,6 +145,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                         os.kill(p.pid, signal.SIGUSR1)
                     except OSError:
                         pass
+            # ... and every proxy thread of every rank prints its own state to stderr (UCCL_EP_PROXY_DUMP_FILE): it
+            # needs neither the GIL nor CUDA, so it also answers from a rank whose Python is blocked.
+            dump_file = (env or {}).get("UCCL_EP_PROXY_DUMP_FILE")
+            if dump_file:
+                with open(dump_file, "a"):
+                    os.utime(dump_file)
             grace = time.monotonic() + 3.0
             while time.monotonic() < grace and len(failures) + len(values) < world_size:
                 try:

@@ -158,6 +158,7 @@ class ProxyOptions:
     ib_tc: int = -1                      # -1: 104 IB/RoCE, 0 EFA
     ib_sq_depth: int = DEFAULT_QUEUE_DEPTH
     ib_rq_depth: int = DEFAULT_QUEUE_DEPTH
+    dump_trigger: str = ""               # UCCL_EP_PROXY_DUMP_FILE
     transport_reason: str = field(default="", compare=False)  # not passed to the native proxy
 
     def kwargs(self) -> dict[str, Any]:
@@ -195,7 +196,7 @@ def proxy_options(settings: Settings, rank: int, world: int, *, num_signal_slots
         ib_devices=choice.devices, ib_gid_index=choice.gid_index,
         ib_sl=-1 if t.ib_sl is None else t.ib_sl, ib_tc=-1 if t.ib_tc is None else t.ib_tc,
         ib_sq_depth=max(DEFAULT_QUEUE_DEPTH, writes), ib_rq_depth=max(DEFAULT_QUEUE_DEPTH, writes),
-        transport_reason=choice.reason)
+        dump_trigger=p.dump_file or "", transport_reason=choice.reason)
 
 
 def with_timeout_hint(exc: BaseException) -> BaseException:

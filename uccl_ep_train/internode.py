@@ -591,7 +591,8 @@ class NativeInternodeBackend:
             loopback_bandwidth_gbps=e.loopback_bandwidth_gbps, loopback_seed=e.loopback_seed,
             gpu_timeout_secs=float(s.kernel.gpu_timeout_secs), transport=self.transport.name,
             ib_devices=list(self.transport.devices), gid_index=list(self.transport.gid_index),
-            sl=-1 if t.ib_sl is None else t.ib_sl, tc=-1 if t.ib_tc is None else t.ib_tc)
+            sl=-1 if t.ib_sl is None else t.ib_sl, tc=-1 if t.ib_tc is None else t.ib_tc,
+            dump_trigger=p.dump_file or "")
         infos = [self._cx.proxy_local_info(i) for i in range(p.num_threads)]
         gathered: List[Any] = [None] * self.R
         dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle()), group=self._gloo)

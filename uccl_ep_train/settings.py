@@ -136,6 +136,9 @@ class ProxySettings:
         "near the NIC)", _cpu_list))
     idle_backoff_us: int = field(default=0, metadata=_meta(
         "UCCL_EP_PROXY_IDLE_BACKOFF_US", "sleep this long after an idle poll round (0: busy-poll)", _int(0, 1_000_000)))
+    dump_file: Optional[str] = field(default=None, metadata=_meta(
+        "UCCL_EP_PROXY_DUMP_FILE", "a path; touching that file makes every proxy thread print its state to stderr "
+        "(FIFO positions, queued and in-flight writes, the transport's state): for a stuck job", str.strip))
     timeout_secs: float = field(default=100.0, metadata=_meta(
         "UCCL_EP_CPU_TIMEOUT_SECS", "deadline for any host-side wait (proxy poll, host sync) before it raises",
         _float(0.001)))

@@ -51,7 +51,8 @@ void bind_internode(py::module_& m) {
                        int reorder_window, uint32_t num_signal_slots, int loopback_reorder,
                        uint64_t loopback_delay_us, double loopback_bandwidth_gbps, uint64_t loopback_seed,
                        double gpu_timeout_secs, std::string transport, std::vector<std::string> ib_devices,
-                       int ib_port, std::variant<int, std::vector<int>> gid_index, int sl, int tc) {
+                       int ib_port, std::variant<int, std::vector<int>> gid_index, int sl, int tc,
+                       std::string dump_trigger) {
              in::ProxyParams p;
              p.num_threads = num_threads;
              p.fifos_per_thread = fifos_per_thread;
@@ -77,6 +78,7 @@ void bind_internode(py::module_& m) {
                p.gid_index = std::get<std::vector<int>>(gid_index);
              p.sl = sl;
              p.tc = tc;
+             p.dump_trigger = dump_trigger;
              return std::make_unique<in::Context>(rank, world, device, rdma_bytes, nvl_bytes, p, gpu_timeout_secs);
            }),
            py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("rdma_bytes"), py::arg("nvl_bytes"),
@@ -86,8 +88,8 @@ void bind_internode(py::module_& m) {
            py::arg("loopback_reorder"), py::arg("loopback_delay_us"), py::arg("loopback_bandwidth_gbps"),
            py::arg("loopback_seed"), py::arg("gpu_timeout_secs"), py::arg("transport") = "loopback",
            py::arg("ib_devices") = std::vector<std::string>{}, py::arg("ib_port") = 1, py::arg("gid_index") = -1,
-           py::arg("sl") = -1, py::arg("tc") = -1,
-           "transport: 'loopback' (one host) or 'verbs' (ib_devices: this GPU's RDMA devices; gid_index: one int for "
+           py::arg("sl") = -1, py::arg("tc") = -1, py::arg("dump_trigger") = "",
+           "dump_trigger: UCCL_EP_PROXY_DUMP_FILE. transport: 'loopback' (one host) or 'verbs' (ib_devices: this GPU's RDMA devices; gid_index: one int for "
            "every device or a list, -1 chooses; sl / tc: -1 is the NIC family's default)")
       .def_property_readonly("rank", &in::Context::rank)
       .def_property_readonly("world", &in::Context::world)

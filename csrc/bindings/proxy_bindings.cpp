@@ -281,7 +281,7 @@ void bind_host_core(py::module_& m) {
                        int reorder_window, uint32_t num_signal_slots, std::string transport, int loopback_reorder,
                        uint64_t loopback_delay_us, double loopback_bandwidth_gbps, uint64_t loopback_seed,
                        std::vector<std::string> ib_devices, std::vector<int> ib_gid_index, int ib_port, int ib_sl,
-                       int ib_tc, int ib_sq_depth, int ib_rq_depth) {
+                       int ib_tc, int ib_sq_depth, int ib_rq_depth, std::string dump_trigger) {
              ProxyConfig cfg;
              cfg.rank = rank;
              cfg.world = world;
@@ -295,6 +295,7 @@ void bind_host_core(py::module_& m) {
              cfg.max_inflight_bytes = max_inflight_bytes;
              cfg.reorder_window = reorder_window;
              cfg.num_signal_slots = num_signal_slots;
+             cfg.dump_trigger = dump_trigger;
              TransportSpec spec;
              spec.name = transport;
              spec.loopback.reorder = loopback_reorder;
@@ -322,7 +323,7 @@ void bind_host_core(py::module_& m) {
            py::arg("loopback_delay_us") = 0, py::arg("loopback_bandwidth_gbps") = 0.0, py::arg("loopback_seed") = 0,
            py::arg("ib_devices") = std::vector<std::string>{}, py::arg("ib_gid_index") = std::vector<int>{},
            py::arg("ib_port") = 1, py::arg("ib_sl") = -1, py::arg("ib_tc") = -1, py::arg("ib_sq_depth") = 1024,
-           py::arg("ib_rq_depth") = 1024)
+           py::arg("ib_rq_depth") = 1024, py::arg("dump_trigger") = "")
       .def_property_readonly("num_fifos", [](PyProxy& p) { return p.proxy->num_fifos(); })
       .def_property_readonly("caps", [](PyProxy& p) {
         TransportCaps c = p.proxy->caps();

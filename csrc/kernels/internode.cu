@@ -203,6 +203,7 @@ Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nv
     cfg.max_inflight_bytes = p.max_inflight_bytes;
     cfg.reorder_window = p.reorder_window;
     cfg.num_signal_slots = p.num_signal_slots;
+    cfg.dump_trigger = p.dump_trigger;
     TransportSpec spec;
     spec.name = p.transport;
     spec.loopback.reorder = p.loopback_reorder;

@@ -2,6 +2,9 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/stat.h>
+
+#include <cstdio>
 
 #include <algorithm>
 #include <chrono>
@@ -685,6 +688,42 @@ void Proxy::run(ThreadState* ts) {
     publish_busy();
   };
 
+  // The dump behind cfg_.dump_trigger: only what this thread owns, read by this thread, so it is exact and needs no
+  // lock; one write to stderr per thread so the lines of several threads do not interleave.
+  auto trigger_mtime = [&]() -> int64_t {
+    struct stat st;
+    if (cfg_.dump_trigger.empty() || ::stat(cfg_.dump_trigger.c_str(), &st) != 0) return -1;
+    return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  };
+  int64_t dumped_mtime = trigger_mtime();
+  auto last_trigger_check = Clock::now();
+  auto dump_state = [&] {
+    std::ostringstream m;
+    m << "uccl-ep proxy dump: " << who() << ": " << pending.size() << " operations queued";
+    for (size_t i = 0; i < pending.size() && i < 4; ++i) {
+      const WriteRequest& w = pending[i];
+      m << (i ? ", " : " (first: ") << "to rank " << w.dst_rank << " " << w.bytes << " B imm 0x" << std::hex << w.imm
+        << std::dec;
+    }
+    m << (pending.size() ? ")" : "") << "; " << ts->inflight_writes << " writes / " << ts->inflight_bytes
+      << " bytes in flight; " << ts->reorder->held() << " signals held for order; " << ts->n_commands
+      << " commands taken, " << ts->n_writes_posted << " writes posted, " << ts->n_signals_applied
+      << " signals applied\n";
+    for (size_t j = 0; j < nf; ++j) {
+      const Fifo& q = *ts->fifos[j];
+      const Fifo::Snapshot snap = q.snapshot();
+      m << "  fifo " << q.fifo_id() << ": taken " << q.consumer_index() << ", given back (tail) " << snap.tail
+        << ", non-empty slots from the tail " << snap.full;
+      if (snap.full) m << " [" << snap.first_full << ".." << snap.last_full << "]";
+      m << ", " << ts->outstanding[j] << " operations outstanding\n";
+    }
+    const std::string t = ts->transport->debug_state();
+    m << "  transport: " << (t.empty() ? "(no debug state)" : t) << "\n";
+    const std::string out = m.str();
+    std::fwrite(out.data(), 1, out.size(), stderr);
+    std::fflush(stderr);
+  };
+
   auto transport_debug = [&] {
     std::string s = ts->transport->debug_state();
     return s.empty() ? s : " transport: " + s + ";";
@@ -800,6 +839,14 @@ void Proxy::run(ThreadState* ts) {
       continue;
     }
     if (++idle_rounds == 1) last_progress = Clock::now();
+    if (idle_rounds % 64 == 0 && !cfg_.dump_trigger.empty() && since(last_trigger_check) > 0.05) {
+      last_trigger_check = Clock::now();
+      const int64_t mt = trigger_mtime();
+      if (mt >= 0 && mt != dumped_mtime) {
+        dumped_mtime = mt;
+        dump_state();
+      }
+    }
     if (idle_rounds % 64 == 0) {
       const bool waiting = ts->inflight_writes || !pending.empty() || ts->reorder->held() ||
                            std::any_of(ts->barrier_phase.begin(), ts->barrier_phase.end(), [](int p) { return p; });

@@ -34,6 +34,10 @@ struct ProxyConfig {
   uint64_t max_inflight_bytes = 2ull << 20;
   int reorder_window = 256;
   uint32_t num_signal_slots = 1024;
+  // A file whose modification (`touch`) after the proxy started makes every proxy thread print its state to stderr
+  // (FIFO positions and ring contents, queued and in-flight operations, the transport's own state): for a stuck job,
+  // the view from the side that should have sent. Checked about every 50 ms while a thread is idle; empty: off.
+  std::string dump_trigger;
 };
 
 struct ProxyThreadStats {

@@ -342,3 +342,30 @@ def test_a_drain_of_a_full_small_ring_takes_each_command_once(C, producer):
         assert sum(s["commands"] for s in c.stats()) == 12
     finally:
         c.close()
+
+
+def test_touching_the_dump_file_makes_every_proxy_thread_print_its_fifos_and_queue(C, tmp_path, capfd):
+    dump = tmp_path / "dump-proxies"
+    s = load_settings({"UCCL_EP_PROXY_DUMP_FILE": str(dump)})
+    c = comm.HostComm(DATA, 0, 1, settings=s, num_signal_slots=64, num_threads=2, fifos_per_thread=2,
+                      timeout_secs=5.0)
+    comm.connect_in_process([c])
+    try:
+        c.push(1, C.command.write_signal(0, 256, 0, 4096, 3, 1))
+        c.wait_signal(3, 1, 10.0)
+        capfd.readouterr()
+        dump.touch()
+        err, deadline = "", time.monotonic() + 10
+        while time.monotonic() < deadline and err.count("uccl-ep proxy dump:") < 2:
+            time.sleep(0.05)
+            err += capfd.readouterr().err
+        assert "uccl-ep proxy dump: rank 0 proxy thread 0: 0 operations queued" in err
+        assert "uccl-ep proxy dump: rank 0 proxy thread 1" in err
+        # FIFO 1 (thread 0's second) carried the one command: taken, its slot given back, nothing left in the ring
+        assert "fifo 1: taken 1, given back (tail) 1, non-empty slots from the tail 0" in err
+        assert "transport: loopback rank 0 thread 0" in err
+        err = capfd.readouterr().err
+        time.sleep(0.3)
+        assert "uccl-ep proxy dump" not in err + capfd.readouterr().err, "one touch, one dump"
+    finally:
+        c.close()

@@ -143,12 +143,14 @@ def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, 
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
-def test_reordered_transport_with_inflight_cap_one_and_tiny_chunks_still_matches(world, G):
+def test_reordered_transport_with_inflight_cap_one_and_tiny_chunks_still_matches(world, G, tmp_path):
     _need(world)
     # The proxy watchdog (CPU deadline) fires before the GPU waits: if a sender's write is stuck, its own error
     # names the FIFO, the writes in flight and the transport's state, rather than only a receiver's counter.
     env = {"UCCL_EP_LOOPBACK_REORDER": "8", "UCCL_IB_MAX_INFLIGHT_NORMAL": "1", "UCCL_IB_MAX_INFLIGHT_BYTES": "4096",
-           "UCCL_EP_LOOPBACK_SEED": "7", "UCCL_EP_CPU_TIMEOUT_SECS": "20", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+           "UCCL_EP_LOOPBACK_SEED": "7", "UCCL_EP_CPU_TIMEOUT_SECS": "20", "UCCL_EP_GPU_TIMEOUT_SECS": "60",
+           # on a failure the harness touches it: every proxy thread then prints its side (run pytest with -s)
+           "UCCL_EP_PROXY_DUMP_FILE": str(tmp_path / "dump-proxies")}
     out = run_distributed(_cases, world, G, ALL[:5], 1, timeout=420, env=env)
     stats = [st for _, st in out]
     assert max(st["max_inflight_writes"] for st in stats) == 1
