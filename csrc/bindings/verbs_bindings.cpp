@@ -284,6 +284,7 @@ void bind_verbs(py::module_& m) {
   f.def("fail_next", &fake_verbs::fail_next, py::arg("fn"), py::arg("errno"));
   f.def("fail_next_completion", &fake_verbs::fail_next_completion, py::arg("status"), py::arg("vendor_err") = 0);
   f.def("set_auto_complete", &fake_verbs::set_auto_complete);
+  f.def("block_next_post_send", &fake_verbs::block_next_post_send, py::arg("seconds"));
   f.def("inject_recv", &fake_verbs::inject_recv, py::arg("qp_num"), py::arg("src_qp") = 0, py::arg("slid") = 0xffff,
         py::arg("imm") = 0, py::arg("status") = 0);
   f.def("posted_recvs", &fake_verbs::posted_recvs);

@@ -120,6 +120,18 @@ struct FifoView {
 
 }  // namespace
 
+namespace {
+enum Activity : int { kInLoop = 0, kInTransportPoll = 1, kInTransportPost = 2, kInBackoff = 3 };
+const char* activity_name(int a) {
+  switch (a) {
+    case kInTransportPoll: return "the transport's poll()";
+    case kInTransportPost: return "a transport post (post_writes / post_atomics)";
+    case kInBackoff: return "the idle back-off";
+    default: return "the proxy loop itself";
+  }
+}
+}  // namespace
+
 struct Proxy::ThreadState {
   int index = 0;
   std::unique_ptr<Transport> transport;
@@ -150,6 +162,10 @@ struct Proxy::ThreadState {
   // is not made for two threads. `in_loop`: the thread may touch the transport (set by start(), cleared on exit).
   std::atomic<bool> in_loop{false};
   std::atomic<uint64_t> state_asked{0}, state_answered{0};
+  // Liveness, read by monitor(): loop rounds started, and what the thread is doing (Activity) when it is inside a
+  // call that may block. Relaxed stores of thread-local values: no read-modify-write on the hot path.
+  std::atomic<uint64_t> rounds{0};
+  std::atomic<int> activity{0};
   mutable std::mutex state_mu;
   std::string state;
 };
@@ -260,12 +276,66 @@ void Proxy::start() {
       pthread_setaffinity_np(p->th.native_handle(), sizeof(set), &set);  // best effort: a bad CPU leaves it unpinned
     }
   }
+  monitor_ = std::thread([this] { monitor(); });
 }
 
 void Proxy::stop() {
   running_.store(false);
   for (auto& ts : threads_)
     if (ts->th.joinable()) ts->th.join();
+  if (monitor_.joinable()) monitor_.join();
+}
+
+void Proxy::monitor() {
+  const size_t n = threads_.size();
+  std::vector<uint64_t> seen(n, 0);
+  std::vector<Clock::time_point> turned(n, Clock::now());
+  std::vector<bool> reported(n, false);
+  auto trigger_mtime = [&]() -> int64_t {
+    struct stat st;
+    if (cfg_.dump_trigger.empty() || ::stat(cfg_.dump_trigger.c_str(), &st) != 0) return -1;
+    return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  };
+  int64_t dumped = trigger_mtime();
+  while (running_.load(std::memory_order_relaxed)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const auto now = Clock::now();
+    for (size_t t = 0; t < n; ++t) {
+      ThreadState& ts = *threads_[t];
+      const uint64_t r = ts.rounds.load(std::memory_order_relaxed);
+      if (r != seen[t] || !ts.in_loop.load(std::memory_order_acquire)) {
+        seen[t] = r;
+        turned[t] = now;
+        continue;
+      }
+      const int a = ts.activity.load(std::memory_order_relaxed);
+      const double stuck = std::chrono::duration<double>(now - turned[t]).count();
+      // The back-off sleeps at most 1 s (UCCL_EP_PROXY_IDLE_BACKOFF_US) and ends by itself: never a hang.
+      if (a != kInBackoff && stuck > cfg_.timeout_secs && !reported[t]) {
+        reported[t] = true;
+        fail("rank " + std::to_string(cfg_.rank) + " proxy thread " + std::to_string(ts.index) + ": its loop has not "
+             "turned for " + std::to_string(int(stuck)) + " s (UCCL_EP_CPU_TIMEOUT_SECS): it is inside " +
+             activity_name(a) + ", which has not returned (a stuck NIC driver or GPU copy)", true);
+      }
+    }
+    const int64_t mt = trigger_mtime();
+    if (mt >= 0 && mt != dumped) {
+      dumped = mt;
+      std::ostringstream m;
+      for (size_t t = 0; t < n; ++t) {
+        ThreadState& ts = *threads_[t];
+        m << "uccl-ep proxy monitor: rank " << cfg_.rank << " proxy thread " << ts.index << ": round "
+          << ts.rounds.load(std::memory_order_relaxed) << ", last turned "
+          << int64_t(std::chrono::duration<double, std::milli>(now - turned[t]).count()) << " ms ago, now inside "
+          << activity_name(ts.activity.load(std::memory_order_relaxed))
+          << (ts.in_loop.load(std::memory_order_acquire) ? "" : " (loop exited)") << "\n";
+      }
+      m << describe(false);
+      const std::string out = m.str();
+      std::fwrite(out.data(), 1, out.size(), stderr);
+      std::fflush(stderr);
+    }
+  }
 }
 
 void Proxy::fail(const std::string& what, bool timeout) {
@@ -561,7 +631,9 @@ void Proxy::run(ThreadState* ts) {
     size_t done = 0;
     while (done < n) {
       const size_t len = std::min(n - done, max_chain);
+      ts->activity.store(kInTransportPost, std::memory_order_relaxed);
       const size_t ok = ts->transport->post_writes(w + done, len);
+      ts->activity.store(kInLoop, std::memory_order_relaxed);
       for (size_t i = 0; i < ok; ++i) *bytes += w[done + i].bytes;
       done += ok;
       if (ok < len) break;
@@ -576,7 +648,10 @@ void Proxy::run(ThreadState* ts) {
     while (!pending.empty() && ts->inflight_writes < max_writes) {
       if (is_atomic(pending.front())) {
         const AtomicRequest a = as_atomic(pending.front());
-        if (ts->transport->post_atomics(&a, 1) != 1) break;
+        ts->activity.store(kInTransportPost, std::memory_order_relaxed);
+        const size_t posted_atomics = ts->transport->post_atomics(&a, 1);
+        ts->activity.store(kInLoop, std::memory_order_relaxed);
+        if (posted_atomics != 1) break;
         pending.pop_front(1);
         account_post(1, 0);
         progress = true;
@@ -729,7 +804,9 @@ void Proxy::run(ThreadState* ts) {
     return s.empty() ? s : " transport: " + s + ";";
   };
 
+  uint64_t round = 0;
   while (running_.load(std::memory_order_relaxed) && !failed()) {
+    ts->rounds.store(++round, std::memory_order_relaxed);
     bool progress = false;
     if (const uint64_t asked = ts->state_asked.load(std::memory_order_relaxed); asked != state_answered) {
       std::string s = ts->transport->debug_state();
@@ -742,7 +819,9 @@ void Proxy::run(ThreadState* ts) {
     }
     // 1. completions: ours (free in-flight budget) and peers' (signals, barriers)
     comps.clear();
+    ts->activity.store(kInTransportPoll, std::memory_order_relaxed);
     ts->transport->poll(comps, 256);
+    ts->activity.store(kInLoop, std::memory_order_relaxed);
     uint64_t completed = 0, completed_bytes = 0;  // summed, not stored to the thread state per completion
     for (const Completion& c : comps) {
       if (c.status != 0) {
@@ -876,7 +955,11 @@ void Proxy::run(ThreadState* ts) {
       }
       if (cfg_.idle_backoff_us == 0) std::this_thread::yield();
     }
-    if (cfg_.idle_backoff_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(cfg_.idle_backoff_us));
+    if (cfg_.idle_backoff_us > 0) {
+      ts->activity.store(kInBackoff, std::memory_order_relaxed);
+      std::this_thread::sleep_for(std::chrono::microseconds(cfg_.idle_backoff_us));
+      ts->activity.store(kInLoop, std::memory_order_relaxed);
+    }
   }
   publish();
   ts->in_loop.store(false, std::memory_order_release);

@@ -107,6 +107,10 @@ class Proxy {
  private:
   struct ThreadState;
   void run(ThreadState* ts);
+  // One thread per proxy, beside the proxy threads: a proxy thread stuck inside a transport call (a driver or NIC
+  // that never returns) cannot run its own watchdog, so this one notices that its loop stopped turning and fails the
+  // proxy naming the call; it also serves dump_trigger for such a thread.
+  void monitor();
   std::string transport_state(ThreadState& ts) const;
   void fail(const std::string& what, bool timeout = false);
 
@@ -114,6 +118,7 @@ class Proxy {
   std::unique_ptr<SharedHostMemory> signals_;
   std::vector<std::unique_ptr<Fifo>> fifos_;
   std::vector<std::unique_ptr<ThreadState>> threads_;
+  std::thread monitor_;
   void* data_;
   size_t data_bytes_;
   bool connected_ = false;

@@ -113,6 +113,7 @@ void clear_calls();
 void fail_next(const std::string& fn, int err);              // the next call of `fn` fails with errno `err`
 void fail_next_completion(int status, uint32_t vendor_err);  // the next signalled send completes with `status`
 void set_auto_complete(bool on);                             // off: signalled sends never complete
+void block_next_post_send(double seconds);                   // the next ibv_post_send returns only after this long
 // A peer's write-with-immediate landing on local QP `qp_num` (consumes one posted receive). Throws if none posted.
 void inject_recv(uint32_t qp_num, uint32_t src_qp, uint16_t slid, uint32_t imm, int status);
 size_t posted_recvs(uint32_t qp_num);

@@ -6,7 +6,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <thread>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -397,7 +400,16 @@ int f_efadv_query_ah(ibv_ah* ah, efadv_ah_attr* attr, uint32_t) {
 }
 
 // ---------------------------------------------------------------- data path (RC)
+// block_next_post_send: the next ibv_post_send sleeps this long first, outside the fake's lock, as a driver call
+// that does not return would (the proxy monitor's test).
+std::atomic<double>& post_send_stall() {
+  static std::atomic<double> secs{0.0};
+  return secs;
+}
+
 int f_post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  if (const double stall = post_send_stall().exchange(0.0); stall > 0)
+    std::this_thread::sleep_for(std::chrono::duration<double>(stall));
   FakeLock lk(fake_mu());
   Record& r = rec("ibv_post_send");
   r.args.push_back({"qp_num", qp->qp_num});
@@ -692,6 +704,7 @@ void fail_next_completion(int status, uint32_t vendor_err) {
   st().fail_status = status;
   st().fail_vendor = vendor_err;
 }
+void block_next_post_send(double seconds) { post_send_stall().store(seconds); }
 void set_auto_complete(bool on) {
   FakeLock lk(fake_mu());
   st().auto_complete = on;

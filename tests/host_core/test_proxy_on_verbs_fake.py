@@ -86,3 +86,27 @@ def test_describe_shows_the_verbs_send_queue_the_nic_has_not_completed(pair):
         assert time.time() < deadline, text
         time.sleep(0.005)
         text = comms[0].proxy.describe()
+
+
+def test_a_post_that_never_returns_fails_the_proxy_naming_the_call_instead_of_hanging(pair, tmp_path, capfd):
+    """The proxy thread is inside ibv_post_send, so its own watchdog cannot run: the monitor thread notices that its
+    loop stopped turning, fails the proxy naming the call, and answers the dump file for it."""
+    C = native.module()
+    dump = tmp_path / "dump"
+    comms = pair(timeout_secs=0.5, dump_trigger=str(dump))
+    fake.block_next_post_send(3.0)
+    comms[0].push(0, C.command.write(1, 16, 0, 64))
+    t0 = time.monotonic()
+    comms[0].start()
+    time.sleep(0.2)
+    dump.touch()
+    deadline = t0 + 2.5
+    while not comms[0].proxy.error and time.monotonic() < deadline:
+        time.sleep(0.01)
+    took = time.monotonic() - t0
+    err = comms[0].proxy.error
+    assert "rank 0 proxy thread 0: its loop has not turned for" in err, err
+    assert "inside a transport post" in err
+    assert took < 2.5, "raised only after the call returned by itself (3 s): the monitor did not see it"
+    out = capfd.readouterr().err
+    assert "uccl-ep proxy monitor: rank 0 proxy thread 0" in out and "now inside a transport post" in out
