@@ -121,6 +121,13 @@ struct FifoView {
 }  // namespace
 
 namespace {
+// The dump trigger's modification time in ns, -1 when there is none (no path set, or no such file).
+int64_t file_mtime_ns(const std::string& path) {
+  struct stat st;
+  if (path.empty() || ::stat(path.c_str(), &st) != 0) return -1;
+  return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
 enum Activity : int { kInLoop = 0, kInTransportPoll = 1, kInTransportPost = 2, kInBackoff = 3 };
 const char* activity_name(int a) {
   switch (a) {
@@ -291,11 +298,7 @@ void Proxy::monitor() {
   std::vector<uint64_t> seen(n, 0);
   std::vector<Clock::time_point> turned(n, Clock::now());
   std::vector<bool> reported(n, false);
-  auto trigger_mtime = [&]() -> int64_t {
-    struct stat st;
-    if (cfg_.dump_trigger.empty() || ::stat(cfg_.dump_trigger.c_str(), &st) != 0) return -1;
-    return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  };
+  auto trigger_mtime = [&] { return file_mtime_ns(cfg_.dump_trigger); };
   int64_t dumped = trigger_mtime();
   while (running_.load(std::memory_order_relaxed)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -765,11 +768,7 @@ void Proxy::run(ThreadState* ts) {
 
   // The dump behind cfg_.dump_trigger: only what this thread owns, read by this thread, so it is exact and needs no
   // lock; one write to stderr per thread so the lines of several threads do not interleave.
-  auto trigger_mtime = [&]() -> int64_t {
-    struct stat st;
-    if (cfg_.dump_trigger.empty() || ::stat(cfg_.dump_trigger.c_str(), &st) != 0) return -1;
-    return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  };
+  auto trigger_mtime = [&] { return file_mtime_ns(cfg_.dump_trigger); };
   int64_t dumped_mtime = trigger_mtime();
   auto last_trigger_check = Clock::now();
   auto dump_state = [&] {
