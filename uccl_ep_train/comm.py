@@ -77,12 +77,22 @@ class GpuNics:
 
 
 def gpu_nics(settings: Settings, rank: int, *, gpu: Optional[int] = None,
-             topology: Optional[topo_mod.Topology] = None) -> GpuNics:
-    """The NICs (and GID indices) topology.plan() assigns to this rank's GPU (``gpu``, default LOCAL_RANK, else
-    ``rank``) under UCCL_IB_HCA / UCCL_IB_GID_INDEX; shared by every proxy owner (HostComm, the internode backend)."""
+             topology: Optional[topo_mod.Topology] = None, pci_address: Optional[str] = None) -> GpuNics:
+    """The NICs (and GID indices) topology.plan() assigns to this rank's GPU under UCCL_IB_HCA / UCCL_IB_GID_INDEX;
+    shared by every proxy owner (HostComm, the internode backend). The GPU is the one at ``pci_address`` when given
+    (what the process's CUDA device really is, whatever CUDA_VISIBLE_DEVICES renumbered), else ``gpu``, else
+    LOCAL_RANK, else ``rank``: host-wide GPU numbers, which a launcher that splits a node's GPUs between jobs shifts."""
     t = settings.transport
     topo = topology if topology is not None else _discover("/sys")
     gpu_index = _local_gpu(rank, gpu)
+    if pci_address:
+        want = pci_address.strip().lower()
+        match = next((g.index for g in topo.gpus if g.pci_bus_id.lower() == want), None)
+        if match is None:
+            return GpuNics(gpu_index, host_nics=tuple(n.name for n in topo.nics),
+                           problem=f"no GPU at PCI address {want} among this host's "
+                                   f"{', '.join(g.pci_bus_id for g in topo.gpus) or 'none'}")
+        gpu_index = match
     host_nics = tuple(n.name for n in topo.nics)
     try:
         plans = topo_mod.plan(topo, t.ib_hca, t.ib_gid_index)

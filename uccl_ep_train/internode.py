@@ -41,6 +41,18 @@ class InternodeError(RuntimeError):
     """A failure of the internode path; the message names the rank, what was awaited and the value expected."""
 
 
+def _device_pci_address(device: torch.device) -> Optional[str]:
+    """The PCI address of a CUDA device as sysfs spells it, or None when torch does not say (the NIC choice then
+    falls back to LOCAL_RANK)."""
+    try:
+        p = torch.cuda.get_device_properties(device)
+        from uccl_ep_train.topology import bdf
+
+        return bdf(int(p.pci_domain_id), int(p.pci_bus_id), int(p.pci_device_id))
+    except Exception:  # noqa: BLE001 - older torch or no CUDA: fall back
+        return None
+
+
 def describe_fifo_states(states: Sequence[dict], rank: int) -> str:
     """One clause on this rank's command FIFOs for an error message. A FIFO whose kernels reserved more slots
     (device head) than its proxy took (tail) either still has commands queued (slots full from the tail on) or lost a
@@ -576,7 +588,8 @@ class NativeInternodeBackend:
         from uccl_ep_train import comm
 
         self.transport = select_internode_transport(
-            t.transport, self.rank, self.R, self._gloo, lambda: comm.gpu_nics(s, self.local),
+            t.transport, self.rank, self.R, self._gloo,
+            lambda: comm.gpu_nics(s, self.local, pci_address=_device_pci_address(self.device)),
             verbs_built=bool(getattr(getattr(_C, "verbs", None), "available", False)))
         default_bytes = comm.DEFAULT_INFLIGHT_BYTES_EFA if self.transport.efa else comm.DEFAULT_INFLIGHT_BYTES
         self.inflight_bytes = t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes

@@ -160,6 +160,12 @@ def _pci_path(sysfs_root: str, device_link: str) -> tuple[str, ...]:
     return tuple(p for p in real.split(os.sep) if _BDF.match(p))
 
 
+def bdf(domain: int, bus: int, device: int, function: int = 0) -> str:
+    """The sysfs spelling of a PCI address, e.g. torch's device properties (pci_domain_id, pci_bus_id,
+    pci_device_id) -> '0000:9c:00.0'."""
+    return f"{domain:04x}:{bus:02x}:{device:02x}.{function}"
+
+
 def _normalize_bdf(bus_id: str) -> str:
     """'00000000:8A:00.0' (nvidia-smi) -> '0000:8a:00.0'."""
     bus_id = bus_id.strip().lower()

@@ -142,3 +142,17 @@ def test_a_rank_without_a_nic_makes_every_rank_raise_naming_it():
     assert got[2].startswith("rank 2: UCCL_EP_TRANSPORT=auto") and "RDMA devices on this host: none" in got[2]
     for r in (0, 1, 3):
         assert got[r].startswith("rank 2: ") and f"(rank {r} stops too" in got[r]
+
+
+def test_the_nic_follows_the_gpus_pci_address_when_cuda_visible_devices_renumbers_gpus():
+    topo = topology.discover(os.path.join(FIXTURES, "p5en"), use_tools=False)
+    s = load_settings({})
+    # a job given GPUs 4-7 of the node: its CUDA device 0 (LOCAL_RANK 0) is the host's GPU 4 at 0000:9c:00.0
+    by_rank = comm.gpu_nics(s, 0, gpu=0, topology=topo)
+    by_address = comm.gpu_nics(s, 0, gpu=0, topology=topo, pci_address="0000:9C:00.0")
+    assert by_rank.devices == ("rdmap39s0", "rdmap40s0")
+    assert by_address.gpu == 4 and by_address.devices == ("rdmap157s0", "rdmap158s0")
+    assert topology.bdf(0, 0x9C, 0) == "0000:9c:00.0"
+    missing = comm.gpu_nics(s, 0, topology=topo, pci_address="0000:01:00.0")
+    assert not missing.devices and "no GPU at PCI address 0000:01:00.0" in missing.problem
+    assert "0000:26:00.0" in missing.problem
