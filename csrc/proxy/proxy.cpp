@@ -173,6 +173,7 @@ struct Proxy::ThreadState {
   // call that may block. Relaxed stores of thread-local values: no read-modify-write on the hot path.
   std::atomic<uint64_t> rounds{0};
   std::atomic<int> activity{0};
+  bool detached = false;  // stop() gave up waiting for it (stuck in a call); ~Proxy leaks what it may still touch
   mutable std::mutex state_mu;
   std::string state;
 };
@@ -217,6 +218,18 @@ Proxy::Proxy(const ProxyConfig& c, const TransportFactory& factory, void* data, 
 
 Proxy::~Proxy() {
   stop();
+  // A detached thread (stop()) may still return from its call and finish its round: what that round touches -- its
+  // own state and transport, the FIFOs, the signal buffer -- is leaked rather than freed under it.
+  bool any_detached = false;
+  for (auto& ts : threads_) {
+    if (!ts->detached) continue;
+    any_detached = true;
+    (void)ts.release();
+  }
+  if (any_detached) {
+    (void)signals_.release();
+    for (auto& f : fifos_) (void)f.release();
+  }
   threads_.clear();  // closes transports (deregisters) before the signal buffer goes away
 }
 
@@ -288,9 +301,25 @@ void Proxy::start() {
 
 void Proxy::stop() {
   running_.store(false);
-  for (auto& ts : threads_)
-    if (ts->th.joinable()) ts->th.join();
   if (monitor_.joinable()) monitor_.join();
+  // A thread still inside a transport call past the deadline is not waited for: joining it would hang the caller
+  // (often the process exit) on a call that may never return. It is detached and its state, transport included, is
+  // leaked, so that the call can still return into valid memory.
+  const auto t0 = Clock::now();
+  for (auto& ts : threads_) {
+    if (!ts->th.joinable()) continue;
+    while (ts->in_loop.load(std::memory_order_acquire) && since(t0) < cfg_.timeout_secs)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!ts->in_loop.load(std::memory_order_acquire)) {
+      ts->th.join();
+      continue;
+    }
+    std::fprintf(stderr, "uccl-ep: rank %d proxy thread %d is still inside %s after %.0f s; detached and left "
+                 "behind so that stopping does not hang\n", cfg_.rank, ts->index,
+                 activity_name(ts->activity.load(std::memory_order_relaxed)), since(t0));
+    ts->th.detach();
+    ts->detached = true;
+  }
 }
 
 void Proxy::monitor() {

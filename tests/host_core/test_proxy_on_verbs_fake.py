@@ -110,3 +110,10 @@ def test_a_post_that_never_returns_fails_the_proxy_naming_the_call_instead_of_ha
     assert took < 2.5, "raised only after the call returned by itself (3 s): the monitor did not see it"
     out = capfd.readouterr().err
     assert "uccl-ep proxy monitor: rank 0 proxy thread 0" in out and "now inside a transport post" in out
+    # Stopping does not wait for the call either: the thread is detached (and its state left behind) after the
+    # deadline, well before the call returns by itself.
+    t1 = time.monotonic()
+    comms[0].close()
+    assert time.monotonic() - t1 < 1.5
+    assert "proxy thread 0 is still inside a transport post" in capfd.readouterr().err
+    time.sleep(max(0.0, t0 + 3.3 - time.monotonic()))  # the stalled call returns before the fake goes away
