@@ -297,6 +297,10 @@ void Proxy::start() {
     }
   }
   monitor_ = std::thread([this] { monitor(); });
+  // Said once, so that a log shows the dump was armed (and where) when nothing answers a touch.
+  if (!cfg_.dump_trigger.empty())
+    std::fprintf(stderr, "uccl-ep: rank %d proxy: touch %s to print the state of its threads\n", cfg_.rank,
+                 cfg_.dump_trigger.c_str());
 }
 
 void Proxy::stop() {
