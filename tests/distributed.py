@@ -139,10 +139,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             # rank that should have fed it knows whether it ever pushed or sent the command.
             failures.append((when, rank, value))
             states: List[tuple] = []
+            asked = set()
             for r, p in enumerate(procs):
                 if r != rank and r not in values and p.is_alive():
                     try:
                         os.kill(p.pid, signal.SIGUSR1)
+                        asked.add(r)
                     except OSError:
                         pass
             # ... and every proxy thread of every rank prints its own state to stderr (UCCL_EP_PROXY_DUMP_FILE): it
@@ -151,8 +153,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if dump_file:
                 with open(dump_file, "a"):
                     os.utime(dump_file)
+            # until every rank is accounted for and every rank asked has answered (a peer's own failure often
+            # arrives before its answer), or the grace period ends
             grace = time.monotonic() + 3.0
-            while time.monotonic() < grace and len(failures) + len(values) < world_size:
+            while time.monotonic() < grace and (len(failures) + len(values) < world_size
+                                                or asked - {r for r, _ in states}):
                 try:
                     rank, ok, value, when = results.get(timeout=0.1)
                 except queue.Empty:

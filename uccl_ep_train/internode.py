@@ -487,8 +487,8 @@ def select_internode_transport(setting: str, rank: int, world: int, group: Any,
         choice: Optional[InternodeTransport] = resolve_internode_transport(setting, hosts, rank, nics_for_this_gpu,
                                                                            verbs_built)
         failure = ""
-    except InternodeError as exc:
-        choice, failure = None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, or they wait below
+        choice, failure = None, str(exc) if isinstance(exc, InternodeError) else f"{type(exc).__name__}: {exc}"
     failures: List[Any] = [None] * world
     dist.all_gather_object(failures, failure, group=group)
     if failure:

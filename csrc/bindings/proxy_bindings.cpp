@@ -44,6 +44,14 @@ py::tuple as_tuple(const Command& c) { return py::make_tuple(c.lo, c.hi); }
 struct PyProxy {
   std::shared_ptr<SharedHostMemory> data;
   std::unique_ptr<Proxy> proxy;
+  ~PyProxy() {
+    if (!proxy) return;
+    proxy->stop();
+    if (proxy->detached_threads()) {  // a stuck thread may still return into both: leak them (Proxy::stop)
+      (void)proxy.release();
+      (void)new std::shared_ptr<SharedHostMemory>(data);
+    }
+  }
 };
 
 Command from_pair(uint64_t lo, uint64_t hi) { return Command{lo, hi}; }
@@ -351,6 +359,9 @@ void bind_host_core(py::module_& m) {
         py::gil_scoped_release nogil;
         p.proxy->stop();
       })
+      .def_property_readonly("threads_in_loop", [](PyProxy& p) { return p.proxy->threads_in_loop(); },
+                             "proxy threads that have not left their loop (a detached stuck one counts until its "
+                             "call returns)")
       .def("check", [](PyProxy& p) { p.proxy->check(); })
       .def_property_readonly("failed", [](PyProxy& p) { return p.proxy->failed(); })
       .def_property_readonly("error", [](PyProxy& p) { return p.proxy->error(); })

@@ -137,7 +137,11 @@ __global__ void fifo_latency_kernel(DeviceFifo f, const unsigned long long* sign
     }
     if (threadIdx.x == 0) s_t0 = t0;
     __syncthreads();
-    if (s_stop) return;
+    // Read into a register before a second barrier: thread 0 may set s_stop again in the next round, and a barrier
+    // some threads left early (return) is undefined.
+    int stop = s_stop;
+    __syncthreads();
+    if (stop) return;
     const unsigned long long want = base + uint64_t(s) + 1;
     const unsigned long long seen = staggered_wait(signal, want, s_t0, stagger_ns, timeout_ns);
     if (threadIdx.x == 0) {
@@ -151,7 +155,9 @@ __global__ void fifo_latency_kernel(DeviceFifo f, const unsigned long long* sign
       }
     }
     __syncthreads();
-    if (s_stop) return;
+    stop = s_stop;
+    __syncthreads();
+    if (stop) return;
   }
   if (pusher) close_writer<V>(f, w);
 }
@@ -324,6 +330,7 @@ std::vector<uint64_t> launch_pcie_echo(int samples, uint64_t timeout_ns, int pol
   unsigned long long* d_words = nullptr;
   unsigned long long* d_out = nullptr;
   int* d_failed = nullptr;
+  std::vector<unsigned long long> out(samples);  // before the echo thread: nothing may throw while it is joinable
   std::atomic<bool> stop{false};
   // The echo thread spins without pausing: it stands for a proxy thread's poll loop, which does not sleep either.
   std::thread echo([&] {
@@ -336,7 +343,6 @@ std::vector<uint64_t> launch_pcie_echo(int samples, uint64_t timeout_ns, int pol
       }
     }
   });
-  std::vector<unsigned long long> out(samples);
   int failed = 0;
   std::string error;
   try {

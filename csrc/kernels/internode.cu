@@ -247,12 +247,23 @@ Context::~Context() {
 }
 
 void Context::destroy() {
+  // Diagnostics (fifo_states, signal_value, ...) may run on another thread, e.g. a test harness asking a rank for
+  // its state while it tears down: they wait for the teardown, then see destroyed_.
+  std::lock_guard<std::mutex> g(diag_mu_);
   if (destroyed_) return;
   destroyed_ = true;
   if (proxy_) proxy_->stop();
   cudaSetDevice(device_);
   for (void* p : opened_peers_) (void)cudaIpcCloseMemHandle(p);
   opened_peers_.clear();
+  const bool leak = proxy_ && proxy_->detached_threads();
+  if (leak) {
+    // A proxy thread stuck in a transport call was detached (Proxy::stop): the call may still return into the
+    // proxy, its signal buffer and the RDMA region, so all three stay allocated and registered.
+    (void)proxy_.release();
+    rdma_ = nullptr;
+    signals_registered_ = false;
+  }
   if (signals_registered_ && proxy_) (void)cudaHostUnregister(proxy_->signals());
   signals_registered_ = false;
   proxy_.reset();  // closes the transports before the memory they registered goes away
@@ -317,16 +328,29 @@ void Context::proxy_stop() {
 }
 std::string Context::proxy_error() const { return proxy_ && proxy_->failed() ? proxy_->error() : std::string(); }
 
-ProxyThreadStats Context::proxy_totals() const { return proxy_->totals(); }
+ProxyThreadStats Context::proxy_totals() const {
+  std::lock_guard<std::mutex> g(diag_mu_);
+  return destroyed_ || !proxy_ ? ProxyThreadStats{} : proxy_->totals();
+}
 
 int64_t Context::signal_value(uint32_t slot) const {
   if (slot >= num_slots_) throw std::invalid_argument("signal_value: slot out of range");
+  std::lock_guard<std::mutex> g(diag_mu_);
+  if (destroyed_ || !proxy_) throw std::runtime_error("signal_value: the internode context was destroyed");
   return __atomic_load_n(proxy_->signals() + slot, __ATOMIC_ACQUIRE);
 }
 
 std::vector<Context::FifoState> Context::fifo_states() const {
+  std::lock_guard<std::mutex> g(diag_mu_);
   std::vector<FifoState> out;
+  if (destroyed_ || !proxy_) return out;
   const int n = proxy_->num_fifos();
+  // Host side first, heads second: a kernel still pushing can only make the heads larger, so a head below the tail
+  // cannot appear; a head above it may still be a push in progress while kernels run.
+  std::vector<Fifo::Snapshot> snaps;
+  for (int i = 0; i < n; ++i) snaps.push_back(proxy_->fifo(i).snapshot());
+  int prev_device = -1;
+  (void)cudaGetDevice(&prev_device);
   // The heads live in GPU memory. Read them on a stream of our own that does not wait for the legacy default
   // stream, so a wait kernel still spinning there cannot block the diagnosis of why it spins.
   std::vector<DeviceFifo> views(static_cast<size_t>(n));
@@ -341,8 +365,9 @@ std::vector<Context::FifoState> Context::fifo_states() const {
   ok = ok && cudaStreamSynchronize(s) == cudaSuccess;
   if (s) (void)cudaStreamDestroy(s);
   if (!ok) (void)cudaGetLastError();
+  if (prev_device >= 0) (void)cudaSetDevice(prev_device);
   for (int i = 0; i < n; ++i) {
-    const Fifo::Snapshot snap = proxy_->fifo(i).snapshot();
+    const Fifo::Snapshot& snap = snaps[size_t(i)];
     FifoState f;
     f.fifo = i;
     f.device_head = ok ? int64_t(heads[size_t(i)]) : -1;
@@ -355,7 +380,10 @@ std::vector<Context::FifoState> Context::fifo_states() const {
   return out;
 }
 
-std::string Context::proxy_counters() const { return proxy_->describe(false); }
+std::string Context::proxy_counters() const {
+  std::lock_guard<std::mutex> g(diag_mu_);
+  return destroyed_ || !proxy_ ? std::string("proxy stopped") : proxy_->describe(false);
+}
 
 void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream) {
   if (n <= 0) return;

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -173,6 +174,7 @@ class Context {
   ErrorWord* error_dev_ = nullptr;
   std::vector<void*> opened_peers_;
   bool destroyed_ = false;
+  mutable std::mutex diag_mu_;  // serializes destroy() with the diagnostic reads (another thread may ask)
 };
 
 // Copy `n` rows of `row_bytes`: row i goes from src + (src_idx ? src_idx[i] : i) * src_stride to

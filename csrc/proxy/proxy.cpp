@@ -173,7 +173,8 @@ struct Proxy::ThreadState {
   // call that may block. Relaxed stores of thread-local values: no read-modify-write on the hot path.
   std::atomic<uint64_t> rounds{0};
   std::atomic<int> activity{0};
-  bool detached = false;  // stop() gave up waiting for it (stuck in a call); ~Proxy leaks what it may still touch
+  bool detached = false;                    // stop() gave up waiting for it (stuck in a call)
+  std::atomic<bool> reported_stuck{false};  // the monitor failed the proxy because of it
   mutable std::mutex state_mu;
   std::string state;
 };
@@ -218,19 +219,16 @@ Proxy::Proxy(const ProxyConfig& c, const TransportFactory& factory, void* data, 
 
 Proxy::~Proxy() {
   stop();
-  // A detached thread (stop()) may still return from its call and finish its round: what that round touches -- its
-  // own state and transport, the FIFOs, the signal buffer -- is leaked rather than freed under it.
-  bool any_detached = false;
-  for (auto& ts : threads_) {
-    if (!ts->detached) continue;
-    any_detached = true;
-    (void)ts.release();
-  }
-  if (any_detached) {
-    (void)signals_.release();
-    for (auto& f : fifos_) (void)f.release();
-  }
   threads_.clear();  // closes transports (deregisters) before the signal buffer goes away
+}
+
+bool Proxy::detached_threads() const {
+  return std::any_of(threads_.begin(), threads_.end(), [](const auto& ts) { return ts->detached; });
+}
+
+int Proxy::threads_in_loop() const {
+  return int(std::count_if(threads_.begin(), threads_.end(),
+                           [](const auto& ts) { return ts->in_loop.load(std::memory_order_acquire); }));
 }
 
 Fifo& Proxy::fifo(int i) {
@@ -307,12 +305,14 @@ void Proxy::stop() {
   running_.store(false);
   if (monitor_.joinable()) monitor_.join();
   // A thread still inside a transport call past the deadline is not waited for: joining it would hang the caller
-  // (often the process exit) on a call that may never return. It is detached and its state, transport included, is
-  // leaked, so that the call can still return into valid memory.
+  // (often the process exit) on a call that may never return. It is detached; the owner must then leak the whole
+  // proxy and the memory it registered (detached_threads()), since the call may still return into them. A thread
+  // the monitor already reported stuck is not given a second deadline.
   const auto t0 = Clock::now();
   for (auto& ts : threads_) {
     if (!ts->th.joinable()) continue;
-    while (ts->in_loop.load(std::memory_order_acquire) && since(t0) < cfg_.timeout_secs)
+    const double wait = ts->reported_stuck ? 0.1 : cfg_.timeout_secs;
+    while (ts->in_loop.load(std::memory_order_acquire) && since(t0) < wait)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     if (!ts->in_loop.load(std::memory_order_acquire)) {
       ts->th.join();
@@ -349,8 +349,12 @@ void Proxy::monitor() {
       // The back-off sleeps at most 1 s (UCCL_EP_PROXY_IDLE_BACKOFF_US) and ends by itself: never a hang.
       if (a != kInBackoff && stuck > cfg_.timeout_secs && !reported[t]) {
         reported[t] = true;
+        ts.reported_stuck.store(true, std::memory_order_relaxed);
+        std::ostringstream secs;
+        secs.precision(2);
+        secs << stuck;
         fail("rank " + std::to_string(cfg_.rank) + " proxy thread " + std::to_string(ts.index) + ": its loop has not "
-             "turned for " + std::to_string(int(stuck)) + " s (UCCL_EP_CPU_TIMEOUT_SECS): it is inside " +
+             "turned for " + secs.str() + " s (UCCL_EP_CPU_TIMEOUT_SECS): it is inside " +
              activity_name(a) + ", which has not returned (a stuck NIC driver or GPU copy)", true);
       }
     }

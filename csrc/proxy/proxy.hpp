@@ -103,6 +103,11 @@ class Proxy {
   // ask_transport = false: only the counters the proxy threads publish (atomics), never the transport; safe from
   // any thread at any time, e.g. a diagnostic dump of a process whose other threads are stuck.
   std::string describe(bool ask_transport = true) const;
+  // After stop(): true when a thread stuck inside a transport call was detached instead of joined. Its call may
+  // still return and run the rest of a round, which touches this object, the FIFOs, the signal buffer and the data
+  // region: the owner must then leak the proxy and the memory it registered rather than free them.
+  bool detached_threads() const;
+  int threads_in_loop() const;  // proxy threads that have not left their loop (diagnostics, tests)
 
  private:
   struct ThreadState;

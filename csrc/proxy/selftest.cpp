@@ -58,6 +58,23 @@ SelftestResult loopback_selftest(const SelftestOptions& o) {
 
   std::vector<std::unique_ptr<SharedHostMemory>> data;
   std::vector<std::unique_ptr<Proxy>> proxies;
+  // Destroyed before both: a proxy whose stuck thread was detached (Proxy::stop) is leaked with every data buffer,
+  // since that thread may still return into them.
+  struct LeakIfDetached {
+    std::vector<std::unique_ptr<SharedHostMemory>>& data;
+    std::vector<std::unique_ptr<Proxy>>& proxies;
+    ~LeakIfDetached() {
+      bool leak = false;
+      for (auto& p : proxies) {
+        if (!p) continue;
+        p->stop();
+        if (p->detached_threads()) leak = true;
+      }
+      if (!leak) return;
+      for (auto& p : proxies) (void)p.release();
+      for (auto& d : data) (void)d.release();
+    }
+  } leak_if_detached{data, proxies};
   for (int r = 0; r < kWorld; ++r) {
     data.push_back(std::make_unique<SharedHostMemory>(data_bytes));
     uint64_t s = o.seed * 1000003 + uint64_t(r);

@@ -116,4 +116,8 @@ def test_a_post_that_never_returns_fails_the_proxy_naming_the_call_instead_of_ha
     comms[0].close()
     assert time.monotonic() - t1 < 1.5
     assert "proxy thread 0 is still inside a transport post" in capfd.readouterr().err
-    time.sleep(max(0.0, t0 + 3.3 - time.monotonic()))  # the stalled call returns before the fake goes away
+    # The detached thread returns from the stalled call (3 s) and leaves its loop; only then may the fake go away.
+    deadline = time.monotonic() + 30
+    while comms[0].proxy.threads_in_loop and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert comms[0].proxy.threads_in_loop == 0
