@@ -335,3 +335,39 @@ def test_topology_limits_come_from_the_command_format_not_fixed_gpu_or_node_coun
 def test_area_check_names_rank_area_rows_and_setting():
     with pytest.raises(inn.InternodeError, match=r"rank 1: the dispatch receive \(RDMA\) area needs 3200 bytes"):
         inn.check_area("dispatch receive (RDMA)", [1, 100], 32, 1024, "num_rdma_bytes")
+
+
+def test_live_state_reports_fifos_counters_and_only_the_signals_that_differ_and_skips_destroyed_backends():
+    class FakeContext:
+        def signal_value(self, i):
+            return [5, 3, 1][i]
+
+        def fifo_states(self):
+            return [{"fifo": 0, "device_head": 7, "tail": 6, "full": 0, "first_full": -1, "last_full": -1}]
+
+        def proxy_totals(self):
+            return {"commands": 6}
+
+        def proxy_error(self):
+            return ""
+
+        def proxy_counters(self):
+            return "rank 1 proxy thread 0: 0 operations queued"
+
+    class FakeBackend:
+        def __init__(self, rank, destroyed=False):
+            self.rank, self._destroyed, self._cx, self._expected = rank, destroyed, FakeContext(), [5, 4, 1]
+
+    alive, gone = FakeBackend(1), FakeBackend(2, destroyed=True)
+    inn._LIVE.add(alive)
+    inn._LIVE.add(gone)
+    try:
+        text = inn.live_state()
+    finally:
+        inn._LIVE.discard(alive)
+        inn._LIVE.discard(gone)
+    assert text.startswith("rank 1: rank 1 FIFOs: fifo 0 head 7 tail 6 (LOST PUSH: slot 6 is empty")
+    assert "(slot=value/expected): 1=3/4\n" in text  # slots 0 and 2 match what was waited for
+    assert "proxy totals {'commands': 6}" in text and "rank 1 proxy thread 0: 0 operations queued" in text
+    assert "rank 2" not in text
+    assert inn.live_state() == "no live internode backend in this process"
