@@ -178,7 +178,13 @@ __global__ void pcie_echo_kernel(unsigned long long* ping, const unsigned long l
     __syncthreads();
     const unsigned long long seen = staggered_wait(pong, uint64_t(s) + 1, s_t0, stagger_ns, timeout_ns);
     if (threadIdx.x == 0) {
-      if (seen == 0) atomicExch(failed, 1); else out[s] = seen - s_t0;
+      if (seen == 0) {
+        printf("uccl_ep: pcie echo: sample %d: the host echo word is %llu, expected >= %llu after the deadline (is "
+               "the echo thread running?)\n", s, fifo_load_tail(pong), uint64_t(s) + 1);
+        atomicExch(failed, 1);
+      } else {
+        out[s] = seen - s_t0;
+      }
     }
     __syncthreads();
     if (*reinterpret_cast<volatile int*>(failed)) return;
@@ -365,7 +371,9 @@ std::vector<uint64_t> launch_pcie_echo(int samples, uint64_t timeout_ns, int pol
   if (d_failed) cudaFree(d_failed);
   cudaFreeHost(words);
   if (!error.empty()) throw ProxyError(error);
-  if (failed) throw TimeoutError("pcie echo: the host echo did not come back within the deadline");
+  if (failed)
+    throw TimeoutError("pcie echo: the host echo did not come back within " + std::to_string(timeout_ns / 1e9) +
+                       " s (the kernel printed the sample and the values)");
   return std::vector<uint64_t>(out.begin(), out.end());
 }
 

@@ -6,6 +6,8 @@
 #include "kernels/internode.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -231,6 +233,9 @@ Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nv
     std::vector<DeviceFifo> views;
     for (int i = 0; i < proxy_->num_fifos(); ++i) views.push_back(proxy_->fifo(i).device_view());
     check(cudaMalloc(&fifos_dev_, views.size() * sizeof(DeviceFifo)), "cudaMalloc of the FIFO table");
+    for (const DeviceFifo& v : views) fifo_heads_dev_.push_back(v.head);
+    check(cudaHostAlloc(reinterpret_cast<void**>(&heads_host_), views.size() * sizeof(unsigned long long),
+                        cudaHostAllocDefault), "cudaHostAlloc of the FIFO head mirror");
     check(cudaMemcpy(fifos_dev_, views.data(), views.size() * sizeof(DeviceFifo), cudaMemcpyHostToDevice),
           "cudaMemcpy of the FIFO table");
   } catch (...) {
@@ -268,6 +273,9 @@ void Context::destroy() {
   signals_registered_ = false;
   proxy_.reset();  // closes the transports before the memory they registered goes away
   if (fifos_dev_) (void)cudaFree(fifos_dev_);
+  if (heads_host_) (void)cudaFreeHost(heads_host_);
+  heads_host_ = nullptr;
+  fifo_heads_dev_.clear();
   if (rdma_) (void)cudaFree(rdma_);
   if (nvl_) (void)cudaFree(nvl_);
   if (error_) (void)cudaFreeHost(error_);
@@ -351,26 +359,28 @@ std::vector<Context::FifoState> Context::fifo_states() const {
   for (int i = 0; i < n; ++i) snaps.push_back(proxy_->fifo(i).snapshot());
   int prev_device = -1;
   (void)cudaGetDevice(&prev_device);
-  // The heads live in GPU memory. Read them on a stream of our own that does not wait for the legacy default
-  // stream, so a wait kernel still spinning there cannot block the diagnosis of why it spins.
-  std::vector<DeviceFifo> views(static_cast<size_t>(n));
-  std::vector<unsigned long long> heads(static_cast<size_t>(n), ~0ull);
+  // The heads live in GPU memory. Read them into pinned memory on a stream of our own that does not wait for the
+  // legacy default stream, so a wait kernel still spinning there cannot block the diagnosis of why it spins; and
+  // give up after a second (a wedged GPU): the heads then read as unknown.
   cudaStream_t s = nullptr;
   bool ok = cudaSetDevice(device_) == cudaSuccess && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess;
-  ok = ok && cudaMemcpyAsync(views.data(), fifos_dev_, views.size() * sizeof(DeviceFifo), cudaMemcpyDeviceToHost,
-                             s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess;
   for (int i = 0; ok && i < n; ++i)
-    ok = cudaMemcpyAsync(&heads[size_t(i)], views[size_t(i)].head, sizeof(unsigned long long),
+    ok = cudaMemcpyAsync(heads_host_ + i, fifo_heads_dev_[size_t(i)], sizeof(unsigned long long),
                          cudaMemcpyDeviceToHost, s) == cudaSuccess;
-  ok = ok && cudaStreamSynchronize(s) == cudaSuccess;
-  if (s) (void)cudaStreamDestroy(s);
+  const auto t0 = std::chrono::steady_clock::now();
+  cudaError_t q = cudaErrorNotReady;
+  while (ok && (q = cudaStreamQuery(s)) == cudaErrorNotReady &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1))
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  ok = ok && q == cudaSuccess;
+  if (s) (void)cudaStreamDestroy(s);  // a copy still pending finishes into heads_host_, which outlives it
   if (!ok) (void)cudaGetLastError();
   if (prev_device >= 0) (void)cudaSetDevice(prev_device);
   for (int i = 0; i < n; ++i) {
     const Fifo::Snapshot& snap = snaps[size_t(i)];
     FifoState f;
     f.fifo = i;
-    f.device_head = ok ? int64_t(heads[size_t(i)]) : -1;
+    f.device_head = ok ? int64_t(heads_host_[i]) : -1;
     f.tail = snap.tail;
     f.full = snap.full;
     f.first_full = snap.first_full;

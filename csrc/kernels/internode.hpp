@@ -170,6 +170,8 @@ class Context {
   void* signals_dev_ = nullptr;      // device view of the proxy's signal counters
   bool signals_registered_ = false;
   void* fifos_dev_ = nullptr;        // DeviceFifo[num_fifos] in device memory
+  std::vector<unsigned long long*> fifo_heads_dev_;  // each FIFO's head in GPU memory (fifo_states reads them)
+  unsigned long long* heads_host_ = nullptr;         // pinned mirror the heads are copied into
   ErrorWord* error_ = nullptr;       // host-mapped
   ErrorWord* error_dev_ = nullptr;
   std::vector<void*> opened_peers_;
