@@ -92,8 +92,8 @@ def live_state() -> str:
         if b._destroyed:
             continue
         try:
-            off = [f"{i}={b._cx.signal_value(i)}/{e}" for i, e in enumerate(b._expected)
-                   if b._cx.signal_value(i) != e]
+            seen = [b._cx.signal_value(i) for i in range(len(b._expected))]  # one read per counter: they move
+            off = [f"{i}={v}/{e}" for i, (v, e) in enumerate(zip(seen, b._expected)) if v != e]
             lines.append(f"rank {b.rank}: {describe_fifo_states(b._cx.fifo_states(), b.rank)}; proxy totals "
                          f"{b._cx.proxy_totals()}; proxy error {b._cx.proxy_error()!r}; signals differing from "
                          f"what was waited for (slot=value/expected): {', '.join(off) or 'none'}\n"
