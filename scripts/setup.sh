@@ -29,6 +29,9 @@ find_python312() {
 if [[ ! -x .venv/bin/python ]]; then
   "$(find_python312)" -m venv .venv
 fi
+# No pip cache: torch's CUDA build and its libraries are several GB, and a cached copy would double what the
+# install needs on disk (a CI run once failed with "No space left on device" in this step).
+export PIP_NO_CACHE_DIR=1
 {
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned here: the project itself does not pin torch (users bring their CUDA/ROCm build).
