@@ -5,13 +5,12 @@ a per-node block of records that the GPU hands to the proxy as WRITE_SIGNAL comm
 signal counters and copies every record over NVLink to the GPUs of its node that need it. Combine reduces within the
 node at the forwarder and sends one fp32 partial sum per (token, node) back; the source adds them in node order.
 
-The first half of this file is pure planning (torch only, any device): offsets, push tables, waits and limit checks.
-It is what tests/internode/test_planning.py proves on CPU against reference.py's routing. The second half drives the
-native module (``_C.internode``): regions, proxy bootstrap, the push/wait/scatter kernels.
+What every rank must agree on before a byte moves (offsets, push tables, waits, limits) is pure planning in
+internode_plan.py, proven on CPU against reference.py. This file drives the native module (``_C.internode``):
+transport choice, regions, proxy bootstrap, the push/wait/scatter kernels, and the diagnostics of a failure.
 """
 from __future__ import annotations
 
-import math
 import socket
 import time
 import weakref
@@ -23,22 +22,15 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
+from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are part of this module's API
+    InternodeError, CMD_UNIT, CMD_MAX_RANKS, CMD_MAX_SLOTS, CMD_MAX_VALUE, CMD_MAX_BYTES, CMD_MAX_REGION, SLOT_PAGE,
+    RecordLayout, record_layout, check_topology, Counts, local_count_row, counts_from_rows, SendPlan, send_plan,
+    recv_counts, block_offsets, remote_block_offset, num_recv_rows, chunk_records, chunk_bytes, chunk_lanes,
+    push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
+    describe_gpu_error, pack_records, stamp_arrivals, int32_column, check_area, _align, _bytes_of)
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
-
-#: Command-format limits (csrc/include/uccl_ep/command.hpp); mirrored here so planning can check without _C.
-CMD_UNIT = 16
-CMD_MAX_RANKS = 1 << 12
-CMD_MAX_SLOTS = (1 << 14) - 1
-CMD_MAX_VALUE = (1 << 18) - 1
-CMD_MAX_BYTES = ((1 << 24) - 1) * CMD_UNIT
-CMD_MAX_REGION = (1 << 28) * CMD_UNIT  # 28-bit offsets in 16-byte units: 4 GiB
-SLOT_PAGE = 512  # signal counters are registered for the GPU in whole pages (512 x int64)
-
-
-class InternodeError(RuntimeError):
-    """A failure of the internode path; the message names the rank, what was awaited and the value expected."""
 
 
 def _device_pci_address(device: torch.device) -> Optional[str]:
@@ -107,311 +99,6 @@ def _timeout_hint() -> str:
     from uccl_ep_train.doctor import TIMEOUT_HINT
 
     return TIMEOUT_HINT
-
-
-def _align(n: int, a: int = CMD_UNIT) -> int:
-    return (n + a - 1) // a * a
-
-
-# ====================================================================================================================
-# Planning (pure)
-# ====================================================================================================================
-
-@dataclass(frozen=True)
-class RecordLayout:
-    """Byte layout of one wire record: payload columns, then src_idx, arrival and dest_row[G] (all int32)."""
-
-    column_offsets: Tuple[int, ...]
-    column_bytes: Tuple[int, ...]
-    src_idx_offset: int
-    arrival_offset: int
-    dest_rows_offset: int
-    final_bytes: int  # prefix written into a destination's final row (through `arrival`), multiple of 16
-    stride: int  # wire record, multiple of 16
-
-
-def record_layout(column_bytes: Sequence[int], ranks_per_node: int) -> RecordLayout:
-    offsets, off = [], 0
-    for nb in column_bytes:
-        off = _align(off, 8)
-        offsets.append(off)
-        off += int(nb)
-    off = _align(off, 8)
-    src_idx_offset, arrival_offset = off, off + 4
-    dest_rows_offset = off + 8
-    return RecordLayout(tuple(offsets), tuple(int(b) for b in column_bytes), src_idx_offset, arrival_offset,
-                        dest_rows_offset, _align(arrival_offset + 4), _align(dest_rows_offset + 4 * ranks_per_node))
-
-
-def check_topology(num_ranks: int, ranks_per_node: int, num_lanes: int = 1) -> int:
-    """Raise ValueError for a topology the command format cannot address; return the signal slots needed (two per
-    node and lane: dispatch records and combine partial sums, one counter per proxy FIFO that carries them; plus the
-    barrier and the notify counters)."""
-    if ranks_per_node < 1 or num_ranks % ranks_per_node:
-        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the group size {num_ranks} "
-                         "(UCCL_EP_RANKS_PER_NODE)")
-    if num_ranks > CMD_MAX_RANKS:
-        raise ValueError(f"{num_ranks} ranks exceed the command format's {CMD_MAX_RANKS} (12-bit destination rank)")
-    if num_lanes < 1:
-        raise ValueError(f"num_lanes={num_lanes} must be >= 1 (proxy FIFOs: UCCL_EP_NUM_PROXY_THREADS x "
-                         "UCCL_EP_FIFOS_PER_THREAD)")
-    num_nodes = num_ranks // ranks_per_node
-    need = 2 * num_nodes * num_lanes + 2
-    slots = _align(need, SLOT_PAGE)
-    if slots > CMD_MAX_SLOTS:
-        most = (CMD_MAX_SLOTS // SLOT_PAGE * SLOT_PAGE - 2) // (2 * num_lanes)
-        raise ValueError(f"{num_nodes} nodes x {num_lanes} proxy FIFOs need {need} signal slots (two per node and "
-                         f"FIFO, barrier, notify); the command format has {CMD_MAX_SLOTS}: at most {most} nodes "
-                         f"with {num_lanes} FIFOs (fewer UCCL_EP_NUM_PROXY_THREADS / UCCL_EP_FIFOS_PER_THREAD allow "
-                         "more nodes)")
-    return slots
-
-
-@dataclass
-class Counts:
-    """Notify's result, identical on every rank: rank_counts[s, d] tokens of s for rank d; node_counts[s, m] tokens
-    of s that hit node m (each crosses to node m once)."""
-
-    rank_counts: torch.Tensor  # [R, R] int64, CPU
-    node_counts: torch.Tensor  # [R, N] int64, CPU
-
-
-def local_count_row(is_token_in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
-    """This rank's contribution to notify: [tokens per destination rank (R) | tokens per destination node (N)]."""
-    T, R = is_token_in_rank.shape
-    per_rank = is_token_in_rank.sum(0)
-    per_node = is_token_in_rank.view(T, R // ranks_per_node, ranks_per_node).any(2).sum(0)
-    return torch.cat([per_rank, per_node]).to(torch.int64)
-
-
-def counts_from_rows(rows: torch.Tensor, num_ranks: int) -> Counts:
-    rows = rows.to(torch.int64).cpu()
-    return Counts(rows[:, :num_ranks].contiguous(), rows[:, num_ranks:].contiguous())
-
-
-@dataclass
-class SendPlan:
-    """What one rank sends in dispatch (and receives back in combine)."""
-
-    hop1_token: torch.Tensor  # [S1] int64: token of each send record, by destination node then token
-    node_send: List[int]  # records per destination node
-    dest_rows: torch.Tensor  # [S1, G] int64: final row at each GPU of the destination node, -1 = not needed
-    dest_row_all: torch.Tensor  # [T, R] int64: final row of the token at every rank, -1 = not sent
-
-
-def send_plan(is_token_in_rank: torch.Tensor, counts: Counts, rank: int, ranks_per_node: int) -> SendPlan:
-    T, R = is_token_in_rank.shape
-    G, N = ranks_per_node, R // ranks_per_node
-    device = is_token_in_rank.device
-    itr = is_token_in_rank.to(torch.bool)
-    prefix = (counts.rank_counts[:rank].sum(0) if rank else torch.zeros(R, dtype=torch.int64)).to(device)
-    ordinal = itr.to(torch.int64).cumsum(0) - 1
-    dest_row_all = torch.where(itr, prefix.unsqueeze(0) + ordinal, torch.full_like(ordinal, -1))
-    node_hit = itr.view(T, N, G).any(2)
-    # The counts (host) already say how many tokens go to each node: a nonzero of known size needs no device sync.
-    node_send = [int(c) for c in counts.node_counts[rank].tolist()]
-    hit = torch.nonzero_static(node_hit.t(), size=sum(node_send))
-    hop1_node, hop1_token = hit[:, 0], hit[:, 1]
-    dest_rows = dest_row_all.view(T, N, G)[hop1_token, hop1_node]
-    return SendPlan(hop1_token, node_send, dest_rows.reshape(-1, G), dest_row_all)
-
-
-def recv_counts(counts: Counts, rank: int, ranks_per_node: int) -> List[int]:
-    """Records arriving at ``rank`` (as forwarder) from each source node n: from rank n*G + local(rank)."""
-    G = ranks_per_node
-    node, local = divmod(rank, G)
-    N = counts.node_counts.size(1)
-    return [int(counts.node_counts[n * G + local, node]) for n in range(N)]
-
-
-def block_offsets(sizes: Sequence[int], stride: int) -> List[int]:
-    out, off = [], 0
-    for s in sizes:
-        out.append(off)
-        off += int(s) * stride
-    return out
-
-
-def remote_block_offset(counts: Counts, dst_rank: int, src_node: int, ranks_per_node: int, stride: int) -> int:
-    """Byte offset of source node ``src_node``'s block inside ``dst_rank``'s receive area."""
-    return block_offsets(recv_counts(counts, dst_rank, ranks_per_node), stride)[src_node]
-
-
-def num_recv_rows(counts: Counts, rank: int) -> int:
-    return int(counts.rank_counts[:, rank].sum())
-
-
-def chunk_records(stride: int, max_bytes: int) -> int:
-    """Records per WRITE_SIGNAL: within the byte cap (at least one record), the 18-bit value and the byte field."""
-    if stride % CMD_UNIT or stride > CMD_MAX_BYTES:
-        raise InternodeError(f"a record of {stride} bytes must be a multiple of {CMD_UNIT} and at most "
-                             f"{CMD_MAX_BYTES} (24-bit byte count of a command)")
-    return max(1, min(min(max_bytes, CMD_MAX_BYTES) // stride, CMD_MAX_VALUE))
-
-
-def chunk_bytes(max_inflight_bytes: int) -> int:
-    """Bytes per write: a quarter of the proxy thread's in-flight byte cap, so several writes overlap (a chunk as
-    large as the cap left exactly one write in flight: 12 GB/s on 2x H200). Caps below 256 KiB (Thor-2/Pollara
-    style tuning, or tests with tiny chunks) are used whole."""
-    return max_inflight_bytes // 4 if max_inflight_bytes >= (256 << 10) else max_inflight_bytes
-
-
-def chunk_lanes(records: int, per_chunk: int, hint: int, num_lanes: int) -> List[int]:
-    """Records each lane (proxy FIFO) carries when a block of ``records`` is cut into chunks of ``per_chunk`` and chunk
-    c goes to FIFO ``(hint + c) % num_lanes`` -- what the push_chunks kernel does. Sender and receiver both derive it
-    from the counts, so the receiver knows what to wait for on every lane's counter without being told."""
-    out = [0] * num_lanes
-    full, rest = divmod(int(records), per_chunk)
-    for c in range(full):
-        out[(hint + c) % num_lanes] += per_chunk
-    if rest:
-        out[(hint + full) % num_lanes] += rest
-    return out
-
-
-def push_rows(node_send_or_recv: Sequence[int], rank: int, ranks_per_node: int, local_base: int,
-              remote_offset_of, stride: int, slot_base: int, num_lanes: int = 1) -> List[List[int]]:
-    """One push-table row per remote node with records (columns of _C.internode: dst, local off, remote off, stride,
-    records, first slot, FIFO hint). ``remote_offset_of(dst_rank)`` returns the block's byte offset at the
-    destination. The block's chunks are spread over every proxy FIFO (lane), chunk c through FIFO
-    ``(hint + c) % num_lanes``, and the chunk taken by FIFO f adds to slot ``first slot + f``: each counter is fed by
-    one FIFO, hence one proxy thread, which is what the ordering emulation of an unordered NIC needs (every increment
-    of a slot in one sequence), while all proxy threads move one block's bytes at once. The hint is the destination
-    node, so destinations start on different lanes."""
-    G = ranks_per_node
-    node, local = divmod(rank, G)
-    rows = []
-    offs = block_offsets(node_send_or_recv, stride)
-    for m, count in enumerate(node_send_or_recv):
-        if m == node or count == 0:
-            continue
-        dst = m * G + local
-        rows.append([dst, local_base + offs[m], remote_offset_of(dst), stride, int(count),
-                     (slot_base + node) * num_lanes, m])
-    return rows
-
-
-def dispatch_push_rows(counts: Counts, plan: SendPlan, rank: int, ranks_per_node: int, stride: int,
-                       recv_base: int, num_lanes: int = 1) -> List[List[int]]:
-    """Hop 1 of dispatch: our block for node m goes to rank m*G + local, into the block of our node there."""
-    node = rank // ranks_per_node
-    return push_rows(plan.node_send, rank, ranks_per_node, 0,
-                     lambda d: recv_base + remote_block_offset(counts, d, node, ranks_per_node, stride), stride, 0,
-                     num_lanes)
-
-
-def lane_waits(blocks: Sequence[Tuple[int, int]], per_chunk: int, hint: int, num_lanes: int
-               ) -> List[Tuple[int, int]]:
-    """(slot, records) per lane for blocks given as (first slot, records) that were pushed with FIFO hint ``hint``."""
-    out = []
-    for first, records in blocks:
-        out += [(first + f, c) for f, c in enumerate(chunk_lanes(records, per_chunk, hint, num_lanes)) if c]
-    return out
-
-
-def dispatch_waits(counts: Counts, rank: int, ranks_per_node: int, per_chunk: int = CMD_MAX_VALUE,
-                   num_lanes: int = 1) -> List[Tuple[int, int]]:
-    """(slot, records) the forwarder waits for: slot n * L + f counts the records from node n that came through the
-    sender's FIFO f (the sender's hint was our node)."""
-    node = rank // ranks_per_node
-    blocks = [(n * num_lanes, c) for n, c in enumerate(recv_counts(counts, rank, ranks_per_node)) if n != node and c]
-    return lane_waits(blocks, per_chunk, node, num_lanes)
-
-
-def combine_push_rows(counts: Counts, rank: int, ranks_per_node: int, cstride: int, recv_base: int,
-                      num_lanes: int = 1) -> List[List[int]]:
-    """Combine's network hop: the partial sums of the arrivals from node n go back to rank n*G + local, into the
-    block of our node there (blocks at a source are ordered by forwarder node and sized by its own send counts)."""
-    node = rank // ranks_per_node
-    num_nodes = counts.node_counts.size(1)
-    return push_rows(recv_counts(counts, rank, ranks_per_node), rank, ranks_per_node, 0,
-                     lambda d: recv_base + block_offsets(counts.node_counts[d].tolist(), cstride)[node], cstride,
-                     num_nodes, num_lanes)
-
-
-def combine_waits(counts: Counts, rank: int, ranks_per_node: int, per_chunk: int = CMD_MAX_VALUE,
-                  num_lanes: int = 1) -> List[Tuple[int, int]]:
-    """(slot, partial sums) the source waits for: slot (N + m) * L + f counts those from node m's forwarder that came
-    through its FIFO f (the forwarder's hint was our node)."""
-    node = rank // ranks_per_node
-    num_nodes = counts.node_counts.size(1)
-    blocks = [((num_nodes + m) * num_lanes, int(c)) for m, c in enumerate(counts.node_counts[rank].tolist())
-              if m != node and c]
-    return lane_waits(blocks, per_chunk, node, num_lanes)
-
-
-def slot_meaning(slot: int, rank: int, ranks_per_node: int, num_nodes: int, num_lanes: int = 1) -> str:
-    """What a signal slot of ``rank`` counts and which rank's proxy feeds it (for error messages)."""
-    G, N, L = ranks_per_node, num_nodes, num_lanes
-    local = rank % G
-    if slot == 2 * N * L:
-        return (f"slot {slot} counts barrier arrivals: one zero-byte signal from every other rank per barrier, "
-                f"through each rank's proxy FIFO 0")
-    if slot == 2 * N * L + 1:
-        return (f"slot {slot} counts notify rows: every other rank's token counts, one write per rank and dispatch, "
-                f"through each rank's proxy FIFO 0")
-    group, lane = divmod(slot, L)
-    via = f" through its FIFO {lane}" if L > 1 else ""
-    if 0 <= group < N:
-        return (f"slot {slot} counts dispatch records from node {group}, written by rank {group * G + local}'s proxy"
-                f"{via} (rank {group * G + local} -> forwarder rank {rank})")
-    if N <= group < 2 * N:
-        n = group - N
-        return (f"slot {slot} counts combine partial sums from node {n}, written by forwarder rank {n * G + local}'s "
-                f"proxy{via} (rank {n * G + local} -> source rank {rank})")
-    return f"slot {slot} is outside the 2 x {N} x {L} + 2 slots this topology uses"
-
-
-def describe_gpu_error(fields: dict, rank: int, ranks_per_node: int, num_nodes: int, codes: dict,
-                       num_lanes: int = 1) -> str:
-    """Topology context for a GPU error word (appended to the kernel's own message): who should have sent what."""
-    code = fields.get("code", 0)
-    if code == codes.get("wait_timeout"):
-        return " [" + slot_meaning(int(fields["slot"]), rank, ranks_per_node, num_nodes, num_lanes) + "]"
-    if code == codes.get("scatter_range"):
-        node = rank // ranks_per_node
-        return f" [target local GPU {fields['slot']} is rank {node * ranks_per_node + int(fields['slot'])}]"
-    if code == codes.get("push_timeout"):
-        return f" [destination rank {fields['aux']} is node {int(fields['aux']) // ranks_per_node}]"
-    return ""
-
-
-def pack_records(out: torch.Tensor, columns: Sequence[torch.Tensor], plan: SendPlan, layout: RecordLayout) -> None:
-    """Fill ``out`` (uint8 [S1, stride]) with the wire records of the plan's send list."""
-    if out.size(0) == 0:
-        return
-    for c, off, nb in zip(columns, layout.column_offsets, layout.column_bytes):
-        if nb:
-            out[:, off:off + nb] = _bytes_of(c)[plan.hop1_token]
-    out[:, layout.src_idx_offset:layout.src_idx_offset + 4] = \
-        plan.hop1_token.to(torch.int32).view(-1, 1).view(torch.uint8)
-    G = plan.dest_rows.size(1)
-    out[:, layout.dest_rows_offset:layout.dest_rows_offset + 4 * G] = \
-        plan.dest_rows.to(torch.int32).contiguous().view(torch.uint8)
-
-
-def stamp_arrivals(arrivals: torch.Tensor, layout: RecordLayout, G: int) -> torch.Tensor:
-    """Write each arrival's row index into its record; return its dest rows [A, G] int64."""
-    A = arrivals.size(0)
-    if A == 0:
-        return torch.empty((0, G), dtype=torch.int64, device=arrivals.device)
-    arrivals[:, layout.arrival_offset:layout.arrival_offset + 4] = \
-        torch.arange(A, dtype=torch.int32, device=arrivals.device).view(-1, 1).view(torch.uint8)
-    return arrivals[:, layout.dest_rows_offset:layout.dest_rows_offset + 4 * G].contiguous() \
-        .view(torch.int32).to(torch.int64)
-
-
-def int32_column(rows: torch.Tensor, offset: int) -> torch.Tensor:
-    return rows[:, offset:offset + 4].contiguous().view(torch.int32).view(-1).to(torch.int64)
-
-
-def check_area(what: str, rows_by_rank: Sequence[int], stride: int, capacity: int, env: str) -> None:
-    """Raise the same InternodeError on every rank when some rank's area cannot hold its rows."""
-    for r, rows in enumerate(rows_by_rank):
-        need = int(rows) * stride
-        if need > capacity:
-            raise InternodeError(f"rank {r}: the {what} area needs {need} bytes ({rows} rows x {stride} B) but has "
-                                 f"{capacity}; raise {env} (the area is a fixed share of it, see docs/internode.md)")
 
 
 @dataclass(frozen=True)
@@ -522,13 +209,6 @@ class _DeviceView:
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2,
                                          "strides": None}
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return t.reshape(t.size(0), math.prod(t.shape[1:])).view(torch.uint8)
 
 
 @dataclass
@@ -872,7 +552,7 @@ class NativeInternodeBackend:
         return out.reshape((final.size(0),) + tuple(like.shape[1:]))
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        from uccl_ep_train.reference import TrafficReport, _payload_bytes
+        from uccl_ep_train.reference import _payload_bytes
 
         self._check()
         self._lap(None)
