@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,26 +87,69 @@ def check_topology(num_ranks: int, ranks_per_node: int, num_lanes: int = 1) -> i
     return slots
 
 
+#: The notify row carries every source's tokens per expert for up to this many experts, so a receiver knows how many
+#: (token, local expert) pairs it gets before any byte moves: the expert-aligned counts of a dispatch then need no
+#: device read after the payload arrived. Beyond it the backend counts the received expert ids on the GPU (one sync).
+NOTIFY_MAX_EXPERTS = 1024
+
+
 @dataclass
 class Counts:
     """Notify's result, identical on every rank: rank_counts[s, d] tokens of s for rank d; node_counts[s, m] tokens
-    of s that hit node m (each crosses to node m once)."""
+    of s that hit node m (each crosses to node m once); expert_counts[s, e] tokens of s routed to expert e (None when
+    the rows did not carry them)."""
 
     rank_counts: torch.Tensor  # [R, R] int64, CPU
     node_counts: torch.Tensor  # [R, N] int64, CPU
+    expert_counts: Optional[torch.Tensor] = None  # [R, E] int64, CPU
 
 
-def local_count_row(is_token_in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
-    """This rank's contribution to notify: [tokens per destination rank (R) | tokens per destination node (N)]."""
+def local_count_row(is_token_in_rank: torch.Tensor, ranks_per_node: int,
+                    tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's contribution to notify: [tokens per destination rank (R) | tokens per destination node (N) |
+    tokens per expert (E, when given: get_dispatch_layout's num_tokens_per_expert)]."""
     T, R = is_token_in_rank.shape
     per_rank = is_token_in_rank.sum(0)
     per_node = is_token_in_rank.view(T, R // ranks_per_node, ranks_per_node).any(2).sum(0)
-    return torch.cat([per_rank, per_node]).to(torch.int64)
+    parts = [per_rank.to(torch.int64), per_node.to(torch.int64)]
+    if tokens_per_expert is not None:
+        parts.append(tokens_per_expert.to(device=per_rank.device, dtype=torch.int64))
+    return torch.cat(parts)
 
 
-def counts_from_rows(rows: torch.Tensor, num_ranks: int) -> Counts:
+def counts_from_rows(rows: torch.Tensor, num_ranks: int, num_nodes: Optional[int] = None) -> Counts:
+    """Split the gathered notify rows [R, R + N (+ E)]; without ``num_nodes`` every column after the ranks' is a node."""
     rows = rows.to(torch.int64).cpu()
-    return Counts(rows[:, :num_ranks].contiguous(), rows[:, num_ranks:].contiguous())
+    R = num_ranks
+    N = rows.size(1) - R if num_nodes is None else num_nodes
+    experts = rows[:, R + N:].contiguous() if rows.size(1) > R + N else None
+    return Counts(rows[:, :R].contiguous(), rows[:, R:R + N].contiguous(), experts)
+
+
+def recv_expert_counts(counts: Counts, rank: int, experts_per_rank: int) -> List[int]:
+    """(token, expert) pairs ``rank`` receives per local expert: what counting the received top-k ids would give, known
+    from notify alone (every source's tokens per expert, summed over sources for this rank's experts)."""
+    if counts.expert_counts is None:
+        raise InternodeError("the notify rows carried no per-expert counts")
+    lo = rank * experts_per_rank
+    block = counts.expert_counts[:, lo:lo + experts_per_rank]
+    return [int(c) for c in block.sum(0).tolist()]
+
+
+def rows_by_source_local(counts: Counts, rank: int, ranks_per_node: int) -> List[torch.Tensor]:
+    """Receive rows of ``rank`` grouped by the local index j of their source (the forwarder that combine sends each
+    row back through): rows arrive in source-rank order, rank_counts[s, rank] from source s, so group j is the union
+    of the ranges of sources n * G + j. CPU int64 index tensors; computed from the counts, so no device read."""
+    G = ranks_per_node
+    sizes = counts.rank_counts[:, rank].tolist()
+    starts = [0]
+    for c in sizes:
+        starts.append(starts[-1] + int(c))
+    groups: List[List[torch.Tensor]] = [[] for _ in range(G)]
+    for s, c in enumerate(sizes):
+        if c:
+            groups[s % G].append(torch.arange(starts[s], starts[s] + int(c), dtype=torch.int64))
+    return [torch.cat(g) if g else torch.empty(0, dtype=torch.int64) for g in groups]
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from tests.distributed import run_distributed
 from uccl_ep_train import internode as inn
+from uccl_ep_train import internode_plan as plan
 from uccl_ep_train import reference as ref
 
 
@@ -371,3 +372,49 @@ def test_live_state_reports_fifos_counters_and_only_the_signals_that_differ_and_
     assert "proxy totals {'commands': 6}" in text and "rank 1 proxy thread 0: 0 operations queued" in text
     assert "rank 2" not in text
     assert inn.live_state() == "no live internode backend in this process"
+
+
+def _topk(rank: int, T: int, K: int, E: int, seed: int, skew: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if skew:  # most tokens to the first rank's experts
+        idx[: T * 3 // 4] = torch.arange(K).expand(T * 3 // 4, K)
+    idx[torch.rand((T, K), generator=g) < 0.2] = -1  # dropped slots
+    return idx
+
+
+@pytest.mark.parametrize("R,G,skew", [(4, 2, False), (8, 2, True), (4, 1, False), (6, 3, True)])
+def test_notify_rows_carry_per_expert_counts_equal_to_counting_the_received_expert_ids(R, G, skew):
+    E, K, N = 8 * R, 4, R // G
+    L = E // R
+    topk = [_topk(r, 40 + 3 * r, K, E, 7, skew) for r in range(R)]
+    layouts = [ref.get_dispatch_layout(t, E, R, G) for t in topk]
+    rows = torch.stack([plan.local_count_row(lay[3], G, lay[2]) for lay in layouts])
+    counts = plan.counts_from_rows(rows, R, N)
+    assert counts.expert_counts is not None and counts.expert_counts.shape == (R, E)
+    for dst in range(R):
+        # the oracle: every (token, slot) a source routes to one of dst's experts is one row dst receives there
+        seen = torch.zeros(L, dtype=torch.int64)
+        for t in topk:
+            mine = t[(t >= dst * L) & (t < (dst + 1) * L)] - dst * L
+            seen += torch.bincount(mine, minlength=L)
+        assert plan.recv_expert_counts(counts, dst, L) == seen.tolist()
+        assert plan.num_recv_rows(counts, dst) == sum(int(lay[3][:, dst].sum()) for lay in layouts)
+    # rows without the expert columns still split as before, and asking them for experts is an error
+    plain = plan.counts_from_rows(rows[:, :R + N], R)
+    assert plain.expert_counts is None and torch.equal(plain.node_counts, counts.node_counts)
+    with pytest.raises(plan.InternodeError, match="no per-expert counts"):
+        plan.recv_expert_counts(plain, 0, L)
+
+
+@pytest.mark.parametrize("R,G", [(4, 2), (8, 4), (6, 3), (2, 1)])
+def test_receive_rows_grouped_by_source_local_index_partition_the_rows_by_their_source_rank(R, G):
+    rows = torch.stack([plan.local_count_row(_inputs(r, 23, 4, R, "random", 5)[1], G) for r in range(R)])
+    rows[:, 1] = 0  # one source sends nothing anywhere: its empty range must not appear
+    counts = plan.counts_from_rows(rows, R)
+    for rank in range(R):
+        src_rank = torch.repeat_interleave(torch.arange(R), counts.rank_counts[:, rank])  # what dispatch records
+        groups = plan.rows_by_source_local(counts, rank, G)
+        assert len(groups) == G
+        for j, sel in enumerate(groups):
+            assert torch.equal(sel, (src_rank % G == j).nonzero(as_tuple=True)[0]), (rank, j)
