@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
@@ -335,7 +336,20 @@ class HostComm:
     def stats(self) -> list[dict]:
         return [self.proxy.stats(t) for t in range(self.num_threads)]
 
-    def close(self) -> None:
+    def close(self, deliver: bool = True) -> None:
+        """Stop the proxy. With ``deliver`` (default), first wait up to the CPU deadline until every pushed command
+        was taken and every write it posted completed: stopping drops what the proxy still holds, and a peer waiting
+        for those writes sees a clean close, not an error, so it would wait until its own deadline
+        (docs/host-core.md, "Teardown"). A failed proxy stops at once; a second close does nothing."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if deliver and not self.proxy.failed:
+            try:
+                self.proxy.wait_idle(self.options["timeout_secs"])
+            except Exception as exc:  # noqa: BLE001 - teardown: say what is dropped, then stop anyway
+                print(f"uccl-ep: rank {self.rank}: close: the proxy did not deliver every write: {exc}",
+                      file=sys.stderr)
         self.proxy.stop()
 
     def __enter__(self) -> "HostComm":

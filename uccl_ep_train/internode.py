@@ -12,6 +12,7 @@ transport choice, regions, proxy bootstrap, the push/wait/scatter kernels, and t
 from __future__ import annotations
 
 import socket
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -809,6 +810,16 @@ class NativeInternodeBackend:
         self._destroyed = True
         try:
             self._drain("destroy")  # bounded: no kernel may still use the regions when they are freed
+            # A call returns once *its incoming* data arrived; its own outgoing writes (e.g. the last combine chunks
+            # to a slower peer) may still be queued or in flight in our proxy. Stopping the proxy now would drop
+            # them, and the peer -- which sees a clean close, not an error -- would wait until its GPU deadline with
+            # all but the last chunk(s) of a lane (the intermittent 2 x 2 reorder + cap-1 failure). Deliver first.
+            if not self._cx.proxy_error():
+                try:
+                    self._cx.proxy_wait_idle(self.cpu_timeout)
+                except Exception as exc:  # noqa: BLE001 - teardown: report, then free anyway
+                    print(f"uccl-ep: rank {self.rank}: destroy: the proxy did not deliver every write within "
+                          f"{self.cpu_timeout:.0f} s (peers waiting for them will time out): {exc}", file=sys.stderr)
         except InternodeError:
             pass  # the error was raised to the caller already (or is moot at teardown); free anyway
         finally:

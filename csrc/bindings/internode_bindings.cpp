@@ -108,6 +108,9 @@ void bind_internode(py::module_& m) {
            "infos[thread][rank] = that rank's proxy_local_info(thread)")
       .def("proxy_start", &in::Context::proxy_start)
       .def("proxy_stop", &in::Context::proxy_stop, py::call_guard<py::gil_scoped_release>())
+      .def("proxy_wait_idle", &in::Context::proxy_wait_idle, py::arg("timeout_secs"),
+           py::call_guard<py::gil_scoped_release>(),
+           "wait until the proxy took every pushed command and every write it posted completed (before teardown)")
       .def("proxy_error", &in::Context::proxy_error)
       .def("proxy_totals", [](const in::Context& c) { return proxy_stats_dict(c.proxy_totals()); })
       .def("signal_value", &in::Context::signal_value, py::arg("slot"))

@@ -334,6 +334,9 @@ void Context::proxy_start() { proxy_->start(); }
 void Context::proxy_stop() {
   if (proxy_) proxy_->stop();
 }
+void Context::proxy_wait_idle(double timeout_secs) {
+  if (proxy_) proxy_->wait_idle(timeout_secs);
+}
 std::string Context::proxy_error() const { return proxy_ && proxy_->failed() ? proxy_->error() : std::string(); }
 
 ProxyThreadStats Context::proxy_totals() const {
@@ -486,6 +489,7 @@ std::string Context::proxy_local_info(int) { return ""; }
 void Context::proxy_connect(const std::vector<std::vector<std::string>>&) {}
 void Context::proxy_start() {}
 void Context::proxy_stop() {}
+void Context::proxy_wait_idle(double) {}
 std::string Context::proxy_error() const { return ""; }
 ProxyThreadStats Context::proxy_totals() const { return {}; }
 int64_t Context::signal_value(uint32_t) const { return 0; }

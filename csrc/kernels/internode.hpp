@@ -121,6 +121,12 @@ class Context {
   void proxy_connect(const std::vector<std::vector<std::string>>& infos);
   void proxy_start();
   void proxy_stop();
+  // Wait until this rank's proxy took every command its kernels pushed and every write it posted completed (for
+  // loopback: the peer's immediate is published). Call after the pushing kernels finished (the stream drained).
+  // Teardown needs it: a combine returns when its *incoming* data arrived, while its own outgoing writes may still
+  // be queued or in flight; stopping the proxy then drops them and the peer waits until its GPU deadline.
+  // Throws TimeoutError / ProxyError (Proxy::wait_idle).
+  void proxy_wait_idle(double timeout_secs);
   std::string proxy_error() const;  // "" while healthy
   ProxyThreadStats proxy_totals() const;  // every proxy thread together (Proxy::totals)
   // Host read of a signal counter (tests, diagnostics).

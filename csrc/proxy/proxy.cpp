@@ -998,6 +998,20 @@ void Proxy::run(ThreadState* ts) {
     }
   }
   publish();
+  // Stopped (not failed) with work left: those writes are dropped here and their receivers, which see a clean close
+  // (not an error), wait until their own deadlines. Say so on the sender's side, where the cause is.
+  if (!failed()) {
+    uint64_t untaken = 0;
+    for (size_t j = 0; j < nf; ++j) {
+      Command c;
+      if (ts->fifos[j]->peek(&c)) ++untaken;  // at least one command not taken from this FIFO
+    }
+    if (!pending.empty() || ts->inflight_writes || untaken)
+      std::fprintf(stderr, "uccl-ep: %s stopped with %zu operations queued, %llu writes in flight and %llu FIFO(s) "
+                   "holding commands not taken: they are dropped, and the ranks waiting for them will time out "
+                   "(wait for the proxy to be idle before stopping it)\n", who().c_str(), pending.size(),
+                   (unsigned long long)ts->inflight_writes, (unsigned long long)untaken);
+  }
   ts->in_loop.store(false, std::memory_order_release);
 }
 
