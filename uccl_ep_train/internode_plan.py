@@ -187,6 +187,24 @@ def recv_counts(counts: Counts, rank: int, ranks_per_node: int) -> List[int]:
     return [int(counts.node_counts[n * G + local, node]) for n in range(N)]
 
 
+def dispatch_nvlink_rows(counts: Counts, rank: int, ranks_per_node: int) -> int:
+    """Rows ``rank`` forwards over NVLink in a dispatch: its arrivals (from the sources sharing its local index, its own
+    tokens included) that another GPU of its node needs. From the counts, so the traffic report reads no device."""
+    G = ranks_per_node
+    node, local = divmod(rank, G)
+    sources = list(range(local, counts.rank_counts.size(0), G))
+    peers = [d for d in range(node * G, node * G + G) if d != rank]
+    return int(counts.rank_counts[sources][:, peers].sum()) if peers else 0
+
+
+def combine_nvlink_rows(counts: Counts, rank: int, ranks_per_node: int) -> int:
+    """Rows ``rank`` sends over NVLink in a combine: each received row goes back through the forwarder of its source
+    (the GPU of this node with the source's local index), so every row whose source has another local index."""
+    G = ranks_per_node
+    local = rank % G
+    return int(sum(int(c) for s, c in enumerate(counts.rank_counts[:, rank].tolist()) if s % G != local))
+
+
 def block_offsets(sizes: Sequence[int], stride: int) -> List[int]:
     out, off = [], 0
     for s in sizes:

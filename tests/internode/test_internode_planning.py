@@ -418,3 +418,20 @@ def test_receive_rows_grouped_by_source_local_index_partition_the_rows_by_their_
         assert len(groups) == G
         for j, sel in enumerate(groups):
             assert torch.equal(sel, (src_rank % G == j).nonzero(as_tuple=True)[0]), (rank, j)
+
+
+@pytest.mark.parametrize("R,G,kind", [(4, 2, "random"), (8, 4, "skewed"), (6, 3, "dropped"), (4, 1, "random"),
+                                      (4, 2, "empty")])
+def test_nvlink_rows_of_the_traffic_report_follow_from_the_counts_as_from_the_forwarded_rows(R, G, kind):
+    inputs = [_inputs(r, 31, 4, R, kind, 9)[1] for r in range(R)]
+    counts = plan.counts_from_rows(torch.stack([plan.local_count_row(itr, G) for itr in inputs]), R)
+    for rank in range(R):
+        node, local = divmod(rank, G)
+        # dispatch: what the forwarder scatters -- each arrival (a token of a source with our local index that hits
+        # our node) once per other GPU of the node that needs it
+        forwarded = sum(int(inputs[s][:, d].sum()) for s in range(local, R, G)
+                        for d in range(node * G, node * G + G) if d != rank)
+        assert plan.dispatch_nvlink_rows(counts, rank, G) == forwarded
+        # combine: every received row whose forwarder (the GPU of our node with its source's local index) is not us
+        back = sum(int(inputs[s][:, rank].sum()) for s in range(R) if s % G != local)
+        assert plan.combine_nvlink_rows(counts, rank, G) == back
