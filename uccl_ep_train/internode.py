@@ -11,6 +11,7 @@ transport choice, regions, proxy bootstrap, the push/wait/scatter kernels, and t
 """
 from __future__ import annotations
 
+import ctypes
 import socket
 import sys
 import time
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 def _device_pci_address(device: torch.device) -> Optional[str]:
     """The PCI address of a CUDA device as sysfs spells it, or None when torch does not say (the NIC choice then
     falls back to LOCAL_RANK)."""
+    if device.type != "cuda":  # CPU stand-in of the native module (tests): no PCI device
+        return None
     try:
         p = torch.cuda.get_device_properties(device)
         from uccl_ep_train.topology import bdf
@@ -212,6 +215,13 @@ class _DeviceView:
                                          "strides": None}
 
 
+def _raw_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """uint8 tensor over a region of the native module, without copying or owning it."""
+    if device.type == "cuda":
+        return torch.as_tensor(_DeviceView(ptr, nbytes), device=device)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)  # CPU stand-in (tests)
+
+
 @dataclass
 class InternodeHandle:
     num_tokens: int
@@ -255,7 +265,9 @@ class NativeInternodeBackend:
             raise InternodeError("uccl_ep_train._C has no `internode` submodule (built without CUDA, or module.cpp "
                                  "does not call bind_internode)")
         self._k = _C.internode
-        self.device = ctx.device if ctx.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        # a CPU device means the CPU stand-in of _C.internode (tests/internode/fake_internode_native.py)
+        self.device = ctx.device if ctx.device.index is not None or ctx.device.type != "cuda" else \
+            torch.device("cuda", torch.cuda.current_device())
         self.cpu_timeout = float(s.proxy.timeout_secs)
         self.gpu_timeout = float(s.kernel.gpu_timeout_secs)
         self.rdma_bytes = _align(int(ctx.num_rdma_bytes) or (1 << 28))
@@ -274,7 +286,8 @@ class NativeInternodeBackend:
             verbs_built=bool(getattr(getattr(_C, "verbs", None), "available", False)))
         default_bytes = comm.DEFAULT_INFLIGHT_BYTES_EFA if self.transport.efa else comm.DEFAULT_INFLIGHT_BYTES
         self.inflight_bytes = t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes
-        torch.cuda.set_device(self.device)
+        if self.device.type == "cuda":  # no CUDA on the CPU stand-in
+            torch.cuda.set_device(self.device)
         self._cx = self._k.InternodeContext(
             rank=self.rank, world=self.R, device=self.device.index, rdma_bytes=self.rdma_bytes,
             nvl_bytes=self.nvl_bytes, num_threads=p.num_threads, fifos_per_thread=p.fifos_per_thread,
@@ -296,8 +309,8 @@ class NativeInternodeBackend:
         self._cx.proxy_start()
         node_ranks = range(self.node * self.G, (self.node + 1) * self.G)
         self.peer_nvl = self._cx.open_nvl_peers([bytes(gathered[r][1]) for r in node_ranks], self.local)
-        self._rdma = torch.as_tensor(_DeviceView(self._cx.rdma_ptr, self.rdma_bytes), device=self.device)
-        self._nvl = torch.as_tensor(_DeviceView(self._cx.nvl_ptr, self.nvl_bytes), device=self.device)
+        self._rdma = _raw_bytes(self._cx.rdma_ptr, self.rdma_bytes, self.device)
+        self._nvl = _raw_bytes(self._cx.nvl_ptr, self.nvl_bytes, self.device)
         # The notify area (one count row per rank, at the end of the RDMA region) is the count exchange through the
         # proxies; with very many ranks it would eat the region, and notify falls back to a gloo all_gather.
         self._notify_row = _align(8 * (self.R + self.N))
@@ -327,6 +340,8 @@ class NativeInternodeBackend:
 
     # ---------------------------------------------------------------- host-side steps
     def _stream(self) -> int:
+        if self.device.type != "cuda":  # CPU stand-in: synchronous, no stream
+            return 0
         return torch.cuda.current_stream().cuda_stream
 
     def _check(self, what: str = "") -> None:
@@ -366,6 +381,9 @@ class NativeInternodeBackend:
         """Wait for this rank's stream with a deadline, never an unbounded synchronize. Every GPU wait has its own
         deadline (UCCL_EP_GPU_TIMEOUT_SECS); a proxy that fails meanwhile aborts the GPU waits at once, so the
         error surfaces in milliseconds instead of after the GPU deadline."""
+        if self.device.type != "cuda":  # CPU stand-in: every call has completed when it returns
+            self._check(what)
+            return
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream())
         t0 = time.monotonic()
@@ -447,7 +465,8 @@ class NativeInternodeBackend:
         this phase (barrier, notify), so their device copy is made once and reused."""
         stream = self._stream()
         ph = self._phases[phase]
-        if self.network_timing is not None:
+        timing = self.network_timing is not None and self.device.type == "cuda"  # CUDA events: not on the CPU stand-in
+        if timing:
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0.record()
         if rows:
@@ -469,7 +488,7 @@ class NativeInternodeBackend:
             t = torch.tensor(se, dtype=torch.int64).to(self.device)
             self._cx.wait_signals(t.data_ptr(), len(se), ph, stream)
             self._keep_w = t
-        if self.network_timing is not None:
+        if timing:
             t1.record()
             self.network_timing.setdefault(phase, []).append((t0, t1))
         # Nothing else is launched while wait_signals spins: with CUDA's lazy module loading (torch's default) the

@@ -1,0 +1,369 @@
+"""A CPU stand-in for ``uccl_ep_train._C.internode``, so NativeInternodeBackend's host path runs in CI without a GPU.
+
+What it emulates (csrc/kernels/internode.cu, csrc/bindings/internode_bindings.cpp), with the same names, arguments
+and return shapes: an ``InternodeContext`` per rank whose RDMA region, NVL region and signal counters live in POSIX
+shared memory (files under /dev/shm), so the ranks' processes write into each other's memory as the loopback
+transport does; the proxy bootstrap (``proxy_local_info`` / ``proxy_connect``: how a rank finds its peers' RDMA
+regions and counters) and the NVL mapping (``nvl_ipc_handle`` / ``open_nvl_peers``); ``push_chunks`` cutting every
+row of the push table into chunks exactly as push_chunks_kernel (lane = (hint + c) % num_fifos, the same command
+format checks, the same ``encode`` error word), copying each chunk's bytes and THEN adding its record count to the
+destination's slot + lane; ``wait_signals`` polling until every slot reaches its target, recording ``wait_timeout``
+after the GPU deadline and returning early once the error word is set (``abort_waits``); ``scatter_rows`` with the
+``scatter_range`` check; the error word at a raw address; diagnostics with the real keys.
+
+A counter is one int64 per (slot, writer rank): only that writer adds to it and a slot's value is the sum over
+writers, so counters stay exact with several writer processes and no atomics.
+
+What it does not emulate: proxy threads, FIFOs and flow control (a push is done when push_chunks returns, so
+``push_timeout`` never fires and FIFO heads always equal tails), reordering or delays of the transport, streams (all
+work is synchronous: stream order is program order), CUDA's lazy module loading, and verbs.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+import uuid
+from types import SimpleNamespace
+from typing import List
+
+import torch
+
+from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
+                                          CMD_UNIT, SLOT_PAGE)
+
+PUSH_COLUMNS = 7
+PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "combine_gather": 4, "barrier": 5,
+          "notify": 6}
+ERROR_CODES = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5}
+_PHASE_NAMES = {1: "dispatch network hop (push_chunks / wait_signals)",
+                2: "combine network hop (push_chunks / wait_signals)",
+                3: "dispatch forward over NVLink (scatter_rows)", 4: "combine gather over NVLink (scatter_rows)",
+                5: "group barrier through the proxies (push_chunks / wait_signals)",
+                6: "notify: count exchange through the proxies (push_chunks / wait_signals)"}
+_CMD_ERRORS = {2: "dst_rank out of range (0..4095)", 3: "signal slot out of range (0..16382)",
+               4: "signal value out of range (0..262143)",
+               5: "byte count out of range (16..268435440; 0 only with a signal)",
+               6: "byte count not a multiple of 16", 7: "local offset out of range (< 4 GiB)",
+               8: "local offset not a multiple of 16", 9: "remote offset out of range (< 4 GiB)",
+               10: "remote offset not a multiple of 16"}
+_MAX_OFFSET = CMD_MAX_REGION - CMD_UNIT
+_SHM, _PREFIX = "/dev/shm", "uccl-ep-fake-internode"
+_CTOR_ARGS = ("rank world device rdma_bytes nvl_bytes num_threads fifos_per_thread fifo_depth cpus idle_backoff_us "
+              "timeout_secs max_inflight_writes max_inflight_bytes reorder_window num_signal_slots loopback_reorder "
+              "loopback_delay_us loopback_bandwidth_gbps loopback_seed gpu_timeout_secs").split()
+_CTOR_OPTIONAL = {"transport", "ib_devices", "ib_port", "gid_index", "sl", "tc", "dump_trigger"}
+_unlink_later: List[str] = []  # RDMA/counter files of this process: unlink_shared_host_memory_names() removes them
+
+
+def phase_name(phase: int) -> str:
+    return _PHASE_NAMES.get(phase, "unknown phase")
+
+
+class ErrorWord(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int32), ("rank", ctypes.c_int32), ("slot", ctypes.c_int32), ("aux", ctypes.c_int32),
+                ("phase", ctypes.c_int32), ("reserved", ctypes.c_int32), ("observed", ctypes.c_int64),
+                ("expected", ctypes.c_int64)]
+
+
+def _at(ptr: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A CPU tensor over raw memory: no copy, no ownership."""
+    if nbytes <= 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=dtype)
+
+
+def _report(err: int, code: int, rank: int, slot: int, aux: int, phase: int, observed: int, expected: int) -> None:
+    """report() of the kernels: the first failure wins (``reserved``), the code is written last."""
+    e = ErrorWord.from_address(err) if err else None
+    if e is not None and e.reserved == 0:
+        e.reserved, e.rank, e.slot, e.aux, e.phase = 1, rank, slot, aux, phase
+        e.observed, e.expected, e.code = observed, expected, code
+
+
+def _sweep_leftovers() -> None:
+    """Remove files that processes which no longer exist left behind (killed before destroy)."""
+    for f in os.listdir(_SHM):
+        if f.startswith(_PREFIX + "-"):
+            try:
+                os.kill(int(f[len(_PREFIX) + 1:].split("-")[0]), 0)
+            except ProcessLookupError:
+                try:
+                    os.unlink(os.path.join(_SHM, f))
+                except OSError:
+                    pass
+            except (ValueError, PermissionError):
+                pass
+
+
+def _map(name: str, nbytes: int, create: bool) -> torch.Tensor:
+    path = os.path.join(_SHM, name)
+    if not create and not os.path.exists(path):
+        raise RuntimeError(f"shared memory {path} is gone (its rank exited, or unlinked it before this rank mapped it)")
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # a new file reads as zeros
+
+
+def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: int, src_idx: int, n: int,
+                 row_bytes: int, stream: int, dst_rows: int = -1, err: int = 0, rank: int = -1, phase: int = 0,
+                 target: int = -1) -> None:
+    """scatter_rows_kernel: row i from src + s_i * src_stride to dst + d_i * dst_stride (index arrays: raw int64
+    addresses, 0 = identity); a negative index skips the row; a d_i >= dst_rows (when >= 0) is reported, not written."""
+    if n <= 0 or row_bytes <= 0:
+        return
+    if not dst or not src:
+        raise ValueError("scatter_rows: null pointer")
+    d = _at(dst_idx, 8 * n, torch.int64).clone() if dst_idx else torch.arange(n)
+    s = _at(src_idx, 8 * n, torch.int64).clone() if src_idx else torch.arange(n)
+    ok = (d >= 0) & (s >= 0)
+    if dst_rows >= 0:
+        bad = ok & (d >= dst_rows)
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0])
+            _report(err, ERROR_CODES["scatter_range"], rank, target, r, phase, int(d[r]), dst_rows)
+            ok &= ~bad
+    d, s = d[ok], s[ok]
+    if d.numel():
+        rows = lambda p, st, k: _at(p, (k - 1) * st + row_bytes).as_strided((k, row_bytes), (st, 1))  # noqa: E731
+        rows(dst, dst_stride, int(d.max()) + 1)[d] = rows(src, src_stride, int(s.max()) + 1)[s]
+
+
+def _encode_error(dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> int:
+    """encode_write_signal's checks on the kernel's unsigned casts: 0 or the command error (command.hpp)."""
+    u64 = (1 << 64) - 1
+    dst, slot, value = dst & 0xFFFFFFFF, slot & 0xFFFFFFFF, value & 0xFFFFFFFF
+    nbytes, local, remote = nbytes & u64, local & u64, remote & u64
+    checks = [(dst >= CMD_MAX_RANKS, 2), (nbytes % CMD_UNIT, 6), (nbytes > CMD_MAX_BYTES, 5), (local % CMD_UNIT, 8),
+              (local > _MAX_OFFSET, 7), (remote % CMD_UNIT, 10), (remote > _MAX_OFFSET, 9),
+              (slot >= CMD_MAX_SLOTS, 3), (value > CMD_MAX_VALUE, 4)]
+    return next((e for bad, e in checks if bad), 0)
+
+
+class InternodeContext:
+    """One rank's regions, counters, error word and (synchronous) proxy. Same keyword arguments as the binding."""
+
+    def __init__(self, **kw) -> None:
+        missing, unknown = set(_CTOR_ARGS) - set(kw), set(kw) - set(_CTOR_ARGS) - _CTOR_OPTIONAL
+        if missing or unknown:
+            raise TypeError(f"InternodeContext: missing {sorted(missing)}, unknown {sorted(unknown)}")
+        self.rank, self.world = int(kw["rank"]), int(kw["world"])
+        self.rdma_bytes, self.nvl_bytes = int(kw["rdma_bytes"]), int(kw["nvl_bytes"])
+        self.num_signal_slots, self.num_threads = int(kw["num_signal_slots"]), int(kw["num_threads"])
+        self.num_fifos = self.num_threads * int(kw["fifos_per_thread"])
+        self._timeout = float(kw["gpu_timeout_secs"])
+        if self.rdma_bytes <= 0 or self.rdma_bytes % CMD_UNIT or self.rdma_bytes > CMD_MAX_REGION:
+            raise ValueError(f"internode: RDMA region of {self.rdma_bytes} bytes must be a positive multiple of 16 "
+                             "and at most 4 GiB (28-bit offsets in 16-byte units)")
+        if self.nvl_bytes <= 0:
+            raise ValueError("internode: NVL region must be > 0 bytes")
+        if self.num_signal_slots % SLOT_PAGE:
+            raise ValueError("internode: num_signal_slots must be a multiple of 512 (whole pages of counters)")
+        self.transport_name, self.transport_in_order = str(kw.get("transport", "loopback")), True
+        _sweep_leftovers()
+        tag = f"{_PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._names = {k: f"{tag}-{k}" for k in ("rdma", "sig", "nvl")}
+        self._sig_bytes = 8 * self.num_signal_slots * self.world
+        self._rdma = _map(self._names["rdma"], self.rdma_bytes, True)
+        self._sig = _map(self._names["sig"], self._sig_bytes, True).view(torch.int64).view(-1, self.world)
+        self._nvl = _map(self._names["nvl"], self.nvl_bytes, True)
+        _unlink_later.extend([self._names["rdma"], self._names["sig"]])
+        self._err = ErrorWord()
+        self._peers: list = []  # rank -> (RDMA region, counters [slots, writer]) once connected
+        self._opened: list = []
+        self._lane_cmds = [0] * self.num_fifos
+        self._totals = dict(commands=0, writes_posted=0, signals_applied=0, max_inflight_writes=0,
+                            max_inflight_bytes=0, max_reorder_held=0)
+        self._perr, self._started, self._destroyed = "", False, False
+
+    rdma_ptr = property(lambda self: self._rdma.data_ptr())
+    nvl_ptr = property(lambda self: self._nvl.data_ptr())
+    error_word_ptr = property(lambda self: ctypes.addressof(self._err))
+
+    # ---- bootstrap
+    def nvl_ipc_handle(self) -> bytes:
+        return self._names["nvl"].encode()
+
+    def open_nvl_peers(self, handles: List[bytes], own_index: int) -> List[int]:
+        out = []
+        for i, h in enumerate(handles):
+            if i == own_index:
+                out.append(self.nvl_ptr)
+                continue
+            self._opened.append(_map(bytes(h).decode(), self.nvl_bytes, False))
+            out.append(self._opened[-1].data_ptr())
+        return out
+
+    def proxy_local_info(self, thread: int) -> bytes:
+        return json.dumps({"rank": self.rank, "thread": thread, "rdma": self._names["rdma"], "sig": self._names["sig"],
+                           "rdma_bytes": self.rdma_bytes}).encode()
+
+    def proxy_connect(self, infos: List[List[bytes]]) -> None:
+        if len(infos) != self.num_threads or any(len(per) != self.world for per in infos):
+            raise ValueError(f"proxy_connect: want infos[{self.num_threads}][{self.world}]")
+        for r, raw in enumerate(infos[0]):
+            p = json.loads(bytes(raw))
+            if r == self.rank:
+                self._peers.append((self._rdma, self._sig))
+            else:
+                sig = _map(p["sig"], self._sig_bytes, False).view(torch.int64).view(-1, self.world)
+                self._peers.append((_map(p["rdma"], p["rdma_bytes"], False), sig))
+
+    def proxy_start(self) -> None:
+        self._started = True
+
+    def proxy_stop(self) -> None:
+        pass
+
+    def proxy_wait_idle(self, timeout_secs: float) -> None:
+        if self._perr:  # Proxy::wait_idle raises the proxy's error; otherwise every write was done when pushed
+            raise RuntimeError(self._perr)
+
+    # ---- the kernels, synchronous
+    def push_chunks(self, table: int, n: int, chunk_records: int, phase: int, stream: int) -> None:
+        if n <= 0:
+            return
+        if chunk_records < 1 or chunk_records > CMD_MAX_VALUE:
+            raise ValueError(f"push_chunks: chunk_records must be 1..{CMD_MAX_VALUE} (18-bit signal value)")
+        if not self._started:
+            raise RuntimeError("push_chunks before proxy_start (the fake has no FIFO to queue into)")
+        for i, (dst, loff, roff, stride, records, slot, fifo) in enumerate(
+                _at(table, 8 * PUSH_COLUMNS * n, torch.int64).view(n, PUSH_COLUMNS).tolist()):
+            hint = i if fifo < 0 else fifo
+            for c, first in enumerate(range(0, records, chunk_records)):  # records <= 0: nothing
+                lane = (hint + c) % self.num_fifos
+                count = min(chunk_records, records - first)
+                cmd = (dst, count * stride, loff + first * stride, roff + first * stride, slot + lane, count)
+                e = _encode_error(*cmd)
+                if e:
+                    _report(self.error_word_ptr, ERROR_CODES["encode"], self.rank, dst, e, phase, first, records)
+                    break
+                if not self._write(*cmd):
+                    return
+                self._lane_cmds[lane] += 1
+
+    def _write(self, dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> bool:
+        """What the proxy and transport do with one WRITE_SIGNAL: the bytes land, then the counter moves."""
+        if self._perr:
+            return False
+        if dst >= len(self._peers):
+            self._perr = f"rank {self.rank}: command for rank {dst}, the group has {len(self._peers)} connected ranks"
+        elif local + nbytes > self.rdma_bytes or remote + nbytes > self._peers[dst][0].numel():
+            self._perr = (f"rank {self.rank}: write of {nbytes} bytes from {local} to rank {dst} at {remote} leaves "
+                          "a region")
+        elif slot >= self.num_signal_slots:
+            self._perr = f"rank {self.rank}: signal slot {slot} >= {self.num_signal_slots}"
+        if self._perr:
+            return False
+        region, counters = self._peers[dst]
+        if nbytes:
+            region[remote:remote + nbytes].copy_(self._rdma[local:local + nbytes])
+        counters[slot, self.rank] += value  # ours alone: x86 stores are seen in order, so bytes land first
+        t = self._totals  # one write at a time, applied by this rank on the destination
+        t.update(commands=t["commands"] + 1, writes_posted=t["writes_posted"] + 1, max_inflight_writes=1,
+                 signals_applied=t["signals_applied"] + 1, max_inflight_bytes=max(t["max_inflight_bytes"], nbytes))
+        return True
+
+    def wait_signals(self, slot_expected: int, n: int, phase: int, stream: int) -> None:
+        if n <= 0:
+            return
+        pairs = _at(slot_expected, 16 * n, torch.int64).view(n, 2).tolist()
+        if any(not 0 <= s < self.num_signal_slots for s, _ in pairs):
+            raise ValueError(f"wait_signals: a slot outside 0..{self.num_signal_slots - 1}: {pairs}")
+        slots = torch.tensor([s for s, _ in pairs])
+        start, nap = time.monotonic(), 2e-5
+        while True:
+            seen = self._sig[slots].sum(1).tolist()
+            late = [(s, v, e) for (s, e), v in zip(pairs, seen) if v < e]
+            if not late:
+                return
+            if time.monotonic() - start > self._timeout:
+                s, v, e = late[0]
+                _report(self.error_word_ptr, ERROR_CODES["wait_timeout"], self.rank, s, 0, phase, v, e)
+                return
+            if self._err.code:  # another failed wait of this rank, or abort_waits()
+                return
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+
+    # ---- errors and diagnostics
+    def error_fields(self) -> dict:
+        e = self._err
+        names = ("code", "rank", "slot", "aux", "phase", "observed", "expected")
+        return {k: (getattr(e, k) if e.code else 0) for k in names}
+
+    def error_message(self) -> str:
+        e = self._err
+        if not e.code:
+            return ""
+        secs, who = f"{self._timeout:.6f}", f"rank {e.rank}, {phase_name(e.phase)}: "
+        return who + {
+            1: f"wait_signals: GPU waited {secs} s (UCCL_EP_GPU_TIMEOUT_SECS) for signal slot {e.slot} to reach "
+               f"{e.expected}, saw {e.observed} (a peer rank or its proxy stopped sending)",
+            2: f"push_chunks: GPU could not push into FIFO {e.slot} for {secs} s (ring full: is the proxy thread "
+               f"running?); block for rank {e.aux}, record {e.observed} of {e.expected}",
+            3: f"push_chunks: a command to rank {e.slot} does not encode: {_CMD_ERRORS.get(e.aux, 'unknown error')}",
+            4: f"scatter_rows: destination row {e.observed} (list position {e.aux}, target local GPU {e.slot}) is "
+               f"outside the {e.expected} rows of the area; the row was not written (a record arrived corrupt, or "
+               "was read before its bytes landed)",
+            5: "GPU waits aborted by the host (the proxy failed)"}.get(e.code, f"unknown GPU error code {e.code}")
+
+    def clear_error(self) -> None:
+        ctypes.memset(ctypes.addressof(self._err), 0, ctypes.sizeof(self._err))
+
+    def abort_waits(self) -> None:
+        if self._err.reserved == 0:
+            self._err.reserved, self._err.rank, self._err.phase = 1, self.rank, 0
+            self._err.code = ERROR_CODES["aborted"]
+
+    def proxy_error(self) -> str:
+        return self._perr
+
+    def proxy_totals(self) -> dict:
+        return dict(self._totals)
+
+    def signal_value(self, slot: int) -> int:
+        if not 0 <= slot < self.num_signal_slots:
+            raise ValueError("signal_value: slot out of range")
+        if self._destroyed:
+            raise RuntimeError("signal_value: the internode context was destroyed")
+        return int(self._sig[slot].sum())
+
+    def fifo_states(self) -> List[dict]:
+        return [] if self._destroyed else [dict(fifo=i, device_head=c, tail=c, full=0, first_full=-1, last_full=-1)
+                                           for i, c in enumerate(self._lane_cmds)]
+
+    def proxy_counters(self) -> str:
+        return "proxy stopped" if self._destroyed else f"fake proxy (synchronous): commands per FIFO {self._lane_cmds}"
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._peers, self._opened = [], []
+        for name in self._names.values():
+            try:
+                os.unlink(os.path.join(_SHM, name))
+            except FileNotFoundError:
+                pass  # unlink_shared_host_memory_names() was first
+
+
+def unlink_shared_host_memory_names() -> None:
+    """_C.unlink_shared_host_memory_names: every peer has mapped our RDMA region and counters by now."""
+    while _unlink_later:
+        try:
+            os.unlink(os.path.join(_SHM, _unlink_later.pop()))
+        except FileNotFoundError:
+            pass
+
+
+#: What ``uccl_ep_train.native.module()`` returns once install() ran: the parts of ``_C`` internode.py touches.
+NATIVE = SimpleNamespace(internode=sys.modules[__name__], verbs=SimpleNamespace(available=False),
+                         unlink_shared_host_memory_names=unlink_shared_host_memory_names, gpu_backend="NONE")
+
+
+def install() -> None:
+    """Make ``native.module()`` return this stand-in in this process (a test's child process)."""
+    from uccl_ep_train import native
+
+    native.module = lambda: NATIVE

@@ -1,0 +1,87 @@
+"""What the NativeInternodeBackend tests on GPUs (test_internode_gpu.py) and on CPU with the stand-in native module
+(test_internode_backend_cpu.py) share: routings, the exact comparison, and the case loop against reference.py."""
+from __future__ import annotations
+
+import torch
+
+
+def _routing(kind, T, K, E, R, g):
+    scores = torch.rand((T, E), generator=g)
+    if kind == "skewed":
+        scores[:, :K] += 10.0
+    elif kind == "empty":
+        scores[:, E // R:] = -1.0
+    idx = scores.topk(K, dim=1).indices
+    if kind == "dropped":
+        idx[torch.rand((T, K), generator=g) < 0.3] = -1
+    return idx
+
+
+def _same(a, b, what):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    a, b = a.cpu(), b.cpu()
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    if a.dtype.is_floating_point and a.element_size() == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    assert torch.equal(a, b), f"{what} differs"
+
+
+# (routing, fp8, expert_major, num_worst_tokens, seed)
+ALL = [(k, fp8, em, worst, i) for i, (k, fp8, em, worst) in enumerate([
+    ("random", False, False, 0), ("skewed", False, False, 0), ("empty", False, False, 0),
+    ("dropped", False, False, 0), ("random", True, False, 0), ("dropped", True, False, 0),
+    ("random", False, True, 0), ("random", False, False, 512), ("random", True, True, 2048)])]
+
+
+def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=False):
+    """Run every case ``iters`` times on both backends (the reference on CPU copies of the same inputs): uncached
+    dispatch, cached dispatch, combine with the received weights (``unweighted``: and once more without); every
+    output must be equal bit for bit. Returns the number of (case, iteration) pairs compared."""
+    from uccl_ep_train.backends import DispatchArgs
+
+    done = 0
+    for (kind, fp8, expert_major, worst, seed) in cases:
+        for it in range(iters):
+            g = torch.Generator().manual_seed(seed * 7919 + it * 31 + rank)
+            T, K, E = 96 + 13 * rank, 4, 4 * world
+            idx = _routing(kind, T, K, E, world, g)
+            x = torch.randn((T, H), generator=g)
+            w = torch.rand((T, K), generator=g)
+            scales = None
+            if fp8:
+                x = x.clamp(-400, 400).to(torch.float8_e4m3fn)
+                scales = torch.rand((T, H // 128), generator=g) + 0.5
+            else:
+                x = x.to(torch.bfloat16)
+            outs = []
+            for b, d in ((ref, torch.device("cpu")), (nat, dev)):
+                tpr, tpn, tpe, itr = b.get_dispatch_layout(idx.to(d), E)
+                a = DispatchArgs(x.to(d), None if scales is None else scales.to(d), None, tpr, tpn, itr, tpe,
+                                 idx.to(d), w.to(d), expert_alignment=4 if expert_major else 1,
+                                 num_worst_tokens=worst, expert_major=expert_major)
+                r = b.dispatch(a)
+                cached = b.dispatch(DispatchArgs(x.to(d), None if scales is None else scales.to(d), r.handle,
+                                                 None, None, None, None, None, None))
+                y = (r.recv_x.float() * 0.5 + 1.0).to(torch.bfloat16)
+                cx, cw = b.combine(y, r.handle, r.recv_topk_weights, None)
+                traffic = b.last_traffic
+                ux, uw = b.combine(y, r.handle, None, None) if unweighted else (None, None)
+                outs.append((r, cached, cx, cw, traffic, ux, uw))
+            (r0, c0, x0, w0, t0, u0, v0), (r1, c1, x1, w1, t1, u1, v1) = outs
+            tag = f"rank {rank} {kind} fp8={fp8} em={expert_major} worst={worst} it={it}"
+            _same(r0.recv_x, r1.recv_x, f"{tag}: recv_x")
+            _same(r0.recv_x_scales, r1.recv_x_scales, f"{tag}: scales")
+            _same(r0.recv_topk_idx, r1.recv_topk_idx, f"{tag}: topk_idx")
+            _same(r0.recv_topk_weights, r1.recv_topk_weights, f"{tag}: topk_weights")
+            assert r0.num_recv_tokens_per_expert_list == r1.num_recv_tokens_per_expert_list, tag
+            _same(c0.recv_x, c1.recv_x, f"{tag}: cached recv_x")
+            _same(x0, x1, f"{tag}: combined_x")
+            _same(w0, w1, f"{tag}: combined weights")
+            _same(u0, u1, f"{tag}: combined_x without weights")
+            assert v0 is None and v1 is None, f"{tag}: combine without weights returned weights"
+            assert (t0.nvlink_bytes, t0.network_bytes, t0.logical_bytes) == \
+                (t1.nvlink_bytes, t1.network_bytes, t1.logical_bytes), f"{tag}: traffic"
+            done += 1
+    return done

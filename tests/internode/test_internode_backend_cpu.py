@@ -1,0 +1,148 @@
+"""NativeInternodeBackend's own host path on CPU, with a stand-in for its native module (fake_internode_native.py):
+the same comparisons against reference.py as test_internode_gpu.py, in multi-process gloo groups over emulated
+topologies (2 nodes x 1 rank, 2 x 2, 4 x 1), and the deadline error of a peer that never pushes.
+
+The stand-in moves bytes and signal counts through shared memory exactly as the push table says, so everything above
+it is the backend's real code: transport choice, proxy bootstrap, notify through the proxies, packing, push tables
+and waits, the own-node copy, stamping, the NVLink scatter and gather, expert-major receive, barriers, and
+the error reporting. Every output must equal the reference bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+import fake_internode_native as fake
+from internode_cases import ALL, compare_cases
+
+RDMA = 16 << 20
+NVL = 16 << 20
+# Two proxy threads x two FIFOs and 4 KiB writes: a block of records is cut into many chunks spread over every lane.
+ENV = {"UCCL_EP_NUM_PROXY_THREADS": "2", "UCCL_EP_FIFOS_PER_THREAD": "2", "UCCL_IB_MAX_INFLIGHT_BYTES": "4096",
+       "UCCL_EP_CPU_TIMEOUT_SECS": "30", "UCCL_EP_GPU_TIMEOUT_SECS": "30"}
+
+
+def _backends(rank, world, G):
+    import torch.distributed as dist
+
+    from uccl_ep_train.backends import BackendContext
+    from uccl_ep_train.internode import NativeInternodeBackend
+    from uccl_ep_train.reference import ReferenceBackend
+    from uccl_ep_train.settings import load_settings
+
+    fake.install()
+    ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G,
+                         device=torch.device("cpu"), num_nvl_bytes=NVL, num_rdma_bytes=RDMA, settings=load_settings())
+    return NativeInternodeBackend(ctx), ReferenceBackend(ctx)
+
+
+def _cases(rank, world, G, cases, iters):
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, iters, unweighted=True)
+        return done, nat.proxy_stats(), list(nat._cx._names.values())
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
+def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, G):
+    out = run_distributed(_cases, world, G, ALL, 1, timeout=120, env=ENV)
+    assert all(done == len(ALL) for done, _, _ in out)
+    assert sum(st["commands"] for _, st, _ in out) > 10 * world, "the chunks did not go through push_chunks"
+    left = [n for _, _, names in out for n in names if os.path.exists(os.path.join("/dev/shm", n))]
+    assert not left, f"shared memory left behind after destroy: {left}"
+
+
+def _absent_peer(rank, world, G):
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.internode import InternodeError
+
+    nat, _ = _backends(rank, world, G)
+    try:
+        if rank == world - 1:
+            time.sleep(4)  # never joins the dispatch: to the others it is gone
+            return None
+        idx = torch.randint(0, 4 * world, (64, 2))
+        x = torch.randn((64, 128)).to(torch.bfloat16)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 4 * world)
+        t0 = time.time()
+        try:
+            nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
+        except InternodeError as exc:
+            return time.time() - t0, str(exc), nat._notify_slot
+        return time.time() - t0, "no error", nat._notify_slot
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(4, 2)], ids=["2x2"])
+def test_a_rank_that_never_pushes_makes_the_others_raise_naming_rank_phase_and_slot_at_the_gpu_deadline(world, G):
+    env = dict(ENV, UCCL_EP_GPU_TIMEOUT_SECS="1")
+    out = run_distributed(_absent_peer, world, G, timeout=60, env=env)
+    for rank in range(world - 1):
+        elapsed, msg, slot = out[rank]
+        assert msg != "no error", f"rank {rank} did not notice the absent peer"
+        assert f"rank {rank}, notify" in msg and f"signal slot {slot} to reach {world - 1}" in msg, msg
+        assert f"saw {world - 2}" in msg, msg  # every other rank's count row did arrive
+        assert 1 <= elapsed < 3.5, f"rank {rank} took {elapsed:.1f} s with a 1 s GPU deadline"
+
+
+def _context(world=1, **kw):
+    args = dict(rank=0, world=world, device=None, rdma_bytes=1 << 16, nvl_bytes=1 << 16, num_threads=1,
+                fifos_per_thread=2, fifo_depth=64, cpus=[], idle_backoff_us=0, timeout_secs=1.0, max_inflight_writes=8,
+                max_inflight_bytes=4096, reorder_window=256, num_signal_slots=512, loopback_reorder=0,
+                loopback_delay_us=0, loopback_bandwidth_gbps=0.0, loopback_seed=0, gpu_timeout_secs=0.05)
+    args.update(kw)
+    cx = fake.InternodeContext(**args)
+    cx.proxy_connect([[cx.proxy_local_info(0)]])
+    cx.proxy_start()
+    return cx
+
+
+def test_stand_in_cuts_chunks_like_the_kernel_and_reports_encode_scatter_range_and_timeouts():
+    cx = _context()
+    try:
+        rdma = fake._at(cx.rdma_ptr, cx.rdma_bytes)
+        rdma[:160] = torch.arange(160, dtype=torch.uint8)
+        # 10 records of 16 bytes in chunks of 4 from lane hint 1: chunks 4, 4, 2 on lanes 1, 0, 1 of slots 7 + lane
+        table = torch.tensor([[0, 0, 1024, 16, 10, 7, 1]], dtype=torch.int64)
+        cx.push_chunks(table.data_ptr(), 1, 4, 1, 0)
+        assert torch.equal(rdma[1024:1184], rdma[:160])
+        assert (cx.signal_value(7), cx.signal_value(8)) == (4, 6)
+        assert [f["tail"] for f in cx.fifo_states()] == [1, 2]
+        waits = torch.tensor([[8, 6], [7, 4]], dtype=torch.int64)
+        cx.wait_signals(waits.data_ptr(), 2, 1, 0)
+        assert cx.error_fields()["code"] == 0
+        waits[1, 1] = 5
+        cx.wait_signals(waits.data_ptr(), 2, 1, 0)
+        e = cx.error_fields()
+        assert (e["code"], e["slot"], e["observed"], e["expected"]) == (fake.ERROR_CODES["wait_timeout"], 7, 4, 5)
+        assert "slot 7 to reach 5, saw 4" in cx.error_message()
+        cx.clear_error()
+        table[0, 1] = 8  # unaligned local offset: the command does not encode, nothing moves
+        cx.push_chunks(table.data_ptr(), 1, 4, 2, 0)
+        e = cx.error_fields()
+        assert (e["code"], e["aux"], e["phase"]) == (fake.ERROR_CODES["encode"], 8, 2)
+        assert cx.signal_value(7) == 4 and "local offset not a multiple of 16" in cx.error_message()
+        cx.clear_error()
+        idx = torch.tensor([0, -1, 5, 1], dtype=torch.int64)  # row 5 is outside a 2-row area: reported, not written
+        before = rdma[2048 + 5 * 32:2048 + 6 * 32].clone()
+        fake.scatter_rows(cx.rdma_ptr + 2048, 32, idx.data_ptr(), cx.rdma_ptr, 16, 0, 4, 16, 0, dst_rows=2,
+                          err=cx.error_word_ptr, rank=0, phase=3, target=1)
+        e = cx.error_fields()
+        assert (e["code"], e["slot"], e["aux"], e["observed"], e["expected"]) == (4, 1, 2, 5, 2)
+        assert torch.equal(rdma[2048:2064], rdma[:16]) and torch.equal(rdma[2080:2096], rdma[48:64])
+        assert torch.equal(rdma[2048 + 5 * 32:2048 + 6 * 32], before)
+        cx.clear_error()
+        cx.abort_waits()  # a wait with the error word set returns at once
+        t0 = time.monotonic()
+        cx.wait_signals(waits.data_ptr(), 2, 1, 0)
+        assert time.monotonic() - t0 < 0.04 and cx.error_fields()["code"] == fake.ERROR_CODES["aborted"]
+    finally:
+        cx.destroy()
