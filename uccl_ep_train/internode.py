@@ -12,6 +12,7 @@ transport choice, regions, proxy bootstrap, the push/wait/scatter kernels, and t
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 import sys
 import time
@@ -29,7 +30,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     RecordLayout, record_layout, check_topology, Counts, local_count_row, counts_from_rows, SendPlan, send_plan,
     recv_counts, block_offsets, remote_block_offset, num_recv_rows, chunk_records, chunk_bytes, chunk_lanes,
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
-    describe_gpu_error, pack_records, stamp_arrivals, int32_column, check_area, _align, _bytes_of)
+    describe_gpu_error, pack_records, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
+    NOTIFY_MAX_EXPERTS, recv_expert_counts, rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows)
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
@@ -165,6 +167,29 @@ def resolve_internode_transport(setting: str, hostnames: Sequence[str], rank: in
         gid_index=tuple(nics.gid_index), efa=nics.efa)
 
 
+def cuda_lazy_loading() -> bool:
+    """True when CUDA loads kernels lazily in this process (torch's default), asked of the driver
+    (cuModuleGetLoadingMode); without an answer, from CUDA_MODULE_LOADING as torch leaves it. Call after CUDA is
+    initialized: the mode is fixed then."""
+    try:
+        import ctypes
+
+        mode = ctypes.c_int(0)
+        if ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode(ctypes.byref(mode)) == 0:
+            return mode.value == 2  # CU_MODULE_LAZY_LOADING (CU_MODULE_EAGER_LOADING is 1)
+    except (OSError, AttributeError):
+        pass
+    return os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER"
+
+
+def drain_after_waits(setting: str, transport: str, lazy_loading: bool) -> bool:
+    """Whether the host waits for its stream after every network wait (UCCL_EP_DRAIN_AFTER_WAITS). Needed only where
+    a lazily loaded kernel, launched while a wait spins, could deadlock: with the loopback transport the bytes a wait
+    needs are device copies issued by the proxies of the same CUDA contexts, which queue behind the load, which
+    waits for the spinning kernel. Over verbs the NIC moves the bytes, so a load only delays the host."""
+    return setting == "always" or (transport == "loopback" and lazy_loading)
+
+
 def select_internode_transport(setting: str, rank: int, world: int, group: Any,
                                nics_for_this_gpu: Callable[[], "GpuNics"], verbs_built: bool,
                                hostname: Optional[str] = None) -> InternodeTransport:
@@ -241,8 +266,16 @@ class InternodeHandle:
     expert_major_token: Optional[torch.Tensor] = None
     expert_major_slot: Optional[torch.Tensor] = None
     expert_major_pos: Optional[torch.Tensor] = None
+    # the (token, slot) pairs in expert-major order and their rows there: the gathers need no boolean masks
+    expert_major_rows: Optional[torch.Tensor] = None
+    expert_major_rows_token: Optional[torch.Tensor] = None
+    expert_major_rows_slot: Optional[torch.Tensor] = None
+    expert_major_rows_by_slot: Optional[List[torch.Tensor]] = None  # combine: pair indices per top-k slot (cached)
     expert_alignment: int = 1
     num_worst_tokens: int = 0
+    # receive rows grouped by the local index of their source: combine sends row group j back through local GPU j
+    rows_by_local: Optional[List[torch.Tensor]] = None
+    rows_by_local_sizes: Optional[List[int]] = None
 
 
 class NativeInternodeBackend:
@@ -313,7 +346,8 @@ class NativeInternodeBackend:
         self._nvl = _raw_bytes(self._cx.nvl_ptr, self.nvl_bytes, self.device)
         # The notify area (one count row per rank, at the end of the RDMA region) is the count exchange through the
         # proxies; with very many ranks it would eat the region, and notify falls back to a gloo all_gather.
-        self._notify_row = _align(8 * (self.R + self.N))
+        # A row: [tokens per rank | per node | per expert (up to NOTIFY_MAX_EXPERTS)]; the area holds the widest.
+        self._notify_row = _align(8 * (self.R + self.N + NOTIFY_MAX_EXPERTS))
         notify_bytes = self.R * self._notify_row
         self._notify_via_proxies = notify_bytes <= self.rdma_bytes // 16
         usable = self.rdma_bytes - (notify_bytes if self._notify_via_proxies else 0)
@@ -325,7 +359,9 @@ class NativeInternodeBackend:
             raise InternodeError(f"the proxy has {self._cx.num_fifos} FIFOs, planning assumed {self.L}")
         self._barrier_slot = 2 * self.N * self.L
         self._notify_slot = self._barrier_slot + 1
-        self._fixed_tables: dict = {}  # phase -> device push table that never changes (barrier, notify)
+        self._fixed_tables: dict = {}  # (phase, row bytes) -> device push table that never changes (barrier, notify)
+        self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(
+            s.kernel.drain_after_waits, self.transport.name, cuda_lazy_loading())
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
@@ -424,8 +460,11 @@ class NativeInternodeBackend:
         rows = [[r, 0, 0, 0, 1, self._barrier_slot, 0] for r in range(self.R) if r != self.rank]
         self._push_and_wait(rows, [(self._barrier_slot, self.R - 1)], "barrier", 1, what, fixed=True)
 
-    def _notify(self, is_token_in_rank: torch.Tensor) -> Counts:
-        row = local_count_row(is_token_in_rank, self.G)
+    def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor]) -> Counts:
+        """Every rank's counts on every rank. With the tokens per expert in the rows (up to NOTIFY_MAX_EXPERTS),
+        a receiver knows its per-expert counts from notify alone and the dispatch reads nothing else back."""
+        carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
+        row = local_count_row(is_token_in_rank, self.G, tokens_per_expert if carry else None)
         if self._notify_via_proxies:
             return self._notify_through_proxies(row)
         self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
@@ -439,7 +478,7 @@ class NativeInternodeBackend:
                                  f"{exc}" + (f"; rank {self.rank} proxy: {perr}" if perr else "")
                                  + f"\n{_timeout_hint()}") from exc
         self._check()
-        return counts_from_rows(torch.stack(out), self.R)
+        return counts_from_rows(torch.stack(out), self.R, self.N)
 
     def _per_chunk(self, stride: int) -> int:
         """Records per write; every rank derives the same number (same settings), so receivers know the lanes."""
@@ -452,17 +491,25 @@ class NativeInternodeBackend:
         an uncached dispatch needs no entry barrier. Replaced a gloo all_gather (~1 ms with 4 processes)."""
         R, rb, base = self.R, self._notify_row, self._notify_base
         own = base + self.rank * rb
-        self._rdma[own:own + 8 * row.numel()].view(torch.int64).copy_(row)
-        rows = [[r, own, own, rb, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
-        self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)", fixed=True)
         width = 8 * row.numel()
+        self._rdma[own:own + width].view(torch.int64).copy_(row)
+        # one write of the row's used width (the same on every rank: same group, same number of experts)
+        rows = [[r, own, own, _align(width), 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
+        self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)",
+                            fixed=True, drain=True)  # the host reads the rows right below
         mat = self._rdma[base:base + R * rb].view(R, rb)[:, :width].cpu().contiguous().view(torch.int64)
-        return counts_from_rows(mat, R)
+        return counts_from_rows(mat, R, self.N)
+
+    def _upload(self, rows: Any) -> torch.Tensor:
+        """A small host table (int64) on the device without a stream sync: a pageable non-blocking copy is staged by
+        the driver at once, so the host memory may go right away (a blocking .to() synchronizes the stream)."""
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
-                       what: str = "", fixed: bool = False) -> None:
-        """Push the table's chunks, wait for the signals, drain. ``fixed``: the rows are the same in every call of
-        this phase (barrier, notify), so their device copy is made once and reused."""
+                       what: str = "", fixed: bool = False, drain: Optional[bool] = None) -> None:
+        """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
+        ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
+        so their device copy is made once and reused."""
         stream = self._stream()
         ph = self._phases[phase]
         timing = self.network_timing is not None and self.device.type == "cuda"  # CUDA events: not on the CPU stand-in
@@ -473,11 +520,12 @@ class NativeInternodeBackend:
             if len(rows[0]) != self._k.PUSH_COLUMNS:
                 raise InternodeError(f"push table has {len(rows[0])} columns, the module expects "
                                      f"{self._k.PUSH_COLUMNS} (rebuild _C)")
-            table = self._fixed_tables.get(phase) if fixed else None
+            key = (phase, rows[0][3])  # notify rows change width with the number of experts
+            table = self._fixed_tables.get(key) if fixed else None
             if table is None:
-                table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
+                table = self._upload(rows)
                 if fixed:
-                    self._fixed_tables[phase] = table
+                    self._fixed_tables[key] = table
             self._cx.push_chunks(table.data_ptr(), len(rows), per_chunk, ph, stream)
             self._keep = table
         if waits:
@@ -485,18 +533,23 @@ class NativeInternodeBackend:
             for slot, count in waits:
                 self._expected[slot] += count
                 se.append([slot, self._expected[slot]])
-            t = torch.tensor(se, dtype=torch.int64).to(self.device)
+            t = self._upload(se)
             self._cx.wait_signals(t.data_ptr(), len(se), ph, stream)
             self._keep_w = t
         if timing:
             t1.record()
             self.network_timing.setdefault(phase, []).append((t0, t1))
-        # Nothing else is launched while wait_signals spins: with CUDA's lazy module loading (torch's default) the
-        # first launch of a kernel not yet loaded synchronizes the context, i.e. waits for our spinning kernel, whose
-        # data needs our proxy thread's copies, which queue behind that same load -- a stall until the GPU deadline
-        # (seen as the capped-NIC bench stall and as a killed peer detected only at the deadline). The drain polls an
-        # event and aborts the waits as soon as the proxy reports a failure.
-        self._drain(what or f"{phase} wait")
+        # With the loopback transport under CUDA's lazy module loading (torch's default), nothing else may be
+        # launched while wait_signals spins: the first launch of a kernel not yet loaded synchronizes the context,
+        # i.e. waits for our spinning kernel, whose data needs the proxies' device copies, which queue behind that
+        # same load -- a stall until the GPU deadline (seen as the capped-NIC bench stall and as a killed peer
+        # detected only at the deadline). The drain polls an event and aborts the waits as soon as the proxy reports
+        # a failure. Elsewhere (verbs: the NIC moves the bytes; or eager loading) the host goes on launching and the
+        # GPU runs the steps back to back; errors are read from the error word here and at the next call.
+        if self._drain_after_waits if drain is None else drain:
+            self._drain(what or f"{phase} wait")
+        else:
+            self._check(what or f"{phase} wait")
 
     def _lap(self, step: Optional[str]) -> None:
         """Benchmarks: add the host wall time since the previous lap to ``step`` (None: start a call)."""
@@ -539,7 +592,8 @@ class NativeInternodeBackend:
         own = plan.node_send[self.node]
         if own:  # own node: a device copy, never the network
             dst = recv_base + recv_offs[self.node]
-            self._rdma[dst:dst + own * stride].copy_(self._rdma[send_offs[self.node]:send_offs[self.node] + own * stride])
+            src = send_offs[self.node]
+            self._rdma[dst:dst + own * stride].copy_(self._rdma[src:src + own * stride])
         per = self._per_chunk(stride)
         self._push_and_wait(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base, self.L),
                             dispatch_waits(counts, self.rank, G, per, self.L), "dispatch_network", per)
@@ -577,7 +631,10 @@ class NativeInternodeBackend:
         self._check()
         self._lap(None)
         x, scales = args.x, args.x_scales
-        self._drain("entry of dispatch")
+        if args.handle is None and args.num_tokens_per_expert is None:  # before any traffic: peers would hang
+            raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) when no handle is given")
+        # The previous call's waits must be over before anything new is launched (see _push_and_wait)
+        self._drain("entry of dispatch") if self._drain_after_waits else self._check("entry of dispatch")
         if args.handle is not None:  # every rank finished its previous use of the areas ...
             self._barrier("entry of dispatch")
         # ... which, without a handle, notify proves: each rank drains its stream before the count exchange
@@ -600,7 +657,7 @@ class NativeInternodeBackend:
         topk_idx, weights = args.topk_idx, args.topk_weights
         if itr is None:
             itr = self.get_dispatch_layout(topk_idx, args.num_tokens_per_expert.numel())[3]
-        counts = self._notify(itr)
+        counts = self._notify(itr, args.num_tokens_per_expert)
         self._lap("dispatch.notify")
         plan = send_plan(itr, counts, self.rank, self.G)
         self._lap("dispatch.plan")
@@ -620,8 +677,6 @@ class NativeInternodeBackend:
             self.device, non_blocking=True)
         recv_x = parts[0]
         recv_scales = parts[1] if scales is not None else None
-        if args.num_tokens_per_expert is None:
-            raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) when no handle is given")
         L = args.num_tokens_per_expert.numel() // self.R
         recv_topk_idx = recv_w = None
         if topk_idx is not None:
@@ -630,31 +685,37 @@ class NativeInternodeBackend:
             is_local = (gidx >= lo) & (gidx < lo + L)
             recv_topk_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
             recv_w = torch.where(is_local, w, torch.zeros_like(w))
-            # non-local slots count into a spare bin L: no boolean indexing, hence no device sync here
-            raw = torch.bincount(torch.where(is_local, recv_topk_idx, L).view(-1), minlength=L + 1)[:L]
+        if counts.expert_counts is not None:  # notify carried every source's tokens per expert: no device read
+            raw = recv_expert_counts(counts, self.rank, L)
+        elif topk_idx is not None:  # more experts than a notify row holds: count the received ids (a host sync)
+            # non-local slots count into a spare bin L: no boolean indexing
+            raw = torch.bincount(torch.where(is_local, recv_topk_idx, L).view(-1), minlength=L + 1)[:L].tolist()
         else:  # no top-k: the per-expert counts come from every source's num_tokens_per_expert
             mine = args.num_tokens_per_expert.to(torch.int64).cpu()
             every = [torch.empty_like(mine) for _ in range(self.R)]
             dist.all_gather(every, mine, group=self._gloo)
-            raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).to(self.device)
-        aligned = [_align(int(c), args.expert_alignment) for c in raw.tolist()]
+            raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).tolist()
+        aligned = [_align(int(c), args.expert_alignment) for c in raw]
+        rows_by_local = rows_by_source_local(counts, self.rank, self.G)
         h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv, num_topk=topk_idx.size(1) if topk_idx is not None else 0,
                             num_ranks=self.R, expert_major=args.expert_major, is_token_in_rank=itr,
-                            num_recv_tokens_per_expert=torch.tensor(aligned, dtype=torch.int32, device=self.device),
+                            num_recv_tokens_per_expert=self._upload(aligned).to(torch.int32),
                             counts=counts, plan=plan, num_recv_tokens=nrecv, recv_src_rank=src_rank,
                             recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
-                            expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
+                            expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
+                            rows_by_local=[self._upload(g) for g in rows_by_local],
+                            rows_by_local_sizes=[int(g.numel()) for g in rows_by_local])
         worst = args.num_worst_tokens
         if args.expert_major:
             self._build_expert_major(h, recv_topk_idx, raw, aligned, worst)
             out = self._to_expert_major(h, [recv_x] + ([recv_scales] if recv_scales is not None else []))
             recv_x = out[0]
             recv_scales = out[1] if recv_scales is not None else None
-            valid = h.expert_major_token >= 0
+            pos, tok, slot = h.expert_major_rows, h.expert_major_rows_token, h.expert_major_rows_slot
             em_w = torch.zeros(h.num_recv_rows, dtype=torch.float32, device=self.device)
-            em_w[valid] = recv_w[h.expert_major_token[valid], h.expert_major_slot[valid]]
+            em_w[pos] = recv_w[tok, slot]
             em_expert = torch.full((h.num_recv_rows,), -1, dtype=torch.int64, device=self.device)
-            em_expert[valid] = recv_topk_idx[h.expert_major_token[valid], h.expert_major_slot[valid]]
+            em_expert[pos] = recv_topk_idx[tok, slot]
             recv_topk_idx, recv_w = em_expert, em_w
         else:
             rows = nrecv
@@ -675,7 +736,11 @@ class NativeInternodeBackend:
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_w, [] if worst else aligned, h,
                               self.last_traffic)
 
-    def _build_expert_major(self, h: InternodeHandle, recv_topk_idx, raw, aligned, worst) -> None:
+    def _build_expert_major(self, h: InternodeHandle, recv_topk_idx, raw: List[int], aligned: List[int], worst
+                            ) -> None:
+        """Where each (received token, local expert) pair goes in the expert-major rows: experts in order, each
+        segment padded to the alignment, tokens in receive order within it. The sizes come from the host-side counts
+        (``raw``), so nothing here reads the device."""
         dev = self.device
         rows = sum(aligned)
         if worst:
@@ -683,13 +748,18 @@ class NativeInternodeBackend:
                 raise InternodeError(f"rank {self.rank}: expert-major receive needs {rows} rows but num_worst_tokens="
                                      f"{worst}; raise num_worst_tokens")
             rows = worst
-        tok, slot = (recv_topk_idx >= 0).nonzero(as_tuple=True)
+        pairs = torch.nonzero_static(recv_topk_idx >= 0, size=sum(raw))  # [P, (token, slot)] in row-major order
+        tok, slot = pairs[:, 0], pairs[:, 1]
         expert = recv_topk_idx[tok, slot]
         order = torch.argsort(expert, stable=True)
         tok, slot, expert = tok[order], slot[order], expert[order]
-        seg = torch.tensor([0] + aligned[:-1], dtype=torch.int64, device=dev).cumsum(0)
-        real = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), raw.cumsum(0)[:-1]])
-        pos = seg[expert] + torch.arange(tok.numel(), device=dev) - real[expert]
+        # pair i of expert e (sorted) lands at segment_start[e] + (i - first pair of e)
+        seg, real, shift = 0, 0, []
+        for a, c in zip(aligned, raw):
+            shift.append(seg - real)
+            seg, real = seg + a, real + int(c)
+        pos = self._upload(shift)[expert] + torch.arange(tok.numel(), device=dev)
+        h.expert_major_rows, h.expert_major_rows_token, h.expert_major_rows_slot = pos, tok, slot
         h.expert_major_token = torch.full((rows,), -1, dtype=torch.int64, device=dev)
         h.expert_major_slot = torch.full((rows,), -1, dtype=torch.int64, device=dev)
         h.expert_major_token[pos], h.expert_major_slot[pos] = tok, slot
@@ -699,12 +769,10 @@ class NativeInternodeBackend:
 
     @staticmethod
     def _to_expert_major(h: InternodeHandle, parts: List[torch.Tensor]) -> List[torch.Tensor]:
-        token = h.expert_major_token
-        valid = token >= 0
         out = []
         for t in parts:
-            em = t.new_zeros((token.numel(),) + tuple(t.shape[1:]))
-            em[valid] = t[token[valid]]
+            em = t.new_zeros((h.num_recv_rows,) + tuple(t.shape[1:]))
+            em[h.expert_major_rows] = t[h.expert_major_rows_token]
             out.append(em)
         return out
 
@@ -719,11 +787,15 @@ class NativeInternodeBackend:
         G, dev = self.G, self.device
         nrecv, H = h.num_recv_tokens, x.size(1)
         if h.expert_major:
-            token, slot = h.expert_major_token, h.expert_major_slot
+            if h.expert_major_rows_by_slot is None:  # one host read per handle (combine runs twice per handle)
+                slot = h.expert_major_rows_slot
+                sizes = torch.bincount(slot, minlength=h.num_topk).tolist()
+                h.expert_major_rows_by_slot = [torch.nonzero_static(slot == k, size=sizes[k]).view(-1)
+                                               for k in range(h.num_topk)]
             rows = torch.zeros((nrecv, H), dtype=torch.float32, device=dev)
-            for k in range(h.num_topk):
-                sel = (slot == k).nonzero(as_tuple=True)[0]
-                rows.index_add_(0, token[sel], x[sel].float())
+            # slot by slot, so every token's partial is summed in the reference's order (no two adds race)
+            for sel in h.expert_major_rows_by_slot:
+                rows.index_add_(0, h.expert_major_rows_token[sel], x[h.expert_major_rows[sel]].float())
             rows = rows.to(x.dtype).float()  # one partial per (token, rank) in x's dtype, as reference.combine
             if topk_weights is not None:
                 pos = h.expert_major_pos
@@ -746,17 +818,16 @@ class NativeInternodeBackend:
         check_area("combine (RDMA)", [int(h.counts.node_counts[r].sum()) for r in range(self.R)], cstride,
                    self.half_rdma, "num_rdma_bytes")
         self._lap("combine.prepare")
-        self._drain("entry of combine")
+        self._drain("entry of combine") if self._drain_after_waits else self._check("entry of combine")
         self._barrier("entry of combine")  # every rank finished its previous use of the areas
         self._lap("combine.entry")
         stream = self._stream()
         # NVLink hop: each copy goes to its forwarder (same local index as the token's source), block = our local
-        fwd_local = h.recv_src_rank % G
         gbase = self.half_nvl
         for j in range(G):
-            sel = (fwd_local == j).nonzero(as_tuple=True)[0]
-            if sel.numel() == 0:
+            if h.rows_by_local_sizes[j] == 0:
                 continue
+            sel = h.rows_by_local[j]
             dst_idx = h.recv_arrival[sel].contiguous()
             self._k.scatter_rows(self.peer_nvl[j] + gbase + self.local * self.gather_block, cstride,
                                  dst_idx.data_ptr(), rows.data_ptr(), 4 * C, sel.data_ptr(), sel.numel(), 4 * C,
@@ -796,11 +867,10 @@ class NativeInternodeBackend:
                 vals = got[start:start + c, :4 * C].contiguous().view(torch.float32)
                 out.index_add_(0, h.plan.hop1_token[start:start + c], vals)
             start += c
-        self._drain("combine")
+        self._drain("combine") if self._drain_after_waits else self._check("combine")
         combined_x = out[:, :H].to(x.dtype)
         combined_w = out[:, H:].contiguous() if topk_weights is not None else None
-        fwd_rank = self.node * G + fwd_local
-        nvlink = int((fwd_rank != self.rank).sum()) if nrecv else 0
+        nvlink = combine_nvlink_rows(h.counts, self.rank, G)
         network = sum(c for n, c in enumerate(recv_by_node) if n != self.node)
         eb = H * x.element_size()
         self.last_traffic = TrafficReport(nvlink * eb, network * eb, nrecv * eb)
@@ -811,12 +881,7 @@ class NativeInternodeBackend:
         from uccl_ep_train.reference import TrafficReport
 
         network = sum(c for m, c in enumerate(h.plan.node_send) if m != self.node)
-        fd = h.fwd_dest_rows
-        nvlink = 0
-        if fd is not None and fd.numel():
-            hit = fd >= 0
-            hit[:, self.local] = False
-            nvlink = int(hit.sum())
+        nvlink = dispatch_nvlink_rows(h.counts, self.rank, self.G)
         return TrafficReport(nvlink * row_bytes, network * row_bytes, h.num_recv_tokens * row_bytes)
 
     # ---------------------------------------------------------------- stats / teardown

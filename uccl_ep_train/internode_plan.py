@@ -118,7 +118,7 @@ def local_count_row(is_token_in_rank: torch.Tensor, ranks_per_node: int,
 
 
 def counts_from_rows(rows: torch.Tensor, num_ranks: int, num_nodes: Optional[int] = None) -> Counts:
-    """Split the gathered notify rows [R, R + N (+ E)]; without ``num_nodes`` every column after the ranks' is a node."""
+    """Split the gathered notify rows [R, R + N (+ E)]; without ``num_nodes`` every later column is a node."""
     rows = rows.to(torch.int64).cpu()
     R = num_ranks
     N = rows.size(1) - R if num_nodes is None else num_nodes
@@ -167,7 +167,8 @@ def send_plan(is_token_in_rank: torch.Tensor, counts: Counts, rank: int, ranks_p
     G, N = ranks_per_node, R // ranks_per_node
     device = is_token_in_rank.device
     itr = is_token_in_rank.to(torch.bool)
-    prefix = (counts.rank_counts[:rank].sum(0) if rank else torch.zeros(R, dtype=torch.int64)).to(device)
+    prefix = counts.rank_counts[:rank].sum(0) if rank else torch.zeros(R, dtype=torch.int64)
+    prefix = prefix.to(device, non_blocking=True)  # a pageable copy is staged at once: no stream sync
     ordinal = itr.to(torch.int64).cumsum(0) - 1
     dest_row_all = torch.where(itr, prefix.unsqueeze(0) + ordinal, torch.full_like(ordinal, -1))
     node_hit = itr.view(T, N, G).any(2)

@@ -156,3 +156,25 @@ def test_the_nic_follows_the_gpus_pci_address_when_cuda_visible_devices_renumber
     missing = comm.gpu_nics(s, 0, topology=topo, pci_address="0000:01:00.0")
     assert not missing.devices and "no GPU at PCI address 0000:01:00.0" in missing.problem
     assert "0000:26:00.0" in missing.problem
+
+
+def test_the_host_drains_after_network_waits_only_where_a_lazy_kernel_load_could_deadlock():
+    from uccl_ep_train.internode import drain_after_waits
+
+    assert drain_after_waits("auto", "loopback", lazy_loading=True)  # proxies' device copies queue behind the load
+    assert not drain_after_waits("auto", "loopback", lazy_loading=False)  # CUDA_MODULE_LOADING=EAGER
+    assert not drain_after_waits("auto", "verbs", lazy_loading=True)  # the NIC moves the bytes
+    assert drain_after_waits("always", "verbs", lazy_loading=False)
+
+
+def test_lazy_loading_without_a_driver_follows_cuda_module_loading(monkeypatch):
+    from uccl_ep_train import internode
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr("ctypes.CDLL", no_driver)
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    assert internode.cuda_lazy_loading()  # torch's default
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "eager")
+    assert not internode.cuda_lazy_loading()
