@@ -54,7 +54,7 @@ def _cases(rank, world, G, cases, iters):
     nat, ref = NativeInternodeBackend(mk(dev)), ReferenceBackend(mk(torch.device("cpu")))
     try:
         done = compare_cases(nat, ref, dev, rank, world, cases, iters)
-        return done, nat.proxy_stats()
+        return done, dict(nat.proxy_stats(), drain_after_waits=nat._drain_after_waits)
     finally:
         nat.destroy()
 
@@ -91,6 +91,41 @@ def test_reordered_transport_with_inflight_cap_one_and_tiny_chunks_still_matches
     stats = [st for _, st in out]
     assert max(st["max_inflight_writes"] for st in stats) == 1
     assert sum(st["commands"] for st in stats) > 20, "tiny chunks should have made many commands"
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_reordered_transport_with_several_writes_in_flight_still_matches(world, G):
+    """With one write in flight the loopback never actually reorders (a write's completion and its immediate leave
+    together); four in flight let deliveries overtake each other, so the sequence numbers must restore the order."""
+    _need(world)
+    env = {"UCCL_EP_LOOPBACK_REORDER": "8", "UCCL_IB_MAX_INFLIGHT_NORMAL": "4", "UCCL_IB_MAX_INFLIGHT_BYTES": "16384",
+           "UCCL_EP_LOOPBACK_SEED": "11", "UCCL_EP_CPU_TIMEOUT_SECS": "30", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_cases, world, G, ALL, 1, timeout=420, env=env)
+    assert max(st["max_reorder_held"] for _, st in out) > 0, "nothing was delivered out of order"
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_slow_writes_of_the_last_combine_are_delivered_before_teardown(world, G):
+    """Each loopback write held 20 ms, one in flight: when a rank's last combine returns, its own partial sums to a
+    peer are still in its proxy. destroy() must deliver them before it stops the proxy (it used to drop them, and the
+    peer timed out with all but the last chunk of a lane: the old intermittent 2 x 2 failure)."""
+    _need(world)
+    env = {"UCCL_EP_LOOPBACK_DELAY_US": "20000", "UCCL_IB_MAX_INFLIGHT_NORMAL": "1", "UCCL_IB_MAX_INFLIGHT_BYTES": "4096",
+           "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_cases, world, G, ALL[:2], 1, timeout=420, env=env)
+    assert all(done == 2 for done, _ in out)
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_eager_module_loading_lets_the_host_skip_the_drains_and_outputs_still_match(world, G):
+    """Under CUDA_MODULE_LOADING=EAGER the loopback path needs no drain after its network waits (internode.py,
+    drain_after_waits): the host launches every step while the waits spin, and the GPU runs them back to back."""
+    _need(world)
+    env = {"CUDA_MODULE_LOADING": "EAGER", "UCCL_EP_LOOPBACK_REORDER": "8", "UCCL_EP_CPU_TIMEOUT_SECS": "60",
+           "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_cases, world, G, ALL, 1, timeout=420, env=env)
+    assert all(done == len(ALL) for done, _ in out)
+    assert not any(st["drain_after_waits"] for _, st in out), "eager loading should have turned the drains off"
 
 
 def _absent_peer(rank, world, G):
