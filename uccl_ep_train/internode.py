@@ -617,13 +617,16 @@ class NativeInternodeBackend:
         return final, layout, fwd_dest, A
 
     @staticmethod
-    def _column(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor) -> torch.Tensor:
-        """Column i of the final rows as a tensor of its own (one copy): the NVL area is reused by the next call."""
+    def _column(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor, copy: bool = True
+                ) -> torch.Tensor:
+        """Column i of the final rows in ``like``'s dtype and row shape: a tensor of its own (one copy), since the NVL
+        area is reused by the next call; or, with ``copy=False``, a strided view into the area for a caller that
+        gathers from it at once (the expert-major receive: one copy of the payload instead of two)."""
         off, nb = layout.column_offsets[i], layout.column_bytes[i]
-        out = torch.empty((final.size(0), nb), dtype=torch.uint8, device=final.device)
-        out.copy_(final[:, off:off + nb])
-        out = out.view(like.dtype)
-        return out.reshape((final.size(0),) + tuple(like.shape[1:]))
+        col = final[:, off:off + nb]
+        if copy:
+            col = torch.empty((final.size(0), nb), dtype=torch.uint8, device=final.device).copy_(col)
+        return col.view(like.dtype).reshape((final.size(0),) + tuple(like.shape[1:]))
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         from uccl_ep_train.reference import _payload_bytes
@@ -643,7 +646,7 @@ class NativeInternodeBackend:
             h: InternodeHandle = args.handle
             cols = [x] + ([scales] if scales is not None else [])
             final, layout, _, _ = self._move(cols, h.counts, h.plan)
-            parts = [self._column(final, layout, i, c) for i, c in enumerate(cols)]
+            parts = [self._column(final, layout, i, c, copy=not h.expert_major) for i, c in enumerate(cols)]
             if h.expert_major:
                 parts = self._to_expert_major(h, parts)
             else:
@@ -669,7 +672,8 @@ class NativeInternodeBackend:
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
         final, layout, fwd_dest, A = self._move(cols, counts, plan)
         nrecv = final.size(0)
-        parts = [self._column(final, layout, i, c) for i, c in enumerate(cols)]
+        # expert-major: every column is gathered (payload) or recomputed (ids, weights) into new tensors below
+        parts = [self._column(final, layout, i, c, copy=not args.expert_major) for i, c in enumerate(cols)]
         src_idx = int32_column(final, layout.src_idx_offset)
         arrival = int32_column(final, layout.arrival_offset)
         # counts live on the host: expanding them there needs no device sync (a device repeat_interleave does one)
