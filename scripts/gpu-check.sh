@@ -49,7 +49,8 @@ for step in "${steps[@]}"; do
     bench_dispatch_24)  # every kernel of a call on 24 SMs, local ones included (DeepEP's rule), headline shape only
       run bench_dispatch_24 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --local-sms 24 --sweep "" \
         --json "$OUT/dispatch-local24.json" ;;
-    bench_dispatcher) run bench_dispatcher 120 "${tr2[@]}" -m uccl_ep_train bench dispatcher --json "$OUT/dispatcher.json" ;;
+    bench_dispatcher) run bench_dispatcher 150 "${tr2[@]}" -m uccl_ep_train bench dispatcher \
+                        --dispatchers alltoall,allgather,flex,uccl,uccl-sync-free --json "$OUT/dispatcher.json" ;;
     bench_proxy)  # the default push variant (single-owner warp writer), then the per-command atomic push
       UCCL_EP_CPU_TIMEOUT_SECS=20 run bench_proxy 90 python3 -m uccl_ep_train bench proxy --producer gpu \
         --fifos 1,2,4,8 --json "$OUT/proxy.json"

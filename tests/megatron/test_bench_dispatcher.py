@@ -29,3 +29,25 @@ def test_without_torchrun_it_explains_how_to_start(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert bench.run(_parse([])) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+def test_uccl_sync_free_builds_the_uccl_dispatcher_in_sync_free_mode_and_plain_uccl_does_not(monkeypatch):
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.moe import moe_utils
+
+    from uccl_ep_train.megatron import dispatcher as uccl_dispatcher
+
+    built = []
+
+    class Recorder:
+        def __init__(self, num_local, local, cfg, pg_collection=None, options=None):
+            built.append(options)
+
+    monkeypatch.setattr(moe_utils, "get_default_pg_collection", lambda: None)
+    monkeypatch.setattr(uccl_dispatcher, "UCCLTokenDispatcher", Recorder)
+    bench._build("uccl-sync-free", None, 4, [0, 1, 2, 3])
+    bench._build("uccl", None, 4, [0, 1, 2, 3])
+    assert [o.sync_free for o in built] == [True, False]
+    assert _parse(["--dispatchers", "uccl,uccl-sync-free"]).dispatchers == "uccl,uccl-sync-free"

@@ -7,7 +7,8 @@ For each dispatcher: the forward round trip (dispatch_preprocess -> token_dispat
 identity experts (tokens x probs) -> combine_preprocess -> token_combine -> combine_postprocess) and the forward +
 backward round trip, timed with CUDA events over ``--iters`` after ``--warmup``, the maximum over ranks of each
 rank's mean. Every dispatcher sees the same hidden states and routing (seeded). ``flex`` runs only when DeepEP is
-importable. The default shape is DeepSeek-V3's: 4096 tokens per rank, hidden 7168, top-8 of 256 experts.
+importable. ``uccl-sync-free`` is ``uccl`` in sync-free mode (UCCL_EP_SYNC_FREE: worst-case row counts, no host read
+of the token counts; not in the default list). The default shape is DeepSeek-V3's: 4096 tokens per rank, hidden 7168, top-8 of 256 experts.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 import sys
 
 DEFAULT_DISPATCHERS = "alltoall,allgather,flex,uccl"
+KNOWN_DISPATCHERS = DEFAULT_DISPATCHERS + ",uccl-sync-free"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -27,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
     p.add_argument("--experts", type=int, default=256, help="number of routed experts (default 256)")
     p.add_argument("--dispatchers", default=DEFAULT_DISPATCHERS,
-                   help=f"comma-separated subset of {DEFAULT_DISPATCHERS} (default: all)")
+                   help=f"comma-separated subset of {KNOWN_DISPATCHERS} (default: {DEFAULT_DISPATCHERS})")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
@@ -59,10 +61,16 @@ def _build(name: str, cfg, num_local: int, local: list):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     pg = get_default_pg_collection()
-    if name == "uccl":
-        from uccl_ep_train.megatron.dispatcher import UCCLTokenDispatcher
+    if name in ("uccl", "uccl-sync-free"):
+        import dataclasses
 
-        return UCCLTokenDispatcher(num_local, local, cfg, pg_collection=pg)
+        from uccl_ep_train.megatron.dispatcher import UCCLTokenDispatcher
+        from uccl_ep_train.megatron.options import load_options
+
+        options = load_options()
+        if name == "uccl-sync-free":
+            options = dataclasses.replace(options, sync_free=True)
+        return UCCLTokenDispatcher(num_local, local, cfg, pg_collection=pg, options=options)
     cls = {"alltoall": td.MoEAlltoAllTokenDispatcher, "allgather": td.MoEAllGatherTokenDispatcher,
            "flex": td.MoEFlexTokenDispatcher}[name]
     return cls(num_local, local, config=cfg, pg_collection=pg)
@@ -140,9 +148,9 @@ def run(args) -> int:
     if args.experts % world:
         raise SystemExit(f"--experts {args.experts} must be divisible by the {world} ranks")
     names = [n.strip() for n in args.dispatchers.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(DEFAULT_DISPATCHERS.split(",")))
+    unknown = sorted(set(names) - set(KNOWN_DISPATCHERS.split(",")))
     if unknown:
-        raise SystemExit(f"unknown dispatchers {unknown}; choose from {DEFAULT_DISPATCHERS}")
+        raise SystemExit(f"unknown dispatchers {unknown}; choose from {KNOWN_DISPATCHERS}")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     device = torch.device("cuda", local_rank)
     routing_map, probs = _routing(torch, args.tokens, args.experts, args.topk, args.seed, rank, device)
@@ -157,7 +165,8 @@ def run(args) -> int:
         try:
             cfg = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=8,
                                     num_moe_experts=args.experts, moe_router_topk=args.topk,
-                                    moe_ffn_hidden_size=args.hidden, moe_token_dispatcher_type=name,
+                                    moe_ffn_hidden_size=args.hidden,
+                                    moe_token_dispatcher_type="uccl" if name.startswith("uccl") else name,
                                     expert_model_parallel_size=world, bf16=dtype == torch.bfloat16,
                                     params_dtype=dtype, moe_router_dtype="fp32",
                                     **({"moe_flex_dispatcher_backend": "deepep"} if name == "flex" else {}))
@@ -173,7 +182,7 @@ def run(args) -> int:
             elif args.profile:
                 for _ in range(4):  # the peer's collectives must match rank 0's profiled calls
                     _round_trip(torch, dispatcher, hidden, routing_map, probs, True)
-            if name == "uccl":
+            if name.startswith("uccl"):
                 from uccl_ep_train.megatron import dispatcher as uccl_dispatcher
 
                 buffers = list(uccl_dispatcher._BUFFERS.values())
