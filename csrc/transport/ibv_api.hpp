@@ -28,6 +28,7 @@
 #ifndef UCCL_EP_WITH_EFADV
 struct efadv_qp_init_attr;
 struct efadv_ah_attr;
+struct efadv_device_attr;
 #endif
 
 namespace uccl_ep {
@@ -64,6 +65,8 @@ struct IbvApi {
   ibv_qp* (*efadv_create_qp_ex)(ibv_context* ctx, ibv_qp_init_attr_ex* attr, efadv_qp_init_attr* efa,
                                 uint32_t inlen) = nullptr;
   int (*efadv_query_ah)(ibv_ah* ah, efadv_ah_attr* attr, uint32_t inlen) = nullptr;
+  // RDMA write support and its size limit are only reported here (ibv_query_device knows neither).
+  int (*efadv_query_device)(ibv_context* ctx, efadv_device_attr* attr, uint32_t inlen) = nullptr;
   // Not verbs: the GID table of a port (sysfs on real hosts, recorded tables in the fake) and the dmabuf export
   // of a device allocation (cuMemGetHandleForAddressRange through libcuda when present). Returns 0 or an errno and
   // fills *fd / *offset (the allocation's offset inside the exported range).
@@ -98,6 +101,15 @@ struct FakeDevice {
   int active_mtu = 5;                   // IBV_MTU_4096
   bool port_active = true;
   int max_qp_wr = 32768;
+  // Responder (max_dest_rd_atomic) and initiator (max_rd_atomic) depths. They differ on real NICs (Broadcom); the
+  // fake keeps them apart so a transport that mixes them up is caught.
+  int max_qp_rd_atom = 16;
+  int max_qp_init_rd_atom = 8;
+  int max_cqe = 1 << 22;
+  // EFA only (efadv_query_device): device_caps bits as in efadv.h (RDMA_READ 1, RNR_RETRY 2, RDMA_WRITE 8) and the
+  // largest RDMA transfer.
+  uint32_t efa_device_caps = 1 | 2 | 8;
+  uint32_t efa_max_rdma_size = 1u << 20;
   std::vector<FakeGid> gids;
 };
 struct Record {

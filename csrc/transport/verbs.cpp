@@ -11,7 +11,10 @@
 //    completion is expanded into one local completion per write. SRD completes out of order, so every WR there is
 //    signalled. Either way the proxy sees exactly one local completion per WriteRequest / AtomicRequest.
 //  - Immediates travel in network byte order (htonl on post, ntohl on receipt). Each write-with-immediate consumes
-//    a pre-posted receive WR at the target; they are re-posted as their completions are polled.
+//    a pre-posted receive WR at the target; they are re-posted as their completions are polled. Receives carry one
+//    SGE (a small scratch buffer nothing is written to): libefa writes no RX descriptor for a zero-SGE receive.
+//  - One CQ per device holds every completion its QPs can have outstanding (signalled sends + posted receives), so
+//    a proxy that polls late never overruns it (an overrun is an asynchronous error that kills every QP on it).
 #include "transport/verbs.hpp"
 
 #include <stdexcept>
@@ -21,6 +24,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
+#include <cstddef>
 #include <cstring>
 #include <deque>
 #include <sstream>
@@ -37,6 +42,23 @@ constexpr uint32_t kWireVersion = 1;
 constexpr uint32_t kQkey = 0x11111111;   // SRD QPs of this library accept only each other's traffic
 constexpr uint64_t kRecvTag = 1ull << 63;
 constexpr uint16_t kAmazonVendorId = 0x1d0f;
+constexpr uint32_t kRecvScratchBytes = 64;  // the one SGE of every receive WR (see post_recvs)
+
+// efadv.h's device attributes in the layout of rdma-core >= 46 (older headers call inline_buf_size_ex `reserved`
+// and lack the RDMA write bit; the offsets are the same, so one struct serves every libefa).
+struct EfaDeviceAttr {
+  uint64_t comp_mask;
+  uint32_t max_sq_wr;
+  uint32_t max_rq_wr;
+  uint16_t max_sq_sge;
+  uint16_t max_rq_sge;
+  uint16_t inline_buf_size;
+  uint16_t inline_buf_size_ex;
+  uint32_t device_caps;
+  uint32_t max_rdma_size;
+};
+constexpr uint32_t kEfaCapRdmaRead = 1u << 0;   // EFADV_DEVICE_ATTR_CAPS_RDMA_READ
+constexpr uint32_t kEfaCapRdmaWrite = 1u << 3;  // EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE (rdma-core >= 46)
 
 struct Device {
   std::string name;
@@ -55,6 +77,11 @@ struct Device {
   ibv_qp* srd_qp = nullptr;  // EFA: the one QP of this device
   ibv_qp_ex* srd_qpx = nullptr;
   ibv_mr* scratch_mr = nullptr;  // fetch-add results land here (never read)
+  ibv_mr* recv_mr = nullptr;     // the SGE of every posted receive (never written by write-with-immediate)
+  int qp_sq = 0, qp_rq = 0;      // per-QP send/receive depths after device caps and the CQ budget
+  int cqe = 0;                   // the CQ's size as requested
+  uint32_t efa_caps = 0;         // efadv_query_device device_caps (EFA only)
+  uint64_t max_rdma = 0;         // EFA: largest RDMA write (efadv max_rdma_size)
 };
 
 struct RemoteRegion {
@@ -184,8 +211,12 @@ class VerbsTransportImpl final : public VerbsTransport {
     for (const auto& d : devs_) c.native_atomics = c.native_atomics && d.atomics;
     c.imm_bits = 32;
     uint64_t max_msg = 1ull << 30;
-    for (const auto& d : devs_)
+    for (const auto& d : devs_) {
+      // RC: the port's max_msg_sz. EFA: the port reports the SEND limit (about one MTU); RDMA writes are bounded by
+      // efadv's max_rdma_size instead (older EFA devices allow far less than 1 GiB).
       if (!d.efa && d.port.max_msg_sz > 0) max_msg = std::min<uint64_t>(max_msg, d.port.max_msg_sz);
+      if (d.efa && d.max_rdma > 0) max_msg = std::min<uint64_t>(max_msg, d.max_rdma);
+    }
     c.max_write_bytes = max_msg;
     c.max_writes_per_post = cfg_.max_chain;
     c.name = efa_ ? "verbs-srd" : "verbs-rc";
@@ -386,6 +417,7 @@ class VerbsTransportImpl final : public VerbsTransport {
       if (api_.efadv_create_qp_ex == nullptr)
         throw std::runtime_error("verbs: " + d.name + " is an EFA device but libefa.so.1 could not be loaded: install "
                                  "rdma-core's EFA provider (apt install ibverbs-providers, or the AWS EFA installer)");
+      query_efa(d);
 #else
       throw std::runtime_error("verbs: " + d.name + " is an EFA device but this build has no EFA support "
                                "(infiniband/efadv.h was missing): install libibverbs-dev (rdma-core >= 27) and rebuild");
@@ -403,11 +435,15 @@ class VerbsTransportImpl final : public VerbsTransport {
     d.tc = cfg_.tc >= 0 ? cfg_.tc : (d.efa ? 0 : 104);
     d.pd = api_.alloc_pd(d.ctx);
     if (d.pd == nullptr) throw std::runtime_error("verbs: ibv_alloc_pd(" + d.name + ") failed: " + errno_text(errno));
-    int cqe = std::min(cfg_.cq_depth, d.attr.max_cqe > 0 ? d.attr.max_cqe : cfg_.cq_depth);
-    d.cq = api_.create_cq(d.ctx, cqe, nullptr, nullptr, 0);
+    size_queues(d, i);
+    d.cq = api_.create_cq(d.ctx, d.cqe, nullptr, nullptr, 0);
     if (d.cq == nullptr)
-      throw std::runtime_error("verbs: ibv_create_cq(" + d.name + ", " + std::to_string(cqe) +
+      throw std::runtime_error("verbs: ibv_create_cq(" + d.name + ", " + std::to_string(d.cqe) +
                                ") failed: " + errno_text(errno));
+    d.recv_mr = api_.reg_mr(d.pd, recv_scratch_, sizeof(recv_scratch_), IBV_ACCESS_LOCAL_WRITE);
+    if (d.recv_mr == nullptr)
+      throw std::runtime_error("verbs: registering the receive scratch buffer on " + d.name +
+                               " failed: " + errno_text(errno));
     if (d.atomics) {
       d.scratch_mr = api_.reg_mr(d.pd, scratch_, sizeof(scratch_), IBV_ACCESS_LOCAL_WRITE);
       if (d.scratch_mr == nullptr)
@@ -416,13 +452,64 @@ class VerbsTransportImpl final : public VerbsTransport {
     }
   }
 
-  int sq_depth(const Device& d) const {
-    return d.attr.max_qp_wr > 0 ? std::min(cfg_.sq_depth, d.attr.max_qp_wr) : cfg_.sq_depth;
+#ifdef UCCL_EP_WITH_EFADV
+  // RDMA write on SRD is a device capability (EFA gen 3+, rdma-core >= 46), reported only by efadv_query_device;
+  // without it efadv_create_qp_ex fails with a bare EOPNOTSUPP. max_rdma_size bounds each write.
+  void query_efa(Device& d) {
+    if (api_.efadv_query_device == nullptr)
+      throw std::runtime_error("verbs: " + d.name + ": libefa.so.1 lacks efadv_query_device; update rdma-core (>= 46 "
+                               "for RDMA write on EFA)");
+    EfaDeviceAttr ea{};
+    int rc = api_.efadv_query_device(d.ctx, reinterpret_cast<efadv_device_attr*>(&ea), sizeof(ea));
+    if (rc != 0)
+      throw std::runtime_error("verbs: efadv_query_device(" + d.name + ") failed: " + errno_text(rc) +
+                               "; update rdma-core and the EFA kernel driver");
+    d.efa_caps = ea.device_caps;
+    if (!(ea.device_caps & kEfaCapRdmaWrite))
+      throw std::runtime_error("verbs: " + d.name + " reports no RDMA write (efadv device_caps 0x" +
+                               [&] { std::ostringstream o; o << std::hex << ea.device_caps; return o.str(); }() +
+                               "): SRD writes need an EFA generation with RDMA write (p5/p5en/p6 and newer), EFA "
+                               "driver >= 2.1 and rdma-core >= 46; `ibv_devinfo -v` and `uccl-ep-train doctor` show "
+                               "what this host has");
+    d.max_rdma = ea.max_rdma_size;
+    if (ea.max_sq_wr > 0) d.attr.max_qp_wr = std::min<int>(d.attr.max_qp_wr > 0 ? d.attr.max_qp_wr : INT32_MAX,
+                                                           static_cast<int>(std::min<uint32_t>(ea.max_sq_wr,
+                                                                                               ea.max_rq_wr)));
   }
-  int rq_depth(const Device& d) const {
-    return d.attr.max_qp_wr > 0 ? std::min(cfg_.rq_depth, d.attr.max_qp_wr) : cfg_.rq_depth;
+#endif
+
+  // Per-QP queue depths (config, capped by max_qp_wr) and a CQ that holds every completion they can produce at
+  // once: each QP's signalled sends (at most its send depth; on RC after an error even unsignalled WRs complete,
+  // still at most the send depth) plus its posted receives. The CQ is shared by all QPs of the device, and an
+  // overrun is fatal and asynchronous (IBV_EVENT_CQ_ERR; every QP on it goes to error), so it is sized for the worst
+  // case, and when max_cqe cannot hold that the queue depths shrink instead.
+  void size_queues(Device& d, size_t dev_index) {
+    const int ndev = static_cast<int>(cfg_.devices.size());
+    int nqp = 1;  // SRD: one QP per device
+    if (!d.efa) {
+      nqp = 0;
+      for (int r = 0; r < cfg_.world_size; ++r) nqp += (r % ndev) == static_cast<int>(dev_index) ? 1 : 0;
+      nqp = std::max(nqp, 1);
+    }
+    int sq = d.attr.max_qp_wr > 0 ? std::min(cfg_.sq_depth, d.attr.max_qp_wr) : cfg_.sq_depth;
+    int rq = d.attr.max_qp_wr > 0 ? std::min(cfg_.rq_depth, d.attr.max_qp_wr) : cfg_.rq_depth;
+    const int64_t max_cqe = d.attr.max_cqe > 0 ? d.attr.max_cqe : INT32_MAX;
+    if (int64_t(nqp) * (sq + rq) > max_cqe) {
+      const int per_qp = static_cast<int>(std::max<int64_t>(2, max_cqe / nqp));
+      rq = std::max(1, std::min(rq, per_qp / 2));
+      sq = std::max(1, std::min(sq, per_qp - rq));
+    }
+    d.qp_sq = sq;
+    d.qp_rq = rq;
+    d.cqe = static_cast<int>(std::min<int64_t>(max_cqe, std::max<int64_t>(cfg_.cq_depth, int64_t(nqp) * (sq + rq))));
   }
-  int rd_atomic(const Device& d) const { return std::max(1, std::min(16, d.attr.max_qp_rd_atom)); }
+  int sq_depth(const Device& d) const { return d.qp_sq; }
+  int rq_depth(const Device& d) const { return d.qp_rq; }
+  // max_dest_rd_atomic is our responder depth (device max_qp_rd_atom); max_rd_atomic our initiator depth (device
+  // max_qp_init_rd_atom). They differ on some NICs (Broadcom), and the provider rejects RTR/RTS above them.
+  static int clamp_rd(int cap) { return std::max(1, std::min(16, cap)); }
+  int dest_rd_atomic(const Device& d) const { return clamp_rd(d.attr.max_qp_rd_atom); }
+  int init_rd_atomic(const Device& d) const { return clamp_rd(d.attr.max_qp_init_rd_atom); }
 
   void modify(ibv_qp* qp, ibv_qp_attr& a, int mask, const char* what, const Device& d, int peer) {
     if (api_.modify_qp(qp, &a, mask) != 0) {
@@ -468,7 +555,7 @@ class VerbsTransportImpl final : public VerbsTransport {
       a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
                           (d.atomics ? IBV_ACCESS_REMOTE_ATOMIC : 0);
       modify(p.qp, a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, "INIT", d, r);
-      post_recvs(p.qp, kRecvTag | static_cast<uint64_t>(r), rq_depth(d));
+      post_recvs(d, p.qp, kRecvTag | static_cast<uint64_t>(r), rq_depth(d));
     }
   }
 
@@ -485,8 +572,9 @@ class VerbsTransportImpl final : public VerbsTransport {
     ex.cap.max_recv_sge = 1;
     ex.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
     ex.send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM;
-    // rdma-core >= 48 added `uint16_t flags; uint8_t sl;` in place of efadv_qp_init_attr's reserved bytes. Older
-    // libefa rejects non-zero reserved bytes, so try with the SL and fall back to the device default.
+    // rdma-core >= 55 put `uint16_t flags; uint8_t sl;` in place of efadv_qp_init_attr's reserved bytes (and later
+    // versions append fields: libefa takes `inlen` for that). Older libefa rejects non-zero reserved bytes, so try
+    // with the SL and fall back to the device default.
     struct EfaQpAttr {
       uint64_t comp_mask;
       uint32_t driver_qp_type;
@@ -494,7 +582,9 @@ class VerbsTransportImpl final : public VerbsTransport {
       uint8_t sl;
       uint8_t reserved;
     };
-    static_assert(sizeof(EfaQpAttr) == sizeof(efadv_qp_init_attr), "efadv_qp_init_attr layout changed");
+    static_assert(offsetof(EfaQpAttr, driver_qp_type) == offsetof(efadv_qp_init_attr, driver_qp_type) &&
+                      sizeof(EfaQpAttr) <= sizeof(efadv_qp_init_attr),
+                  "efadv_qp_init_attr layout changed");
     EfaQpAttr efa{};
     efa.driver_qp_type = EFADV_QP_DRIVER_TYPE_SRD;
     efa.sl = static_cast<uint8_t>(d.sl);
@@ -523,20 +613,28 @@ class VerbsTransportImpl final : public VerbsTransport {
     a.qp_state = IBV_QPS_RTS;
     a.sq_psn = 0;
     modify(d.srd_qp, a, IBV_QP_STATE | IBV_QP_SQ_PSN, "RTS", d, -1);
-    post_recvs(d.srd_qp, kRecvTag | (1ull << 62) | static_cast<uint64_t>(dev_index), rq_depth(d));
+    post_recvs(d, d.srd_qp, kRecvTag | (1ull << 62) | static_cast<uint64_t>(dev_index), rq_depth(d));
 #else
     (void)d;
     (void)dev_index;
 #endif
   }
 
-  void post_recvs(ibv_qp* qp, uint64_t tag, int count) {
-    // Zero-length receives: a write-with-immediate needs a receive WR only to carry its completion.
+  void post_recvs(const Device& d, ibv_qp* qp, uint64_t tag, int count) {
+    // A write-with-immediate needs a receive WR only to carry its completion; its payload goes to the rkey'd
+    // address, never to the receive buffer. Still every receive carries one SGE: libefa's efa_post_recv writes RX
+    // descriptors only per SGE, so a zero-SGE receive is taken (wqe_posted counts it) yet never reaches the device,
+    // and the sender would see RNR. All receives share one scratch buffer.
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<uint64_t>(recv_scratch_);
+    sge.length = kRecvScratchBytes;
+    sge.lkey = d.recv_mr->lkey;
     std::vector<ibv_recv_wr> wrs(count);
     for (int i = 0; i < count; ++i) {
       wrs[i] = ibv_recv_wr{};
       wrs[i].wr_id = tag;
-      wrs[i].num_sge = 0;
+      wrs[i].sg_list = &sge;
+      wrs[i].num_sge = 1;
       wrs[i].next = i + 1 < count ? &wrs[i + 1] : nullptr;
     }
     ibv_recv_wr* bad = nullptr;
@@ -563,6 +661,7 @@ class VerbsTransportImpl final : public VerbsTransport {
     regions_.clear();
     for (auto& d : devs_) {
       if (d.scratch_mr) api_.dereg_mr(d.scratch_mr);
+      if (d.recv_mr) api_.dereg_mr(d.recv_mr);
       if (d.cq) api_.destroy_cq(d.cq);
       if (d.pd) api_.dealloc_pd(d.pd);
       if (d.ctx) api_.close_device(d.ctx);
@@ -590,7 +689,10 @@ class VerbsTransportImpl final : public VerbsTransport {
   }
 
   ibv_mr* register_on(Device& d, void* base, size_t bytes, MemoryKind kind, int fd, uint64_t offset) {
-    const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+    // The EFA kernel driver refuses (EOPNOTSUPP) access bits the device lacks; remote read is never used here, so
+    // on EFA it is asked for only when the device has RDMA read.
+    const bool remote_read = !d.efa || (d.efa_caps & kEfaCapRdmaRead);
+    const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | (remote_read ? IBV_ACCESS_REMOTE_READ : 0) |
                        (d.atomics ? IBV_ACCESS_REMOTE_ATOMIC : 0);
     const uint64_t iova = reinterpret_cast<uint64_t>(base);
     std::string dmabuf_why;
@@ -686,13 +788,17 @@ class VerbsTransportImpl final : public VerbsTransport {
     a.path_mtu = static_cast<ibv_mtu>(std::min<uint32_t>(local_mtu, rd.mtu ? rd.mtu : local_mtu));
     a.dest_qp_num = p.remote_qpn;
     a.rq_psn = 0;
-    a.max_dest_rd_atomic = static_cast<uint8_t>(rd_atomic(d));
+    a.max_dest_rd_atomic = static_cast<uint8_t>(dest_rd_atomic(d));
     a.min_rnr_timer = 12;
     a.ah_attr.port_num = static_cast<uint8_t>(cfg_.port);
     a.ah_attr.sl = static_cast<uint8_t>(d.sl);
     a.ah_attr.dlid = rd.lid;
-    // RoCE always routes by GID; InfiniBand only needs the GRH when the peer has no LID (another subnet).
-    a.ah_attr.is_global = (d.port.link_layer == IBV_LINK_LAYER_ETHERNET || rd.lid == 0) ? 1 : 0;
+    // RoCE always routes by GID; InfiniBand needs the GRH when the peer has no LID (another subnet) or the port says
+    // so (IBV_QPF_GRH_REQUIRED, ibv_modify_qp(3)).
+    a.ah_attr.is_global = (d.port.link_layer == IBV_LINK_LAYER_ETHERNET || rd.lid == 0 ||
+                           (d.port.flags & IBV_QPF_GRH_REQUIRED))
+                              ? 1
+                              : 0;
     a.ah_attr.grh.dgid = rd.gid;
     a.ah_attr.grh.sgid_index = static_cast<uint8_t>(d.gid_index);
     a.ah_attr.grh.hop_limit = 255;
@@ -707,7 +813,7 @@ class VerbsTransportImpl final : public VerbsTransport {
     a.timeout = static_cast<uint8_t>(cfg_.timeout);
     a.retry_cnt = static_cast<uint8_t>(cfg_.retry_cnt);
     a.rnr_retry = 7;  // infinite: a slow receiver re-posting receives is not an error
-    a.max_rd_atomic = static_cast<uint8_t>(rd_atomic(d));
+    a.max_rd_atomic = static_cast<uint8_t>(init_rd_atomic(d));
     modify(p.qp, a,
            IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC,
            "RTS", d, r);
@@ -990,7 +1096,11 @@ class VerbsTransportImpl final : public VerbsTransport {
   void handle_recv(int dev, const ibv_wc& wc) {
     const bool srd = wc.wr_id & (1ull << 62);
     int src = -1;
-    if (srd) {
+    // ibv_poll_cq(3): on a failed completion only wr_id, status, qp_num and vendor_err are valid, so an SRD error
+    // (slid/src_qp garbage) names no sender. An SRD QP stays usable after one failed receive: replace it.
+    if (srd && wc.status != IBV_WC_SUCCESS) {
+      if (wc.status != IBV_WC_WR_FLUSH_ERR) post_recvs(devs_[dev], devs_[dev].srd_qp, wc.wr_id, 1);
+    } else if (srd) {
       auto it = srd_src_.find(srd_key(dev, wc.slid, wc.src_qp));
       if (it != srd_src_.end()) {
         src = it->second;
@@ -1007,13 +1117,16 @@ class VerbsTransportImpl final : public VerbsTransport {
       out.kind = Completion::Kind::kRemoteImm;
       out.src_rank = src;
       out.status = static_cast<int>(wc.status);
-      out.error = "verbs: receive on rank " + std::to_string(cfg_.rank) + " from rank " + std::to_string(src) +
+      out.error = "verbs: receive on rank " + std::to_string(cfg_.rank) + " from " +
+                  (src >= 0 ? "rank " + std::to_string(src) : std::string("an unnamed sender (SRD error completion)")) +
                   " via " + devs_[dev].name + " failed: " + wc_text(wc.status) + ". " + status_hint(wc.status);
       if (src >= 0) peers_[src].failed = true;
       pending_.push_back(std::move(out));
       return;
     }
     if (src < 0) {
+      // Still replace the receive (the SRD QP is per device), or stray traffic would drain the receive queue.
+      if (srd) post_recvs(devs_[dev], devs_[dev].srd_qp, wc.wr_id, 1);
       Completion out;
       out.kind = Completion::Kind::kRemoteImm;
       out.status = -1;
@@ -1030,7 +1143,7 @@ class VerbsTransportImpl final : public VerbsTransport {
     pending_.push_back(std::move(out));
     // Replace the consumed receive so the sender never meets an empty receive queue.
     ibv_qp* qp = srd ? devs_[dev].srd_qp : peers_[src].qp;
-    post_recvs(qp, wc.wr_id, 1);
+    post_recvs(devs_[dev], qp, wc.wr_id, 1);
   }
 
   VerbsConfig cfg_;
@@ -1048,6 +1161,7 @@ class VerbsTransportImpl final : public VerbsTransport {
   std::unordered_multimap<uint64_t, int> srd_src_by_qpn_;
   std::deque<Completion> pending_;
   alignas(8) uint64_t scratch_[1] = {0};
+  alignas(64) uint8_t recv_scratch_[kRecvScratchBytes] = {};
 };
 
 }  // namespace

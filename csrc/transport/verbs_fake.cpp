@@ -95,6 +95,18 @@ const FakeDevice& dev_of(ibv_context* ctx) { return st().devs.at(st().ctx_dev.at
 FakeQp& fq(ibv_qp* qp) { return *st().qps.at(qp); }
 FakeQp& fq(ibv_qp_ex* qpx) { return fq(&qpx->qp_base); }
 
+// A CQ holds cq->cqe entries; one more is an overrun: on a NIC an asynchronous IBV_EVENT_CQ_ERR after which every
+// QP on the CQ is in error. Recorded (fn "cq_overrun") so tests can prove the transport sizes CQs for the worst case.
+void push_cqe(ibv_cq* cq, const ibv_wc& wc) {
+  auto& q = st().cq_queue[cq];
+  q.push_back(wc);
+  if (q.size() > static_cast<size_t>(cq->cqe)) {
+    Record& r = rec("cq_overrun");
+    r.args.push_back({"cqe", static_cast<uint64_t>(cq->cqe)});
+    r.args.push_back({"queued", q.size()});
+  }
+}
+
 void complete(ibv_qp* qp, uint64_t wr_id, ibv_wc_opcode op) {
   State& s = st();
   if (!s.auto_complete) return;
@@ -108,7 +120,7 @@ void complete(ibv_qp* qp, uint64_t wr_id, ibv_wc_opcode op) {
     wc.vendor_err = s.fail_vendor;
     s.fail_completion = false;
   }
-  s.cq_queue[qp->send_cq].push_back(wc);
+  push_cqe(qp->send_cq, wc);
 }
 
 // ---------------------------------------------------------------- device / context
@@ -144,8 +156,9 @@ int f_query_device(ibv_context* ctx, ibv_device_attr* a) {
   a->vendor_id = d.vendor_id;
   a->atomic_cap = d.atomics ? IBV_ATOMIC_HCA : IBV_ATOMIC_NONE;
   a->max_qp_wr = d.max_qp_wr;
-  a->max_cqe = 1 << 20;
-  a->max_qp_rd_atom = 16;
+  a->max_cqe = d.max_cqe;
+  a->max_qp_rd_atom = d.max_qp_rd_atom;
+  a->max_qp_init_rd_atom = d.max_qp_init_rd_atom;
   a->max_sge = 16;
   return 0;
 }
@@ -201,6 +214,10 @@ ibv_cq* f_create_cq(ibv_context* ctx, int cqe, void*, ibv_comp_channel*, int) {
   r.args.push_back({"cqe", static_cast<uint64_t>(cqe)});
   r.text.push_back({"device", ctx->device->name});
   if (failing("ibv_create_cq")) return nullptr;
+  if (cqe > dev_of(ctx).max_cqe) {  // providers refuse more than ibv_query_device's max_cqe
+    errno = EINVAL;
+    return nullptr;
+  }
   auto cq = std::make_unique<ibv_cq>();
   cq->context = ctx;
   cq->cqe = cqe;
@@ -460,12 +477,21 @@ int f_post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   }
   r.args.push_back({"count", n});
   r.args.push_back({"total_sge", sges});
+  if (wr && wr->num_sge > 0) {
+    r.args.push_back({"sge_lkey", wr->sg_list[0].lkey});
+    r.args.push_back({"sge_length", wr->sg_list[0].length});
+  }
   if (failing("ibv_post_recv") || qp->state == IBV_QPS_RESET) {
     if (qp->state == IBV_QPS_RESET) errno = EINVAL;
     if (bad) *bad = wr;
     return errno;
   }
-  for (ibv_recv_wr* w = wr; w; w = w->next) fq(qp).recvs.push_back(w->wr_id);
+  for (ibv_recv_wr* w = wr; w; w = w->next) {
+    // libefa (efa_post_recv) writes RX descriptors per SGE: a zero-SGE receive is accepted but the device never
+    // sees it, so on SRD it never takes a write-with-immediate.
+    if (fq(qp).srd && w->num_sge == 0) continue;
+    fq(qp).recvs.push_back(w->wr_id);
+  }
   return 0;
 }
 
@@ -577,6 +603,25 @@ void x_abort(ibv_qp_ex* qpx) {
   rec("ibv_wr_abort");
 }
 
+int f_efadv_query_device(ibv_context* ctx, efadv_device_attr* attr, uint32_t inlen) {
+  FakeLock lk(fake_mu());
+  Record& r = rec("efadv_query_device");
+  r.text.push_back({"device", ctx->device->name});
+  r.args.push_back({"inlen", inlen});
+  if (failing("efadv_query_device")) return errno;
+  const FakeDevice& d = dev_of(ctx);
+  if (d.vendor_id != 0x1d0f) return EOPNOTSUPP;  // "Not an EFA device"
+  if (inlen < 32) return EINVAL;                  // rdma-core >= 46 wants up to max_rdma_size
+  auto* raw = reinterpret_cast<uint8_t*>(attr);
+  std::memset(raw, 0, inlen);
+  const uint32_t wr = static_cast<uint32_t>(d.max_qp_wr);
+  std::memcpy(raw + 8, &wr, 4);    // max_sq_wr
+  std::memcpy(raw + 12, &wr, 4);   // max_rq_wr
+  std::memcpy(raw + 24, &d.efa_device_caps, 4);
+  std::memcpy(raw + 28, &d.efa_max_rdma_size, 4);
+  return 0;
+}
+
 ibv_qp* f_efadv_create_qp_ex(ibv_context* ctx, ibv_qp_init_attr_ex* a, efadv_qp_init_attr* efa, uint32_t inlen) {
   FakeLock lk(fake_mu());
   Record& r = rec("efadv_create_qp_ex");
@@ -593,6 +638,12 @@ ibv_qp* f_efadv_create_qp_ex(ibv_context* ctx, ibv_qp_init_attr_ex* a, efadv_qp_
   r.args.push_back({"driver_qp_type", driver_type});
   r.args.push_back({"sl", raw[14]});
   if (failing("efadv_create_qp_ex")) return nullptr;
+  // libefa only offers RDMA write send ops on devices with the RDMA write capability.
+  const uint64_t write_ops = IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM;
+  if ((a->send_ops_flags & write_ops) && !(dev_of(ctx).efa_device_caps & 8)) {
+    errno = EOPNOTSUPP;
+    return nullptr;
+  }
   ibv_pd* pd = a->pd;
   ibv_qp* qp = new_qp(pd, a->send_cq, a->recv_cq, a->qp_type, true);
   st().calls.back().args.push_back({"qp_num", qp->qp_num});
@@ -674,6 +725,7 @@ void install(const std::vector<FakeDevice>& devices, bool dmabuf) {
   a.wc_status_str = f_wc_status_str;
   a.efadv_create_qp_ex = f_efadv_create_qp_ex;
   a.efadv_query_ah = f_efadv_query_ah;
+  a.efadv_query_device = f_efadv_query_device;
   a.gid_table = f_gid_table;
   a.get_dmabuf_fd = f_get_dmabuf_fd;
   set_ibv_api_override(&s.api);
@@ -729,7 +781,7 @@ void inject_recv(uint32_t qp_num, uint32_t src_qp, uint16_t slid, uint32_t imm, 
   wc.qp_num = qp_num;
   wc.src_qp = src_qp;
   wc.slid = slid;
-  s.cq_queue[it->second->recv_cq].push_back(wc);
+  push_cqe(it->second->recv_cq, wc);
 }
 
 size_t posted_recvs(uint32_t qp_num) {

@@ -3,6 +3,7 @@
 #ifdef UCCL_EP_WITH_VERBS
 #include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
@@ -45,7 +46,12 @@ int sys_get_dmabuf_fd(void* base, size_t bytes, int* fd, uint64_t* offset) {
     return lib ? reinterpret_cast<GetHandle>(dlsym(lib, "cuMemGetHandleForAddressRange")) : nullptr;
   }();
   if (fn == nullptr) return ENOSYS;
-  const uint64_t page = 4096;
+  // The range must be aligned to the *host* page size (CUDA driver API docs): 64 KiB on many aarch64 kernels
+  // (GH200/GB200), where a 4 KiB-aligned range fails with CUDA_ERROR_INVALID_VALUE.
+  static const uint64_t page = [] {
+    long p = sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<uint64_t>(p) : uint64_t(4096);
+  }();
   const uint64_t addr = reinterpret_cast<uint64_t>(base);
   const uint64_t start = addr & ~(page - 1);
   const uint64_t end = (addr + bytes + page - 1) & ~(page - 1);
@@ -104,6 +110,7 @@ void load() {
   if (void* efa = dlopen("libefa.so.1", RTLD_NOW | RTLD_LOCAL)) {
     sym(efa, "efadv_create_qp_ex", &a.efadv_create_qp_ex, false);
     sym(efa, "efadv_query_ah", &a.efadv_query_ah, false);
+    sym(efa, "efadv_query_device", &a.efadv_query_device, false);
     g_efa = a.efadv_create_qp_ex != nullptr;
   }
 #endif

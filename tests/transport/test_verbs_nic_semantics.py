@@ -1,0 +1,147 @@
+"""What a real NIC / provider does that a naive fake would not: checked through the recording fake ibv table.
+
+Each test names a provider behaviour from rdma-core (libefa's efa_post_recv, CQ overrun, efadv device caps, the
+initiator vs responder RDMA-read/atomic depths) and proves the transport copes with it. See /work/notes/verbs-review.md.
+"""
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from verbs_fake_support import SKIP_REASON, K, calls, connect_all, cx7, efa, fake, verbs
+
+if verbs is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+
+def _ranks(world, devices=("mlx5_0",), **kw):
+    return [verbs.VerbsTransport(r, world, list(devices), **kw) for r in range(world)]
+
+
+def _local_write_lkeys():
+    """lkeys of the local-only registrations (the receive scratch buffer and the atomics scratch word)."""
+    out = set()
+    for c in calls("ibv_reg_mr"):
+        if "rkey" in c and c["access"] == K["IBV_ACCESS_LOCAL_WRITE"]:
+            out.add(c["rkey"] - 1)  # the fake hands out lkey, rkey = n, n + 1
+    return out
+
+
+@pytest.mark.parametrize("nic", ["roce", "efa"])
+def test_every_receive_carries_one_registered_sge_since_efa_drops_zero_sge_receives(fake_nics, buffers, nic):
+    # libefa's efa_post_recv writes an RX descriptor per SGE: a receive with num_sge = 0 is accepted but never reaches
+    # the device, so every write-with-immediate would meet RNR. The fake models that on SRD QPs.
+    dev = efa("rdmap39s0") if nic == "efa" else cx7("mlx5_0")
+    fake_nics([dev])
+    ts = _ranks(2, devices=(dev["name"],), rq_depth=4)
+    posts = calls("ibv_post_recv")
+    assert posts and all(p["total_sge"] == p["count"] for p in posts)
+    assert all(p["sge_lkey"] in _local_write_lkeys() and p["sge_length"] > 0 for p in posts)
+    for t in ts:
+        t.register_memory(buffers.new(4096), 4096)
+    connect_all(ts)
+    if nic == "efa":
+        qpn = [c["qp_num"] for c in calls("efadv_create_qp_ex")]
+        assert fake.posted_recvs(qpn[1]) == 4
+        ahn_on_1_for_0 = calls("ibv_create_ah")[2]["ahn"]
+        fake.inject_recv(qpn[1], src_qp=qpn[0], slid=ahn_on_1_for_0, imm=3)
+    else:
+        qpn_on_1_from_0 = [c["qp_num"] for c in calls("ibv_create_qp")][2]
+        fake.inject_recv(qpn_on_1_from_0, imm=3)
+    (c,) = ts[1].poll(4)
+    assert (c["src_rank"], c["imm"], c["status"]) == (0, 3, 0)
+    repost = calls("ibv_post_recv")[-1]
+    assert repost["count"] == 1 and repost["total_sge"] == 1
+
+
+def test_cq_holds_every_signalled_send_and_posted_receive_of_its_queue_pairs(fake_nics, buffers):
+    # One CQ per device serves all its QPs; an overrun is an asynchronous CQ error that kills every QP on it. With
+    # 4 peers x (64 sends + 64 receives) a 256-entry CQ (the requested cq_depth) would overrun.
+    fake_nics([cx7("mlx5_0")])
+    ts = _ranks(4, sq_depth=64, rq_depth=64, cq_depth=256, max_chain=1)
+    qps = calls("ibv_create_qp")[:4]                        # rank 0's QPs, to ranks 0..3
+    (cq,) = [c for c in calls("ibv_create_cq")][:1]
+    assert cq["cqe"] >= sum(q["max_send_wr"] + q["max_recv_wr"] for q in qps)
+    for t in ts:
+        t.register_memory(buffers.new(1 << 16), 1 << 16)
+    connect_all(ts)
+    # rank 0 stops polling while every peer fills its receive queue and it fills every send queue
+    for q in qps:
+        for _ in range(q["max_recv_wr"]):
+            fake.inject_recv(q["qp_num"], imm=1)
+    for dst in range(4):
+        reqs = [{"dst_rank": dst, "bytes": 8, "wr_id": i} for i in range(qps[dst]["max_send_wr"])]
+        assert ts[0].post_writes(reqs) == qps[dst]["max_send_wr"]
+    assert calls("cq_overrun") == []
+    got = ts[0].poll(100000)
+    assert len(got) == 4 * 64 + 4 * 64
+
+
+def test_rc_initiator_and_responder_depths_follow_their_own_device_limits(fake_nics, buffers):
+    # max_rd_atomic (initiator) <= max_qp_init_rd_atom and max_dest_rd_atomic (responder) <= max_qp_rd_atom; the
+    # fake NIC reports 8 and 16 (ibv_query_device(3)); a provider rejects RTS/RTR above them with EINVAL.
+    fake_nics([cx7("mlx5_0")])
+    ts = _ranks(2)
+    for t in ts:
+        t.register_memory(buffers.new(4096), 4096)
+    connect_all(ts)
+    mods = calls("ibv_modify_qp")
+    rtr = [m for m in mods if m["qp_state"] == K["IBV_QPS_RTR"]]
+    rts = [m for m in mods if m["qp_state"] == K["IBV_QPS_RTS"]]
+    assert rtr and all(m["max_dest_rd_atomic"] == 16 for m in rtr)
+    assert rts and all(m["max_rd_atomic"] == 8 for m in rts)
+
+
+def test_efa_write_size_limit_comes_from_efadv_max_rdma_size(fake_nics, buffers):
+    # ibv_query_port's max_msg_sz on EFA is the SEND limit; RDMA writes are bounded by efadv max_rdma_size (the fake
+    # EFA reports 1 MiB), and a larger write must be refused before it reaches the NIC.
+    fake_nics([efa("rdmap39s0")])
+    ts = _ranks(2, devices=("rdmap39s0",))
+    (q, _) = calls("efadv_query_device")
+    assert q["inlen"] >= 32                                  # up to max_rdma_size (rdma-core >= 46 layout)
+    assert ts[0].caps()["max_write_bytes"] == 1 << 20
+    for t in ts:
+        t.register_memory(buffers.new(4 << 20), 4 << 20)
+    connect_all(ts)
+    with pytest.raises(ValueError, match="message limit"):
+        ts[0].post_writes([{"dst_rank": 1, "bytes": (1 << 20) + 1}])
+    assert ts[0].post_writes([{"dst_rank": 1, "bytes": 1 << 20}]) == 1
+
+
+def test_efa_device_query_failure_names_efadv_and_the_fix(fake_nics):
+    fake_nics([efa("rdmap39s0")])
+    fake.fail_next("efadv_query_device", errno.EOPNOTSUPP)
+    with pytest.raises(RuntimeError, match="efadv_query_device.*rdmap39s0.*rdma-core"):
+        verbs.VerbsTransport(0, 1, ["rdmap39s0"])
+
+
+def test_stray_srd_immediate_from_an_unknown_sender_still_replaces_its_receive(fake_nics, buffers):
+    # The SRD QP is shared by every peer of the device: a receive consumed by traffic nobody can attribute must be
+    # re-posted too, or strays would slowly drain the queue and real peers would hit RNR.
+    fake_nics([efa("rdmap39s0")])
+    ts = _ranks(2, devices=("rdmap39s0",), rq_depth=4)
+    for t in ts:
+        t.register_memory(buffers.new(4096), 4096)
+    connect_all(ts)
+    qpn = [c["qp_num"] for c in calls("efadv_create_qp_ex")]
+    fake.inject_recv(qpn[1], src_qp=0xdead, slid=0x777, imm=1)
+    (c,) = ts[1].poll(4)
+    assert c["status"] != 0 and "unknown sender" in c["error"]
+    assert fake.posted_recvs(qpn[1]) == 4
+
+
+def test_failed_srd_receive_names_no_sender_and_is_replaced(fake_nics, buffers):
+    # ibv_poll_cq(3): after a failed completion only wr_id, status, qp_num and vendor_err are valid, so slid/src_qp
+    # cannot name the sender; the SRD QP stays usable, so the consumed receive is posted again.
+    fake_nics([efa("rdmap39s0")])
+    ts = _ranks(2, devices=("rdmap39s0",), rq_depth=4)
+    for t in ts:
+        t.register_memory(buffers.new(4096), 4096)
+    connect_all(ts)
+    qpn = [c["qp_num"] for c in calls("efadv_create_qp_ex")]
+    ahn_on_1_for_0 = calls("ibv_create_ah")[2]["ahn"]
+    fake.inject_recv(qpn[1], src_qp=qpn[0], slid=ahn_on_1_for_0, imm=1, status=K["IBV_WC_REM_ACCESS_ERR"])
+    (c,) = ts[1].poll(4)
+    assert c["status"] == K["IBV_WC_REM_ACCESS_ERR"] and c["src_rank"] == -1 and "unnamed sender" in c["error"]
+    assert fake.posted_recvs(qpn[1]) == 4
