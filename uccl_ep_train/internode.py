@@ -335,7 +335,11 @@ class NativeInternodeBackend:
             dump_trigger=p.dump_file or "")
         infos = [self._cx.proxy_local_info(i) for i in range(p.num_threads)]
         gathered: List[Any] = [None] * self.R
-        dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle()), group=self._gloo)
+        dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle(), int(self._cx.max_write_bytes)),
+                               group=self._gloo)
+        # Every rank cuts chunks the same way (receivers derive their lanes from it), so the smallest largest write
+        # of any rank's transport bounds them all (EFA devices may take less than a chunk: efadv max_rdma_size).
+        self.max_write_bytes = min(int(g[2]) for g in gathered) or CMD_MAX_BYTES
         self._cx.proxy_connect([[gathered[r][0][i] for r in range(self.R)] for i in range(p.num_threads)])
         dist.barrier(group=self._gloo)
         native.module().unlink_shared_host_memory_names()
@@ -481,8 +485,9 @@ class NativeInternodeBackend:
         return counts_from_rows(torch.stack(out), self.R, self.N)
 
     def _per_chunk(self, stride: int) -> int:
-        """Records per write; every rank derives the same number (same settings), so receivers know the lanes."""
-        return chunk_records(stride, chunk_bytes(self.inflight_bytes))
+        """Records per write; every rank derives the same number (same settings, the group's smallest transport
+        write limit), so receivers know the lanes."""
+        return chunk_records(stride, min(chunk_bytes(self.inflight_bytes), self.max_write_bytes))
 
     def _notify_through_proxies(self, row: torch.Tensor) -> Counts:
         """Count exchange in stream order: our row goes into row ``rank`` of every rank's notify area (one write each,

@@ -98,6 +98,7 @@ void bind_internode(py::module_& m) {
       .def_property_readonly("rdma_ptr", &in::Context::rdma_ptr)
       .def_property_readonly("nvl_ptr", &in::Context::nvl_ptr)
       .def_property_readonly("num_fifos", &in::Context::num_fifos)
+      .def_property_readonly("max_write_bytes", &in::Context::max_write_bytes)
       .def_property_readonly("num_signal_slots", &in::Context::num_signal_slots)
       .def_property_readonly("transport_name", &in::Context::transport_name)
       .def_property_readonly("transport_in_order", &in::Context::transport_in_order)

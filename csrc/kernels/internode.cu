@@ -343,6 +343,7 @@ ProxyThreadStats Context::proxy_totals() const {
   std::lock_guard<std::mutex> g(diag_mu_);
   return destroyed_ || !proxy_ ? ProxyThreadStats{} : proxy_->totals();
 }
+uint64_t Context::max_write_bytes() const { return proxy_ ? proxy_->caps().max_write_bytes : 0; }
 
 int64_t Context::signal_value(uint32_t slot) const {
   if (slot >= num_slots_) throw std::invalid_argument("signal_value: slot out of range");
@@ -492,6 +493,7 @@ void Context::proxy_stop() {}
 void Context::proxy_wait_idle(double) {}
 std::string Context::proxy_error() const { return ""; }
 ProxyThreadStats Context::proxy_totals() const { return {}; }
+uint64_t Context::max_write_bytes() const { return 0; }
 int64_t Context::signal_value(uint32_t) const { return 0; }
 std::vector<Context::FifoState> Context::fifo_states() const { return {}; }
 std::string Context::proxy_counters() const { return ""; }

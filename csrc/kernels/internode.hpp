@@ -129,6 +129,9 @@ class Context {
   void proxy_wait_idle(double timeout_secs);
   std::string proxy_error() const;  // "" while healthy
   ProxyThreadStats proxy_totals() const;  // every proxy thread together (Proxy::totals)
+  // The largest single write the transport takes (TransportCaps::max_write_bytes; EFA: efadv max_rdma_size).
+  // Chunks must not exceed it: a WRITE_SIGNAL is one write, never split (the signal rides on it).
+  uint64_t max_write_bytes() const;
   // Host read of a signal counter (tests, diagnostics).
   int64_t signal_value(uint32_t slot) const;
   // Per FIFO, for error messages: how many slots kernels reserved (the head in GPU memory), how far the proxy got

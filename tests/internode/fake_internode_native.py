@@ -151,6 +151,7 @@ class InternodeContext:
         self.rdma_bytes, self.nvl_bytes = int(kw["rdma_bytes"]), int(kw["nvl_bytes"])
         self.num_signal_slots, self.num_threads = int(kw["num_signal_slots"]), int(kw["num_threads"])
         self.num_fifos = self.num_threads * int(kw["fifos_per_thread"])
+        self.max_write_bytes = int(os.environ.get("FAKE_MAX_WRITE_BYTES", 1 << 30))  # the transport's write limit
         self._timeout = float(kw["gpu_timeout_secs"])
         if self.rdma_bytes <= 0 or self.rdma_bytes % CMD_UNIT or self.rdma_bytes > CMD_MAX_REGION:
             raise ValueError(f"internode: RDMA region of {self.rdma_bytes} bytes must be a positive multiple of 16 "
@@ -253,6 +254,8 @@ class InternodeContext:
                           "a region")
         elif slot >= self.num_signal_slots:
             self._perr = f"rank {self.rank}: signal slot {slot} >= {self.num_signal_slots}"
+        elif nbytes > self.max_write_bytes:  # what a NIC refuses (EFA: efadv max_rdma_size)
+            self._perr = f"rank {self.rank}: write of {nbytes} bytes exceeds the transport's {self.max_write_bytes}"
         if self._perr:
             return False
         region, counters = self._peers[dst]

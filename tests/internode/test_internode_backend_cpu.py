@@ -65,6 +65,20 @@ def test_without_per_expert_counts_in_notify_the_received_ids_are_counted_and_ou
     assert all(done == len(cases) for done, _, _ in out)
 
 
+def _cases_with_a_small_write_limit_on_rank_1(rank, world, G, cases, iters):
+    """Rank 1's transport takes writes of at most 2 KiB (an EFA device with a small max_rdma_size)."""
+    if rank == 1:
+        os.environ["FAKE_MAX_WRITE_BYTES"] = "2048"
+    return _cases(rank, world, G, cases, iters)
+
+
+@pytest.mark.parametrize("world,G", [(4, 2)], ids=["2x2"])
+def test_one_ranks_smaller_transport_write_limit_bounds_every_ranks_chunks_and_outputs_still_match(world, G):
+    # 4 KiB writes by default here (ENV): without the group-wide limit rank 1's transport would refuse them
+    out = run_distributed(_cases_with_a_small_write_limit_on_rank_1, world, G, ALL[:3], 1, timeout=120, env=ENV)
+    assert all(done == 3 for done, _, _ in out)
+
+
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
 def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, G):
     out = run_distributed(_cases, world, G, ALL, 1, timeout=120, env=ENV)
