@@ -508,7 +508,8 @@ class NativeInternodeBackend:
     def _upload(self, rows: Any) -> torch.Tensor:
         """A small host table (int64) on the device without a stream sync: a pageable non-blocking copy is staged by
         the driver at once, so the host memory may go right away (a blocking .to() synchronizes the stream)."""
-        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        t = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
+        return t.to(self.device, non_blocking=True)
 
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None) -> None:

@@ -63,6 +63,23 @@ def record_layout(column_bytes: Sequence[int], ranks_per_node: int) -> RecordLay
                         dest_rows_offset, _align(arrival_offset + 4), _align(dest_rows_offset + 4 * ranks_per_node))
 
 
+def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ranks_per_node: int,
+                 element_size: int = 2) -> Tuple[int, int]:
+    """(num_nvl_bytes, num_rdma_bytes) that the staged internode path needs for up to ``num_tokens`` tokens per rank
+    under the worst routing (every token to every rank). The areas hold a whole call: RDMA halves for the records a
+    rank sends (one per token and node) and receives (one per token of each source node), combine's fp32 partial
+    sums being the widest; NVL halves for the final rows (a token of every rank) and the combine gather (one block per
+    local GPU), plus the notify rows. The price of staging: ring buffers with credits would need far less."""
+    G = ranks_per_node
+    N = num_ranks // G
+    record = record_layout([hidden * element_size, num_topk * 8, num_topk * 4], G)  # FP8 + scales is narrower
+    partial = _align(4 * (hidden + num_topk))
+    notify = num_ranks * _align(8 * (num_ranks + N + NOTIFY_MAX_EXPERTS))
+    rdma = 2 * N * num_tokens * max(record.stride, partial) + notify
+    nvl = 2 * num_ranks * num_tokens * max(record.final_bytes, partial)
+    return _align(nvl, 4096), _align(rdma, 4096)
+
+
 def check_topology(num_ranks: int, ranks_per_node: int, num_lanes: int = 1) -> int:
     """Raise ValueError for a topology the command format cannot address; return the signal slots needed (two per
     node and lane: dispatch records and combine partial sums, one counter per proxy FIFO that carries them; plus the

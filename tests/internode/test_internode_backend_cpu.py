@@ -65,6 +65,44 @@ def test_without_per_expert_counts_in_notify_the_received_ids_are_counted_and_ou
     assert all(done == len(cases) for done, _, _ in out)
 
 
+def _worst_routing_in_hinted_buffers(rank, world, G, scale):
+    """Every token to every rank (one expert on each), in buffers of ``scale`` x Buffer.get_internode_bytes_hint."""
+    import torch.distributed as dist
+
+    from uccl_ep_train.backends import BackendContext, DispatchArgs
+    from uccl_ep_train.buffer import Buffer
+    from uccl_ep_train.internode import InternodeError, NativeInternodeBackend
+    from uccl_ep_train.settings import load_settings
+
+    T, H, E = 40, 256, 2 * world
+    nvl, rdma = Buffer.get_internode_bytes_hint(T, H, world, world, G)
+    fake.install()
+    ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G,
+                         device=torch.device("cpu"), num_nvl_bytes=int(nvl * scale), num_rdma_bytes=int(rdma * scale),
+                         settings=load_settings())
+    nat = NativeInternodeBackend(ctx)
+    try:
+        idx = (torch.arange(world) * 2).expand(T, world).contiguous()  # expert 2r lives on rank r
+        x = torch.randn((T, H)).to(torch.bfloat16)
+        w = torch.rand((T, world))
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        try:
+            r = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
+            nat.combine(r.recv_x, r.handle, r.recv_topk_weights, None)
+        except InternodeError as exc:
+            return str(exc)
+        return int(r.recv_x.size(0))
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(4, 2), (4, 1)], ids=["2x2", "4x1"])
+def test_buffers_sized_by_the_internode_hint_hold_the_worst_routing_and_half_of_it_is_refused_clearly(world, G):
+    assert run_distributed(_worst_routing_in_hinted_buffers, world, G, 1.0, timeout=120, env=ENV) == [40 * world] * world
+    small = run_distributed(_worst_routing_in_hinted_buffers, world, G, 0.5, timeout=120, env=ENV)
+    assert all(isinstance(m, str) and "area needs" in m and "raise num_" in m for m in small), small
+
+
 def _cases_with_a_small_write_limit_on_rank_1(rank, world, G, cases, iters):
     """Rank 1's transport takes writes of at most 2 KiB (an EFA device with a small max_rdma_size)."""
     if rank == 1:

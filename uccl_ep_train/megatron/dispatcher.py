@@ -52,7 +52,8 @@ _BUFFERS: dict = {}
 _BUFFERS_LOCK = threading.Lock()
 
 
-def _buffer_sizes(buffer_cls, num_ranks: int, hidden_bytes: int) -> tuple[int, int]:
+def _buffer_sizes(buffer_cls, num_ranks: int, hidden_bytes: int, ranks_per_node: int) -> tuple[int, int]:
+    """The sizes DeepEP's Config hints ask for (what Buffer checks a hidden size against)."""
     nvl, rdma = 0, 0
     for getter in ("get_dispatch_config", "get_combine_config"):
         get = getattr(buffer_cls, getter, None)
@@ -60,9 +61,9 @@ def _buffer_sizes(buffer_cls, num_ranks: int, hidden_bytes: int) -> tuple[int, i
             continue
         cfg = get(num_ranks)
         if hasattr(cfg, "get_nvl_buffer_size_hint"):
-            nvl = max(nvl, int(cfg.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)))
+            nvl = max(nvl, int(cfg.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node)))
         if hasattr(cfg, "get_rdma_buffer_size_hint"):
-            rdma = max(rdma, int(cfg.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)))
+            rdma = max(rdma, int(cfg.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node)))
     return nvl, rdma
 
 
@@ -71,10 +72,21 @@ def get_buffer(group, hidden_bytes: int, num_tokens: int = 0, num_topk: int = 0)
     ``num_topk`` (created, or grown, on demand)."""
     from uccl_ep_train.buffer import Buffer
 
+    from uccl_ep_train.buffer import _resolve_ranks_per_node
+    from uccl_ep_train.settings import load_settings
+
     num_ranks = torch.distributed.get_world_size(group)
-    nvl, rdma = _buffer_sizes(Buffer, num_ranks, hidden_bytes)
+    per_node = _resolve_ranks_per_node(None, load_settings(), num_ranks)  # as the Buffer will resolve it
+    nvl, rdma = _buffer_sizes(Buffer, num_ranks, hidden_bytes, per_node)
     if num_tokens and hasattr(Buffer, "get_nvl_bytes_hint"):
         nvl = max(nvl, Buffer.get_nvl_bytes_hint(num_tokens, hidden_bytes // 2, num_topk, num_ranks))
+    if num_tokens and hasattr(Buffer, "get_internode_bytes_hint"):
+        # Across nodes (real or emulated) the internode backend's staged areas must hold a whole call; without this
+        # the RDMA hint was asked for one node (0 bytes), the backend fell back to 256 MiB and refused large layers.
+        if per_node < num_ranks:
+            inter_nvl, inter_rdma = Buffer.get_internode_bytes_hint(num_tokens, hidden_bytes // 2, num_topk,
+                                                                    num_ranks, per_node)
+            nvl, rdma = max(nvl, inter_nvl), max(rdma, inter_rdma)
     with _BUFFERS_LOCK:
         buf = _BUFFERS.get(group)
         if buf is None or getattr(buf, "num_nvl_bytes", nvl) < nvl or getattr(buf, "num_rdma_bytes", rdma) < rdma:

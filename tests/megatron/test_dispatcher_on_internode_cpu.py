@@ -1,0 +1,206 @@
+"""UCCLTokenDispatcher's six hooks on the native INTERNODE backend, on CPU, against the communication-free oracle.
+
+The same per-rank bodies and oracle as test_dispatcher_hooks.py (tests/megatron/hook_cases.py), but the Buffer the
+dispatcher creates runs NativeInternodeBackend over the CPU stand-in of its native module
+(tests/internode/fake_internode_native.py) in emulated topologies: 2 nodes x 1 rank (UCCL_EP_RANKS_PER_NODE=1, 2
+ranks) and 2 nodes x 2 ranks (UCCL_EP_RANKS_PER_NODE=2, 4 ranks), with UCCL_EP_BACKEND=native. Everything from the
+hooks down to the stand-in's push/wait/scatter is the project's real code: routing-map conversion, layout, notify,
+push tables, the NVLink hop, expert-major receive, sync-free padding, FP8 payload + scales, combine, and both
+backwards (a combine, and a cached dispatch).
+
+Two seams in each child, nothing in uccl_ep_train/ changes: ``fake.install()`` makes ``native.module()`` return the
+stand-in, and ``uccl_ep_train.backends._native_class`` (which refuses a CPU device) returns NativeInternodeBackend for
+a CPU group spanning several emulated nodes. Every case records which backend its Buffer(s) used, so a test cannot
+pass on the reference backend.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.internode import fake_internode_native as fake
+from tests.megatron import hook_cases
+from uccl_ep_train.megatron.options import DispatcherOptions
+
+pytest.importorskip("uccl_ep_train.buffer")
+
+EXACT = 1e-5  # as test_dispatcher_hooks.py
+O = DispatcherOptions
+# As test_internode_backend_cpu.py: several lanes and small writes, so blocks are cut into chunks over every lane.
+ENV = {"UCCL_EP_BACKEND": "native", "UCCL_EP_NUM_PROXY_THREADS": "2", "UCCL_EP_FIFOS_PER_THREAD": "2",
+       "UCCL_IB_MAX_INFLIGHT_BYTES": "4096", "UCCL_EP_CPU_TIMEOUT_SECS": "30", "UCCL_EP_GPU_TIMEOUT_SECS": "30"}
+
+TWO_RANKS = {  # 2 nodes x 1 rank
+    "identity": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=12, identity=True)),
+    "expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16, options=O(expert_major=True))),
+    "local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16,
+                                         options=O(expert_major=False))),
+    "sync_free_expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
+                                                  options=O(sync_free=True, expert_major=True))),
+    "sync_free_local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
+                                                   options=O(sync_free=True, expert_major=False))),
+    "fp8": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, hidden=128,
+                               options=O(fp8_dispatch=True))),
+}
+FOUR_RANKS = {  # 2 nodes x 2 ranks: NVLink hop and network hop both carry tokens
+    "identity": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=12, identity=True)),
+    "expert_major": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=3, tokens=16, options=O(expert_major=True))),
+    "local_permute": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=3, tokens=16,
+                                         options=O(expert_major=False))),
+    "sync_free_expert_major": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=8, kind="skewed",
+                                                  options=O(sync_free=True, expert_major=True))),
+    "sync_free_local_permute": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=8, kind="skewed",
+                                                   options=O(sync_free=True, expert_major=False))),
+    "fp8": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=8, hidden=128,
+                               options=O(fp8_dispatch=True))),
+    "dropped": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=10, kind="dropped")),
+    "expert_tp": ("hooks_case", dict(ep=2, etp=2, num_experts=4, topk=2, tokens=8)),
+}
+
+
+def _install_internode_on_cpu() -> list:
+    """The two seams (see the module docstring), plus a hook on release_buffers that records, for every Buffer the
+    dispatcher made, its backend's name, topology and proxy command count, then destroys the backend (its shared
+    memory files go away). Returns the list the records are appended to."""
+    fake.install()
+    from uccl_ep_train import backends
+    from uccl_ep_train.internode import NativeInternodeBackend
+    from uccl_ep_train.megatron import dispatcher
+
+    native_class = backends._native_class
+
+    def cpu_aware_native_class(ctx):
+        if ctx.device.type == "cpu" and ctx.num_nodes > 1:
+            return NativeInternodeBackend
+        return native_class(ctx)
+
+    backends._native_class = cpu_aware_native_class
+    used: list = []
+    release = dispatcher.release_buffers
+
+    def record_and_release() -> None:
+        for buf in list(dispatcher._BUFFERS.values()):
+            b = buf.backend
+            stats = b.proxy_stats() if hasattr(b, "proxy_stats") else {}
+            used.append(dict(name=b.name, num_nodes=buf.num_nodes, ranks_per_node=buf.ranks_per_node,
+                             commands=int(stats.get("commands", 0))))
+            b.destroy()
+        release()
+
+    dispatcher.release_buffers = record_and_release  # hooks_case imports it by name after this ran
+    return used
+
+
+def _cases_on_internode(rank: int, world: int, cases: dict) -> dict:
+    used = _install_internode_on_cpu()
+    out = {}
+    for name, (fn_name, kwargs) in cases.items():
+        del used[:]
+        out[name] = getattr(hook_cases, fn_name)(rank, world, **kwargs)
+        out[name]["buffers"] = list(used)
+    out["shm_left"] = sorted(f for f in os.listdir(fake._SHM) if f.startswith(f"{fake._PREFIX}-{os.getpid()}-"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(_cases_on_internode, 2, TWO_RANKS, timeout=300,
+                           env=dict(ENV, UCCL_EP_RANKS_PER_NODE="1"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_cases_on_internode, 4, FOUR_RANKS, timeout=300,
+                           env=dict(ENV, UCCL_EP_RANKS_PER_NODE="2"))
+
+
+@pytest.fixture(params=["2x1", "2x2"])
+def topology(request):
+    """(per-rank results, ranks per node) of 2 nodes x 1 rank or 2 nodes x 2 ranks (only the one asked for runs)."""
+    name, ranks_per_node = {"2x1": ("two_ranks", 1), "2x2": ("four_ranks", 2)}[request.param]
+    return request.getfixturevalue(name), ranks_per_node
+
+
+def _assert_matches_oracle(per_rank, name, tol=EXACT):
+    for rank, results in enumerate(per_rank):
+        r = results[name]
+        assert r["out"] < tol and r["grad_x"] < tol and r["grad_probs"] < tol, (name, rank, r)
+
+
+def _assert_ran_on_internode(per_rank, name, ranks_per_node):
+    world = len(per_rank)
+    for rank, results in enumerate(per_rank):
+        buffers = results[name]["buffers"]
+        assert buffers, f"{name}: rank {rank} made no Buffer"
+        for b in buffers:
+            assert b["name"] == "native-internode", (name, rank, b)
+            assert (b["num_nodes"], b["ranks_per_node"]) == (world // ranks_per_node, ranks_per_node), (name, b)
+    # the tokens went through the stand-in's push_chunks (notify, barriers and the network hops)
+    assert sum(b["commands"] for results in per_rank for b in results[name]["buffers"]) > 0, name
+
+
+def test_every_case_ran_on_the_internode_backend_and_left_no_shared_memory(topology):
+    per_rank, G = topology
+    for name in (TWO_RANKS if G == 1 else FOUR_RANKS):
+        _assert_ran_on_internode(per_rank, name, G)
+    assert all(not results["shm_left"] for results in per_rank), [r["shm_left"] for r in per_rank]
+
+
+def test_output_equals_input_with_identity_experts_and_probs_summing_to_one(topology):
+    per_rank, G = topology
+    for results in per_rank:
+        assert results["identity"]["identity_err"] < EXACT, results["identity"]
+    _assert_matches_oracle(per_rank, "identity")
+    _assert_ran_on_internode(per_rank, "identity", G)
+
+
+@pytest.mark.parametrize("name", ["expert_major", "local_permute"])
+def test_output_and_gradients_to_hidden_and_probs_match_the_oracle(topology, name):
+    per_rank, G = topology
+    _assert_matches_oracle(per_rank, name)
+    assert all(results[name]["received"] > 0 for results in per_rank)
+    assert all(results[name]["expert_major"] is (name == "expert_major") for results in per_rank)
+    _assert_ran_on_internode(per_rank, name, G)
+
+
+@pytest.mark.parametrize("name", ["sync_free_expert_major", "sync_free_local_permute"])
+def test_sync_free_mode_with_a_rank_receiving_nothing_matches_the_oracle(topology, name):
+    per_rank, G = topology
+    _assert_matches_oracle(per_rank, name)
+    # "skewed" routes every token to the first half of the experts: the ranks owning the second half receive
+    # nothing, and still return their fixed number of rows (all padding), as every rank does in sync-free mode
+    world = len(per_rank)
+    kw = (TWO_RANKS if G == 1 else FOUR_RANKS)[name][1]
+    E, K, T = kw["num_experts"], kw["topk"], kw["tokens"]
+    seed = kw.get("seed", 7)  # hooks_case's default seed; its routing of rank r uses seed * 17 + r
+    routed = sum(hook_cases.routing(T, E, K, seed * 17 + r, "skewed")[0] for r in range(world))
+    empty = [r for r in range(world) if not routed[:, r * E // world:(r + 1) * E // world].any()]
+    assert empty == list(range(world // 2, world)), empty
+    # rows handed to the experts: num_worst_tokens (T x ranks, x the local experts a token can pick when received
+    # expert-major), or with the local permute every (row, top-k slot) pair, the invalid ones masked
+    per_token = min(K, E // world) if name.endswith("expert_major") else K
+    for rank, results in enumerate(per_rank):
+        assert results[name]["received"] == T * world * per_token, (name, rank, results[name])
+    _assert_ran_on_internode(per_rank, name, G)
+
+
+def test_fp8_dispatch_stays_within_fp8_rounding_of_the_oracle(topology):
+    per_rank, G = topology
+    for results in per_rank:
+        r = results["fp8"]
+        assert 0 < r["out_rel"] < 0.08, r  # e4m3 keeps 3 mantissa bits: a few percent, and never exact
+        assert r["grad_probs_rel"] < 0.08, r
+    _assert_ran_on_internode(per_rank, "fp8", G)
+
+
+def test_four_ranks_with_router_dropped_slots_match_the_oracle(four_ranks):
+    _assert_matches_oracle(four_ranks, "dropped")
+    _assert_ran_on_internode(four_ranks, "dropped", 2)
+
+
+def test_expert_tensor_parallel_partial_sums_are_combined_over_two_emulated_nodes(four_ranks):
+    # EP 2 x expert-TP 2 over 2 nodes x 2: every TP rank of the destination receives the token, returns a partial sum
+    _assert_matches_oracle(four_ranks, "expert_tp")
+    _assert_ran_on_internode(four_ranks, "expert_tp", 2)
