@@ -14,6 +14,25 @@ import torch
 HIDDEN_DEFAULT = 16
 
 
+def two_rank_hook_cases() -> dict:
+    """The dispatcher-hook cases every backend must pass on 2 ranks: name -> (case function, kwargs)."""
+    from uccl_ep_train.megatron.options import DispatcherOptions as O
+
+    return {
+        "identity": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=12, identity=True)),
+        "expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16,
+                                            options=O(expert_major=True))),
+        "local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16,
+                                             options=O(expert_major=False))),
+        "sync_free_expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
+                                                      options=O(sync_free=True, expert_major=True))),
+        "sync_free_local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
+                                                       options=O(sync_free=True, expert_major=False))),
+        "fp8": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, hidden=128,
+                                   options=O(fp8_dispatch=True))),
+    }
+
+
 def init_megatron(ep: int, etp: int = 1) -> None:
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state

@@ -19,19 +19,8 @@ pytest.importorskip("uccl_ep_train.buffer")
 
 EXACT = 1e-5
 O = DispatcherOptions
-TWO_RANKS = {
-    "identity": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=12, identity=True)),
-    "expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16, options=O(expert_major=True))),
-    "local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16,
-                                         options=O(expert_major=False))),
-    "sync_free_expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
-                                                  options=O(sync_free=True, expert_major=True))),
-    "sync_free_local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
-                                                   options=O(sync_free=True, expert_major=False))),
-    "fp8": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, hidden=128,
-                               options=O(fp8_dispatch=True))),
-    "moelayer": ("moelayer_case", dict(ep=2, num_experts=4, topk=2, tokens=8, hidden=16)),
-}
+TWO_RANKS = dict(hook_cases.two_rank_hook_cases(),
+                 moelayer=("moelayer_case", dict(ep=2, num_experts=4, topk=2, tokens=8, hidden=16)))
 FOUR_RANKS = {
     "dropped": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=10, kind="dropped")),
     "expert_tp": ("hooks_case", dict(ep=2, etp=2, num_experts=4, topk=2, tokens=8)),
