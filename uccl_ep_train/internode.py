@@ -31,7 +31,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     recv_counts, block_offsets, remote_block_offset, num_recv_rows, chunk_records, chunk_bytes, chunk_lanes,
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
     describe_gpu_error, pack_records, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
-    NOTIFY_MAX_EXPERTS, recv_expert_counts, rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows)
+    NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
+    rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows)
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
@@ -350,8 +351,8 @@ class NativeInternodeBackend:
         self._nvl = _raw_bytes(self._cx.nvl_ptr, self.nvl_bytes, self.device)
         # The notify area (one count row per rank, at the end of the RDMA region) is the count exchange through the
         # proxies; with very many ranks it would eat the region, and notify falls back to a gloo all_gather.
-        # A row: [tokens per rank | per node | per expert (up to NOTIFY_MAX_EXPERTS)]; the area holds the widest.
-        self._notify_row = _align(8 * (self.R + self.N + NOTIFY_MAX_EXPERTS))
+        # A row: [tokens per rank | per node | per expert | per (rank, top-k slot)]; the area holds the widest.
+        self._notify_row = _align(8 * notify_row_words(self.R, self.N))
         notify_bytes = self.R * self._notify_row
         self._notify_via_proxies = notify_bytes <= self.rdma_bytes // 16
         usable = self.rdma_bytes - (notify_bytes if self._notify_via_proxies else 0)
@@ -464,13 +465,20 @@ class NativeInternodeBackend:
         rows = [[r, 0, 0, 0, 1, self._barrier_slot, 0] for r in range(self.R) if r != self.rank]
         self._push_and_wait(rows, [(self._barrier_slot, self.R - 1)], "barrier", 1, what, fixed=True)
 
-    def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor]) -> Counts:
-        """Every rank's counts on every rank. With the tokens per expert in the rows (up to NOTIFY_MAX_EXPERTS),
-        a receiver knows its per-expert counts from notify alone and the dispatch reads nothing else back."""
+    def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
+                topk_idx: Optional[torch.Tensor] = None) -> Counts:
+        """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) and per (rank,
+        slot) (up to NOTIFY_MAX_SLOT_COUNTS) in the rows, a receiver knows its per-expert and per-slot counts from
+        notify alone, and neither dispatch nor combine reads anything else back. Every rank makes the same choice:
+        the same group, experts and top-k."""
         carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
-        row = local_count_row(is_token_in_rank, self.G, tokens_per_expert if carry else None)
+        slots = carry and topk_idx is not None and self.R * topk_idx.size(1) <= NOTIFY_MAX_SLOT_COUNTS
+        row = local_count_row(is_token_in_rank, self.G, tokens_per_expert if carry else None,
+                              topk_idx if slots else None)
+        shape = dict(num_experts=tokens_per_expert.numel() if carry else 0,
+                     num_topk=topk_idx.size(1) if slots else 0)
         if self._notify_via_proxies:
-            return self._notify_through_proxies(row)
+            return self._notify_through_proxies(row, shape)
         self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
         row = row.cpu()
         out = [torch.empty_like(row) for _ in range(self.R)]
@@ -482,14 +490,14 @@ class NativeInternodeBackend:
                                  f"{exc}" + (f"; rank {self.rank} proxy: {perr}" if perr else "")
                                  + f"\n{_timeout_hint()}") from exc
         self._check()
-        return counts_from_rows(torch.stack(out), self.R, self.N)
+        return counts_from_rows(torch.stack(out), self.R, self.N, **shape)
 
     def _per_chunk(self, stride: int) -> int:
         """Records per write; every rank derives the same number (same settings, the group's smallest transport
         write limit), so receivers know the lanes."""
         return chunk_records(stride, min(chunk_bytes(self.inflight_bytes), self.max_write_bytes))
 
-    def _notify_through_proxies(self, row: torch.Tensor) -> Counts:
+    def _notify_through_proxies(self, row: torch.Tensor, shape: dict) -> Counts:
         """Count exchange in stream order: our row goes into row ``rank`` of every rank's notify area (one write each,
         through the proxies), then we wait for every other rank's row and copy the matrix to the host. Receiving
         every row also proves that every rank finished its earlier work on the stream (each pushes behind it), so
@@ -503,7 +511,7 @@ class NativeInternodeBackend:
         self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)",
                             fixed=True, drain=True)  # the host reads the rows right below
         mat = self._rdma[base:base + R * rb].view(R, rb)[:, :width].cpu().contiguous().view(torch.int64)
-        return counts_from_rows(mat, R, self.N)
+        return counts_from_rows(mat, R, self.N, **shape)
 
     def _upload(self, rows: Any) -> torch.Tensor:
         """A small host table (int64) on the device without a stream sync: a pageable non-blocking copy is staged by
@@ -666,7 +674,7 @@ class NativeInternodeBackend:
         topk_idx, weights = args.topk_idx, args.topk_weights
         if itr is None:
             itr = self.get_dispatch_layout(topk_idx, args.num_tokens_per_expert.numel())[3]
-        counts = self._notify(itr, args.num_tokens_per_expert)
+        counts = self._notify(itr, args.num_tokens_per_expert, topk_idx)
         self._lap("dispatch.notify")
         plan = send_plan(itr, counts, self.rank, self.G)
         self._lap("dispatch.plan")
@@ -717,7 +725,8 @@ class NativeInternodeBackend:
                             rows_by_local_sizes=[int(g.numel()) for g in rows_by_local])
         worst = args.num_worst_tokens
         if args.expert_major:
-            self._build_expert_major(h, recv_topk_idx, raw, aligned, worst)
+            self._build_expert_major(h, recv_topk_idx, raw, aligned, worst,
+                                     recv_slot_counts(counts, self.rank) if counts.slot_counts is not None else None)
             out = self._to_expert_major(h, [recv_x] + ([recv_scales] if recv_scales is not None else []))
             recv_x = out[0]
             recv_scales = out[1] if recv_scales is not None else None
@@ -746,8 +755,8 @@ class NativeInternodeBackend:
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_w, [] if worst else aligned, h,
                               self.last_traffic)
 
-    def _build_expert_major(self, h: InternodeHandle, recv_topk_idx, raw: List[int], aligned: List[int], worst
-                            ) -> None:
+    def _build_expert_major(self, h: InternodeHandle, recv_topk_idx, raw: List[int], aligned: List[int], worst,
+                            slot_sizes: Optional[List[int]] = None) -> None:
         """Where each (received token, local expert) pair goes in the expert-major rows: experts in order, each
         segment padded to the alignment, tokens in receive order within it. The sizes come from the host-side counts
         (``raw``), so nothing here reads the device."""
@@ -776,6 +785,9 @@ class NativeInternodeBackend:
         h.expert_major_pos = torch.full((h.num_recv_tokens, recv_topk_idx.size(1)), -1, dtype=torch.int64, device=dev)
         h.expert_major_pos[tok, slot] = pos
         h.num_recv_rows = rows
+        if slot_sizes is not None:  # combine adds slot by slot: the pairs of each slot, sized from notify
+            h.expert_major_rows_by_slot = [torch.nonzero_static(slot == k, size=n).view(-1)
+                                           for k, n in enumerate(slot_sizes)]
 
     @staticmethod
     def _to_expert_major(h: InternodeHandle, parts: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -797,7 +809,7 @@ class NativeInternodeBackend:
         G, dev = self.G, self.device
         nrecv, H = h.num_recv_tokens, x.size(1)
         if h.expert_major:
-            if h.expert_major_rows_by_slot is None:  # one host read per handle (combine runs twice per handle)
+            if h.expert_major_rows_by_slot is None:  # notify had no slot counts: one host read per handle
                 slot = h.expert_major_rows_slot
                 sizes = torch.bincount(slot, minlength=h.num_topk).tolist()
                 h.expert_major_rows_by_slot = [torch.nonzero_static(slot == k, size=sizes[k]).view(-1)

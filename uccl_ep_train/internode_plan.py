@@ -108,39 +108,70 @@ def check_topology(num_ranks: int, ranks_per_node: int, num_lanes: int = 1) -> i
 #: (token, local expert) pairs it gets before any byte moves: the expert-aligned counts of a dispatch then need no
 #: device read after the payload arrived. Beyond it the backend counts the received expert ids on the GPU (one sync).
 NOTIFY_MAX_EXPERTS = 1024
+#: ... and, while ranks x top-k stays within this, every source's tokens per (destination rank, top-k slot): the
+#: receiver then knows how many of its (token, local expert) pairs sit in each slot, which is what an expert-major
+#: combine needs to add them slot by slot without reading the device.
+NOTIFY_MAX_SLOT_COUNTS = 2048
+
+
+def notify_row_words(num_ranks: int, num_nodes: int) -> int:
+    """int64 words a notify row may use: per rank, per node, per expert, per (rank, slot) at their caps."""
+    return num_ranks + num_nodes + NOTIFY_MAX_EXPERTS + NOTIFY_MAX_SLOT_COUNTS
 
 
 @dataclass
 class Counts:
     """Notify's result, identical on every rank: rank_counts[s, d] tokens of s for rank d; node_counts[s, m] tokens
-    of s that hit node m (each crosses to node m once); expert_counts[s, e] tokens of s routed to expert e (None when
-    the rows did not carry them)."""
+    of s that hit node m (each crosses to node m once); expert_counts[s, e] tokens of s routed to expert e;
+    slot_counts[s, d, k] tokens of s whose k-th expert lives on rank d (each None when the rows did not carry it)."""
 
     rank_counts: torch.Tensor  # [R, R] int64, CPU
     node_counts: torch.Tensor  # [R, N] int64, CPU
     expert_counts: Optional[torch.Tensor] = None  # [R, E] int64, CPU
+    slot_counts: Optional[torch.Tensor] = None  # [R, R, K] int64, CPU
 
 
 def local_count_row(is_token_in_rank: torch.Tensor, ranks_per_node: int,
-                    tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    tokens_per_expert: Optional[torch.Tensor] = None,
+                    topk_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's contribution to notify: [tokens per destination rank (R) | tokens per destination node (N) |
-    tokens per expert (E, when given: get_dispatch_layout's num_tokens_per_expert)]."""
+    tokens per expert (E, when given: get_dispatch_layout's num_tokens_per_expert) | tokens per (destination rank,
+    top-k slot) (R x K, when ``topk_idx`` is given too; dropped slots count nowhere)]. Device ops only."""
     T, R = is_token_in_rank.shape
     per_rank = is_token_in_rank.sum(0)
     per_node = is_token_in_rank.view(T, R // ranks_per_node, ranks_per_node).any(2).sum(0)
     parts = [per_rank.to(torch.int64), per_node.to(torch.int64)]
     if tokens_per_expert is not None:
         parts.append(tokens_per_expert.to(device=per_rank.device, dtype=torch.int64))
+        if topk_idx is not None:
+            K = topk_idx.size(1)
+            owner = torch.where(topk_idx >= 0, topk_idx // (tokens_per_expert.numel() // R), R)  # R: dropped
+            slot = torch.arange(K, device=topk_idx.device).expand_as(topk_idx)
+            parts.append(torch.bincount((owner * K + slot).view(-1), minlength=(R + 1) * K)[:R * K].to(torch.int64))
     return torch.cat(parts)
 
 
-def counts_from_rows(rows: torch.Tensor, num_ranks: int, num_nodes: Optional[int] = None) -> Counts:
-    """Split the gathered notify rows [R, R + N (+ E)]; without ``num_nodes`` every later column is a node."""
+def counts_from_rows(rows: torch.Tensor, num_ranks: int, num_nodes: Optional[int] = None, num_experts: int = 0,
+                     num_topk: int = 0) -> Counts:
+    """Split the gathered notify rows [R, R + N (+ E (+ R x K))]; without ``num_nodes`` every column after the
+    ranks' is a node, and without ``num_experts`` every column after the nodes' is an expert."""
     rows = rows.to(torch.int64).cpu()
     R = num_ranks
     N = rows.size(1) - R if num_nodes is None else num_nodes
-    experts = rows[:, R + N:].contiguous() if rows.size(1) > R + N else None
-    return Counts(rows[:, :R].contiguous(), rows[:, R:R + N].contiguous(), experts)
+    E = num_experts or rows.size(1) - R - N
+    experts = rows[:, R + N:R + N + E].contiguous() if E > 0 else None
+    slots = None
+    if num_topk and rows.size(1) >= R + N + E + R * num_topk:
+        slots = rows[:, R + N + E:R + N + E + R * num_topk].reshape(R, R, num_topk).contiguous()
+    return Counts(rows[:, :R].contiguous(), rows[:, R:R + N].contiguous(), experts, slots)
+
+
+def recv_slot_counts(counts: Counts, rank: int) -> List[int]:
+    """(token, local expert) pairs ``rank`` receives in each top-k slot (every source's tokens whose k-th expert
+    lives on ``rank``): the sizes an expert-major combine adds slot by slot, known from notify alone."""
+    if counts.slot_counts is None:
+        raise InternodeError("the notify rows carried no per-slot counts")
+    return [int(c) for c in counts.slot_counts[:, rank, :].sum(0).tolist()]
 
 
 def recv_expert_counts(counts: Counts, rank: int, experts_per_rank: int) -> List[int]:
