@@ -283,6 +283,7 @@ void Proxy::connect(const std::vector<std::vector<std::vector<uint8_t>>>& infos)
 void Proxy::start() {
   if (!connected_) throw ProxyError("Proxy::start before connect()");
   if (running_.exchange(true)) return;
+  trigger_mtime_at_start_ = file_mtime_ns(cfg_.dump_trigger);  // before any thread exists (see proxy.hpp)
   for (auto& ts : threads_) {
     ThreadState* p = ts.get();
     p->in_loop.store(true, std::memory_order_release);  // before the thread exists: describe() must not race it
@@ -332,7 +333,7 @@ void Proxy::monitor() {
   std::vector<Clock::time_point> turned(n, Clock::now());
   std::vector<bool> reported(n, false);
   auto trigger_mtime = [&] { return file_mtime_ns(cfg_.dump_trigger); };
-  int64_t dumped = trigger_mtime();
+  int64_t dumped = trigger_mtime_at_start_;
   while (running_.load(std::memory_order_relaxed)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     const auto now = Clock::now();
@@ -806,7 +807,7 @@ void Proxy::run(ThreadState* ts) {
   // The dump behind cfg_.dump_trigger: only what this thread owns, read by this thread, so it is exact and needs no
   // lock; one write to stderr per thread so the lines of several threads do not interleave.
   auto trigger_mtime = [&] { return file_mtime_ns(cfg_.dump_trigger); };
-  int64_t dumped_mtime = trigger_mtime();
+  int64_t dumped_mtime = trigger_mtime_at_start_;
   auto last_trigger_check = Clock::now();
   auto dump_state = [&] {
     std::ostringstream m;

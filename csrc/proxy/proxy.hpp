@@ -127,6 +127,9 @@ class Proxy {
   void* data_;
   size_t data_bytes_;
   bool connected_ = false;
+  // dump_trigger's mtime when start() ran: every thread compares against it, so a touch right after start() is
+  // answered by every thread, also one the scheduler starts late (each used to read it when it began to run).
+  int64_t trigger_mtime_at_start_ = -1;
   std::atomic<bool> running_{false};
   std::atomic<bool> failed_{false};
   std::atomic<bool> timed_out_{false};
