@@ -84,10 +84,14 @@ def _cuda_arch_of_host() -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------------- checks
 class Doctor:
-    def __init__(self, sysfs_root: str = "/sys", env: Optional[dict] = None, use_tools: Optional[bool] = None):
+    def __init__(self, sysfs_root: str = "/sys", env: Optional[dict] = None, use_tools: Optional[bool] = None,
+                 kernel: Optional[tuple[int, int]] = None):
         self.sysfs_root = sysfs_root
         self.env = dict(os.environ if env is None else env)
         self.real_host = os.path.realpath(sysfs_root) == "/sys"
+        # (major, minor) of the kernel the checks judge: this host's for /sys; unknown (None) for a recorded sysfs tree
+        # unless given, and then the kernel-dependent checks that need it are skipped.
+        self.kernel = kernel if kernel is not None else (_kernel_version() if self.real_host else None)
         self.topo = topo_mod.discover(sysfs_root, use_tools)
         self.checks: list[Check] = []
         self.settings = None
@@ -98,7 +102,8 @@ class Doctor:
 
     def run(self) -> list[Check]:
         steps: list[Callable[[], None]] = [self.check_settings, self.check_gpus, self.check_nics, self.check_native,
-                                           self.check_verbs_library, self.check_registration, self.check_gids,
+                                           self.check_verbs_library, self.check_registration, self.check_fork_safety,
+                                           self.check_gids,
                                            self.check_nccl_consistency, self.check_proxy_cpus, self.check_selftest]
         for step in steps:
             try:
@@ -220,7 +225,7 @@ class Doctor:
         modules = [m for m in ("nvidia_peermem", "nv_peer_mem", "efa_nv_peermem", "amdgpu") if
                    _module_loaded(self.sysfs_root, m)]
         peer = [m for m in modules if m != "amdgpu"] if "nvidia" in vendors else modules
-        kernel = _kernel_version() if self.real_host else (0, 0)
+        kernel = self.kernel or (0, 0)
         dmabuf = kernel >= (5, 12)
         if peer:
             self.add("gpu_registration", "pass", f"peer-memory module loaded: {', '.join(peer)}"
@@ -236,6 +241,32 @@ class Doctor:
             self.add("gpu_registration", "fail", "GPU memory cannot be registered with the NIC: no peer-memory "
                      "module loaded and no dmabuf support detected (ibv_reg_mr would fail with EINVAL)",
                      f"sudo modprobe {need} (or upgrade to Linux >= 5.12 with dmabuf-capable GPU drivers)")
+
+    def check_fork_safety(self):
+        """libibverbs without ibv_fork_init() (uccl-ep-train does not call it) on kernels before 5.13: after a fork()
+        (DataLoader workers, subprocess, os.system) the parent's first write to a registered host page copies it
+        (copy-on-write) while the NIC keeps using the old page, now the child's: RDMA writes and signals land in memory
+        the parent no longer sees. From 5.13 the kernel copies pinned pages at fork (ibv_is_fork_initialized() ->
+        IBV_FORK_UNNEEDED); before, RDMAV_FORK_SAFE / IBV_FORK_SAFE make libibverbs call ibv_fork_init() itself."""
+        if not self.topo.nics or self.kernel is None:
+            return
+        if self.settings is not None and self.settings.transport.transport == "loopback":
+            return
+        named = [k for k in ("RDMAV_FORK_SAFE", "IBV_FORK_SAFE") if k in self.env]
+        major, minor = self.kernel
+        if named:
+            self.add("fork_safety", "pass", f"{named[0]}={self.env[named[0]]} is set: libibverbs calls ibv_fork_init() "
+                     "when it loads, so fork() (DataLoader workers) keeps registered memory intact")
+        elif self.kernel >= (5, 13):
+            self.add("fork_safety", "pass", f"kernel {major}.{minor} (>= 5.13) copies pinned DMA pages on fork(): "
+                     "ibv_fork_init() is not needed")
+        else:
+            self.add("fork_safety", "warn", f"kernel {major}.{minor} is older than 5.13 and neither RDMAV_FORK_SAFE nor "
+                     "IBV_FORK_SAFE is set: uccl-ep-train does not call ibv_fork_init(), so after a fork() "
+                     "(DataLoader workers, subprocess) registered host memory (the proxies' signal buffers) can be "
+                     "silently corrupted: the parent's next write moves the page while the NIC keeps the old one",
+                     "export RDMAV_FORK_SAFE=1 in the job's environment (libibverbs reads it when it loads, so set it "
+                     "before the training process starts), or run on a kernel >= 5.13")
 
     def check_gids(self):
         if not self.topo.nics:

@@ -177,6 +177,7 @@ void bind_verbs(py::module_& m) {
              return d;
            })
       .def("describe", &VerbsTransport::describe)
+      .def("debug_state", &VerbsTransport::debug_state)
       .def(
           "register_memory",
           [](VerbsTransport& t, uint64_t base, size_t bytes, bool device) {
@@ -263,6 +264,11 @@ void bind_verbs(py::module_& m) {
           x.active_mtu = get_or<int>(d, "active_mtu", 5);
           x.port_active = get_or<bool>(d, "port_active", true);
           x.max_qp_wr = get_or<int>(d, "max_qp_wr", 32768);
+          x.max_cqe = get_or<int>(d, "max_cqe", x.max_cqe);
+          x.max_qp_rd_atom = get_or<int>(d, "max_qp_rd_atom", x.max_qp_rd_atom);
+          x.max_qp_init_rd_atom = get_or<int>(d, "max_qp_init_rd_atom", x.max_qp_init_rd_atom);
+          x.efa_device_caps = get_or<uint32_t>(d, "efa_device_caps", x.efa_device_caps);
+          x.efa_max_rdma_size = get_or<uint32_t>(d, "efa_max_rdma_size", x.efa_max_rdma_size);
           if (d.contains("gids"))
             for (auto g : d["gids"].cast<py::list>()) {
               auto gd = g.cast<py::dict>();
@@ -288,6 +294,21 @@ void bind_verbs(py::module_& m) {
   f.def("inject_recv", &fake_verbs::inject_recv, py::arg("qp_num"), py::arg("src_qp") = 0, py::arg("slid") = 0xffff,
         py::arg("imm") = 0, py::arg("status") = 0);
   f.def("posted_recvs", &fake_verbs::posted_recvs);
+  f.def("inject_async_event", &fake_verbs::inject_async_event, py::arg("event_type"), py::arg("qp_num") = 0,
+        py::arg("device") = "", py::arg("port") = 1,
+        "queue an ibv async event: QP events and CQ_ERR on the context of QP qp_num, others on every open context of "
+        "`device` (port events carry `port`); -> number of contexts that got it");
+  f.def("async_counts", [] {
+    const auto c = fake_verbs::async_counts();
+    py::dict d;
+    d["injected"] = c.injected;
+    d["delivered"] = c.delivered;
+    d["acked"] = c.acked;
+    d["bad_acks"] = c.bad_acks;
+    d["blocking_reads"] = c.blocking_reads;
+    return d;
+  });
+  f.def("async_fds", &fake_verbs::async_fds, py::arg("device"));
   // ibv enum values tests compare against (from the headers this module was built with)
   py::dict c;
   c["IBV_WR_RDMA_WRITE"] = static_cast<int>(IBV_WR_RDMA_WRITE);
@@ -303,8 +324,24 @@ void bind_verbs(py::module_& m) {
   c["IBV_ACCESS_REMOTE_ATOMIC"] = static_cast<int>(IBV_ACCESS_REMOTE_ATOMIC);
   c["IBV_WC_RETRY_EXC_ERR"] = static_cast<int>(IBV_WC_RETRY_EXC_ERR);
   c["IBV_WC_REM_ACCESS_ERR"] = static_cast<int>(IBV_WC_REM_ACCESS_ERR);
+  c["IBV_WC_WR_FLUSH_ERR"] = static_cast<int>(IBV_WC_WR_FLUSH_ERR);
   c["IBV_QP_EX_WITH_RDMA_WRITE"] = static_cast<int>(IBV_QP_EX_WITH_RDMA_WRITE);
   c["IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM"] = static_cast<int>(IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM);
+  for (auto [k, e] : {std::pair<const char*, ibv_event_type>{"IBV_EVENT_CQ_ERR", IBV_EVENT_CQ_ERR},
+                      {"IBV_EVENT_QP_FATAL", IBV_EVENT_QP_FATAL},
+                      {"IBV_EVENT_QP_REQ_ERR", IBV_EVENT_QP_REQ_ERR},
+                      {"IBV_EVENT_QP_ACCESS_ERR", IBV_EVENT_QP_ACCESS_ERR},
+                      {"IBV_EVENT_COMM_EST", IBV_EVENT_COMM_EST},
+                      {"IBV_EVENT_SQ_DRAINED", IBV_EVENT_SQ_DRAINED},
+                      {"IBV_EVENT_DEVICE_FATAL", IBV_EVENT_DEVICE_FATAL},
+                      {"IBV_EVENT_PORT_ACTIVE", IBV_EVENT_PORT_ACTIVE},
+                      {"IBV_EVENT_PORT_ERR", IBV_EVENT_PORT_ERR},
+                      {"IBV_EVENT_LID_CHANGE", IBV_EVENT_LID_CHANGE},
+                      {"IBV_EVENT_PKEY_CHANGE", IBV_EVENT_PKEY_CHANGE},
+                      {"IBV_EVENT_SM_CHANGE", IBV_EVENT_SM_CHANGE},
+                      {"IBV_EVENT_CLIENT_REREGISTER", IBV_EVENT_CLIENT_REREGISTER},
+                      {"IBV_EVENT_GID_CHANGE", IBV_EVENT_GID_CHANGE}})
+    c[k] = static_cast<int>(e);
   f.attr("consts") = c;
 #endif
 }

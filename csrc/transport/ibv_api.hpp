@@ -61,6 +61,12 @@ struct IbvApi {
   int (*post_recv)(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) = nullptr;
   int (*poll_cq)(ibv_cq* cq, int n, ibv_wc* wc) = nullptr;
   const char* (*wc_status_str)(ibv_wc_status status) = nullptr;
+  // Asynchronous events of a context (port down, QP/CQ/device errors). The transport sets ctx->async_fd
+  // O_NONBLOCK, so get_async_event returns -1 (errno EAGAIN) when none is pending; every event it returns must be
+  // acknowledged (ibv_destroy_qp / ibv_destroy_cq / ibv_close_device wait for the acks of their events).
+  int (*get_async_event)(ibv_context* ctx, ibv_async_event* event) = nullptr;
+  void (*ack_async_event)(ibv_async_event* event) = nullptr;
+  const char* (*event_type_str)(ibv_event_type type) = nullptr;  // optional: nullptr -> the transport's own names
   // libefa; nullptr when libefa.so.1 is absent or the build had no efadv.h
   ibv_qp* (*efadv_create_qp_ex)(ibv_context* ctx, ibv_qp_init_attr_ex* attr, efadv_qp_init_attr* efa,
                                 uint32_t inlen) = nullptr;
@@ -129,6 +135,19 @@ void block_next_post_send(double seconds);                   // the next ibv_pos
 // A peer's write-with-immediate landing on local QP `qp_num` (consumes one posted receive). Throws if none posted.
 void inject_recv(uint32_t qp_num, uint32_t src_qp, uint16_t slid, uint32_t imm, int status);
 size_t posted_recvs(uint32_t qp_num);
+// Asynchronous events. Every fake context's async_fd is the read end of a pipe the fake owns (one byte per pending
+// event), so poll()/fcntl work on it as on a real uverbs fd. inject_async_event queues `type` (an ibv_event_type):
+// QP events (QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR, COMM_EST, SQ_DRAINED, PATH_MIG*, QP_LAST_WQE_REACHED) on the
+// context owning QP `qp_num`; CQ_ERR on the CQ of QP `qp_num`; every other (port/device) event on every open context
+// of `device`, with element.port_num = `port`. Returns how many contexts got it.
+int inject_async_event(int type, uint32_t qp_num, const std::string& device, int port);
+struct AsyncCounts {
+  uint64_t injected = 0, delivered = 0, acked = 0;
+  uint64_t bad_acks = 0;          // acks of events never delivered (or acked twice)
+  uint64_t blocking_reads = 0;    // get_async_event on an empty fd that was left blocking (a real one would hang)
+};
+AsyncCounts async_counts();
+std::vector<int> async_fds(const std::string& device);  // the async_fd of every open context of `device`
 }  // namespace fake_verbs
 
 }  // namespace uccl_ep

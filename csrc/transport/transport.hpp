@@ -95,7 +95,8 @@ class Transport {
   virtual size_t post_writes(const WriteRequest* reqs, size_t n) = 0;
   virtual size_t post_atomics(const AtomicRequest* reqs, size_t n) = 0;
 
-  // Append up to `max` completions to `out`; returns how many. Never blocks.
+  // Append up to `max` completions to `out`; returns how many. Never blocks. A completion with status != 0 may also
+  // report a failure no request owns (verbs: a fatal asynchronous NIC event); the proxy fails on any of them.
   virtual size_t poll(std::vector<Completion>& out, size_t max) = 0;
 
   // One line on what the endpoint still holds (posted, copying, oldest age), for watchdog and timeout messages:

@@ -15,12 +15,19 @@
 //    SGE (a small scratch buffer nothing is written to): libefa writes no RX descriptor for a zero-SGE receive.
 //  - One CQ per device holds every completion its QPs can have outstanding (signalled sends + posted receives), so
 //    a proxy that polls late never overruns it (an overrun is an asynchronous error that kills every QP on it).
+//  - Asynchronous events (ibv_get_async_event) are read from each context's async fd, made O_NONBLOCK when the
+//    device is opened: every kAsyncCheckEvery-th poll() (one poll(2) with timeout 0 over all devices) and at once
+//    when a CQ returns an error. Each event is acknowledged as soon as it is read. Fatal ones (QP/CQ/device errors,
+//    our port going down) become an error completion naming the device, the event and the peer rank, placed first
+//    so the proxy reports the cause rather than the flushes that follow it; the others are counted in debug_state().
 #include "transport/verbs.hpp"
 
 #include <stdexcept>
 
 #ifdef UCCL_EP_WITH_VERBS
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -43,6 +50,10 @@ constexpr uint32_t kQkey = 0x11111111;   // SRD QPs of this library accept only 
 constexpr uint64_t kRecvTag = 1ull << 63;
 constexpr uint16_t kAmazonVendorId = 0x1d0f;
 constexpr uint32_t kRecvScratchBytes = 64;  // the one SGE of every receive WR (see post_recvs)
+// Async events are looked for on every kAsyncCheckEvery-th poll() (a power of two); one poll(2) syscall each time.
+constexpr uint32_t kAsyncCheckEvery = 64;
+// Completion::status of the error completion a fatal asynchronous event becomes (not an ibv_wc_status).
+constexpr int kAsyncEventStatus = -2;
 
 // efadv.h's device attributes in the layout of rdma-core >= 46 (older headers call inline_buf_size_ex `reserved`
 // and lack the RDMA write bit; the offsets are the same, so one struct serves every libefa).
@@ -82,6 +93,8 @@ struct Device {
   int cqe = 0;                   // the CQ's size as requested
   uint32_t efa_caps = 0;         // efadv_query_device device_caps (EFA only)
   uint64_t max_rdma = 0;         // EFA: largest RDMA write (efadv max_rdma_size)
+  bool async_watch = false;      // async_fd made non-blocking: its events are read in poll()
+  std::string async_note;        // why not, when not
 };
 
 struct RemoteRegion {
@@ -183,6 +196,60 @@ std::string status_hint(ibv_wc_status s) {
   }
 }
 
+// The enumerator's name, so an error can be searched for whatever text the installed libibverbs prints.
+const char* event_name(ibv_event_type t) {
+  switch (t) {
+    case IBV_EVENT_CQ_ERR: return "IBV_EVENT_CQ_ERR";
+    case IBV_EVENT_QP_FATAL: return "IBV_EVENT_QP_FATAL";
+    case IBV_EVENT_QP_REQ_ERR: return "IBV_EVENT_QP_REQ_ERR";
+    case IBV_EVENT_QP_ACCESS_ERR: return "IBV_EVENT_QP_ACCESS_ERR";
+    case IBV_EVENT_COMM_EST: return "IBV_EVENT_COMM_EST";
+    case IBV_EVENT_SQ_DRAINED: return "IBV_EVENT_SQ_DRAINED";
+    case IBV_EVENT_PATH_MIG: return "IBV_EVENT_PATH_MIG";
+    case IBV_EVENT_PATH_MIG_ERR: return "IBV_EVENT_PATH_MIG_ERR";
+    case IBV_EVENT_DEVICE_FATAL: return "IBV_EVENT_DEVICE_FATAL";
+    case IBV_EVENT_PORT_ACTIVE: return "IBV_EVENT_PORT_ACTIVE";
+    case IBV_EVENT_PORT_ERR: return "IBV_EVENT_PORT_ERR";
+    case IBV_EVENT_LID_CHANGE: return "IBV_EVENT_LID_CHANGE";
+    case IBV_EVENT_PKEY_CHANGE: return "IBV_EVENT_PKEY_CHANGE";
+    case IBV_EVENT_SM_CHANGE: return "IBV_EVENT_SM_CHANGE";
+    case IBV_EVENT_SRQ_ERR: return "IBV_EVENT_SRQ_ERR";
+    case IBV_EVENT_SRQ_LIMIT_REACHED: return "IBV_EVENT_SRQ_LIMIT_REACHED";
+    case IBV_EVENT_QP_LAST_WQE_REACHED: return "IBV_EVENT_QP_LAST_WQE_REACHED";
+    case IBV_EVENT_CLIENT_REREGISTER: return "IBV_EVENT_CLIENT_REREGISTER";
+    case IBV_EVENT_GID_CHANGE: return "IBV_EVENT_GID_CHANGE";
+    case IBV_EVENT_WQ_FATAL: return "IBV_EVENT_WQ_FATAL";
+    default: return "IBV_EVENT_(unknown)";
+  }
+}
+
+// What a fatal asynchronous event most likely means, and what to do.
+std::string async_hint(ibv_event_type t) {
+  switch (t) {
+    case IBV_EVENT_QP_FATAL:
+      return "the NIC moved this queue pair to error (a malformed work request, or a NIC/driver fault); every write "
+             "to that rank fails from here: look for the NIC driver's message in `dmesg`, and at that rank's log";
+    case IBV_EVENT_QP_REQ_ERR:
+      return "the NIC saw a request on this queue pair that violates the transport protocol (an opcode or state it "
+             "does not allow): ranks running different uccl-ep-train builds, or a NIC/driver fault (`dmesg`)";
+    case IBV_EVENT_QP_ACCESS_ERR:
+      return "a peer's RDMA operation hit memory outside a registered region or carried a wrong rkey: ranks "
+             "disagree on buffer sizes, or a buffer was re-registered after connecting";
+    case IBV_EVENT_CQ_ERR:
+      return "the completion queue overflowed or failed, and every queue pair on it is in error; the CQ is sized for "
+             "every outstanding completion, so this is a NIC/driver fault or a bug: report it with `uccl-ep-train "
+             "doctor --json` and the UCCL_IB_* settings";
+    case IBV_EVENT_DEVICE_FATAL:
+      return "the NIC or its driver failed (firmware fault, PCIe error, reset): check `dmesg` and `ibv_devinfo`; the "
+             "job must restart, after the NIC recovers or without it (UCCL_IB_HCA=^name)";
+    case IBV_EVENT_PORT_ERR:
+      return "the link went down: check the cable/transceiver and the switch port, `ibv_devinfo` (state "
+             "PORT_ACTIVE) and `ip link`; to run without this NIC exclude it with UCCL_IB_HCA=^name";
+    default:
+      return "run `uccl-ep-train doctor` on this node";
+  }
+}
+
 class VerbsTransportImpl final : public VerbsTransport {
  public:
   explicit VerbsTransportImpl(const VerbsConfig& cfg) : cfg_(cfg), api_(ibv_api()) {
@@ -196,6 +263,11 @@ class VerbsTransportImpl final : public VerbsTransport {
       throw std::invalid_argument("verbs: max_chain, sq_depth and rq_depth must be >= 1");
     try {
       open_devices();
+      for (size_t i = 0; i < devs_.size(); ++i)
+        if (devs_[i].async_watch) {
+          async_pfds_.push_back(pollfd{devs_[i].ctx->async_fd, POLLIN, 0});
+          async_pfd_dev_.push_back(static_cast<int>(i));
+        }
       create_queue_pairs();
     } catch (...) {
       teardown();
@@ -299,6 +371,7 @@ class VerbsTransportImpl final : public VerbsTransport {
   }
 
   size_t poll(std::vector<Completion>& out, size_t max) override {
+    if ((poll_calls_++ & (kAsyncCheckEvery - 1)) == 0) drain_async_events();
     size_t got = 0;
     while (got < max && !pending_.empty()) {
       out.push_back(std::move(pending_.front()));
@@ -310,7 +383,14 @@ class VerbsTransportImpl final : public VerbsTransport {
       while (got < max) {
         int k = api_.poll_cq(devs_[d].cq, 32, wcs);
         if (k < 0) throw std::runtime_error("verbs: ibv_poll_cq failed on " + devs_[d].name);
-        for (int i = 0; i < k; ++i) handle_wc(static_cast<int>(d), wcs[i]);
+        bool failed_wc = false;
+        for (int i = 0; i < k; ++i) {
+          failed_wc = failed_wc || wcs[i].status != IBV_WC_SUCCESS;
+          handle_wc(static_cast<int>(d), wcs[i]);
+        }
+        // A failed completion often follows an asynchronous error (QP fatal, port down): look now, so the cause is
+        // reported ahead of its flushes.
+        if (failed_wc) drain_async_events();
         while (got < max && !pending_.empty()) {
           out.push_back(std::move(pending_.front()));
           pending_.pop_front();
@@ -351,6 +431,12 @@ class VerbsTransportImpl final : public VerbsTransport {
       if (per_peer && peers_[slot].failed) os << " (failed)";
     }
     if (!pending_.empty()) os << "; " << pending_.size() << " completions not yet returned";
+    if (async_ignored_ > 0)
+      os << "; " << async_ignored_ << " asynchronous events acknowledged and ignored (last: " << async_last_ignored_
+         << ")";
+    if (!async_fatal_.empty()) os << "; failed by " << async_fatal_;
+    for (const auto& d : devs_)
+      if (!d.async_watch) os << "; asynchronous events of " << d.name << " not watched (" << d.async_note << ")";
     return os.str();
   }
 
@@ -390,6 +476,7 @@ class VerbsTransportImpl final : public VerbsTransport {
                                  " (permissions on /dev/infiniband/uverbs*? inside a container, pass the devices)");
       }
       devs_.push_back(d);
+      watch_async(devs_.back());
       setup_device(devs_.back(), i);
     }
     api_.free_device_list(list);
@@ -398,6 +485,22 @@ class VerbsTransportImpl final : public VerbsTransport {
       if (d.efa != efa_)
         throw std::invalid_argument("verbs: cannot mix EFA and IB/RoCE devices in one transport (" +
                                     devs_.front().name + ", " + d.name + "); fix UCCL_IB_HCA");
+  }
+
+  // ibv_get_async_event blocks on a blocking fd; the proxy thread must never block, so the context's async fd (ours
+  // alone: every transport opens its own context) becomes non-blocking and is polled.
+  void watch_async(Device& d) {
+    if (api_.get_async_event == nullptr || api_.ack_async_event == nullptr) {
+      d.async_note = "this libibverbs table has no ibv_get_async_event";
+      return;
+    }
+    const int fd = d.ctx->async_fd;
+    const int fl = fd >= 0 ? ::fcntl(fd, F_GETFL) : -1;
+    if (fl < 0 || ::fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0) {
+      d.async_note = "cannot make async_fd " + std::to_string(fd) + " non-blocking: " + errno_text(errno);
+      return;
+    }
+    d.async_watch = true;
   }
 
   void setup_device(Device& d, size_t i) {
@@ -1057,6 +1160,129 @@ class VerbsTransportImpl final : public VerbsTransport {
     }
   }
 
+  // ------------------------------------------------------------ asynchronous events
+  void drain_async_events() {
+    if (async_pfds_.empty()) return;
+    for (auto& p : async_pfds_) p.revents = 0;
+    if (::poll(async_pfds_.data(), async_pfds_.size(), 0) <= 0) return;
+    std::vector<Completion> fatal;
+    for (size_t i = 0; i < async_pfds_.size(); ++i) {
+      if (async_pfds_[i].revents == 0) continue;
+      const int dev = async_pfd_dev_[i];
+      for (int n = 0; n < 64; ++n) {  // bounded: a flood of events must not stall the proxy loop
+        ibv_async_event ev{};
+        if (api_.get_async_event(devs_[dev].ctx, &ev) != 0) break;  // EAGAIN: none left
+        const ibv_async_event copy = ev;
+        // Acknowledge at once: destroying a QP/CQ or closing the device waits for the acks of its events.
+        api_.ack_async_event(&ev);
+        handle_async(dev, copy, fatal);
+      }
+    }
+    // Ahead of every completion not yet returned (the flushes they cause), in the order they were read.
+    pending_.insert(pending_.begin(), std::make_move_iterator(fatal.begin()), std::make_move_iterator(fatal.end()));
+  }
+
+  std::string ranks_on(int dev) const {
+    std::string s;
+    for (int r = 0; r < static_cast<int>(peers_.size()); ++r)
+      if (peers_[r].dev == dev) s += (s.empty() ? "" : ", ") + std::to_string(r);
+    return s.empty() ? "none" : s;
+  }
+
+  void handle_async(int dev, const ibv_async_event& ev, std::vector<Completion>& fatal_out) {
+    Device& d = devs_[dev];
+    const ibv_event_type t = ev.event_type;
+    const char* txt = api_.event_type_str ? api_.event_type_str(t) : nullptr;
+    const std::string name = event_name(t);
+    const std::string what = (txt && *txt && std::strcmp(txt, "unknown") != 0) ? std::string(txt) + " (" + name + ")"
+                                                                               : name;
+    bool fatal = false;
+    switch (t) {
+      case IBV_EVENT_QP_FATAL:
+      case IBV_EVENT_QP_REQ_ERR:
+      case IBV_EVENT_QP_ACCESS_ERR:
+      case IBV_EVENT_CQ_ERR:
+      case IBV_EVENT_DEVICE_FATAL:
+      case IBV_EVENT_SRQ_ERR:
+      case IBV_EVENT_WQ_FATAL:
+        fatal = true;
+        break;
+      case IBV_EVENT_PORT_ERR:
+        fatal = ev.element.port_num == cfg_.port;  // another port of the device carries none of our traffic
+        break;
+      default:
+        break;
+    }
+    std::string subject;
+    int peer = -1;
+    bool all_on_dev = false;
+    switch (t) {
+      case IBV_EVENT_QP_FATAL:
+      case IBV_EVENT_QP_REQ_ERR:
+      case IBV_EVENT_QP_ACCESS_ERR:
+      case IBV_EVENT_COMM_EST:
+      case IBV_EVENT_SQ_DRAINED:
+      case IBV_EVENT_PATH_MIG:
+      case IBV_EVENT_PATH_MIG_ERR:
+      case IBV_EVENT_QP_LAST_WQE_REACHED: {
+        const ibv_qp* qp = ev.element.qp;
+        const uint32_t qpn = qp ? qp->qp_num : 0;
+        if (qp != nullptr && qp == d.srd_qp) {
+          subject = " on SRD qp " + std::to_string(qpn) + ", shared by ranks " + ranks_on(dev);
+          all_on_dev = true;
+        } else if (auto it = qp_owner_.find(key(dev, qpn)); qp != nullptr && it != qp_owner_.end()) {
+          peer = it->second;
+          subject = " on qp " + std::to_string(qpn) + " to rank " + std::to_string(peer);
+        } else {
+          subject = " on qp " + std::to_string(qpn) + " (not one of this transport's queue pairs)";
+        }
+        break;
+      }
+      case IBV_EVENT_CQ_ERR:
+        subject = " on the completion queue of " + d.name + ", serving ranks " + ranks_on(dev);
+        all_on_dev = true;
+        break;
+      case IBV_EVENT_PORT_ERR:
+      case IBV_EVENT_PORT_ACTIVE:
+      case IBV_EVENT_LID_CHANGE:
+      case IBV_EVENT_PKEY_CHANGE:
+      case IBV_EVENT_SM_CHANGE:
+      case IBV_EVENT_CLIENT_REREGISTER:
+      case IBV_EVENT_GID_CHANGE:
+        subject = " on port " + std::to_string(ev.element.port_num) +
+                  (t == IBV_EVENT_PORT_ERR && fatal ? ", carrying ranks " + ranks_on(dev) : "");
+        all_on_dev = true;
+        break;
+      case IBV_EVENT_DEVICE_FATAL:
+        subject = ", carrying ranks " + ranks_on(dev);
+        all_on_dev = true;
+        break;
+      default:
+        all_on_dev = true;
+        break;
+    }
+    if (!fatal) {
+      ++async_ignored_;
+      async_last_ignored_ = name + " on " + d.name + subject;
+      return;
+    }
+    std::string hint = async_hint(t);
+    if (const size_t at = hint.find("=^name"); at != std::string::npos) hint.replace(at, 6, "=^" + d.name);
+    std::string msg = "verbs: asynchronous event on " + d.name + " (rank " + std::to_string(cfg_.rank) +
+                      "): " + what + subject + ". " + hint;
+    if (peer >= 0 && peer < static_cast<int>(peers_.size())) peers_[peer].failed = true;
+    if (all_on_dev)
+      for (auto& p : peers_)
+        if (p.dev == dev) p.failed = true;
+    if (async_fatal_.empty()) async_fatal_ = name + " on " + d.name + subject;
+    Completion out;
+    out.kind = Completion::Kind::kRemoteImm;
+    out.src_rank = peer;
+    out.status = kAsyncEventStatus;
+    out.error = std::move(msg);
+    fatal_out.push_back(std::move(out));
+  }
+
   // ------------------------------------------------------------ completions
   std::string wc_text(ibv_wc_status s) const {
     const char* t = api_.wc_status_str ? api_.wc_status_str(s) : nullptr;
@@ -1160,6 +1386,12 @@ class VerbsTransportImpl final : public VerbsTransport {
   std::unordered_map<uint64_t, int> srd_src_;    // (device, ahn, source qpn) -> peer (SRD)
   std::unordered_multimap<uint64_t, int> srd_src_by_qpn_;
   std::deque<Completion> pending_;
+  uint32_t poll_calls_ = 0;
+  std::vector<pollfd> async_pfds_;     // the watched devices' async fds
+  std::vector<int> async_pfd_dev_;     // their device indices
+  uint64_t async_ignored_ = 0;         // benign events acknowledged
+  std::string async_last_ignored_;
+  std::string async_fatal_;            // the first fatal event, for debug_state()
   alignas(8) uint64_t scratch_[1] = {0};
   alignas(64) uint8_t recv_scratch_[kRecvScratchBytes] = {};
 };

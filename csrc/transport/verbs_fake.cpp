@@ -63,6 +63,10 @@ struct State {
   std::vector<std::unique_ptr<ibv_cq>> cqs;
   std::vector<std::unique_ptr<ibv_mr>> mrs;
   std::vector<std::unique_ptr<ibv_ah>> ahs;
+  // asynchronous events: per context a queue and the write end of the pipe whose read end is ctx->async_fd
+  std::map<ibv_context*, std::deque<ibv_async_event>> async_q;
+  std::map<ibv_context*, int> async_wfd;
+  AsyncCounts async;
 };
 
 State* g = nullptr;
@@ -139,6 +143,12 @@ ibv_context* f_open_device(ibv_device* d) {
   if (failing("ibv_open_device")) return nullptr;
   auto ctx = std::make_unique<ibv_context>();
   ctx->device = d;
+  ctx->cmd_fd = -1;
+  // The async fd is a pipe the fake controls: one byte per queued event, left blocking as libibverbs leaves it.
+  int fds[2] = {-1, -1};
+  if (::pipe2(fds, O_CLOEXEC) != 0) return nullptr;
+  ctx->async_fd = fds[0];
+  st().async_wfd[ctx.get()] = fds[1];
   for (size_t i = 0; i < st().ibdevs.size(); ++i)
     if (st().ibdevs[i].get() == d) st().ctx_dev[ctx.get()] = static_cast<int>(i);
   st().ctxs.push_back(std::move(ctx));
@@ -147,6 +157,14 @@ ibv_context* f_open_device(ibv_device* d) {
 int f_close_device(ibv_context* ctx) {
   FakeLock lk(fake_mu());
   rec("ibv_close_device").text.push_back({"device", ctx->device->name});
+  auto w = st().async_wfd.find(ctx);
+  if (w != st().async_wfd.end()) {
+    ::close(w->second);
+    ::close(ctx->async_fd);
+    ctx->async_fd = -1;
+    st().async_wfd.erase(w);
+  }
+  st().async_q.erase(ctx);
   return 0;
 }
 int f_query_device(ibv_context* ctx, ibv_device_attr* a) {
@@ -523,6 +541,58 @@ const char* f_wc_status_str(ibv_wc_status s) {
   }
 }
 
+// ---------------------------------------------------------------- asynchronous events
+int f_get_async_event(ibv_context* ctx, ibv_async_event* ev) {
+  FakeLock lk(fake_mu());
+  State& s = st();
+  auto& q = s.async_q[ctx];
+  if (q.empty()) {
+    // A real ibv_get_async_event blocks here unless the fd is O_NONBLOCK; the fake refuses to hang the test and
+    // counts it instead.
+    const int fl = ::fcntl(ctx->async_fd, F_GETFL);
+    if (fl < 0 || !(fl & O_NONBLOCK)) ++s.async.blocking_reads;
+    errno = EAGAIN;
+    return -1;
+  }
+  char byte;
+  (void)!::read(ctx->async_fd, &byte, 1);
+  *ev = q.front();
+  q.pop_front();
+  ++s.async.delivered;
+  Record& r = rec("ibv_get_async_event");
+  r.text.push_back({"device", ctx->device->name});
+  r.args.push_back({"event_type", static_cast<uint64_t>(ev->event_type)});
+  return 0;
+}
+void f_ack_async_event(ibv_async_event* ev) {
+  FakeLock lk(fake_mu());
+  State& s = st();
+  if (s.async.acked >= s.async.delivered)
+    ++s.async.bad_acks;
+  else
+    ++s.async.acked;
+  rec("ibv_ack_async_event").args.push_back({"event_type", static_cast<uint64_t>(ev->event_type)});
+}
+const char* f_event_type_str(ibv_event_type t) {
+  FakeLock lk(fake_mu());
+  try {
+    if (auto fn = system_ibv_api().event_type_str) return fn(t);
+  } catch (const std::exception&) {
+  }
+  switch (t) {  // libibverbs' own texts
+    case IBV_EVENT_QP_FATAL: return "local work queue catastrophic error";
+    case IBV_EVENT_QP_REQ_ERR: return "invalid request local work queue error";
+    case IBV_EVENT_QP_ACCESS_ERR: return "local access violation work queue error";
+    case IBV_EVENT_CQ_ERR: return "CQ error";
+    case IBV_EVENT_DEVICE_FATAL: return "local catastrophic error";
+    case IBV_EVENT_PORT_ACTIVE: return "port active";
+    case IBV_EVENT_PORT_ERR: return "port error";
+    case IBV_EVENT_LID_CHANGE: return "LID change";
+    case IBV_EVENT_GID_CHANGE: return "GID table change";
+    default: return "unknown";
+  }
+}
+
 // ---------------------------------------------------------------- data path (EFA SRD, extended QP)
 std::vector<std::pair<std::string, uint64_t>>& last_wr(ibv_qp_ex* qpx) {
   FakeQp& q = fq(qpx);
@@ -723,6 +793,9 @@ void install(const std::vector<FakeDevice>& devices, bool dmabuf) {
   a.post_recv = f_post_recv;
   a.poll_cq = f_poll_cq;
   a.wc_status_str = f_wc_status_str;
+  a.get_async_event = f_get_async_event;
+  a.ack_async_event = f_ack_async_event;
+  a.event_type_str = f_event_type_str;
   a.efadv_create_qp_ex = f_efadv_create_qp_ex;
   a.efadv_query_ah = f_efadv_query_ah;
   a.efadv_query_device = f_efadv_query_device;
@@ -789,6 +862,78 @@ size_t posted_recvs(uint32_t qp_num) {
   auto it = st().by_qpn.find(qp_num);
   if (it == st().by_qpn.end()) throw std::invalid_argument("fake verbs: no QP " + std::to_string(qp_num));
   return fq(it->second).recvs.size();
+}
+
+int inject_async_event(int type, uint32_t qp_num, const std::string& device, int port) {
+  FakeLock lk(fake_mu());
+  State& s = st();
+  const auto t = static_cast<ibv_event_type>(type);
+  auto qp_of = [&]() -> ibv_qp* {
+    auto it = s.by_qpn.find(qp_num);
+    if (it == s.by_qpn.end())
+      throw std::invalid_argument("fake verbs: event " + std::to_string(type) + " names no QP " +
+                                  std::to_string(qp_num));
+    return it->second;
+  };
+  auto queue = [&](ibv_context* ctx, const ibv_async_event& ev) {
+    auto w = s.async_wfd.find(ctx);
+    if (w == s.async_wfd.end()) throw std::invalid_argument("fake verbs: event on a closed context");
+    s.async_q[ctx].push_back(ev);
+    const char byte = 1;
+    if (::write(w->second, &byte, 1) != 1) throw std::runtime_error("fake verbs: async pipe write failed");
+    ++s.async.injected;
+  };
+  ibv_async_event ev{};
+  ev.event_type = t;
+  switch (t) {
+    case IBV_EVENT_QP_FATAL:
+    case IBV_EVENT_QP_REQ_ERR:
+    case IBV_EVENT_QP_ACCESS_ERR:
+    case IBV_EVENT_COMM_EST:
+    case IBV_EVENT_SQ_DRAINED:
+    case IBV_EVENT_PATH_MIG:
+    case IBV_EVENT_PATH_MIG_ERR:
+    case IBV_EVENT_QP_LAST_WQE_REACHED: {
+      ibv_qp* qp = qp_of();
+      ev.element.qp = qp;
+      queue(qp->context, ev);
+      return 1;
+    }
+    case IBV_EVENT_CQ_ERR: {
+      ibv_qp* qp = qp_of();
+      ev.element.cq = qp->send_cq;
+      queue(qp->context, ev);
+      return 1;
+    }
+    case IBV_EVENT_SRQ_ERR:
+    case IBV_EVENT_SRQ_LIMIT_REACHED:
+    case IBV_EVENT_WQ_FATAL:
+      throw std::invalid_argument("fake verbs: SRQ/WQ events are not simulated (the transport creates neither)");
+    default: {
+      ev.element.port_num = port;
+      int n = 0;
+      for (auto& kv : s.async_wfd)
+        if (device == kv.first->device->name) {
+          queue(kv.first, ev);
+          ++n;
+        }
+      if (n == 0) throw std::invalid_argument("fake verbs: no open context of device '" + device + "'");
+      return n;
+    }
+  }
+}
+
+AsyncCounts async_counts() {
+  FakeLock lk(fake_mu());
+  return st().async;
+}
+
+std::vector<int> async_fds(const std::string& device) {
+  FakeLock lk(fake_mu());
+  std::vector<int> out;
+  for (auto& kv : st().async_wfd)
+    if (device == kv.first->device->name) out.push_back(kv.first->async_fd);
+  return out;
 }
 
 }  // namespace uccl_ep::fake_verbs

@@ -101,6 +101,9 @@ void load() {
   sym(lib, "ibv_create_ah", &a.create_ah, true);
   sym(lib, "ibv_destroy_ah", &a.destroy_ah, true);
   sym(lib, "ibv_wc_status_str", &a.wc_status_str, true);
+  sym(lib, "ibv_get_async_event", &a.get_async_event, true);
+  sym(lib, "ibv_ack_async_event", &a.ack_async_event, true);
+  sym(lib, "ibv_event_type_str", &a.event_type_str, false);
   a.post_send = sys_post_send;
   a.post_recv = sys_post_recv;
   a.poll_cq = sys_poll_cq;

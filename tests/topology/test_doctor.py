@@ -71,6 +71,36 @@ def test_missing_peer_memory_module_fails_with_the_modprobe(tmp_path):
     assert doctor.exit_code(d.checks) == doctor.EXIT_FAIL
 
 
+def _fork_check(host, kernel, env=None):
+    d = doctor.Doctor(os.path.join(FIXTURES, host), env=env or {}, use_tools=False, kernel=kernel)
+    return {c.name: c for c in d.run()}.get("fork_safety")
+
+
+def test_fork_safety_warns_on_kernels_before_5_13_without_rdmav_fork_safe_and_gives_the_fix():
+    c = _fork_check("cx7_roce", (5, 4))
+    assert c.status == "warn" and "kernel 5.4 is older than 5.13" in c.detail and "ibv_fork_init()" in c.detail
+    assert "DataLoader" in c.detail and "export RDMAV_FORK_SAFE=1" in c.fix
+    assert _fork_check("p5en", (5, 10)).status == "warn"
+
+
+@pytest.mark.parametrize("env", [{"RDMAV_FORK_SAFE": "1"}, {"IBV_FORK_SAFE": "1"}])
+def test_fork_safety_passes_when_libibverbs_is_told_to_call_ibv_fork_init(env):
+    c = _fork_check("cx7_roce", (5, 4), env)
+    assert c.status == "pass" and f"{next(iter(env))}=1 is set" in c.detail
+
+
+def test_fork_safety_passes_on_kernels_from_5_13_that_copy_pinned_pages_on_fork():
+    for kernel in ((5, 13), (6, 8)):
+        c = _fork_check("cx7_roce", kernel)
+        assert c.status == "pass" and "not needed" in c.detail
+
+
+def test_fork_safety_is_not_checked_without_rdma_nics_with_loopback_or_for_an_unknown_kernel():
+    assert _fork_check("no_rdma", (5, 4)) is None
+    assert _fork_check("cx7_roce", (5, 4), {"UCCL_EP_TRANSPORT": "loopback"}) is None
+    assert _fork_check("cx7_roce", None) is None  # a recorded sysfs tree says nothing about the kernel
+
+
 def test_thor2_gid_is_ipv6_and_a_bad_override_fails():
     _, checks = _run("mi300x_thor2")
     assert checks["gid"].status == "pass" and "global IPv6" in checks["gid"].detail

@@ -145,3 +145,63 @@ def test_failed_srd_receive_names_no_sender_and_is_replaced(fake_nics, buffers):
     (c,) = ts[1].poll(4)
     assert c["status"] == K["IBV_WC_REM_ACCESS_ERR"] and c["src_rank"] == -1 and "unnamed sender" in c["error"]
     assert fake.posted_recvs(qpn[1]) == 4
+
+
+# ------------------------------------------------------------------ device limits given to the fake NIC
+def test_efa_device_without_rdma_write_capability_is_refused_with_the_generation_and_versions_needed(fake_nics):
+    # efadv device_caps without EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE (8): libefa would later fail efadv_create_qp_ex
+    # with a bare EOPNOTSUPP; the transport refuses up front and says what is needed.
+    fake_nics([efa("rdmap39s0") | {"efa_device_caps": 1 | 2}])
+    with pytest.raises(RuntimeError, match=r"rdmap39s0 reports no RDMA write \(efadv device_caps 0x3\).*p5.*"
+                                           r"EFA driver >= 2\.1 and rdma-core >= 46"):
+        verbs.VerbsTransport(0, 2, ["rdmap39s0"])
+    assert calls("efadv_create_qp_ex") == []
+
+
+def test_efa_write_limit_follows_the_devices_max_rdma_size(fake_nics, buffers):
+    fake_nics([efa("rdmap39s0") | {"efa_max_rdma_size": 64 << 10}])
+    ts = _ranks(2, devices=("rdmap39s0",))
+    assert ts[0].caps()["max_write_bytes"] == 64 << 10
+    for t in ts:
+        t.register_memory(buffers.new(1 << 20), 1 << 20)
+    connect_all(ts)
+    with pytest.raises(ValueError, match="message limit"):
+        ts[0].post_writes([{"dst_rank": 1, "bytes": (64 << 10) + 1}])
+
+
+def test_small_max_cqe_shrinks_queue_depths_so_the_cq_holds_every_completion(fake_nics, buffers):
+    # 4 peers x (1024 sends + 1024 receives) need 8192 CQEs; a NIC with max_cqe 512 cannot hold that, so each QP gets
+    # 64 + 64 and the CQ (<= max_cqe, else create_cq fails) still holds everything they can have outstanding.
+    fake_nics([cx7("mlx5_0") | {"max_cqe": 512}])
+    ts = _ranks(4, sq_depth=1024, rq_depth=1024, max_chain=1)
+    cq = calls("ibv_create_cq")[0]
+    qps = calls("ibv_create_qp")[:4]  # rank 0's QPs, to ranks 0..3
+    assert cq["cqe"] <= 512
+    assert all(q["max_send_wr"] < 1024 and q["max_recv_wr"] < 1024 for q in qps)
+    assert cq["cqe"] >= sum(q["max_send_wr"] + q["max_recv_wr"] for q in qps)
+    posted = sum(p["count"] for p in calls("ibv_post_recv")[:4])
+    assert posted == sum(q["max_recv_wr"] for q in qps)  # receives fill exactly the shrunken receive queues
+    for t in ts:
+        t.register_memory(buffers.new(1 << 16), 1 << 16)
+    connect_all(ts)
+    for q in qps:  # rank 0 stops polling while peers fill its receive queues and it fills its send queues
+        for _ in range(q["max_recv_wr"]):
+            fake.inject_recv(q["qp_num"], imm=1)
+    for dst, q in enumerate(qps):
+        reqs = [{"dst_rank": dst, "bytes": 8, "wr_id": i} for i in range(q["max_send_wr"] + 1)]
+        assert ts[0].post_writes(reqs) == q["max_send_wr"]  # the send queue depth is enforced, not just requested
+    assert calls("cq_overrun") == []
+    assert len(ts[0].poll(100000)) == sum(q["max_send_wr"] + q["max_recv_wr"] for q in qps)
+
+
+def test_rc_depths_follow_the_responder_and_initiator_limits_the_device_reports(fake_nics, buffers):
+    # A Broadcom-like NIC with asymmetric limits: responder 4, initiator 2 (ibv_query_device max_qp_rd_atom /
+    # max_qp_init_rd_atom); the provider rejects RTR/RTS above them.
+    fake_nics([cx7("mlx5_0") | {"max_qp_rd_atom": 4, "max_qp_init_rd_atom": 2}])
+    ts = _ranks(2)
+    for t in ts:
+        t.register_memory(buffers.new(4096), 4096)
+    connect_all(ts)
+    mods = calls("ibv_modify_qp")
+    assert {m["max_dest_rd_atomic"] for m in mods if m["qp_state"] == K["IBV_QPS_RTR"]} == {4}
+    assert {m["max_rd_atomic"] for m in mods if m["qp_state"] == K["IBV_QPS_RTS"]} == {2}
