@@ -74,7 +74,7 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
     N = num_ranks // G
     record = record_layout([hidden * element_size, num_topk * 8, num_topk * 4], G)  # FP8 + scales is narrower
     partial = _align(4 * (hidden + num_topk))
-    notify = num_ranks * _align(8 * (num_ranks + N + NOTIFY_MAX_EXPERTS))
+    notify = num_ranks * _align(8 * notify_row_words(num_ranks, N))
     rdma = 2 * N * num_tokens * max(record.stride, partial) + notify
     nvl = 2 * num_ranks * num_tokens * max(record.final_bytes, partial)
     return _align(nvl, 4096), _align(rdma, 4096)
