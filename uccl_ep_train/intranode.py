@@ -43,7 +43,9 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _stream() -> int:
+def _stream(device: Optional[torch.device] = None) -> int:
+    if device is not None and device.type != "cuda":  # CPU stand-in of the native module (tests): no stream
+        return 0
     return torch.cuda.current_stream().cuda_stream
 
 
@@ -85,7 +87,9 @@ class NativeIntranodeBackend:
         self.rank = ctx.rank
         self.num_ranks = ctx.num_ranks
         self.group = ctx.group
-        self.device = ctx.device if ctx.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        # (a non-CUDA device: the CPU stand-in of the native module in tests, device index None)
+        self.device = ctx.device if ctx.device.index is not None or ctx.device.type != "cuda" else \
+            torch.device("cuda", torch.cuda.current_device())
         kernel_settings = ctx.settings.kernel
         self.num_sms = int(kernel_settings.num_sms)
         self.local_sms = int(kernel_settings.local_sms)  # 0: the whole GPU for the kernels that touch only our memory
@@ -146,7 +150,7 @@ class NativeIntranodeBackend:
         num_nodes = self.ctx.num_nodes
         per_node = torch.empty(num_nodes, dtype=torch.int32, device=dev) if num_nodes > 1 else None
         self._k.dispatch_layout(idx.data_ptr(), T, K, num_experts, R, rpn, per_rank.data_ptr(), _ptr(per_node),
-                                per_expert.data_ptr(), in_rank.data_ptr(), _stream())
+                                per_expert.data_ptr(), in_rank.data_ptr(), _stream(self.device))
         return per_rank, per_node, per_expert, in_rank
 
     # ---------------------------------------------------------------- dispatch
@@ -163,7 +167,7 @@ class NativeIntranodeBackend:
         num_scales = scales.shape[1] if scales is not None else 0
         R = self.num_ranks
         num_sms = self._num_sms(args.config)
-        stream = _stream()
+        stream = _stream(self.device)
         dev = x.device
         h: Optional[IntranodeHandle] = args.handle
         cached = h is not None
@@ -225,6 +229,9 @@ class NativeIntranodeBackend:
                         f"num_nvl_bytes={self.data_bytes} holds {cap} received rows of hidden {H} ({x.dtype}) but a "
                         f"rank receives {overflow}: use num_nvl_bytes >= "
                         f"{self.dispatch_bytes_needed(overflow, hidden_bytes, num_scales, K)}")
+                # The notify kernel publishes its counts even when its barrier ran past the deadline (it records the
+                # error word first): counts from such a call are stale, so fail this dispatch, not the next one.
+                self._check_error()
                 out_rows = num_recv
             else:
                 out_rows = worst
@@ -359,7 +366,7 @@ class NativeIntranodeBackend:
             raise ValueError(f"num_nvl_bytes={self.data_bytes} holds the combine copies of {cap} tokens of hidden {H}; "
                              f"{T} tokens need num_nvl_bytes >= {self.combine_bytes_needed(T, H_units, K)}")
         num_sms = self._num_sms(config)
-        stream = _stream()
+        stream = _stream(self.device)
         weights = topk_weights.to(torch.float32).contiguous() if topk_weights is not None else None
         out = torch.empty((T, H), dtype=x.dtype, device=x.device)
         out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if weights is not None else None
@@ -381,7 +388,8 @@ class NativeIntranodeBackend:
         if self._destroyed:
             return
         self._destroyed = True
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # the CPU stand-in is synchronous
+            torch.cuda.synchronize(self.device)
         if self.num_ranks > 1 and dist.is_initialized():
             # No peer may still write into our buffer, nor we into theirs, when the mappings go away.
             dist.barrier(group=self.group)
