@@ -31,6 +31,8 @@ from typing import List
 
 import torch
 
+from tests.shared_memory_files import map_file, sweep_leftovers
+
 from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
                                           CMD_UNIT, SLOT_PAGE)
 
@@ -84,25 +86,11 @@ def _report(err: int, code: int, rank: int, slot: int, aux: int, phase: int, obs
 
 
 def _sweep_leftovers() -> None:
-    """Remove files that processes which no longer exist left behind (killed before destroy)."""
-    for f in os.listdir(_SHM):
-        if f.startswith(_PREFIX + "-"):
-            try:
-                os.kill(int(f[len(_PREFIX) + 1:].split("-")[0]), 0)
-            except ProcessLookupError:
-                try:
-                    os.unlink(os.path.join(_SHM, f))
-                except OSError:
-                    pass
-            except (ValueError, PermissionError):
-                pass
+    sweep_leftovers(_PREFIX)
 
 
 def _map(name: str, nbytes: int, create: bool) -> torch.Tensor:
-    path = os.path.join(_SHM, name)
-    if not create and not os.path.exists(path):
-        raise RuntimeError(f"shared memory {path} is gone (its rank exited, or unlinked it before this rank mapped it)")
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # a new file reads as zeros
+    return map_file(name, nbytes, create)
 
 
 def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: int, src_idx: int, n: int,

@@ -30,6 +30,8 @@ from typing import List, Optional
 
 import torch
 
+from tests.shared_memory_files import map_file, sweep_leftovers
+
 max_ranks = 128
 max_topk = 32
 control_bytes = 1 << 20
@@ -142,25 +144,11 @@ class _ErrorWord:
 
 
 def _sweep_leftovers() -> None:
-    """Remove files that processes which no longer exist left behind (killed before destroy)."""
-    for f in os.listdir(_SHM):
-        if f.startswith(_PREFIX + "-"):
-            try:
-                os.kill(int(f[len(_PREFIX) + 1:].split("-")[0]), 0)
-            except ProcessLookupError:
-                try:
-                    os.unlink(os.path.join(_SHM, f))
-                except OSError:
-                    pass
-            except (ValueError, PermissionError):
-                pass
+    sweep_leftovers(_PREFIX)
 
 
 def _map(name: str, nbytes: int, create: bool) -> torch.Tensor:
-    path = os.path.join(_SHM, name)
-    if not create and not os.path.exists(path):
-        raise RuntimeError(f"open_peers: shared memory {path} is gone (its rank exited before this rank mapped it)")
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # a new file reads as zeros
+    return map_file(name, nbytes, create)
 
 
 class IntranodeContext:
