@@ -80,6 +80,40 @@ struct IbvApi {
   int (*get_dmabuf_fd)(void* base, size_t bytes, int* fd, uint64_t* offset) = nullptr;
 };
 
+// Which member of ibv_async_event::element an event names (ibv_get_async_event(3)): the transport and its fake read
+// and fill that union the same way.
+enum class AsyncSubject { kQp, kCq, kSrq, kWq, kPort, kDevice };
+inline AsyncSubject async_subject(ibv_event_type t) {
+  switch (t) {
+    case IBV_EVENT_QP_FATAL:
+    case IBV_EVENT_QP_REQ_ERR:
+    case IBV_EVENT_QP_ACCESS_ERR:
+    case IBV_EVENT_COMM_EST:
+    case IBV_EVENT_SQ_DRAINED:
+    case IBV_EVENT_PATH_MIG:
+    case IBV_EVENT_PATH_MIG_ERR:
+    case IBV_EVENT_QP_LAST_WQE_REACHED:
+      return AsyncSubject::kQp;
+    case IBV_EVENT_CQ_ERR:
+      return AsyncSubject::kCq;
+    case IBV_EVENT_SRQ_ERR:
+    case IBV_EVENT_SRQ_LIMIT_REACHED:
+      return AsyncSubject::kSrq;
+    case IBV_EVENT_WQ_FATAL:
+      return AsyncSubject::kWq;
+    case IBV_EVENT_PORT_ACTIVE:
+    case IBV_EVENT_PORT_ERR:
+    case IBV_EVENT_LID_CHANGE:
+    case IBV_EVENT_PKEY_CHANGE:
+    case IBV_EVENT_SM_CHANGE:
+    case IBV_EVENT_CLIENT_REREGISTER:
+    case IBV_EVENT_GID_CHANGE:
+      return AsyncSubject::kPort;
+    default:
+      return AsyncSubject::kDevice;  // IBV_EVENT_DEVICE_FATAL
+  }
+}
+
 // The table calls go through: the system one (loaded on first use; throws std::runtime_error naming the package to
 // install when libibverbs.so.1 is missing) unless a test installed an override.
 const IbvApi& ibv_api();

@@ -1216,15 +1216,8 @@ class VerbsTransportImpl final : public VerbsTransport {
     std::string subject;
     int peer = -1;
     bool all_on_dev = false;
-    switch (t) {
-      case IBV_EVENT_QP_FATAL:
-      case IBV_EVENT_QP_REQ_ERR:
-      case IBV_EVENT_QP_ACCESS_ERR:
-      case IBV_EVENT_COMM_EST:
-      case IBV_EVENT_SQ_DRAINED:
-      case IBV_EVENT_PATH_MIG:
-      case IBV_EVENT_PATH_MIG_ERR:
-      case IBV_EVENT_QP_LAST_WQE_REACHED: {
+    switch (async_subject(t)) {
+      case AsyncSubject::kQp: {
         const ibv_qp* qp = ev.element.qp;
         const uint32_t qpn = qp ? qp->qp_num : 0;
         if (qp != nullptr && qp == d.srd_qp) {
@@ -1238,26 +1231,20 @@ class VerbsTransportImpl final : public VerbsTransport {
         }
         break;
       }
-      case IBV_EVENT_CQ_ERR:
+      case AsyncSubject::kCq:
         subject = " on the completion queue of " + d.name + ", serving ranks " + ranks_on(dev);
         all_on_dev = true;
         break;
-      case IBV_EVENT_PORT_ERR:
-      case IBV_EVENT_PORT_ACTIVE:
-      case IBV_EVENT_LID_CHANGE:
-      case IBV_EVENT_PKEY_CHANGE:
-      case IBV_EVENT_SM_CHANGE:
-      case IBV_EVENT_CLIENT_REREGISTER:
-      case IBV_EVENT_GID_CHANGE:
+      case AsyncSubject::kPort:
         subject = " on port " + std::to_string(ev.element.port_num) +
                   (t == IBV_EVENT_PORT_ERR && fatal ? ", carrying ranks " + ranks_on(dev) : "");
         all_on_dev = true;
         break;
-      case IBV_EVENT_DEVICE_FATAL:
+      case AsyncSubject::kDevice:
         subject = ", carrying ranks " + ranks_on(dev);
         all_on_dev = true;
         break;
-      default:
+      default:  // SRQ / WQ: this transport creates neither
         all_on_dev = true;
         break;
     }

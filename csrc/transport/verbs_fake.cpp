@@ -885,29 +885,21 @@ int inject_async_event(int type, uint32_t qp_num, const std::string& device, int
   };
   ibv_async_event ev{};
   ev.event_type = t;
-  switch (t) {
-    case IBV_EVENT_QP_FATAL:
-    case IBV_EVENT_QP_REQ_ERR:
-    case IBV_EVENT_QP_ACCESS_ERR:
-    case IBV_EVENT_COMM_EST:
-    case IBV_EVENT_SQ_DRAINED:
-    case IBV_EVENT_PATH_MIG:
-    case IBV_EVENT_PATH_MIG_ERR:
-    case IBV_EVENT_QP_LAST_WQE_REACHED: {
+  switch (async_subject(t)) {
+    case AsyncSubject::kQp: {
       ibv_qp* qp = qp_of();
       ev.element.qp = qp;
       queue(qp->context, ev);
       return 1;
     }
-    case IBV_EVENT_CQ_ERR: {
+    case AsyncSubject::kCq: {
       ibv_qp* qp = qp_of();
       ev.element.cq = qp->send_cq;
       queue(qp->context, ev);
       return 1;
     }
-    case IBV_EVENT_SRQ_ERR:
-    case IBV_EVENT_SRQ_LIMIT_REACHED:
-    case IBV_EVENT_WQ_FATAL:
+    case AsyncSubject::kSrq:
+    case AsyncSubject::kWq:
       throw std::invalid_argument("fake verbs: SRQ/WQ events are not simulated (the transport creates neither)");
     default: {
       ev.element.port_num = port;
