@@ -116,15 +116,21 @@ def test_efa_device_query_failure_names_efadv_and_the_fix(fake_nics):
         verbs.VerbsTransport(0, 1, ["rdmap39s0"])
 
 
-def test_stray_srd_immediate_from_an_unknown_sender_still_replaces_its_receive(fake_nics, buffers):
-    # The SRD QP is shared by every peer of the device: a receive consumed by traffic nobody can attribute must be
-    # re-posted too, or strays would slowly drain the queue and real peers would hit RNR.
+def _connected_srd_pair(fake_nics, buffers):
+    """Two ranks on one fake EFA device, 4 receives posted each: the transports and their SRD QP numbers."""
     fake_nics([efa("rdmap39s0")])
     ts = _ranks(2, devices=("rdmap39s0",), rq_depth=4)
     for t in ts:
         t.register_memory(buffers.new(4096), 4096)
     connect_all(ts)
     qpn = [c["qp_num"] for c in calls("efadv_create_qp_ex")]
+    return ts, qpn
+
+
+def test_stray_srd_immediate_from_an_unknown_sender_still_replaces_its_receive(fake_nics, buffers):
+    # The SRD QP is shared by every peer of the device: a receive consumed by traffic nobody can attribute must be
+    # re-posted too, or strays would slowly drain the queue and real peers would hit RNR.
+    ts, qpn = _connected_srd_pair(fake_nics, buffers)
     fake.inject_recv(qpn[1], src_qp=0xdead, slid=0x777, imm=1)
     (c,) = ts[1].poll(4)
     assert c["status"] != 0 and "unknown sender" in c["error"]
@@ -134,12 +140,7 @@ def test_stray_srd_immediate_from_an_unknown_sender_still_replaces_its_receive(f
 def test_failed_srd_receive_names_no_sender_and_is_replaced(fake_nics, buffers):
     # ibv_poll_cq(3): after a failed completion only wr_id, status, qp_num and vendor_err are valid, so slid/src_qp
     # cannot name the sender; the SRD QP stays usable, so the consumed receive is posted again.
-    fake_nics([efa("rdmap39s0")])
-    ts = _ranks(2, devices=("rdmap39s0",), rq_depth=4)
-    for t in ts:
-        t.register_memory(buffers.new(4096), 4096)
-    connect_all(ts)
-    qpn = [c["qp_num"] for c in calls("efadv_create_qp_ex")]
+    ts, qpn = _connected_srd_pair(fake_nics, buffers)
     ahn_on_1_for_0 = calls("ibv_create_ah")[2]["ahn"]
     fake.inject_recv(qpn[1], src_qp=qpn[0], slid=ahn_on_1_for_0, imm=1, status=K["IBV_WC_REM_ACCESS_ERR"])
     (c,) = ts[1].poll(4)
