@@ -260,7 +260,6 @@ class InternodeHandle:
     counts: Counts = field(repr=False)
     plan: SendPlan = field(repr=False)
     num_recv_tokens: int = 0
-    recv_src_rank: Optional[torch.Tensor] = None  # [num_recv] int64
     recv_src_idx: Optional[torch.Tensor] = None
     recv_arrival: Optional[torch.Tensor] = None  # [num_recv] int64: row at the forwarder
     fwd_dest_rows: Optional[torch.Tensor] = None  # [A, G] int64 at this rank as forwarder
@@ -690,9 +689,6 @@ class NativeInternodeBackend:
         parts = [self._column(final, layout, i, c, copy=not args.expert_major) for i, c in enumerate(cols)]
         src_idx = int32_column(final, layout.src_idx_offset)
         arrival = int32_column(final, layout.arrival_offset)
-        # counts live on the host: expanding them there needs no device sync (a device repeat_interleave does one)
-        src_rank = torch.repeat_interleave(torch.arange(self.R), counts.rank_counts[:, self.rank]).to(
-            self.device, non_blocking=True)
         recv_x = parts[0]
         recv_scales = parts[1] if scales is not None else None
         L = args.num_tokens_per_expert.numel() // self.R
@@ -715,14 +711,15 @@ class NativeInternodeBackend:
             raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).tolist()
         aligned = [_align(int(c), args.expert_alignment) for c in raw]
         rows_by_local = rows_by_source_local(counts, self.rank, self.G)
+        sizes_by_local = [int(g.numel()) for g in rows_by_local]
         h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv, num_topk=topk_idx.size(1) if topk_idx is not None else 0,
                             num_ranks=self.R, expert_major=args.expert_major, is_token_in_rank=itr,
                             num_recv_tokens_per_expert=self._upload(aligned).to(torch.int32),
-                            counts=counts, plan=plan, num_recv_tokens=nrecv, recv_src_rank=src_rank,
+                            counts=counts, plan=plan, num_recv_tokens=nrecv,
                             recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
                             expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
-                            rows_by_local=[self._upload(g) for g in rows_by_local],
-                            rows_by_local_sizes=[int(g.numel()) for g in rows_by_local])
+                            rows_by_local=list(self._upload(torch.cat(rows_by_local)).split(sizes_by_local)),
+                            rows_by_local_sizes=sizes_by_local)
         worst = args.num_worst_tokens
         if args.expert_major:
             self._build_expert_major(h, recv_topk_idx, raw, aligned, worst,
