@@ -250,6 +250,7 @@ class HostComm:
                                 f"({kwargs['max_inflight_writes']}); raise UCCL_EP_REORDER_WINDOW")
         self.options = kwargs
         self.rank, self.world = rank, world
+        self._closed = False
         self.buffer = _C.HostBuffer(data_bytes)
         self.proxy = _C.Proxy(self.buffer, **kwargs)
         self._started = False
@@ -341,7 +342,7 @@ class HostComm:
         was taken and every write it posted completed: stopping drops what the proxy still holds, and a peer waiting
         for those writes sees a clean close, not an error, so it would wait until its own deadline
         (docs/host-core.md, "Teardown"). A failed proxy stops at once; a second close does nothing."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         if deliver and not self.proxy.failed:

@@ -445,6 +445,14 @@ class NativeInternodeBackend:
                 time.sleep(0 if waited < 2e-3 else 1e-4)
         self._check(what)
 
+    def _settle(self, what: str, drain: Optional[bool] = None) -> None:
+        """After a network wait, and at the edges of a call: drain the stream where the policy says so (default:
+        ``_drain_after_waits``, see _push_and_wait), else only read the error word."""
+        if self._drain_after_waits if drain is None else drain:
+            self._drain(what)
+        else:
+            self._check(what)
+
     def _proxy_view(self, grace: float = 0.2) -> str:
         """The proxy's error, given it ``grace`` seconds to appear: when gloo fails because a peer died, the loopback
         names the dead rank and its pid within a few milliseconds (liveness check every 5 ms)."""
@@ -559,10 +567,7 @@ class NativeInternodeBackend:
         # detected only at the deadline). The drain polls an event and aborts the waits as soon as the proxy reports
         # a failure. Elsewhere (verbs: the NIC moves the bytes; or eager loading) the host goes on launching and the
         # GPU runs the steps back to back; errors are read from the error word here and at the next call.
-        if self._drain_after_waits if drain is None else drain:
-            self._drain(what or f"{phase} wait")
-        else:
-            self._check(what or f"{phase} wait")
+        self._settle(what or f"{phase} wait", drain)
 
     def _lap(self, step: Optional[str]) -> None:
         """Benchmarks: add the host wall time since the previous lap to ``step`` (None: start a call)."""
@@ -650,7 +655,7 @@ class NativeInternodeBackend:
         if args.handle is None and args.num_tokens_per_expert is None:  # before any traffic: peers would hang
             raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) when no handle is given")
         # The previous call's waits must be over before anything new is launched (see _push_and_wait)
-        self._drain("entry of dispatch") if self._drain_after_waits else self._check("entry of dispatch")
+        self._settle("entry of dispatch")
         if args.handle is not None:  # every rank finished its previous use of the areas ...
             self._barrier("entry of dispatch")
         # ... which, without a handle, notify proves: each rank drains its stream before the count exchange
@@ -837,7 +842,7 @@ class NativeInternodeBackend:
         check_area("combine (RDMA)", [int(h.counts.node_counts[r].sum()) for r in range(self.R)], cstride,
                    self.half_rdma, "num_rdma_bytes")
         self._lap("combine.prepare")
-        self._drain("entry of combine") if self._drain_after_waits else self._check("entry of combine")
+        self._settle("entry of combine")
         self._barrier("entry of combine")  # every rank finished its previous use of the areas
         self._lap("combine.entry")
         stream = self._stream()
@@ -886,7 +891,7 @@ class NativeInternodeBackend:
                 vals = got[start:start + c, :4 * C].contiguous().view(torch.float32)
                 out.index_add_(0, h.plan.hop1_token[start:start + c], vals)
             start += c
-        self._drain("combine") if self._drain_after_waits else self._check("combine")
+        self._settle("combine")
         combined_x = out[:, :H].to(x.dtype)
         combined_w = out[:, H:].contiguous() if topk_weights is not None else None
         nvlink = combine_nvlink_rows(h.counts, self.rank, G)
