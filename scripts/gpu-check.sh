@@ -6,8 +6,8 @@
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), fifo (GPU
 # producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
 # CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency with staggered
-# watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered case, LOOPS times),
-# bench_internode_eager (bench_internode's uncapped runs under CUDA_MODULE_LOADING=EAGER: the host path without drains).
+# watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered case, LOOPS times).
+# INTERNODE_K selects internode tests by pytest -k expression.
 # TRAIN_DISPATCHERS (default "uccl alltoall") picks the dispatchers the train step compares; EMULATE_NODES (default
 # "2") the node counts bench_internode plays with the host's GPUs (e.g. "2 4" on 4 GPUs: 2 x 2 and 4 x 1).
 set -uo pipefail
@@ -44,7 +44,8 @@ for step in "${steps[@]}"; do
   case $step in
     kernels) run kernels 150 "${tr2[@]}" -m pytest -x -q -rf tests/kernels/test_intranode_gpu.py ;;
     moelayer) run moelayer 180 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
-    internode) run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode ;;
+    internode) run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode \
+                 ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
     bench_dispatch) run bench_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --json "$OUT/dispatch.json" ;;
     bench_dispatch_24)  # every kernel of a call on 24 SMs, local ones included (DeepEP's rule), headline shape only
       run bench_dispatch_24 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --local-sms 24 --sweep "" \
@@ -62,11 +63,6 @@ for step in "${steps[@]}"; do
           --emulate-nodes "$n" --json "$OUT/internode-${n}n-uncapped.json"
         UCCL_EP_LOOPBACK_BW_GBPS=50 run "bench_internode_${n}n_capped" "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" \
           -m uccl_ep_train bench internode --emulate-nodes "$n" --json "$OUT/internode-${n}n-capped50.json"
-      done ;;
-    bench_internode_eager)  # the same with CUDA_MODULE_LOADING=EAGER: no host drain after the network waits
-      for n in ${EMULATE_NODES:-2}; do
-        CUDA_MODULE_LOADING=EAGER run "bench_internode_${n}n_eager" "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" \
-          -m uccl_ep_train bench internode --emulate-nodes "$n" --json "$OUT/internode-${n}n-uncapped-eager.json"
       done ;;
     profile)
       run profile_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --sweep "" --iters 10 \

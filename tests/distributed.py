@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -32,7 +33,7 @@ def _context():
     return _CONTEXT
 
 
-def _child(fn, rank: int, world_size: int, args: tuple, port: int, backend: str, timeout: float,
+def _child(call: bytes, rank: int, world_size: int, port: int, backend: str, timeout: float,
            env: Dict[str, str], sys_path: List[str], results) -> None:
     try:
         import faulthandler
@@ -41,6 +42,9 @@ def _child(fn, rank: int, world_size: int, args: tuple, port: int, backend: str,
         _answer_state_requests(rank, results)
         sys.path[:] = sys_path
         os.environ.update(env)
+        # Unpickled only now: importing fn's module may initialize CUDA (torch.cuda.device_count() at module level
+        # does), and settings CUDA reads once at initialization (CUDA_MODULE_LOADING) must come from ``env``.
+        fn, args = pickle.loads(call)
         import torch
         import torch.distributed as dist
 
@@ -100,7 +104,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, args, store.port, backend, timeout,
+    call = pickle.dumps((fn, args))
+    procs = [ctx.Process(target=_child, args=(call, rank, world_size, store.port, backend, timeout,
                                               dict(env or {}), list(sys.path), results), daemon=True)
              for rank in range(world_size)]
     for p in procs:

@@ -81,3 +81,11 @@ def test_a_rank_stuck_in_a_native_wait_still_reports_its_state():
     assert "rank zero gave up" in msg
     assert "state of rank 1 when asked after the failure:\nno internode backend imported" in msg
     assert "state of rank 2 when asked after the failure" in msg
+
+
+def test_run_distributed_env_is_set_before_the_functions_module_is_imported():
+    """CUDA fixes its module loading mode at initialization, which a test module's import can trigger
+    (torch.cuda.device_count()): the env of run_distributed must already be there when fn's module loads."""
+    from tests.fixtures.import_time_env import seen_at_import
+
+    assert run_distributed(seen_at_import, 2, timeout=60, env={"UCCL_EP_TEST_IMPORT_PROBE": "on"}) == ["on", "on"]

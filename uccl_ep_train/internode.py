@@ -168,27 +168,13 @@ def resolve_internode_transport(setting: str, hostnames: Sequence[str], rank: in
         gid_index=tuple(nics.gid_index), efa=nics.efa)
 
 
-def cuda_lazy_loading() -> bool:
-    """True when CUDA loads kernels lazily in this process (torch's default), asked of the driver
-    (cuModuleGetLoadingMode); without an answer, from CUDA_MODULE_LOADING as torch leaves it. Call after CUDA is
-    initialized: the mode is fixed then."""
-    try:
-        import ctypes
-
-        mode = ctypes.c_int(0)
-        if ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode(ctypes.byref(mode)) == 0:
-            return mode.value == 2  # CU_MODULE_LAZY_LOADING (CU_MODULE_EAGER_LOADING is 1)
-    except (OSError, AttributeError):
-        pass
-    return os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER"
-
-
-def drain_after_waits(setting: str, transport: str, lazy_loading: bool) -> bool:
-    """Whether the host waits for its stream after every network wait (UCCL_EP_DRAIN_AFTER_WAITS). Needed only where
-    a lazily loaded kernel, launched while a wait spins, could deadlock: with the loopback transport the bytes a wait
-    needs are device copies issued by the proxies of the same CUDA contexts, which queue behind the load, which
-    waits for the spinning kernel. Over verbs the NIC moves the bytes, so a load only delays the host."""
-    return setting == "always" or (transport == "loopback" and lazy_loading)
+def drain_after_waits(setting: str) -> bool:
+    """Whether the host waits for its stream after every network wait (UCCL_EP_DRAIN_AFTER_WAITS): ``always``
+    (the default) or ``never``. ``never`` lets the host launch the next steps while a wait spins; on 2x H200 with the
+    loopback transport that stalled (data arriving only after the waiting kernel's deadline) and, on 2 x 2, returned
+    wrong cached-dispatch rows, with CUDA's lazy module loading (session 3) and with eager loading (session 6) alike
+    (docs/internode.md, "Drains"). It is kept to study that failure, not for training."""
+    return setting == "always"
 
 
 def select_internode_transport(setting: str, rank: int, world: int, group: Any,
@@ -364,8 +350,7 @@ class NativeInternodeBackend:
         self._barrier_slot = 2 * self.N * self.L
         self._notify_slot = self._barrier_slot + 1
         self._fixed_tables: dict = {}  # (phase, row bytes) -> device push table that never changes (barrier, notify)
-        self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(
-            s.kernel.drain_after_waits, self.transport.name, cuda_lazy_loading())
+        self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(s.kernel.drain_after_waits)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
@@ -560,13 +545,8 @@ class NativeInternodeBackend:
         if timing:
             t1.record()
             self.network_timing.setdefault(phase, []).append((t0, t1))
-        # With the loopback transport under CUDA's lazy module loading (torch's default), nothing else may be
-        # launched while wait_signals spins: the first launch of a kernel not yet loaded synchronizes the context,
-        # i.e. waits for our spinning kernel, whose data needs the proxies' device copies, which queue behind that
-        # same load -- a stall until the GPU deadline (seen as the capped-NIC bench stall and as a killed peer
-        # detected only at the deadline). The drain polls an event and aborts the waits as soon as the proxy reports
-        # a failure. Elsewhere (verbs: the NIC moves the bytes; or eager loading) the host goes on launching and the
-        # GPU runs the steps back to back; errors are read from the error word here and at the next call.
+        # Nothing else is launched while wait_signals spins (docs/internode.md, "Drains"): the host drains the
+        # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
         self._settle(what or f"{phase} wait", drain)
 
     def _lap(self, step: Optional[str]) -> None:

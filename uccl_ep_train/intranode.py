@@ -20,15 +20,16 @@ from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
 
 
 def nvl_bytes_needed(num_max_tokens_per_rank: int, num_ranks: int, hidden: int, num_topk: int,
-                     element_size: int = 2) -> int:
+                     element_size: int = 2, num_worst_rows: int = 0) -> int:
     """num_nvl_bytes that lets any routing of up to ``num_max_tokens_per_rank`` tokens per rank go through.
 
     Direct placement sizes for the worst case, every token of every rank landing on one rank: the dispatch receive
     area (payload, FP8 scales, top-k ids and weights, source index per row) and the combine area share the buffer,
     so the larger of the two is needed. Combine copies cross the link in x's dtype; this sizes for float32 x (the
-    widest combine input).
+    widest combine input). ``num_worst_rows``: the sync-free row count a caller passes as num_worst_tokens, when it
+    exceeds tokens x ranks (expert-major rows: one per token and selected local expert).
     """
-    rows = num_max_tokens_per_rank * num_ranks
+    rows = max(num_max_tokens_per_rank * num_ranks, num_worst_rows)
     num_scales = (hidden + 127) // 128
     dispatch = rows * (hidden * element_size + 4 * num_scales + 12 * num_topk + 4) + 5 * 16
     combine = rows * (2 * (2 * hidden) + 4 * num_topk) + 2 * 16  # combine areas count in bf16 units

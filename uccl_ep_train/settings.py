@@ -161,10 +161,10 @@ class KernelSettings:
     gpu_timeout_secs: float = field(default=100.0, metadata=_meta(
         "UCCL_EP_GPU_TIMEOUT_SECS", "deadline for any GPU spin wait before the kernel reports and traps",
         _float(0.001)))
-    drain_after_waits: str = field(default="auto", metadata=_meta(
-        "UCCL_EP_DRAIN_AFTER_WAITS", "internode: the host waits for its stream after every network wait. auto: only "
-        "where a kernel loaded lazily while a wait spins could deadlock (loopback transport under CUDA's lazy module "
-        "loading; set CUDA_MODULE_LOADING=EAGER to pipeline the emulation too); always", _choice("auto", "always")))
+    drain_after_waits: str = field(default="always", metadata=_meta(
+        "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
+        "never: launch on while the wait spins; it stalled and corrupted cached dispatches on the loopback transport "
+        "(docs/internode.md, Drains): for investigation only", _choice("always", "never")))
 
 
 @dataclass(frozen=True)

@@ -410,6 +410,7 @@ class LoopbackTransport final : public Transport {
   static constexpr uint64_t kLivenessPeriodNs = 5'000'000;
   static constexpr uint64_t kCopyDeadlineNs = 300'000'000'000ull;  // one device copy: a wedged GPU, not a slow one
   static constexpr uint64_t kDrainDeadlineNs = 10'000'000'000ull;  // copies still running when the endpoint closes
+  static constexpr uint64_t kReorderHoldNs = 50'000;  // a due write waits at most this long for others to shuffle with
 
   // A posted operation. Its bytes start moving at post (host: memcpy at once; device: an async copy on our stream),
   // as a NIC starts DMA at once; what the emulation delays is the *completion*: the immediate (and the local
@@ -589,8 +590,10 @@ class LoopbackTransport final : public Transport {
       return;
     }
     if (!in_order_) {
-      // Let a group build up while the proxy keeps posting; complete it shuffled once full or posting paused.
-      if (n < group && posted_since_poll_) {
+      // Let a group build up: complete it shuffled once it is full, or once its oldest write has been due for
+      // kReorderHoldNs. Without the hold a proxy polling faster than writes become due completes them one at a time,
+      // in order, and the receiver's sequence numbers are never exercised (seen on 2x H200, 2 nodes x 1 GPU).
+      if (n < group && (posted_since_poll_ || now < posted_[0].deliver_at + kReorderHoldNs)) {
         posted_since_poll_ = false;
         return;
       }

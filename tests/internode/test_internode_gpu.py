@@ -96,11 +96,17 @@ def test_reordered_transport_with_inflight_cap_one_and_tiny_chunks_still_matches
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
 def test_reordered_transport_with_several_writes_in_flight_still_matches(world, G):
     """With one write in flight the loopback never actually reorders (a write's completion and its immediate leave
-    together); four in flight let deliveries overtake each other, so the sequence numbers must restore the order."""
+    together); four in flight let deliveries overtake each other, so the sequence numbers must restore the order.
+    Holding happens only between writes of one (sender, slot) lane, so: one proxy thread with one FIFO (every chunk
+    on one lane), a byte cap of 256 KiB (64 KiB chunks: caps below 256 KiB are one chunk, one write in flight), and
+    a 100 us delivery delay, so that the writes posted together become ready together and are shuffled as a group."""
     _need(world)
-    env = {"UCCL_EP_LOOPBACK_REORDER": "8", "UCCL_IB_MAX_INFLIGHT_NORMAL": "4", "UCCL_IB_MAX_INFLIGHT_BYTES": "16384",
+    env = {"UCCL_EP_LOOPBACK_REORDER": "8", "UCCL_IB_MAX_INFLIGHT_NORMAL": "4", "UCCL_IB_MAX_INFLIGHT_BYTES": "262144",
+           "UCCL_EP_NUM_PROXY_THREADS": "1", "UCCL_EP_FIFOS_PER_THREAD": "1", "UCCL_EP_LOOPBACK_DELAY_US": "100",
            "UCCL_EP_LOOPBACK_SEED": "11", "UCCL_EP_CPU_TIMEOUT_SECS": "30", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
     out = run_distributed(_cases, world, G, ALL, 1, timeout=420, env=env)
+    assert all(done == len(ALL) for done, _ in out)
+    assert max(st["max_inflight_writes"] for _, st in out) > 1, "never more than one write in flight"
     assert max(st["max_reorder_held"] for _, st in out) > 0, "nothing was delivered out of order"
 
 
@@ -114,18 +120,6 @@ def test_slow_writes_of_the_last_combine_are_delivered_before_teardown(world, G)
            "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
     out = run_distributed(_cases, world, G, ALL[:2], 1, timeout=420, env=env)
     assert all(done == 2 for done, _ in out)
-
-
-@pytest.mark.parametrize("world,G", TOPOLOGIES)
-def test_eager_module_loading_lets_the_host_skip_the_drains_and_outputs_still_match(world, G):
-    """Under CUDA_MODULE_LOADING=EAGER the loopback path needs no drain after its network waits (internode.py,
-    drain_after_waits): the host launches every step while the waits spin, and the GPU runs them back to back."""
-    _need(world)
-    env = {"CUDA_MODULE_LOADING": "EAGER", "UCCL_EP_LOOPBACK_REORDER": "8", "UCCL_EP_CPU_TIMEOUT_SECS": "60",
-           "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
-    out = run_distributed(_cases, world, G, ALL, 1, timeout=420, env=env)
-    assert all(done == len(ALL) for done, _ in out)
-    assert not any(st["drain_after_waits"] for _, st in out), "eager loading should have turned the drains off"
 
 
 def _absent_peer(rank, world, G):

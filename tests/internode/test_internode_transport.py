@@ -158,23 +158,11 @@ def test_the_nic_follows_the_gpus_pci_address_when_cuda_visible_devices_renumber
     assert "0000:26:00.0" in missing.problem
 
 
-def test_the_host_drains_after_network_waits_only_where_a_lazy_kernel_load_could_deadlock():
+def test_the_host_drains_after_every_network_wait_unless_told_never():
     from uccl_ep_train.internode import drain_after_waits
+    from uccl_ep_train.settings import SettingsError, load_settings
 
-    assert drain_after_waits("auto", "loopback", lazy_loading=True)  # proxies' device copies queue behind the load
-    assert not drain_after_waits("auto", "loopback", lazy_loading=False)  # CUDA_MODULE_LOADING=EAGER
-    assert not drain_after_waits("auto", "verbs", lazy_loading=True)  # the NIC moves the bytes
-    assert drain_after_waits("always", "verbs", lazy_loading=False)
-
-
-def test_lazy_loading_without_a_driver_follows_cuda_module_loading(monkeypatch):
-    from uccl_ep_train import internode
-
-    def no_driver(name):
-        raise OSError(f"{name}: cannot open shared object file")
-
-    monkeypatch.setattr("ctypes.CDLL", no_driver)
-    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
-    assert internode.cuda_lazy_loading()  # torch's default
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "eager")
-    assert not internode.cuda_lazy_loading()
+    assert load_settings({}).kernel.drain_after_waits == "always"
+    assert drain_after_waits("always") and not drain_after_waits("never")
+    with pytest.raises(SettingsError, match="UCCL_EP_DRAIN_AFTER_WAITS"):
+        load_settings({"UCCL_EP_DRAIN_AFTER_WAITS": "auto"})  # the old lazy-loading rule is gone: say so, loudly

@@ -24,3 +24,16 @@ def test_nvl_bytes_hint_exceeds_deepeps_ring_hint_at_deepseek_v3_shape():
     """Why the Megatron dispatcher asks for this hint: DeepEP's ring-sized hint is too small for direct placement."""
     ring = Buffer.get_dispatch_config(2).get_nvl_buffer_size_hint(7168 * 2, 2)
     assert Buffer.get_nvl_bytes_hint(4096, 7168, 8, 2) > ring
+
+
+def test_nvl_bytes_hint_admits_a_sync_free_row_count_beyond_tokens_times_ranks():
+    """Sync-free expert-major dispatch pads to one row per token and selected local expert (4096 x 2 x 8 rows at
+    DeepSeek-V3 shape on 2 ranks): the hint must hold them, or the dispatcher's first call fails (bench dispatcher's
+    uccl-sync-free did, needing 946 MB of a 235 MB buffer)."""
+    tokens, hidden, topk, ranks = 4096, 7168, 8, 2
+    worst = tokens * ranks * topk
+    hint = Buffer.get_nvl_bytes_hint(tokens, hidden, topk, ranks, num_worst_tokens=worst)
+    backend = SimpleNamespace(num_ranks=ranks)
+    assert hint >= NativeIntranodeBackend.dispatch_bytes_needed(backend, worst, 2 * hidden, hidden // 128, topk)
+    assert Buffer.get_nvl_bytes_hint(tokens, hidden, topk, ranks, num_worst_tokens=1) == \
+        Buffer.get_nvl_bytes_hint(tokens, hidden, topk, ranks)  # a smaller count never shrinks the hint

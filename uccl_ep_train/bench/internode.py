@@ -62,7 +62,7 @@ def run(args) -> int:
     import torch.distributed as dist
 
     from uccl_ep_train.backends import BackendContext, DispatchArgs
-    from uccl_ep_train.internode import NativeInternodeBackend, cuda_lazy_loading
+    from uccl_ep_train.internode import NativeInternodeBackend
     from uccl_ep_train.settings import load_settings
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -150,7 +150,7 @@ def run(args) -> int:
         "proxy": nat.proxy_stats(), "process_cpu_per_wall_s": cpu_frac,
         # whether the host waited for its stream after each network wait (internode.drain_after_waits): without the
         # drains the host steps below are launch times and the GPU runs the steps back to back
-        "drain_after_waits": nat._drain_after_waits, "cuda_lazy_loading": cuda_lazy_loading(),
+        "drain_after_waits": nat._drain_after_waits,
         "host_step_us_rank0": host_steps,  # mean host wall time per call and step (uncached and cached together)
         # median over the timed calls (dispatch: uncached and cached calls together), max over ranks
         "dispatch_network_hop_us": mx(statistics.median(hop_ms.get("dispatch_network", [0.0])) * 1e3),

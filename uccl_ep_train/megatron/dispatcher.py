@@ -67,9 +67,9 @@ def _buffer_sizes(buffer_cls, num_ranks: int, hidden_bytes: int, ranks_per_node:
     return nvl, rdma
 
 
-def get_buffer(group, hidden_bytes: int, num_tokens: int = 0, num_topk: int = 0):
-    """The shared Buffer of ``group`` with room for ``num_tokens`` tokens of ``hidden_bytes`` each and top-k width
-    ``num_topk`` (created, or grown, on demand)."""
+def get_buffer(group, hidden_bytes: int, num_tokens: int = 0, num_topk: int = 0, num_worst_tokens: int = 0):
+    """The shared Buffer of ``group`` with room for ``num_tokens`` tokens of ``hidden_bytes`` each, top-k width
+    ``num_topk`` and, in sync-free mode, ``num_worst_tokens`` received rows (created, or grown, on demand)."""
     from uccl_ep_train.buffer import Buffer
 
     from uccl_ep_train.buffer import _resolve_ranks_per_node
@@ -79,7 +79,8 @@ def get_buffer(group, hidden_bytes: int, num_tokens: int = 0, num_topk: int = 0)
     per_node = _resolve_ranks_per_node(None, load_settings(), num_ranks)  # as the Buffer will resolve it
     nvl, rdma = _buffer_sizes(Buffer, num_ranks, hidden_bytes, per_node)
     if num_tokens and hasattr(Buffer, "get_nvl_bytes_hint"):
-        nvl = max(nvl, Buffer.get_nvl_bytes_hint(num_tokens, hidden_bytes // 2, num_topk, num_ranks))
+        nvl = max(nvl, Buffer.get_nvl_bytes_hint(num_tokens, hidden_bytes // 2, num_topk, num_ranks,
+                                                 num_worst_tokens=num_worst_tokens))
     if num_tokens and hasattr(Buffer, "get_internode_bytes_hint"):
         # Across nodes (real or emulated) the internode backend's staged areas must hold a whole call; without this
         # the RDMA hint was asked for one node (0 bytes), the backend fell back to 256 MiB and refused large layers.
@@ -343,7 +344,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             num_worst = self.options.num_worst_tokens or num_tokens * self.comm_size * per_token
         async_comm = self.options.async_comm and hidden_states.is_cuda
         buffer = get_buffer(self.comm_group, hidden_states.shape[-1] * max(hidden_states.element_size(), 2),
-                            num_tokens, self.router_topk)
+                            num_tokens, self.router_topk, num_worst)
         self._route = _Route(buffer, topk_idx.to(torch.int64).contiguous(), self.num_experts * self.tp_size,
                              self.options, self.expert_major, num_worst, async_comm)
         return hidden_states, topk_probs
