@@ -908,8 +908,10 @@ class NativeInternodeBackend:
                 except Exception as exc:  # noqa: BLE001 - teardown: report, then free anyway
                     print(f"uccl-ep: rank {self.rank}: destroy: the proxy did not deliver every write within "
                           f"{self.cpu_timeout:.0f} s (peers waiting for them will time out): {exc}", file=sys.stderr)
-        except InternodeError:
-            pass  # the error was raised to the caller already (or is moot at teardown); free anyway
+        except InternodeError as exc:
+            # _check clears the error word when it raises, so what is found here no call has reported (e.g. a wait
+            # of the last call that failed after the call returned), or it is the proxy's standing error. Say it.
+            print(f"uccl-ep: rank {self.rank}: destroy found an error: {exc}", file=sys.stderr)
         finally:
             self._cx.destroy()
 

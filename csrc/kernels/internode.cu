@@ -51,11 +51,19 @@ __device__ void report(ErrorWord* err, int code, int rank, int slot, int aux, in
   }
 }
 
+// A rank whose wait failed (timed out, or aborted by the host) must not go on sending or forwarding: the rows it
+// would pass on were never received. Without this, a step launched behind the failed wait (nothing stops the
+// stream) scattered stale records into its node peers' final rows and pushed its barrier, and the peers returned
+// wrong rows without an error of their own. Skipping instead leaves the peers' waits to time out naming this rank.
+__device__ bool failed(const ErrorWord* err) {
+  return err && *reinterpret_cast<const volatile int32_t*>(&err->code) != 0;
+}
+
 __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const long long* table, int n,
                                    long long chunk_records, int rank, int phase, unsigned long long timeout_ns,
                                    ErrorWord* err) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
+  if (i >= n || failed(err)) return;
   const long long* row = table + i * kPushColumns;
   const long long records = row[kPushRecords];
   if (records <= 0) return;
@@ -113,6 +121,7 @@ __global__ void scatter_rows_kernel(char* dst, long long dst_stride, const long 
                                     long long src_stride, const long long* src_idx, long long n,
                                     long long row_bytes, long long dst_rows, ErrorWord* err, int rank, int phase,
                                     int target) {
+  if (failed(err)) return;
   const long long words = row_bytes / static_cast<long long>(sizeof(V));
   for (long long r = blockIdx.x; r < n; r += gridDim.x) {
     const long long d = dst_idx ? dst_idx[r] : r;

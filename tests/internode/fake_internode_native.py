@@ -85,6 +85,11 @@ def _report(err: int, code: int, rank: int, slot: int, aux: int, phase: int, obs
         e.observed, e.expected, e.code = observed, expected, code
 
 
+def _failed(err: int) -> bool:
+    """failed() of the kernels: a rank whose error word is set sends and forwards nothing more."""
+    return bool(err) and ErrorWord.from_address(err).code != 0
+
+
 def _sweep_leftovers() -> None:
     sweep_leftovers(_PREFIX)
 
@@ -98,7 +103,7 @@ def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: 
                  target: int = -1) -> None:
     """scatter_rows_kernel: row i from src + s_i * src_stride to dst + d_i * dst_stride (index arrays: raw int64
     addresses, 0 = identity); a negative index skips the row; a d_i >= dst_rows (when >= 0) is reported, not written."""
-    if n <= 0 or row_bytes <= 0:
+    if n <= 0 or row_bytes <= 0 or _failed(err):
         return
     if not dst or not src:
         raise ValueError("scatter_rows: null pointer")
@@ -216,6 +221,8 @@ class InternodeContext:
             raise ValueError(f"push_chunks: chunk_records must be 1..{CMD_MAX_VALUE} (18-bit signal value)")
         if not self._started:
             raise RuntimeError("push_chunks before proxy_start (the fake has no FIFO to queue into)")
+        if _failed(self.error_word_ptr):
+            return
         for i, (dst, loff, roff, stride, records, slot, fifo) in enumerate(
                 _at(table, 8 * PUSH_COLUMNS * n, torch.int64).view(n, PUSH_COLUMNS).tolist()):
             hint = i if fifo < 0 else fifo

@@ -85,3 +85,30 @@ def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=Fa
                 (t1.nvlink_bytes, t1.network_bytes, t1.logical_bytes), f"{tag}: traffic"
             done += 1
     return done
+
+
+def check_a_failed_rank_sends_and_forwards_nothing(cx, scatter_rows, dev):
+    """With this rank's error word set (a wait failed or was aborted), push_chunks queues no command and
+    scatter_rows writes no row: a step launched behind the failed wait must not pass on rows it never received.
+    ``cx``: a one-rank InternodeContext (the native one or the CPU stand-in); ``dev``: where its regions live."""
+    from uccl_ep_train.internode import _raw_bytes
+
+    rdma = _raw_bytes(cx.rdma_ptr, cx.rdma_bytes, dev)
+    rdma[:4096] = torch.randint(0, 256, (4096,), dtype=torch.uint8, device=dev)
+    cx.abort_waits()
+    table = torch.tensor([[0, 0, 1024, 16, 10, 7, 1]], dtype=torch.int64, device=dev)
+    cx.push_chunks(table.data_ptr(), 1, 4, 1, 0)
+    before = rdma[2048:2048 + 4 * 32].clone()
+    scatter_rows(cx.rdma_ptr + 2048, 32, 0, cx.rdma_ptr, 16, 0, 4, 16, 0, dst_rows=4, err=cx.error_word_ptr, rank=0,
+                 phase=3, target=0)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    assert [f["tail"] for f in cx.fifo_states()] == [0] * len(cx.fifo_states()), "a failed rank pushed commands"
+    assert cx.signal_value(7) == 0 and cx.signal_value(8) == 0
+    assert torch.equal(rdma[2048:2048 + 4 * 32], before), "a failed rank forwarded rows"
+    cx.clear_error()  # the same calls move data again once the error is cleared (the host raised it)
+    scatter_rows(cx.rdma_ptr + 2048, 32, 0, cx.rdma_ptr, 16, 0, 4, 16, 0, dst_rows=4, err=cx.error_word_ptr, rank=0,
+                 phase=3, target=0)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    assert torch.equal(rdma[2048:2064], rdma[:16]) and torch.equal(rdma[2080:2096], rdma[16:32])

@@ -18,7 +18,7 @@ import torch
 from tests.distributed import run_distributed
 
 import fake_internode_native as fake
-from internode_cases import ALL, compare_cases
+from internode_cases import ALL, check_a_failed_rank_sends_and_forwards_nothing, compare_cases
 
 RDMA = 16 << 20
 NVL = 16 << 20
@@ -211,5 +211,13 @@ def test_stand_in_cuts_chunks_like_the_kernel_and_reports_encode_scatter_range_a
         t0 = time.monotonic()
         cx.wait_signals(waits.data_ptr(), 2, 1, 0)
         assert time.monotonic() - t0 < 0.04 and cx.error_fields()["code"] == fake.ERROR_CODES["aborted"]
+    finally:
+        cx.destroy()
+
+
+def test_stand_in_like_the_kernels_sends_and_forwards_nothing_once_the_ranks_error_word_is_set():
+    cx = _context()
+    try:
+        check_a_failed_rank_sends_and_forwards_nothing(cx, fake.scatter_rows, torch.device("cpu"))
     finally:
         cx.destroy()

@@ -32,7 +32,7 @@ if not (native.available() and hasattr(native.module(), "internode")):
 
 from tests.distributed import run_distributed  # noqa: E402
 
-from internode_cases import ALL, compare_cases  # noqa: E402  (shared with test_internode_backend_cpu.py)
+from internode_cases import ALL, check_a_failed_rank_sends_and_forwards_nothing, compare_cases  # noqa: E402  (shared with test_internode_backend_cpu.py)
 
 RDMA = 64 << 20
 NVL = 64 << 20
@@ -293,3 +293,21 @@ def test_a_signal_never_arrives_before_its_bytes_while_the_sender_spins_on_the_d
     for rank, (ok, err) in enumerate(out):
         assert not err, f"rank {rank}: {err}"
         assert ok, f"rank {rank}: the signal arrived before the bytes (stale data read after the wait)"
+
+
+def test_a_rank_whose_wait_failed_pushes_no_command_and_scatters_no_row():
+    """push_chunks_kernel and scatter_rows_kernel return at once when the rank's error word is set: steps launched
+    behind a failed wait used to pass stale rows on to the node's peers, which then returned them without an error
+    (seen with the drains off, session 6)."""
+    k = native.module().internode
+    cx = k.InternodeContext(rank=0, world=1, device=0, rdma_bytes=1 << 16, nvl_bytes=1 << 16, num_threads=1,
+                            fifos_per_thread=2, fifo_depth=64, cpus=[], idle_backoff_us=0, timeout_secs=5.0,
+                            max_inflight_writes=8, max_inflight_bytes=4096, reorder_window=256, num_signal_slots=512,
+                            loopback_reorder=0, loopback_delay_us=0, loopback_bandwidth_gbps=0.0, loopback_seed=0,
+                            gpu_timeout_secs=5.0)
+    try:
+        cx.proxy_connect([[cx.proxy_local_info(0)]])
+        cx.proxy_start()
+        check_a_failed_rank_sends_and_forwards_nothing(cx, k.scatter_rows, torch.device("cuda", 0))
+    finally:
+        cx.destroy()
