@@ -197,7 +197,7 @@ class DispatcherSettings:
         "UCCL_EP_SYNC_FREE", "no host sync: fixed-size outputs, token counts stay on the device (CUDA graphs)",
         _bool))
     num_worst_tokens: int = field(default=0, metadata=_meta(
-        "UCCL_EP_NUM_WORST_TOKENS", "rows received per rank in sync-free mode (0: tokens x ranks)", _int(0)))
+        "UCCL_EP_NUM_WORST_TOKENS", "rows received per rank in sync-free mode (0: the worst case, tokens x ranks, x min(top-k, local experts) with the expert-major receive)", _int(0)))
     expert_major: bool = field(default=True, metadata=_meta(
         "UCCL_EP_EXPERT_MAJOR", "receive tokens grouped by local expert, skipping permute/unpermute", _bool))
 

@@ -136,6 +136,7 @@ class Context {
   // constructor because a launch may be under CUDA-graph capture.
   enum LocalKernel { kLocalRecv, kLocalReduceBf16, kLocalReduceF32, kLocalPartialsBf16, kLocalPartialsF32, kLocalKernels };
   int whole_gpu_grid_[kLocalKernels] = {1, 1, 1, 1, 1};
+  int sms_ = 1;  // the device's SMs (blocks that clear the sync-free tail of the expert-major output)
   int local_grid(LocalKernel k, int local_sms) const;
 };
 

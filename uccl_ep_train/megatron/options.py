@@ -17,7 +17,7 @@ From uccl-ep-train's settings (environment, uccl_ep_train.settings; the ``dispat
 | ``async_comm`` | UCCL_EP_ASYNC_COMM | True | dispatch/combine on the Buffer's communication stream (CUDA) |
 | ``fp8_dispatch`` | UCCL_EP_DISPATCH_FP8 | False | send tokens as FP8 e4m3 + per-128-channel scales |
 | ``sync_free`` | UCCL_EP_SYNC_FREE | False | no host sync: fixed-size outputs, counts stay on the device |
-| ``num_worst_tokens`` | UCCL_EP_NUM_WORST_TOKENS | 0 | rows received in sync-free mode (0: tokens x ranks) |
+| ``num_worst_tokens`` | UCCL_EP_NUM_WORST_TOKENS | 0 | rows received in sync-free mode (0: the worst case, tokens x ranks, x min(top-k, local experts) with the expert-major receive) |
 | ``expert_major`` | UCCL_EP_EXPERT_MAJOR | True | receive in expert-major order when the Buffer can |
 
 The constructor's ``options=`` overrides them.
@@ -39,7 +39,7 @@ class DispatcherOptions:
 
     def __post_init__(self) -> None:
         if self.num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens={self.num_worst_tokens} must be >= 0 (0: tokens x ranks)")
+            raise ValueError(f"num_worst_tokens={self.num_worst_tokens} must be >= 0 (0: the worst case)")
         if self.num_worst_tokens and not self.sync_free:
             raise ValueError("num_worst_tokens only applies in sync-free mode: set sync_free too "
                              "(UCCL_EP_SYNC_FREE=1), or leave num_worst_tokens at 0")
