@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build with CUDA, run the GPU test suites and the benchmarks, keep logs under $OUT.
 # Usage (on the lent 2xH200 machine, from the repository root): bash scripts/gpu-check.sh [step ...]
-# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_proxy bench_internode train (default: all
-# but train and bench_internode);
+# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_sync_free bench_proxy bench_internode train
+# (default: all but train, bench_sync_free and bench_internode);
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), fifo (GPU
 # producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
 # CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency with staggered
@@ -52,6 +52,10 @@ for step in "${steps[@]}"; do
         --json "$OUT/dispatch-local24.json" ;;
     bench_dispatcher) run bench_dispatcher 150 "${tr2[@]}" -m uccl_ep_train bench dispatcher \
                         --dispatchers alltoall,allgather,flex,uccl,uccl-sync-free --json "$OUT/dispatcher.json" ;;
+    bench_sync_free)  # sync-free at a capacity near the real rows (~32768 per rank at this shape, 2 ranks) instead
+      # of the worst case (65536): what the padding costs
+      run bench_sync_free 150 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers uccl,uccl-sync-free \
+        --sync-free-rows "${SYNC_FREE_ROWS:-36000}" --json "$OUT/dispatcher-sync-free.json" ;;
     bench_proxy)  # the default push variant (single-owner warp writer), then the per-command atomic push
       UCCL_EP_CPU_TIMEOUT_SECS=20 run bench_proxy 90 python3 -m uccl_ep_train bench proxy --producer gpu \
         --fifos 1,2,4,8 --json "$OUT/proxy.json"

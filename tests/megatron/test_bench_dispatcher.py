@@ -49,5 +49,8 @@ def test_uccl_sync_free_builds_the_uccl_dispatcher_in_sync_free_mode_and_plain_u
     monkeypatch.setattr(uccl_dispatcher, "UCCLTokenDispatcher", Recorder)
     bench._build("uccl-sync-free", None, 4, [0, 1, 2, 3])
     bench._build("uccl", None, 4, [0, 1, 2, 3])
-    assert [o.sync_free for o in built] == [True, False]
+    bench._build("uccl-sync-free", None, 4, [0, 1, 2, 3], sync_free_rows=34000)
+    assert [o.sync_free for o in built] == [True, False, True]
+    assert [o.num_worst_tokens for o in built] == [0, 0, 34000]  # 0: the dispatcher's worst case
+    assert _parse(["--sync-free-rows", "34000"]).sync_free_rows == 34000 and _parse([]).sync_free_rows == 0
     assert _parse(["--dispatchers", "uccl,uccl-sync-free"]).dispatchers == "uccl,uccl-sync-free"

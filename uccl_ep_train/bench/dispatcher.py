@@ -8,7 +8,8 @@ identity experts (tokens x probs) -> combine_preprocess -> token_combine -> comb
 backward round trip, timed with CUDA events over ``--iters`` after ``--warmup``, the maximum over ranks of each
 rank's mean. Every dispatcher sees the same hidden states and routing (seeded). ``flex`` runs only when DeepEP is
 importable. ``uccl-sync-free`` is ``uccl`` in sync-free mode (UCCL_EP_SYNC_FREE: worst-case row counts, no host read
-of the token counts; not in the default list). The default shape is DeepSeek-V3's: 4096 tokens per rank, hidden 7168, top-8 of 256 experts.
+of the token counts; not in the default list; ``--sync-free-rows N`` receives N rows per rank instead of the worst
+case, as UCCL_EP_NUM_WORST_TOKENS does in training). The default shape is DeepSeek-V3's: 4096 tokens per rank, hidden 7168, top-8 of 256 experts.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
+    p.add_argument("--sync-free-rows", type=int, default=0, metavar="N",
+                   help="uccl-sync-free: rows each rank receives (its num_worst_tokens; 0: the worst case, tokens x "
+                        "ranks x min(top-k, local experts)). Fewer rows than a rank really receives is an error")
     p.add_argument("--profile", metavar="DIR",
                    help="after timing, profile 3 forward+backward round trips per dispatcher with torch.profiler and "
                         "write rank 0's op table (by CUDA time, then by CPU time) to DIR/<dispatcher>.txt")
@@ -56,7 +60,7 @@ def _routing(torch, tokens: int, experts: int, topk: int, seed: int, rank: int, 
     return routing_map.to(device), probs.to(device)
 
 
-def _build(name: str, cfg, num_local: int, local: list):
+def _build(name: str, cfg, num_local: int, local: list, sync_free_rows: int = 0):
     from megatron.core.transformer.moe import token_dispatcher as td
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -69,7 +73,7 @@ def _build(name: str, cfg, num_local: int, local: list):
 
         options = load_options()
         if name == "uccl-sync-free":
-            options = dataclasses.replace(options, sync_free=True)
+            options = dataclasses.replace(options, sync_free=True, num_worst_tokens=sync_free_rows)
         return UCCLTokenDispatcher(num_local, local, cfg, pg_collection=pg, options=options)
     cls = {"alltoall": td.MoEAlltoAllTokenDispatcher, "allgather": td.MoEAllGatherTokenDispatcher,
            "flex": td.MoEFlexTokenDispatcher}[name]
@@ -170,7 +174,7 @@ def run(args) -> int:
                                     expert_model_parallel_size=world, bf16=dtype == torch.bfloat16,
                                     params_dtype=dtype, moe_router_dtype="fp32",
                                     **({"moe_flex_dispatcher_backend": "deepep"} if name == "flex" else {}))
-            dispatcher = _build(name, cfg, num_local, local)
+            dispatcher = _build(name, cfg, num_local, local, args.sync_free_rows)
             row["forward_us"] = _time(torch, lambda: _round_trip(torch, dispatcher, hidden, routing_map, probs,
                                                                  False), args.warmup, args.iters)
             row["forward_backward_us"] = _time(torch, lambda: _round_trip(torch, dispatcher, hidden, routing_map,
