@@ -15,6 +15,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from uccl_ep_train.reference import count_ids
+
 #: Command-format limits (csrc/include/uccl_ep/command.hpp); mirrored here so planning can check without _C.
 CMD_UNIT = 16
 CMD_MAX_RANKS = 1 << 12
@@ -147,7 +149,7 @@ def local_count_row(is_token_in_rank: torch.Tensor, ranks_per_node: int,
             K = topk_idx.size(1)
             owner = torch.where(topk_idx >= 0, topk_idx // (tokens_per_expert.numel() // R), R)  # R: dropped
             slot = torch.arange(K, device=topk_idx.device).expand_as(topk_idx)
-            parts.append(torch.bincount((owner * K + slot).view(-1), minlength=(R + 1) * K)[:R * K].to(torch.int64))
+            parts.append(count_ids(owner * K + slot, R * K))
     return torch.cat(parts)
 
 

@@ -58,6 +58,16 @@ FP8_BLOCK = 128  # channels per float32 scale of an FP8 payload
 # Layout
 # --------------------------------------------------------------------------------------------------------------------
 
+def count_ids(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """How often each value in [0, num_bins) occurs in ``ids`` (int64 [num_bins]); other values count nowhere.
+    A fixed-size scatter: unlike ``bincount`` or a boolean-mask gather it never makes the host wait for the GPU
+    (the internode backend's layout and notify run on the device between its network waits)."""
+    ids = ids.reshape(-1).to(torch.int64)
+    bins = torch.where((ids >= 0) & (ids < num_bins), ids, torch.full_like(ids, num_bins))
+    counts = torch.zeros(num_bins + 1, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, bins, torch.ones_like(bins))[:num_bins]
+
+
 def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: Optional[int] = None
                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Counts and the token-to-rank map for ``topk_idx`` [T, K] int64 (-1 = dropped). Purely local.
@@ -69,8 +79,7 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     num_tokens = topk_idx.size(0)
     experts_per_rank = num_experts // num_ranks
     valid = topk_idx >= 0
-    flat = topk_idx[valid]
-    num_tokens_per_expert = torch.bincount(flat, minlength=num_experts).to(torch.int32)
+    num_tokens_per_expert = count_ids(topk_idx, num_experts).to(torch.int32)
     dest_rank = torch.where(valid, topk_idx // experts_per_rank, torch.zeros_like(topk_idx))
     hits = torch.zeros(num_tokens, num_ranks, dtype=torch.int32, device=topk_idx.device)
     hits.scatter_add_(1, dest_rank, valid.to(torch.int32))

@@ -315,3 +315,18 @@ def test_hierarchical_traffic_counts_network_once_per_node_and_nvlink_forwarding
 
 def test_gradients_match_autograd_of_independent_all_to_all_formulation(outcomes):
     expect(outcomes, "gradients")
+
+
+def test_count_ids_equals_bincount_of_the_in_range_ids_and_never_reads_back_to_the_host():
+    """count_ids replaces bincount and boolean-mask gathers where the GPU must not be waited for (the layout and the
+    notify row of the internode backend): same counts, out-of-range and dropped ids (-1) counted nowhere, and no
+    data-dependent output size (torch.bincount on a GPU reads the maximum back to size its output)."""
+    from uccl_ep_train.reference import count_ids
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, 40, (257, 8), generator=g)  # -1: dropped; 32..39: beyond the 32 bins
+    ids[:20] = 5  # skewed: one id dominates
+    kept = ids[(ids >= 0) & (ids < 32)]
+    assert torch.equal(count_ids(ids, 32), torch.bincount(kept, minlength=32))
+    assert count_ids(torch.full((4, 2), -1), 7).tolist() == [0] * 7  # everything dropped
+    assert count_ids(ids, 32).dtype == torch.int64 and count_ids(ids, 32).shape == (32,)
