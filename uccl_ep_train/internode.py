@@ -12,7 +12,6 @@ transport choice, regions, proxy bootstrap, the push/wait/scatter kernels, and t
 from __future__ import annotations
 
 import ctypes
-import os
 import socket
 import sys
 import time
@@ -171,9 +170,10 @@ def resolve_internode_transport(setting: str, hostnames: Sequence[str], rank: in
 def drain_after_waits(setting: str) -> bool:
     """Whether the host waits for its stream after every network wait (UCCL_EP_DRAIN_AFTER_WAITS): ``always``
     (the default) or ``never``. ``never`` lets the host launch the next steps while a wait spins; on 2x H200 with the
-    loopback transport that stalled (data arriving only after the waiting kernel's deadline) and, on 2 x 2, returned
-    wrong cached-dispatch rows, with CUDA's lazy module loading (session 3) and with eager loading (session 6) alike
-    (docs/internode.md, "Drains"). It is kept to study that failure, not for training."""
+    loopback transport that stalled (data arriving only after the waiting kernel's deadline), with CUDA's lazy module
+    loading (session 3) and with eager loading (session 6) alike; the steps already queued behind a failed wait then
+    passed stale rows on (the kernels now refuse to once the error word is set). docs/internode.md, "Drains". It is
+    kept to study that failure, not for training."""
     return setting == "always"
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.distributed import run_distributed
 from uccl_ep_train import internode as inn

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from uccl_ep_train.launchers.recipes import GROUPS, RecipeError, available
 
