@@ -346,7 +346,11 @@ void Context::proxy_stop() {
 void Context::proxy_wait_idle(double timeout_secs) {
   if (proxy_) proxy_->wait_idle(timeout_secs);
 }
-std::string Context::proxy_error() const { return proxy_ && proxy_->failed() ? proxy_->error() : std::string(); }
+std::string Context::proxy_error() const {
+  // Under diag_mu_ like the other diagnostics: a harness thread may ask while the main thread tears down.
+  std::lock_guard<std::mutex> g(diag_mu_);
+  return !destroyed_ && proxy_ && proxy_->failed() ? proxy_->error() : std::string();
+}
 
 ProxyThreadStats Context::proxy_totals() const {
   std::lock_guard<std::mutex> g(diag_mu_);
