@@ -498,10 +498,12 @@ class NativeInternodeBackend:
         own = base + self.rank * rb
         width = 8 * row.numel()
         self._rdma[own:own + width].view(torch.int64).copy_(row)
+        self._lap("dispatch.notify_row")  # benchmarks: the count row's launches (and any wait they hide)
         # one write of the row's used width (the same on every rank: same group, same number of experts)
         rows = [[r, own, own, _align(width), 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
         self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)",
                             fixed=True, drain=True)  # the host reads the rows right below
+        self._lap("dispatch.notify_exchange")  # until every peer's row is here: the ranks' skew shows up here
         mat = self._rdma[base:base + R * rb].view(R, rb)[:, :width].cpu().contiguous().view(torch.int64)
         return counts_from_rows(mat, R, self.N, **shape)
 

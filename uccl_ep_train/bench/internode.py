@@ -110,6 +110,8 @@ def run(args) -> int:
     hop_ms = {ph: [a.elapsed_time(b) for a, b in ev] for ph, ev in nat.network_timing.items()}
     nat.network_timing = None
     host_steps = {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}  # us per call
+    steps_by_rank = [None] * world  # a step one rank spends waiting for the others shows as skew between ranks
+    dist.all_gather_object(steps_by_rank, host_steps)
     nat.host_timing = None
 
     # NCCL baseline: the same rows (one per (token, destination rank)), uneven splits
@@ -152,6 +154,7 @@ def run(args) -> int:
         # drains the host steps below are launch times and the GPU runs the steps back to back
         "drain_after_waits": nat._drain_after_waits,
         "host_step_us_rank0": host_steps,  # mean host wall time per call and step (uncached and cached together)
+        "host_step_us_by_rank": steps_by_rank,
         # median over the timed calls (dispatch: uncached and cached calls together), max over ranks
         "dispatch_network_hop_us": mx(statistics.median(hop_ms.get("dispatch_network", [0.0])) * 1e3),
         "combine_network_hop_us": mx(statistics.median(hop_ms.get("combine_network", [0.0])) * 1e3),
