@@ -14,22 +14,32 @@ import torch
 HIDDEN_DEFAULT = 16
 
 
-def two_rank_hook_cases() -> dict:
-    """The dispatcher-hook cases every backend must pass on 2 ranks: name -> (case function, kwargs)."""
+def hook_cases(ep: int) -> dict:
+    """The dispatcher-hook cases every backend must pass on ``ep`` ranks (expert TP 1): name -> (case function,
+    kwargs). The small cases have two experts per rank; the expert-major and permute ones eight experts in all."""
     from uccl_ep_train.megatron.options import DispatcherOptions as O
 
+    few = 2 * ep
     return {
-        "identity": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=12, identity=True)),
-        "expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16,
+        "identity": ("hooks_case", dict(ep=ep, etp=1, num_experts=few, topk=2, tokens=12, identity=True)),
+        "expert_major": ("hooks_case", dict(ep=ep, etp=1, num_experts=8, topk=3, tokens=16,
                                             options=O(expert_major=True))),
-        "local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=8, topk=3, tokens=16,
+        "local_permute": ("hooks_case", dict(ep=ep, etp=1, num_experts=8, topk=3, tokens=16,
                                              options=O(expert_major=False))),
-        "sync_free_expert_major": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
+        "sync_free_expert_major": ("hooks_case", dict(ep=ep, etp=1, num_experts=few, topk=2, tokens=8, kind="skewed",
                                                       options=O(sync_free=True, expert_major=True))),
-        "sync_free_local_permute": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, kind="skewed",
-                                                       options=O(sync_free=True, expert_major=False))),
-        "fp8": ("hooks_case", dict(ep=2, etp=1, num_experts=4, topk=2, tokens=8, hidden=128,
+        "sync_free_local_permute": ("hooks_case", dict(ep=ep, etp=1, num_experts=few, topk=2, tokens=8,
+                                                       kind="skewed", options=O(sync_free=True, expert_major=False))),
+        "fp8": ("hooks_case", dict(ep=ep, etp=1, num_experts=few, topk=2, tokens=8, hidden=128,
                                    options=O(fp8_dispatch=True))),
+    }
+
+
+def four_rank_cases() -> dict:
+    """The cases that need 4 ranks: dropped experts on EP 4, and expert TP 2 x EP 2."""
+    return {
+        "dropped": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=10, kind="dropped")),
+        "expert_tp": ("hooks_case", dict(ep=2, etp=2, num_experts=4, topk=2, tokens=8)),
     }
 
 

@@ -13,18 +13,13 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.megatron import hook_cases
-from uccl_ep_train.megatron.options import DispatcherOptions
 
 pytest.importorskip("uccl_ep_train.buffer")
 
 EXACT = 1e-5
-O = DispatcherOptions
-TWO_RANKS = dict(hook_cases.two_rank_hook_cases(),
+TWO_RANKS = dict(hook_cases.hook_cases(2),
                  moelayer=("moelayer_case", dict(ep=2, num_experts=4, topk=2, tokens=8, hidden=16)))
-FOUR_RANKS = {
-    "dropped": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=10, kind="dropped")),
-    "expert_tp": ("hooks_case", dict(ep=2, etp=2, num_experts=4, topk=2, tokens=8)),
-}
+FOUR_RANKS = hook_cases.four_rank_cases()
 
 
 @pytest.fixture(scope="module")

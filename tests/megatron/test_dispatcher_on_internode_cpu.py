@@ -22,31 +22,17 @@ import pytest
 from tests.distributed import run_distributed
 from tests.internode import fake_internode_native as fake
 from tests.megatron import hook_cases
-from uccl_ep_train.megatron.options import DispatcherOptions
 
 pytest.importorskip("uccl_ep_train.buffer")
 
 EXACT = 1e-5  # as test_dispatcher_hooks.py
-O = DispatcherOptions
 # As test_internode_backend_cpu.py: several lanes and small writes, so blocks are cut into chunks over every lane.
 ENV = {"UCCL_EP_BACKEND": "native", "UCCL_EP_NUM_PROXY_THREADS": "2", "UCCL_EP_FIFOS_PER_THREAD": "2",
        "UCCL_IB_MAX_INFLIGHT_BYTES": "4096", "UCCL_EP_CPU_TIMEOUT_SECS": "30", "UCCL_EP_GPU_TIMEOUT_SECS": "30"}
 
-TWO_RANKS = hook_cases.two_rank_hook_cases()  # 2 nodes x 1 rank
-FOUR_RANKS = {  # 2 nodes x 2 ranks: NVLink hop and network hop both carry tokens
-    "identity": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=12, identity=True)),
-    "expert_major": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=3, tokens=16, options=O(expert_major=True))),
-    "local_permute": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=3, tokens=16,
-                                         options=O(expert_major=False))),
-    "sync_free_expert_major": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=8, kind="skewed",
-                                                  options=O(sync_free=True, expert_major=True))),
-    "sync_free_local_permute": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=8, kind="skewed",
-                                                   options=O(sync_free=True, expert_major=False))),
-    "fp8": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=8, hidden=128,
-                               options=O(fp8_dispatch=True))),
-    "dropped": ("hooks_case", dict(ep=4, etp=1, num_experts=8, topk=2, tokens=10, kind="dropped")),
-    "expert_tp": ("hooks_case", dict(ep=2, etp=2, num_experts=4, topk=2, tokens=8)),
-}
+TWO_RANKS = hook_cases.hook_cases(2)  # 2 nodes x 1 rank
+# 2 nodes x 2 ranks: NVLink hop and network hop both carry tokens
+FOUR_RANKS = dict(hook_cases.hook_cases(4), **hook_cases.four_rank_cases())
 
 
 def _install_internode_on_cpu() -> list:
