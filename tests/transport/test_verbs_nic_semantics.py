@@ -19,6 +19,14 @@ def _ranks(world, devices=("mlx5_0",), **kw):
     return [verbs.VerbsTransport(r, world, list(devices), **kw) for r in range(world)]
 
 
+def _connect(ts, buffers, nbytes=4096):
+    """Register an ``nbytes`` buffer on every rank and connect them all (the setup most tests share)."""
+    for t in ts:
+        t.register_memory(buffers.new(nbytes), nbytes)
+    connect_all(ts)
+    return ts
+
+
 def _local_write_lkeys():
     """lkeys of the local-only registrations (the receive scratch buffer and the atomics scratch word)."""
     out = set()
@@ -38,9 +46,7 @@ def test_every_receive_carries_one_registered_sge_since_efa_drops_zero_sge_recei
     posts = calls("ibv_post_recv")
     assert posts and all(p["total_sge"] == p["count"] for p in posts)
     assert all(p["sge_lkey"] in _local_write_lkeys() and p["sge_length"] > 0 for p in posts)
-    for t in ts:
-        t.register_memory(buffers.new(4096), 4096)
-    connect_all(ts)
+    _connect(ts, buffers)
     if nic == "efa":
         qpn = [c["qp_num"] for c in calls("efadv_create_qp_ex")]
         assert fake.posted_recvs(qpn[1]) == 4
@@ -63,9 +69,7 @@ def test_cq_holds_every_signalled_send_and_posted_receive_of_its_queue_pairs(fak
     qps = calls("ibv_create_qp")[:4]                        # rank 0's QPs, to ranks 0..3
     (cq,) = [c for c in calls("ibv_create_cq")][:1]
     assert cq["cqe"] >= sum(q["max_send_wr"] + q["max_recv_wr"] for q in qps)
-    for t in ts:
-        t.register_memory(buffers.new(1 << 16), 1 << 16)
-    connect_all(ts)
+    _connect(ts, buffers, 1 << 16)
     # rank 0 stops polling while every peer fills its receive queue and it fills every send queue
     for q in qps:
         for _ in range(q["max_recv_wr"]):
@@ -78,35 +82,20 @@ def test_cq_holds_every_signalled_send_and_posted_receive_of_its_queue_pairs(fak
     assert len(got) == 4 * 64 + 4 * 64
 
 
-def test_rc_initiator_and_responder_depths_follow_their_own_device_limits(fake_nics, buffers):
-    # max_rd_atomic (initiator) <= max_qp_init_rd_atom and max_dest_rd_atomic (responder) <= max_qp_rd_atom; the
-    # fake NIC reports 8 and 16 (ibv_query_device(3)); a provider rejects RTS/RTR above them with EINVAL.
-    fake_nics([cx7("mlx5_0")])
-    ts = _ranks(2)
-    for t in ts:
-        t.register_memory(buffers.new(4096), 4096)
-    connect_all(ts)
-    mods = calls("ibv_modify_qp")
-    rtr = [m for m in mods if m["qp_state"] == K["IBV_QPS_RTR"]]
-    rts = [m for m in mods if m["qp_state"] == K["IBV_QPS_RTS"]]
-    assert rtr and all(m["max_dest_rd_atomic"] == 16 for m in rtr)
-    assert rts and all(m["max_rd_atomic"] == 8 for m in rts)
-
-
-def test_efa_write_size_limit_comes_from_efadv_max_rdma_size(fake_nics, buffers):
+@pytest.mark.parametrize("limit", [None, 64 << 10], ids=["default-1MiB", "device-64KiB"])
+def test_efa_write_size_limit_comes_from_efadv_max_rdma_size(fake_nics, buffers, limit):
     # ibv_query_port's max_msg_sz on EFA is the SEND limit; RDMA writes are bounded by efadv max_rdma_size (the fake
-    # EFA reports 1 MiB), and a larger write must be refused before it reaches the NIC.
-    fake_nics([efa("rdmap39s0")])
+    # EFA reports 1 MiB unless told otherwise), and a larger write must be refused before it reaches the NIC.
+    fake_nics([efa("rdmap39s0") | ({"efa_max_rdma_size": limit} if limit else {})])
+    limit = limit or 1 << 20
     ts = _ranks(2, devices=("rdmap39s0",))
     (q, _) = calls("efadv_query_device")
     assert q["inlen"] >= 32                                  # up to max_rdma_size (rdma-core >= 46 layout)
-    assert ts[0].caps()["max_write_bytes"] == 1 << 20
-    for t in ts:
-        t.register_memory(buffers.new(4 << 20), 4 << 20)
-    connect_all(ts)
+    assert ts[0].caps()["max_write_bytes"] == limit
+    _connect(ts, buffers, 4 << 20)
     with pytest.raises(ValueError, match="message limit"):
-        ts[0].post_writes([{"dst_rank": 1, "bytes": (1 << 20) + 1}])
-    assert ts[0].post_writes([{"dst_rank": 1, "bytes": 1 << 20}]) == 1
+        ts[0].post_writes([{"dst_rank": 1, "bytes": limit + 1}])
+    assert ts[0].post_writes([{"dst_rank": 1, "bytes": limit}]) == 1
 
 
 def test_efa_device_query_failure_names_efadv_and_the_fix(fake_nics):
@@ -119,10 +108,7 @@ def test_efa_device_query_failure_names_efadv_and_the_fix(fake_nics):
 def _connected_srd_pair(fake_nics, buffers):
     """Two ranks on one fake EFA device, 4 receives posted each: the transports and their SRD QP numbers."""
     fake_nics([efa("rdmap39s0")])
-    ts = _ranks(2, devices=("rdmap39s0",), rq_depth=4)
-    for t in ts:
-        t.register_memory(buffers.new(4096), 4096)
-    connect_all(ts)
+    ts = _connect(_ranks(2, devices=("rdmap39s0",), rq_depth=4), buffers)
     qpn = [c["qp_num"] for c in calls("efadv_create_qp_ex")]
     return ts, qpn
 
@@ -159,17 +145,6 @@ def test_efa_device_without_rdma_write_capability_is_refused_with_the_generation
     assert calls("efadv_create_qp_ex") == []
 
 
-def test_efa_write_limit_follows_the_devices_max_rdma_size(fake_nics, buffers):
-    fake_nics([efa("rdmap39s0") | {"efa_max_rdma_size": 64 << 10}])
-    ts = _ranks(2, devices=("rdmap39s0",))
-    assert ts[0].caps()["max_write_bytes"] == 64 << 10
-    for t in ts:
-        t.register_memory(buffers.new(1 << 20), 1 << 20)
-    connect_all(ts)
-    with pytest.raises(ValueError, match="message limit"):
-        ts[0].post_writes([{"dst_rank": 1, "bytes": (64 << 10) + 1}])
-
-
 def test_small_max_cqe_shrinks_queue_depths_so_the_cq_holds_every_completion(fake_nics, buffers):
     # 4 peers x (1024 sends + 1024 receives) need 8192 CQEs; a NIC with max_cqe 512 cannot hold that, so each QP gets
     # 64 + 64 and the CQ (<= max_cqe, else create_cq fails) still holds everything they can have outstanding.
@@ -182,9 +157,7 @@ def test_small_max_cqe_shrinks_queue_depths_so_the_cq_holds_every_completion(fak
     assert cq["cqe"] >= sum(q["max_send_wr"] + q["max_recv_wr"] for q in qps)
     posted = sum(p["count"] for p in calls("ibv_post_recv")[:4])
     assert posted == sum(q["max_recv_wr"] for q in qps)  # receives fill exactly the shrunken receive queues
-    for t in ts:
-        t.register_memory(buffers.new(1 << 16), 1 << 16)
-    connect_all(ts)
+    _connect(ts, buffers, 1 << 16)
     for q in qps:  # rank 0 stops polling while peers fill its receive queues and it fills its send queues
         for _ in range(q["max_recv_wr"]):
             fake.inject_recv(q["qp_num"], imm=1)
@@ -195,14 +168,17 @@ def test_small_max_cqe_shrinks_queue_depths_so_the_cq_holds_every_completion(fak
     assert len(ts[0].poll(100000)) == sum(q["max_send_wr"] + q["max_recv_wr"] for q in qps)
 
 
-def test_rc_depths_follow_the_responder_and_initiator_limits_the_device_reports(fake_nics, buffers):
-    # A Broadcom-like NIC with asymmetric limits: responder 4, initiator 2 (ibv_query_device max_qp_rd_atom /
-    # max_qp_init_rd_atom); the provider rejects RTR/RTS above them.
-    fake_nics([cx7("mlx5_0") | {"max_qp_rd_atom": 4, "max_qp_init_rd_atom": 2}])
-    ts = _ranks(2)
-    for t in ts:
-        t.register_memory(buffers.new(4096), 4096)
-    connect_all(ts)
+@pytest.mark.parametrize("limits,responder,initiator", [({}, 16, 8), ({"max_qp_rd_atom": 4, "max_qp_init_rd_atom": 2},
+                                                                    4, 2)], ids=["cx7", "broadcom-like"])
+def test_rc_depths_follow_the_responder_and_initiator_limits_the_device_reports(fake_nics, buffers, limits,
+                                                                                responder, initiator):
+    # max_dest_rd_atomic (responder) <= max_qp_rd_atom and max_rd_atomic (initiator) <= max_qp_init_rd_atom, as
+    # ibv_query_device(3) reports them (the fake CX-7: 16 and 8; a Broadcom-like NIC with asymmetric limits: 4 and
+    # 2); a provider rejects RTR/RTS above them with EINVAL.
+    fake_nics([cx7("mlx5_0") | limits])
+    _connect(_ranks(2), buffers)
     mods = calls("ibv_modify_qp")
-    assert {m["max_dest_rd_atomic"] for m in mods if m["qp_state"] == K["IBV_QPS_RTR"]} == {4}
-    assert {m["max_rd_atomic"] for m in mods if m["qp_state"] == K["IBV_QPS_RTS"]} == {2}
+    rtr = [m for m in mods if m["qp_state"] == K["IBV_QPS_RTR"]]
+    rts = [m for m in mods if m["qp_state"] == K["IBV_QPS_RTS"]]
+    assert rtr and {m["max_dest_rd_atomic"] for m in rtr} == {responder}
+    assert rts and {m["max_rd_atomic"] for m in rts} == {initiator}
