@@ -153,7 +153,8 @@ def run(args) -> int:
         # whether the host waited for its stream after each network wait (internode.drain_after_waits): without the
         # drains the host steps below are launch times and the GPU runs the steps back to back
         "drain_after_waits": nat._drain_after_waits,
-        "host_step_us_rank0": host_steps,  # mean host wall time per call and step (uncached and cached together)
+        # per rank: mean host wall time per call and step (uncached and cached together); earlier runs' JSON had
+        # rank 0's alone as host_step_us_rank0
         "host_step_us_by_rank": steps_by_rank,
         # median over the timed calls (dispatch: uncached and cached calls together), max over ranks
         "dispatch_network_hop_us": mx(statistics.median(hop_ms.get("dispatch_network", [0.0])) * 1e3),
