@@ -36,6 +36,7 @@ import torch
 
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from uccl_ep_train.megatron.options import DispatcherOptions, buffer_supports_expert_major, load_options
+from uccl_ep_train.reference import count_ids
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -240,9 +241,7 @@ class _LocalPermutation:
             self.mask = valid.flatten()[order]
         self.pairs = order
         self.token = torch.div(order, k, rounding_mode="floor")
-        counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=key.device)
-        counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int64))
-        self.device_counts = counts[:num_local_experts]
+        self.device_counts = count_ids(key, num_local_experts)  # the invalid key (num_local_experts) counts nowhere
 
     def permute(self, recv_x: torch.Tensor, recv_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = recv_x.index_select(0, self.token)
