@@ -608,7 +608,8 @@ class NativeInternodeBackend:
                 self._k.scatter_rows(self.peer_nvl[j], layout.final_bytes, idx.data_ptr(),
                                      self._cx.rdma_ptr + recv_base, stride, 0, A, layout.final_bytes, stream,
                                      dst_rows=num_recv_rows(counts, self.node * G + j),
-                                     err=self._cx.error_word_ptr, rank=self.rank,
+                                     err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                                     stop_generation=self._cx.stop_generation, rank=self.rank,
                                      phase=self._phases["dispatch_forward"], target=j)
         self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
@@ -838,7 +839,8 @@ class NativeInternodeBackend:
             self._k.scatter_rows(self.peer_nvl[j] + gbase + self.local * self.gather_block, cstride,
                                  dst_idx.data_ptr(), rows.data_ptr(), 4 * C, sel.data_ptr(), sel.numel(), 4 * C,
                                  stream, dst_rows=sum(recv_counts(h.counts, self.node * G + j, G)),
-                                 err=self._cx.error_word_ptr, rank=self.rank,
+                                 err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                                 stop_generation=self._cx.stop_generation, rank=self.rank,
                                  phase=self._phases["combine_gather"], target=j)
         self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
         self._lap("combine.gather")

@@ -39,10 +39,11 @@ void bind_internode(py::module_& m) {
   k.def("phase_name", [](int p) { return std::string(in::phase_name(p)); }, py::arg("phase"));
   k.def("scatter_rows", &in::scatter_rows, py::arg("dst"), py::arg("dst_stride"), py::arg("dst_idx"), py::arg("src"),
         py::arg("src_stride"), py::arg("src_idx"), py::arg("n"), py::arg("row_bytes"), py::arg("stream"),
-        py::arg("dst_rows") = -1, py::arg("err") = 0, py::arg("rank") = -1, py::arg("phase") = 0,
-        py::arg("target") = -1,
+        py::arg("dst_rows") = -1, py::arg("err") = 0, py::arg("stop_flag") = 0, py::arg("stop_generation") = 0,
+        py::arg("rank") = -1, py::arg("phase") = 0, py::arg("target") = -1,
         "copy rows (dst may be a peer's NVLink mapping); dst_rows >= 0: rows at or past it are not written and "
-        "the first is recorded in the error word `err` (InternodeContext.error_word_ptr)");
+        "the first is recorded in the error word `err` (InternodeContext.error_word_ptr); nothing is copied while "
+        "the stop flag (InternodeContext.stop_flag_ptr) holds stop_generation (InternodeContext.stop_generation)");
 
   py::class_<in::Context>(k, "InternodeContext")
       .def(py::init([](int rank, int world, int device, int64_t rdma_bytes, int64_t nvl_bytes, int num_threads,
@@ -132,6 +133,8 @@ void bind_internode(py::module_& m) {
         return out;
       }, "per FIFO: slots kernels reserved (device_head), published tail, non-empty slots past it (diagnostics)")
       .def_property_readonly("error_word_ptr", &in::Context::error_word_ptr)
+      .def_property_readonly("stop_flag_ptr", &in::Context::stop_flag_ptr)
+      .def_property_readonly("stop_generation", &in::Context::stop_generation)
       .def("push_chunks", &in::Context::push_chunks, py::arg("table"), py::arg("n"), py::arg("chunk_records"),
            py::arg("phase"), py::arg("stream"))
       .def("wait_signals", &in::Context::wait_signals, py::arg("slot_expected"), py::arg("n"), py::arg("phase"),

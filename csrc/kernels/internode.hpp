@@ -65,6 +65,14 @@ struct ErrorWord {
   int64_t expected;  // value waited for / limit
 };
 
+// A rank's stop flag as the kernels see it: `flag` (device memory) equal to `generation` means a failure of this
+// generation was recorded, so push_chunks and scatter_rows do nothing. Context::clear_error() starts a new
+// generation; kernels still queued from the failed one keep stopping. flag == nullptr: never stopped.
+struct StopFlag {
+  int32_t* flag;
+  int32_t generation;
+};
+
 struct ProxyParams {
   int num_threads = 1;
   int fifos_per_thread = 1;
@@ -150,6 +158,9 @@ class Context {
   std::string proxy_counters() const;
   // Device address of the error word (for scatter_rows' range check).
   uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
+  // The stop flag (StopFlag) for scatter_rows: its device address and the generation to launch with.
+  uintptr_t stop_flag_ptr() const { return reinterpret_cast<uintptr_t>(stop_dev_); }
+  int32_t stop_generation() const { return stop_generation_; }
 
   // ---- kernels (asynchronous on `stream`)
   // Push one WRITE_SIGNAL per chunk of every block of the push table (device int64 [n][kPushColumns]); chunk c of a
@@ -162,9 +173,10 @@ class Context {
 
   std::string error_message() const;  // "" when fine
   ErrorWord error_fields() const;     // the raw error word (code 0 when fine)
-  void clear_error();
+  void clear_error();  // also starts a new stop generation
   // Host side: make every running and future wait_signals of this rank return at once (code kErrAborted), e.g.
-  // because the proxy failed and the data will never come. No effect when an error is already recorded.
+  // because the proxy failed and the data will never come, and set the stop flag. No effect on the error word when
+  // an error is already recorded.
   void abort_waits();
   void destroy();  // stops the proxy, unmaps peers, frees memory (idempotent)
 
@@ -183,6 +195,9 @@ class Context {
   unsigned long long* heads_host_ = nullptr;         // pinned mirror the heads are copied into
   ErrorWord* error_ = nullptr;       // host-mapped
   ErrorWord* error_dev_ = nullptr;
+  int32_t* stop_dev_ = nullptr;      // StopFlag::flag, device memory
+  int32_t stop_generation_ = 1;
+  void* abort_stream_ = nullptr;     // cudaStream_t (non-blocking): abort_waits() sets the flag while kernels spin
   std::vector<void*> opened_peers_;
   bool destroyed_ = false;
   mutable std::mutex diag_mu_;  // serializes destroy() with the diagnostic reads (another thread may ask)
@@ -194,8 +209,11 @@ class Context {
 // Range check (dst_rows >= 0): a destination row >= dst_rows is not written; the first one is recorded in the
 // error word `err` (device address of an ErrorWord, e.g. Context::error_word_ptr(); 0: not recorded) as
 // kErrScatterRange with `rank`, `phase` and `target` (the destination's local GPU index).
+// Stop (stop_flag != 0, Context::stop_flag_ptr() and stop_generation()): nothing is copied when the rank's stop flag
+// holds `stop_generation`, and a range error sets it.
 void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_t src, int64_t src_stride,
                   uintptr_t src_idx, int64_t n, int64_t row_bytes, uintptr_t stream, int64_t dst_rows = -1,
-                  uintptr_t err = 0, int rank = -1, int phase = 0, int target = -1);
+                  uintptr_t err = 0, uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0,
+                  int target = -1);
 
 }  // namespace uccl_ep::internode

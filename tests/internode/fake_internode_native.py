@@ -77,17 +77,25 @@ def _at(ptr: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=dtype)
 
 
-def _report(err: int, code: int, rank: int, slot: int, aux: int, phase: int, observed: int, expected: int) -> None:
-    """report() of the kernels: the first failure wins (``reserved``), the code is written last."""
+def _report(err: int, stop: tuple, code: int, rank: int, slot: int, aux: int, phase: int, observed: int,
+            expected: int) -> None:
+    """report() of the kernels: sets the stop flag (``stop``: flag address, generation); the first failure wins
+    (``reserved``), the code is written last."""
+    _set_stop(*stop)
     e = ErrorWord.from_address(err) if err else None
     if e is not None and e.reserved == 0:
         e.reserved, e.rank, e.slot, e.aux, e.phase = 1, rank, slot, aux, phase
         e.observed, e.expected, e.code = observed, expected, code
 
 
-def _failed(err: int) -> bool:
-    """failed() of the kernels: a rank whose error word is set sends and forwards nothing more."""
-    return bool(err) and ErrorWord.from_address(err).code != 0
+def _stopped(flag: int, generation: int) -> bool:
+    """stopped() of the kernels: the rank's stop flag holds the generation the kernel was launched with."""
+    return bool(flag) and ctypes.c_int32.from_address(flag).value == generation
+
+
+def _set_stop(flag: int, generation: int) -> None:
+    if flag:
+        ctypes.c_int32.from_address(flag).value = generation
 
 
 def _sweep_leftovers() -> None:
@@ -99,11 +107,12 @@ def _map(name: str, nbytes: int, create: bool) -> torch.Tensor:
 
 
 def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: int, src_idx: int, n: int,
-                 row_bytes: int, stream: int, dst_rows: int = -1, err: int = 0, rank: int = -1, phase: int = 0,
-                 target: int = -1) -> None:
+                 row_bytes: int, stream: int, dst_rows: int = -1, err: int = 0, stop_flag: int = 0,
+                 stop_generation: int = 0, rank: int = -1, phase: int = 0, target: int = -1) -> None:
     """scatter_rows_kernel: row i from src + s_i * src_stride to dst + d_i * dst_stride (index arrays: raw int64
-    addresses, 0 = identity); a negative index skips the row; a d_i >= dst_rows (when >= 0) is reported, not written."""
-    if n <= 0 or row_bytes <= 0 or _failed(err):
+    addresses, 0 = identity); a negative index skips the row; a d_i >= dst_rows (when >= 0) is reported, not written;
+    nothing moves while the stop flag holds ``stop_generation``."""
+    if n <= 0 or row_bytes <= 0 or _stopped(stop_flag, stop_generation):
         return
     if not dst or not src:
         raise ValueError("scatter_rows: null pointer")
@@ -114,7 +123,8 @@ def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: 
         bad = ok & (d >= dst_rows)
         if bool(bad.any()):
             r = int(bad.nonzero()[0])
-            _report(err, ERROR_CODES["scatter_range"], rank, target, r, phase, int(d[r]), dst_rows)
+            _report(err, (stop_flag, stop_generation), ERROR_CODES["scatter_range"], rank, target, r, phase,
+                    int(d[r]), dst_rows)
             ok &= ~bad
     d, s = d[ok], s[ok]
     if d.numel():
@@ -163,6 +173,7 @@ class InternodeContext:
         self._nvl = _map(self._names["nvl"], self.nvl_bytes, True)
         _unlink_later.extend([self._names["rdma"], self._names["sig"]])
         self._err = ErrorWord()
+        self._stop, self._generation = ctypes.c_int32(0), 1  # the kernels' stop flag (device memory there)
         self._peers: list = []  # rank -> (RDMA region, counters [slots, writer]) once connected
         self._opened: list = []
         self._lane_cmds = [0] * self.num_fifos
@@ -173,6 +184,8 @@ class InternodeContext:
     rdma_ptr = property(lambda self: self._rdma.data_ptr())
     nvl_ptr = property(lambda self: self._nvl.data_ptr())
     error_word_ptr = property(lambda self: ctypes.addressof(self._err))
+    stop_flag_ptr = property(lambda self: ctypes.addressof(self._stop))
+    stop_generation = property(lambda self: self._generation)
 
     # ---- bootstrap
     def nvl_ipc_handle(self) -> bytes:
@@ -221,7 +234,7 @@ class InternodeContext:
             raise ValueError(f"push_chunks: chunk_records must be 1..{CMD_MAX_VALUE} (18-bit signal value)")
         if not self._started:
             raise RuntimeError("push_chunks before proxy_start (the fake has no FIFO to queue into)")
-        if _failed(self.error_word_ptr):
+        if _stopped(self.stop_flag_ptr, self._generation):
             return
         for i, (dst, loff, roff, stride, records, slot, fifo) in enumerate(
                 _at(table, 8 * PUSH_COLUMNS * n, torch.int64).view(n, PUSH_COLUMNS).tolist()):
@@ -232,7 +245,8 @@ class InternodeContext:
                 cmd = (dst, count * stride, loff + first * stride, roff + first * stride, slot + lane, count)
                 e = _encode_error(*cmd)
                 if e:
-                    _report(self.error_word_ptr, ERROR_CODES["encode"], self.rank, dst, e, phase, first, records)
+                    _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["encode"], self.rank, dst, e, phase,
+                            first, records)
                     break
                 if not self._write(*cmd):
                     return
@@ -277,9 +291,11 @@ class InternodeContext:
                 return
             if time.monotonic() - start > self._timeout:
                 s, v, e = late[0]
-                _report(self.error_word_ptr, ERROR_CODES["wait_timeout"], self.rank, s, 0, phase, v, e)
+                _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["wait_timeout"], self.rank, s, 0, phase,
+                        v, e)
                 return
             if self._err.code:  # another failed wait of this rank, or abort_waits()
+                _set_stop(*self._stop_now())
                 return
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
@@ -306,13 +322,18 @@ class InternodeContext:
                "was read before its bytes landed)",
             5: "GPU waits aborted by the host (the proxy failed)"}.get(e.code, f"unknown GPU error code {e.code}")
 
+    def _stop_now(self) -> tuple:
+        return self.stop_flag_ptr, self._generation
+
     def clear_error(self) -> None:
         ctypes.memset(ctypes.addressof(self._err), 0, ctypes.sizeof(self._err))
+        self._generation += 1
 
     def abort_waits(self) -> None:
         if self._err.reserved == 0:
             self._err.reserved, self._err.rank, self._err.phase = 1, self.rank, 0
             self._err.code = ERROR_CODES["aborted"]
+        _set_stop(*self._stop_now())
 
     def proxy_error(self) -> str:
         return self._perr

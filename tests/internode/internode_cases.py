@@ -88,27 +88,34 @@ def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=Fa
 
 
 def check_a_failed_rank_sends_and_forwards_nothing(cx, scatter_rows, dev):
-    """With this rank's error word set (a wait failed or was aborted), push_chunks queues no command and
-    scatter_rows writes no row: a step launched behind the failed wait must not pass on rows it never received.
+    """Once this rank's wait failed or was aborted (its stop flag holds the current generation), push_chunks queues
+    no command and scatter_rows writes no row: a step launched behind the failed wait must not pass on rows it never
+    received. After clear_error(), steps launched with the new generation move data again, while one launched with
+    the failed generation (queued behind the failure) still does nothing.
     ``cx``: a one-rank InternodeContext (the native one or the CPU stand-in); ``dev``: where its regions live."""
     from uccl_ep_train.internode import _raw_bytes
 
     rdma = _raw_bytes(cx.rdma_ptr, cx.rdma_bytes, dev)
     rdma[:4096] = torch.randint(0, 256, (4096,), dtype=torch.uint8, device=dev)
+
+    def scatter(generation):
+        scatter_rows(cx.rdma_ptr + 2048, 32, 0, cx.rdma_ptr, 16, 0, 4, 16, 0, dst_rows=4, err=cx.error_word_ptr,
+                     stop_flag=cx.stop_flag_ptr, stop_generation=generation, rank=0, phase=3, target=0)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     cx.abort_waits()
+    failed_generation = cx.stop_generation
     table = torch.tensor([[0, 0, 1024, 16, 10, 7, 1]], dtype=torch.int64, device=dev)
     cx.push_chunks(table.data_ptr(), 1, 4, 1, 0)
     before = rdma[2048:2048 + 4 * 32].clone()
-    scatter_rows(cx.rdma_ptr + 2048, 32, 0, cx.rdma_ptr, 16, 0, 4, 16, 0, dst_rows=4, err=cx.error_word_ptr, rank=0,
-                 phase=3, target=0)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    scatter(failed_generation)
     assert [f["tail"] for f in cx.fifo_states()] == [0] * len(cx.fifo_states()), "a failed rank pushed commands"
     assert cx.signal_value(7) == 0 and cx.signal_value(8) == 0
     assert torch.equal(rdma[2048:2048 + 4 * 32], before), "a failed rank forwarded rows"
-    cx.clear_error()  # the same calls move data again once the error is cleared (the host raised it)
-    scatter_rows(cx.rdma_ptr + 2048, 32, 0, cx.rdma_ptr, 16, 0, 4, 16, 0, dst_rows=4, err=cx.error_word_ptr, rank=0,
-                 phase=3, target=0)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    cx.clear_error()  # the host raised the error; the next call's steps run
+    assert cx.stop_generation != failed_generation
+    scatter(failed_generation)
+    assert torch.equal(rdma[2048:2048 + 4 * 32], before), "a step queued behind the failure forwarded rows"
+    scatter(cx.stop_generation)
     assert torch.equal(rdma[2048:2064], rdma[:16]) and torch.equal(rdma[2080:2096], rdma[16:32])

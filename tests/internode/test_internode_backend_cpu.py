@@ -201,7 +201,8 @@ def test_stand_in_cuts_chunks_like_the_kernel_and_reports_encode_scatter_range_a
         idx = torch.tensor([0, -1, 5, 1], dtype=torch.int64)  # row 5 is outside a 2-row area: reported, not written
         before = rdma[2048 + 5 * 32:2048 + 6 * 32].clone()
         fake.scatter_rows(cx.rdma_ptr + 2048, 32, idx.data_ptr(), cx.rdma_ptr, 16, 0, 4, 16, 0, dst_rows=2,
-                          err=cx.error_word_ptr, rank=0, phase=3, target=1)
+                          err=cx.error_word_ptr, stop_flag=cx.stop_flag_ptr, stop_generation=cx.stop_generation,
+                          rank=0, phase=3, target=1)
         e = cx.error_fields()
         assert (e["code"], e["slot"], e["aux"], e["observed"], e["expected"]) == (4, 1, 2, 5, 2)
         assert torch.equal(rdma[2048:2064], rdma[:16]) and torch.equal(rdma[2080:2096], rdma[48:64])
