@@ -3,7 +3,8 @@
 # Usage (on the lent 2xH200 machine, from the repository root): bash scripts/gpu-check.sh [step ...]
 # Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_sync_free bench_proxy bench_internode train
 # (default: all but train, bench_sync_free and bench_internode);
-# diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), fifo (GPU
+# diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), profile_internode
+# (torch.profiler and cProfile tables of the emulated 2-node calls), fifo (GPU
 # producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
 # CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency with staggered
 # watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered case, LOOPS times).
@@ -73,6 +74,9 @@ for step in "${steps[@]}"; do
         --profile "$OUT/profile-dispatch.txt"
       run profile_dispatcher 180 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers alltoall,uccl \
         --iters 10 --profile "$OUT/profile-dispatcher" ;;
+    profile_internode)  # host and kernel tables of the 2 x 1 internode calls (NIC capped at 50 GB/s per GPU)
+      UCCL_EP_LOOPBACK_BW_GBPS=50 run profile_internode 150 "${tr2[@]}" -m uccl_ep_train bench internode \
+        --emulate-nodes 2 --iters 3 --profile "$OUT/profile-internode.txt" ;;
     profile_dispatcher)  # the uccl round trip alone, torch.profiler tables per kernel
       run profile_dispatcher 180 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers uccl --iters 10 \
         --profile "$OUT/profile-dispatcher" ;;

@@ -611,7 +611,8 @@ class NativeInternodeBackend:
                                      err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
                                      stop_generation=self._cx.stop_generation, rank=self.rank,
                                      phase=self._phases["dispatch_forward"], target=j)
-        self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
+        if self.G > 1:  # with one GPU per node we forwarded every row ourselves, in stream order
+            self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
@@ -793,6 +794,7 @@ class NativeInternodeBackend:
         h = handle
         G, dev = self.G, self.device
         nrecv, H = h.num_recv_tokens, x.size(1)
+        w = None
         if h.expert_major:
             if h.expert_major_rows_by_slot is None:  # notify had no slot counts: one host read per handle
                 slot = h.expert_major_rows_slot
@@ -803,19 +805,22 @@ class NativeInternodeBackend:
             # slot by slot, so every token's partial is summed in the reference's order (no two adds race)
             for sel in h.expert_major_rows_by_slot:
                 rows.index_add_(0, h.expert_major_rows_token[sel], x[h.expert_major_rows[sel]].float())
-            rows = rows.to(x.dtype).float()  # one partial per (token, rank) in x's dtype, as reference.combine
+            rows = rows.to(x.dtype)  # one partial per (token, rank) in x's dtype, as reference.combine
             if topk_weights is not None:
                 pos = h.expert_major_pos
                 w = torch.where(pos >= 0, topk_weights[pos.clamp(min=0)].float(),
                                 torch.zeros_like(pos, dtype=torch.float32))
         else:
-            rows = x[:nrecv].float()
+            rows = x[:nrecv]
             w = topk_weights[:nrecv].float() if topk_weights is not None else None
-        if topk_weights is not None:
-            rows = torch.cat([rows, w], dim=1)
         rows = rows.contiguous()
-        C = rows.size(1)
-        cstride = _align(4 * C)
+        w = w.contiguous() if w is not None else None
+        # A wire row: the payload in x's dtype, then the weights in fp32. Every copy a rank sends is a row of x (exact
+        # in x's dtype), and a node partial crosses the network in x's dtype as in DeepEP (reference.combine rounds
+        # it the same way): half the bytes of fp32 rows.
+        pay = H * x.element_size()
+        kw = w.size(1) if w is not None else 0
+        cstride = _align(pay + 4 * kw)
         recv_by_node = recv_counts(h.counts, self.rank, G)
         A = sum(recv_by_node)
         check_area("combine gather (NVL, per local rank)", [sum(recv_counts(h.counts, r, G)) for r in range(self.R)],
@@ -830,29 +835,46 @@ class NativeInternodeBackend:
         self._lap("combine.entry")
         stream = self._stream()
         # NVLink hop: each copy goes to its forwarder (same local index as the token's source), block = our local
+        # index, row = the record's arrival. With one GPU per node we are every copy's forwarder and the only one:
+        # the copies go straight into the send area (they are the partial sums), and stream order replaces the barrier.
         gbase = self.half_nvl
         for j in range(G):
             if h.rows_by_local_sizes[j] == 0:
                 continue
             sel = h.rows_by_local[j]
             dst_idx = h.recv_arrival[sel].contiguous()
-            self._k.scatter_rows(self.peer_nvl[j] + gbase + self.local * self.gather_block, cstride,
-                                 dst_idx.data_ptr(), rows.data_ptr(), 4 * C, sel.data_ptr(), sel.numel(), 4 * C,
-                                 stream, dst_rows=sum(recv_counts(h.counts, self.node * G + j, G)),
-                                 err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
-                                 stop_generation=self._cx.stop_generation, rank=self.rank,
-                                 phase=self._phases["combine_gather"], target=j)
-        self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
-        self._lap("combine.gather")
-        # forwarder: node-local sum in ascending local rank, into the combine send area (block per source node)
-        partial = torch.zeros((A, C), dtype=torch.float32, device=dev)
-        for j in range(G):
-            blk = self._nvl[gbase + j * self.gather_block:gbase + j * self.gather_block + A * cstride]
-            vals = blk.view(A, cstride)[:, :4 * C].contiguous().view(torch.float32)
-            partial += torch.where((h.fwd_dest_rows[:, j] >= 0).unsqueeze(1), vals, torch.zeros_like(vals))
+            dst = self._cx.rdma_ptr if G == 1 else self.peer_nvl[j] + gbase + self.local * self.gather_block
+            for src, nbytes, off in ((rows, pay, 0), (w, 4 * kw, pay)):
+                if nbytes:
+                    self._k.scatter_rows(dst + off, cstride, dst_idx.data_ptr(), src.data_ptr(), nbytes,
+                                         sel.data_ptr(), sel.numel(), nbytes, stream,
+                                         dst_rows=sum(recv_counts(h.counts, self.node * G + j, G)),
+                                         err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                                         stop_generation=self._cx.stop_generation, rank=self.rank,
+                                         phase=self._phases["combine_gather"], target=j)
         send = self._rdma[:A * cstride].view(A, cstride)
-        if A:
-            send[:, :4 * C] = partial.view(torch.uint8)
+        if G > 1:
+            self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
+            self._lap("combine.gather")
+            # forwarder: node-local sum in fp32 in ascending local rank, into the combine send area (block per
+            # source node), the payload then rounded to x's dtype for the wire
+            part_x = torch.zeros((A, H), dtype=torch.float32, device=dev)
+            part_w = torch.zeros((A, kw), dtype=torch.float32, device=dev)
+            for j in range(G):
+                first = gbase + j * self.gather_block
+                blk = self._nvl[first:first + A * cstride].view(A, cstride)
+                need = (h.fwd_dest_rows[:, j] >= 0).unsqueeze(1)
+                vals = blk[:, :pay].contiguous().view(x.dtype).float()
+                part_x += torch.where(need, vals, torch.zeros_like(vals))
+                if kw:
+                    vals = blk[:, pay:pay + 4 * kw].contiguous().view(torch.float32)
+                    part_w += torch.where(need, vals, torch.zeros_like(vals))
+            if A:
+                send[:, :pay] = part_x.to(x.dtype).view(torch.uint8)
+                if kw:
+                    send[:, pay:pay + 4 * kw] = part_w.view(torch.uint8)
+        else:
+            self._lap("combine.gather")
         recv_base = self.half_rdma
         back = h.plan.node_send  # at the source: records per node, in node order
         back_offs = block_offsets(back, cstride)
@@ -867,23 +889,25 @@ class NativeInternodeBackend:
                             combine_waits(h.counts, self.rank, G, per, self.L), "combine_network", per)
         self._lap("combine.network")
         S1 = sum(back)
-        out = torch.zeros((h.num_tokens, C), dtype=torch.float32, device=dev)
+        out_x = torch.zeros((h.num_tokens, H), dtype=torch.float32, device=dev)
+        out_w = torch.zeros((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
         got = self._rdma[recv_base:recv_base + S1 * cstride].view(S1, cstride)
         start = 0
         for m, c in enumerate(back):  # ascending node
             if c:
-                vals = got[start:start + c, :4 * C].contiguous().view(torch.float32)
-                out.index_add_(0, h.plan.hop1_token[start:start + c], vals)
+                tok = h.plan.hop1_token[start:start + c]
+                out_x.index_add_(0, tok, got[start:start + c, :pay].contiguous().view(x.dtype).float())
+                if kw:
+                    out_w.index_add_(0, tok, got[start:start + c, pay:pay + 4 * kw].contiguous().view(torch.float32))
             start += c
         self._settle("combine")
-        combined_x = out[:, :H].to(x.dtype)
-        combined_w = out[:, H:].contiguous() if topk_weights is not None else None
+        combined_x = out_x.to(x.dtype)
         nvlink = combine_nvlink_rows(h.counts, self.rank, G)
         network = sum(c for n, c in enumerate(recv_by_node) if n != self.node)
         eb = H * x.element_size()
         self.last_traffic = TrafficReport(nvlink * eb, network * eb, nrecv * eb)
         self._lap("combine.finish")
-        return combined_x, combined_w
+        return combined_x, out_w
 
     def _traffic_forward(self, h: InternodeHandle, row_bytes: int):
         from uccl_ep_train.reference import TrafficReport

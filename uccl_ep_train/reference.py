@@ -23,7 +23,9 @@ Combine: ``combined_x[t] = sum over the copies of token t`` (rank-major: one row
 one row per (destination rank, selected local expert)), accumulated in float32 and cast once to x's dtype. Summation
 order (kernels must match within float32 rounding): on each destination rank the expert-major rows of a token are added
 in top-k slot order; then per destination node the copies are added in ascending local rank; then the node partial
-sums are added in ascending node order. Padding rows are ignored. ``combined_topk_weights[t, k]`` is the same sum over
+sums are added in ascending node order. A node partial sum crosses the network in x's dtype (DeepEP's wire format:
+half the bytes of float32), so with several nodes it is rounded to x's dtype before the node sums are added; with one
+node this changes nothing. Padding rows are ignored. ``combined_topk_weights[t, k]`` is the same sum over
 the copies' weights (rank-major: over every slot; expert-major: each row's weight goes back to its slot); because
 dispatch zeroes the weights of non-local slots, combine(dispatch(w)) returns w for the non-dropped slots.
 
@@ -32,8 +34,8 @@ Hierarchical routing (G < R). Dispatch: a token goes once per destination node n
 of the ranks of n that need it; that forwarder copies it over NVLink to every rank of the mask other than itself.
 Combine is the reverse: each destination sends its copy to the forwarder (NVLink), which adds the node's copies and
 sends one partial sum to the source (network). The reference performs exactly these two hops (skipping the network
-hop when N = 1 and the NVLink hop when G = 1), so user-visible results do not depend on G, and it reports the bytes of
-each hop in a ``TrafficReport``.
+hop when N = 1 and the NVLink hop when G = 1), so user-visible results depend on G only through the rounding of the
+node partial sums, and it reports the bytes of each hop in a ``TrafficReport``.
 
 Byte counting (``TrafficReport``, per rank, for one call): ``nvlink_bytes`` and ``network_bytes`` are payload bytes
 this rank *sent* over intra-node links and across nodes (copies to itself are free), ``logical_bytes`` are payload
@@ -290,10 +292,13 @@ def _route_forward(rows: torch.Tensor, plan: _Plan, num_ranks: int, ranks_per_no
     return hop2[plan.order]
 
 
-def _route_reverse(rows: torch.Tensor, plan: _Plan, num_tokens: int, num_ranks: int, ranks_per_node: int, group
-                   ) -> torch.Tensor:
+def _route_reverse(rows: torch.Tensor, plan: _Plan, num_tokens: int, num_ranks: int, ranks_per_node: int, group,
+                   wire_columns: int = 0, wire_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Sum float32 rows [num_recv_tokens, C] back onto their source tokens: node-local sum at the forwarder (ascending
-    local rank), then across nodes at the source (ascending node). Deterministic: each add touches distinct rows."""
+    local rank), then across nodes at the source (ascending node). Deterministic: each add touches distinct rows.
+    The first ``wire_columns`` columns of each node partial are rounded to ``wire_dtype``: the partial crosses the
+    network in the payload's dtype, as DeepEP's does (half the bytes of fp32; on one node it changes nothing, the
+    final cast rounds the same sum)."""
     arrivals = torch.empty_like(rows)
     arrivals[plan.order] = rows
     at_forwarder = _exchange_rows(arrivals, plan.hop2_recv, plan.hop2_send, group, skip=ranks_per_node == 1)
@@ -302,6 +307,8 @@ def _route_reverse(rows: torch.Tensor, plan: _Plan, num_tokens: int, num_ranks: 
     for count in plan.hop2_send:  # one block per destination local rank, ascending
         partial.index_add_(0, plan.hop2_row[start:start + count], at_forwarder[start:start + count])
         start += count
+    if wire_dtype is not None and wire_columns:
+        partial[:, :wire_columns] = partial[:, :wire_columns].to(wire_dtype).float()
     at_source = _exchange_rows(partial, plan.hop1_recv, plan.hop1_send, group, skip=num_ranks == ranks_per_node)
     out = rows.new_zeros((num_tokens, rows.size(1)))
     start = 0
@@ -496,7 +503,8 @@ def combine(x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor
         weights = topk_weights[:num_recv].float() if topk_weights is not None else None
     if topk_weights is not None:
         rows = torch.cat([rows, weights], dim=1)
-    out = _route_reverse(rows, handle.plan, handle.num_tokens, handle.num_ranks, handle.ranks_per_node, handle.group)
+    out = _route_reverse(rows, handle.plan, handle.num_tokens, handle.num_ranks, handle.ranks_per_node, handle.group,
+                         wire_columns=hidden, wire_dtype=x.dtype)
     combined_x = out[:, :hidden].to(x.dtype)
     combined_w = out[:, hidden:].contiguous() if topk_weights is not None else None
     traffic = _traffic_reverse(handle.plan, handle.rank, handle.ranks_per_node, hidden * x.element_size())
