@@ -4,7 +4,8 @@
 # Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_sync_free bench_proxy bench_internode train
 # (default: all but train, bench_sync_free and bench_internode);
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), profile_internode
-# (torch.profiler and cProfile tables of the emulated 2-node calls), fifo (GPU
+# (torch.profiler and cProfile tables of the emulated 2-node calls), internode_shared (the internode GPU tests with
+# every rank on one GPU, for 1-GPU machines), fifo (GPU
 # producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
 # CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency with staggered
 # watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered case, LOOPS times).
@@ -44,6 +45,9 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case $step in
     kernels) run kernels 150 "${tr2[@]}" -m pytest -x -q -rf tests/kernels/test_intranode_gpu.py ;;
+    internode_shared)  # one GPU hosting every rank (a 1-GPU machine): the 2 x 1 cases and the one-rank ones
+      UCCL_EP_TEST_SHARE_GPU=1 run internode_shared "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 \
+        tests/internode -k "${INTERNODE_K:-2-1 or same_gpu or wait_failed}" ;;
     moelayer) run moelayer 180 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
     internode) run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode \
                  ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
@@ -74,9 +78,11 @@ for step in "${steps[@]}"; do
         --profile "$OUT/profile-dispatch.txt"
       run profile_dispatcher 180 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers alltoall,uccl \
         --iters 10 --profile "$OUT/profile-dispatcher" ;;
-    profile_internode)  # host and kernel tables of the 2 x 1 internode calls (NIC capped at 50 GB/s per GPU)
-      UCCL_EP_LOOPBACK_BW_GBPS=50 run profile_internode 150 "${tr2[@]}" -m uccl_ep_train bench internode \
-        --emulate-nodes 2 --iters 3 --profile "$OUT/profile-internode.txt" ;;
+    profile_internode)  # host and kernel tables of the 2 x 1 internode calls (NIC capped at 50 GB/s per GPU); on a
+      # 1-GPU machine both ranks share it (--share-gpu: the host side only)
+      share=(); [[ "${ngpu:-1}" -ge 2 ]] || share=(--share-gpu)
+      UCCL_EP_LOOPBACK_BW_GBPS=50 run profile_internode 150 torchrun --standalone --nproc-per-node 2 -m uccl_ep_train \
+        bench internode --emulate-nodes 2 --iters 3 "${share[@]}" --profile "$OUT/profile-internode.txt" ;;
     profile_dispatcher)  # the uccl round trip alone, torch.profiler tables per kernel
       run profile_dispatcher 180 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers uccl --iters 10 \
         --profile "$OUT/profile-dispatcher" ;;

@@ -31,7 +31,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
     describe_gpu_error, pack_records, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
     NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
-    rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows)
+    rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns)
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
@@ -625,9 +625,9 @@ class NativeInternodeBackend:
         area is reused by the next call; or, with ``copy=False``, a strided view into the area for a caller that
         gathers from it at once (the expert-major receive: one copy of the payload instead of two)."""
         off, nb = layout.column_offsets[i], layout.column_bytes[i]
-        col = final[:, off:off + nb]
+        col = word_columns(final, off, nb)
         if copy:
-            col = torch.empty((final.size(0), nb), dtype=torch.uint8, device=final.device).copy_(col)
+            col = torch.empty(col.shape, dtype=col.dtype, device=final.device).copy_(col)
         return col.view(like.dtype).reshape((final.size(0),) + tuple(like.shape[1:]))
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
@@ -864,10 +864,10 @@ class NativeInternodeBackend:
                 first = gbase + j * self.gather_block
                 blk = self._nvl[first:first + A * cstride].view(A, cstride)
                 need = (h.fwd_dest_rows[:, j] >= 0).unsqueeze(1)
-                vals = blk[:, :pay].contiguous().view(x.dtype).float()
+                vals = blk[:, :pay].view(x.dtype).float()
                 part_x += torch.where(need, vals, torch.zeros_like(vals))
                 if kw:
-                    vals = blk[:, pay:pay + 4 * kw].contiguous().view(torch.float32)
+                    vals = blk[:, pay:pay + 4 * kw].view(torch.float32)
                     part_w += torch.where(need, vals, torch.zeros_like(vals))
             if A:
                 send[:, :pay] = part_x.to(x.dtype).view(torch.uint8)
@@ -896,9 +896,9 @@ class NativeInternodeBackend:
         for m, c in enumerate(back):  # ascending node
             if c:
                 tok = h.plan.hop1_token[start:start + c]
-                out_x.index_add_(0, tok, got[start:start + c, :pay].contiguous().view(x.dtype).float())
+                out_x.index_add_(0, tok, got[start:start + c, :pay].view(x.dtype).float())
                 if kw:
-                    out_w.index_add_(0, tok, got[start:start + c, pay:pay + 4 * kw].contiguous().view(torch.float32))
+                    out_w.index_add_(0, tok, got[start:start + c, pay:pay + 4 * kw].view(torch.float32))
             start += c
         self._settle("combine")
         combined_x = out_x.to(x.dtype)

@@ -219,7 +219,10 @@ def send_plan(is_token_in_rank: torch.Tensor, counts: Counts, rank: int, ranks_p
     itr = is_token_in_rank.to(torch.bool)
     prefix = counts.rank_counts[:rank].sum(0) if rank else torch.zeros(R, dtype=torch.int64)
     prefix = prefix.to(device, non_blocking=True)  # a pageable copy is staged at once: no stream sync
-    ordinal = itr.to(torch.int64).cumsum(0) - 1
+    # the scan runs along the inner dimension: a cumsum over dim 0 of [T, R] scans each of the R columns serially
+    # (385 us per dispatch at T = 4096, R = 2 on H200, session 7 profile); along dim 1 of the transpose it is a
+    # parallel scan
+    ordinal = itr.t().to(torch.int64).cumsum(1).t() - 1
     dest_row_all = torch.where(itr, prefix.unsqueeze(0) + ordinal, torch.full_like(ordinal, -1))
     node_hit = itr.view(T, N, G).any(2)
     # The counts (host) already say how many tokens go to each node: a nonzero of known size needs no device sync.
@@ -415,13 +418,25 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.size(0), math.prod(t.shape[1:])).view(torch.uint8)
 
 
+def word_columns(rows: torch.Tensor, off: int, nb: int) -> torch.Tensor:
+    """Bytes [off, off + nb) of every row of ``rows`` (uint8 [n, stride], rows laid out back to back) as the widest
+    integers that tile them (int64, int32, int16, else bytes). A copy into or out of the slice then moves up to 8
+    bytes per element: strided byte copies of a 58 MB payload column took hundreds of microseconds on H200 (session
+    7 profile of the internode calls)."""
+    for dtype, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if off % w == 0 and nb % w == 0 and rows.size(1) % w == 0 and rows.storage_offset() % w == 0:
+            return rows.view(dtype)[:, off // w:(off + nb) // w]
+    return rows[:, off:off + nb]
+
+
 def pack_records(out: torch.Tensor, columns: Sequence[torch.Tensor], plan: SendPlan, layout: RecordLayout) -> None:
     """Fill ``out`` (uint8 [S1, stride]) with the wire records of the plan's send list."""
     if out.size(0) == 0:
         return
     for c, off, nb in zip(columns, layout.column_offsets, layout.column_bytes):
         if nb:
-            out[:, off:off + nb] = _bytes_of(c)[plan.hop1_token]
+            dst = word_columns(out, off, nb)
+            dst.copy_(_bytes_of(c).view(dst.dtype)[plan.hop1_token])
     out[:, layout.src_idx_offset:layout.src_idx_offset + 4] = \
         plan.hop1_token.to(torch.int32).view(-1, 1).view(torch.uint8)
     G = plan.dest_rows.size(1)

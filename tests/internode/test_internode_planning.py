@@ -454,3 +454,14 @@ def test_notify_rows_carry_per_slot_counts_equal_to_the_received_local_pairs_of_
     assert plain.slot_counts is None and plain.expert_counts is not None
     with pytest.raises(plan.InternodeError, match="no per-slot counts"):
         plan.recv_slot_counts(plain, 0)
+
+
+@pytest.mark.parametrize("off,nb,dtype", [(0, 64, torch.int64), (8, 24, torch.int64), (4, 12, torch.int32),
+                                          (2, 6, torch.int16), (1, 5, torch.uint8)])
+def test_word_columns_is_the_same_bytes_as_the_byte_slice_in_the_widest_words_that_tile_it(off, nb, dtype):
+    rows = torch.randint(0, 256, (5, 96), dtype=torch.uint8)
+    words = plan.word_columns(rows, off, nb)
+    assert words.dtype == dtype
+    assert torch.equal(words.contiguous().view(torch.uint8), rows[:, off:off + nb])
+    words.fill_(0)  # a view: writing through it writes the rows
+    assert int(rows[:, off:off + nb].sum()) == 0 and int(rows[:, :off].sum() + rows[:, off + nb:].sum()) > 0

@@ -38,6 +38,10 @@ def add_parser(sub) -> None:
                    help="after timing, profile 5 dispatches, 5 cached dispatches and 5 combines on every rank and "
                         "write rank 0's tables to PATH: torch.profiler by self CPU and self CUDA time, then cProfile "
                         "by own time (where the host steps go)")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="let several ranks share a GPU (e.g. 2 emulated nodes on a 1-GPU machine) to look at the host "
+                        "side with --profile: time-sliced GPU timings mean nothing, and there are no baselines "
+                        "(NCCL refuses two ranks on one GPU), so only rank 0's raw times and host steps are printed")
     p.set_defaults(func=run)
 
 
@@ -105,12 +109,17 @@ def run(args) -> int:
     from uccl_ep_train.settings import load_settings
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if local >= torch.cuda.device_count():
+    if args.share_gpu:
+        local %= torch.cuda.device_count()
+    elif local >= torch.cuda.device_count():
         raise SystemExit(f"bench internode: LOCAL_RANK {local} but {torch.cuda.device_count()} GPUs: run one process "
                          "per GPU (the NCCL baseline needs it, and two processes per GPU are time-sliced, so their "
                          "timings mean nothing; docs/internode.md, 'Two processes per GPU')")
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if args.share_gpu:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.emulate_nodes:
         raise SystemExit(f"--emulate-nodes {args.emulate_nodes} must divide the world size {world}")
@@ -157,6 +166,16 @@ def run(args) -> int:
         _profile(args.profile, lambda: nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)),
                  lambda: nat.dispatch(DispatchArgs(x, scales, handle, None, None, None, None, None, None)),
                  lambda: nat.combine(y, handle, None, None))
+
+    if args.share_gpu:
+        if rank == 0:
+            print(json.dumps({"shared_gpu": True, "world": world, "nodes": args.emulate_nodes,
+                              "note": "ranks share a GPU: time-sliced, not comparable with one GPU per rank",
+                              "dispatch_us": t_disp * 1e6, "cached_dispatch_us": t_cached * 1e6,
+                              "combine_us": t_comb * 1e6, "host_step_us_by_rank": steps_by_rank}, indent=1))
+        nat.destroy()
+        dist.destroy_process_group()
+        return 0
 
     # NCCL baseline: the same rows (one per (token, destination rank)), uneven splits
     send_counts = itr.sum(0).tolist()
