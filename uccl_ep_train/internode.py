@@ -350,6 +350,7 @@ class NativeInternodeBackend:
         self._barrier_slot = 2 * self.N * self.L
         self._notify_slot = self._barrier_slot + 1
         self._fixed_tables: dict = {}  # (phase, row bytes) -> device push table that never changes (barrier, notify)
+        self._zero_rows: dict = {}  # payload bytes -> zero row (combine: a node without a partial sum adds it)
         self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(s.kernel.drain_after_waits)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         self._phases = dict(self._k.PHASES)
@@ -794,6 +795,9 @@ class NativeInternodeBackend:
         h = handle
         G, dev = self.G, self.device
         nrecv, H = h.num_recv_tokens, x.size(1)
+        if x.dtype not in (torch.bfloat16, torch.float32) or (H * x.element_size()) % 16:
+            raise ValueError(f"combine: x must be bfloat16 or float32 with a hidden size of a multiple of 16 bytes, "
+                             f"got {x.dtype} with hidden {H}")
         w = None
         if h.expert_major:
             if h.expert_major_rows_by_slot is None:  # notify had no slot counts: one host read per handle
@@ -888,20 +892,16 @@ class NativeInternodeBackend:
         self._push_and_wait(combine_push_rows(h.counts, self.rank, G, cstride, recv_base, self.L),
                             combine_waits(h.counts, self.rank, G, per, self.L), "combine_network", per)
         self._lap("combine.network")
-        S1 = sum(back)
-        out_x = torch.zeros((h.num_tokens, H), dtype=torch.float32, device=dev)
-        out_w = torch.zeros((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
-        got = self._rdma[recv_base:recv_base + S1 * cstride].view(S1, cstride)
-        start = 0
-        for m, c in enumerate(back):  # ascending node
-            if c:
-                tok = h.plan.hop1_token[start:start + c]
-                out_x.index_add_(0, tok, got[start:start + c, :pay].view(x.dtype).float())
-                if kw:
-                    out_w.index_add_(0, tok, got[start:start + c, pay:pay + 4 * kw].view(torch.float32))
-            start += c
+        # the source adds each token's partial sums in node order, in fp32, and rounds once (one kernel)
+        combined_x = torch.empty((h.num_tokens, H), dtype=x.dtype, device=dev)
+        out_w = torch.empty((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
+        zero = self._zero_rows.get(pay)
+        if zero is None:
+            zero = self._zero_rows[pay] = torch.zeros(pay, dtype=torch.uint8, device=dev)
+        self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + recv_base,
+                                  cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
+                                  x.dtype == torch.float32, self._stream())
         self._settle("combine")
-        combined_x = out_x.to(x.dtype)
         nvlink = combine_nvlink_rows(h.counts, self.rank, G)
         network = sum(c for n, c in enumerate(recv_by_node) if n != self.node)
         eb = H * x.element_size()

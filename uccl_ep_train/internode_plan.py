@@ -210,6 +210,7 @@ class SendPlan:
     node_send: List[int]  # records per destination node
     dest_rows: torch.Tensor  # [S1, G] int64: final row at each GPU of the destination node, -1 = not needed
     dest_row_all: torch.Tensor  # [T, R] int64: final row of the token at every rank, -1 = not sent
+    row_of: torch.Tensor  # [N, T] int32: index of record (token, node) in the send list, -1 = not sent to that node
 
 
 def send_plan(is_token_in_rank: torch.Tensor, counts: Counts, rank: int, ranks_per_node: int) -> SendPlan:
@@ -230,7 +231,10 @@ def send_plan(is_token_in_rank: torch.Tensor, counts: Counts, rank: int, ranks_p
     hit = torch.nonzero_static(node_hit.t(), size=sum(node_send))
     hop1_node, hop1_token = hit[:, 0], hit[:, 1]
     dest_rows = dest_row_all.view(T, N, G)[hop1_token, hop1_node]
-    return SendPlan(hop1_token, node_send, dest_rows.reshape(-1, G), dest_row_all)
+    # combine adds, per token, the partial sum of every node in node order: where each sits in the returned blocks
+    row_of = torch.full((N, T), -1, dtype=torch.int32, device=device)
+    row_of[hop1_node, hop1_token] = torch.arange(hop1_token.numel(), dtype=torch.int32, device=device)
+    return SendPlan(hop1_token, node_send, dest_rows.reshape(-1, G), dest_row_all, row_of)
 
 
 def recv_counts(counts: Counts, rank: int, ranks_per_node: int) -> List[int]:

@@ -45,6 +45,11 @@ void bind_internode(py::module_& m) {
         "the first is recorded in the error word `err` (InternodeContext.error_word_ptr); nothing is copied while "
         "the stop flag (InternodeContext.stop_flag_ptr) holds stop_generation (InternodeContext.stop_generation)");
 
+  k.def("sum_node_partials", &in::sum_node_partials, py::arg("out_x"), py::arg("out_w"), py::arg("src"),
+        py::arg("src_stride"), py::arg("row_of"), py::arg("zero"), py::arg("num_nodes"), py::arg("num_tokens"),
+        py::arg("payload_bytes"), py::arg("num_weights"), py::arg("fp32"), py::arg("stream"),
+        "combine at the source: each token's node partial sums added in fp32 in node order, rounded once");
+
   py::class_<in::Context>(k, "InternodeContext")
       .def(py::init([](int rank, int world, int device, int64_t rdma_bytes, int64_t nvl_bytes, int num_threads,
                        int fifos_per_thread, uint32_t fifo_depth, std::vector<int> cpus, int idle_backoff_us,

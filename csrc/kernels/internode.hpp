@@ -216,4 +216,13 @@ void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_
                   uintptr_t err = 0, uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0,
                   int target = -1);
 
+// Source side of combine (asynchronous on `stream`): out_x[t] (x's dtype: bf16, or fp32 with `fp32`; [num_tokens,
+// payload_bytes]) = the fp32 sum in ascending node m of the payloads of rows row_of[m * num_tokens + t] (device int32
+// [num_nodes, num_tokens], -1: none) of `src` (rows of `src_stride` bytes), rounded once; out_w[t] (fp32
+// [num_tokens, num_weights]) the same sum of the num_weights fp32 values that follow each payload. `zero`: a device
+// buffer of payload_bytes zero bytes. Payload bytes, stride and pointers must be multiples of 16.
+void sum_node_partials(uintptr_t out_x, uintptr_t out_w, uintptr_t src, int64_t src_stride, uintptr_t row_of,
+                       uintptr_t zero, int num_nodes, int64_t num_tokens, int64_t payload_bytes, int num_weights,
+                       bool fp32, uintptr_t stream);
+
 }  // namespace uccl_ep::internode

@@ -132,6 +132,34 @@ def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: 
         rows(dst, dst_stride, int(d.max()) + 1)[d] = rows(src, src_stride, int(s.max()) + 1)[s]
 
 
+def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of: int, zero: int, num_nodes: int,
+                      num_tokens: int, payload_bytes: int, num_weights: int, fp32: bool, stream: int) -> None:
+    """sum_node_partials_kernel: per token, the payloads of rows row_of[m, t] (-1: the zero row) added in fp32 in
+    ascending node m and rounded once to bf16 (fp32 with ``fp32``); the fp32 weights behind them summed the same way."""
+    if num_tokens <= 0:
+        return
+    if payload_bytes <= 0 or any(v % 16 for v in (payload_bytes, src_stride, src, out_x, zero)):
+        raise ValueError("sum_node_partials: payload bytes, stride and pointers must be multiples of 16")
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    H = payload_bytes // dtype.itemsize
+    rows = _at(row_of, 4 * num_nodes * num_tokens, torch.int32).view(num_nodes, num_tokens).to(torch.int64)
+    acc_x = torch.zeros((num_tokens, H))
+    acc_w = torch.zeros((num_tokens, num_weights))
+    n = int(rows.max()) + 1 if rows.numel() else 0
+    if n > 0:
+        width = payload_bytes + 4 * num_weights
+        table = _at(src, (n - 1) * src_stride + width).as_strided((n, width), (src_stride, 1))
+        for m in range(num_nodes):  # ascending node, as the kernel's warp_sum_rows
+            have = (rows[m] >= 0).unsqueeze(1)
+            vals = table[rows[m].clamp(min=0)]
+            acc_x += torch.where(have, vals[:, :payload_bytes].contiguous().view(dtype).float(), 0.0)
+            if num_weights:
+                acc_w += torch.where(have, vals[:, payload_bytes:].contiguous().view(torch.float32), 0.0)
+    _at(out_x, num_tokens * payload_bytes).view(dtype).view(num_tokens, H).copy_(acc_x.to(dtype))
+    if num_weights:
+        _at(out_w, 4 * num_tokens * num_weights, torch.float32).view(num_tokens, num_weights).copy_(acc_w)
+
+
 def _encode_error(dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> int:
     """encode_write_signal's checks on the kernel's unsigned casts: 0 or the command error (command.hpp)."""
     u64 = (1 << 64) - 1
