@@ -6,6 +6,7 @@
 #include "kernels/internode.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <chrono>
 #include <thread>
 #include <cstring>
@@ -570,12 +571,22 @@ void Context::abort_waits() {
   }
   // The copy kernels test the stop flag, not the error word (see stopped()). A non-blocking stream: the kernels on
   // the caller's stream may be spinning in a wait right now.
+  // Bounded like every host wait here: after a second (a wedged GPU) the copy is left to finish on its own, from a
+  // member that outlives it; the waits still end through the error word, which they poll.
   if (stop_dev_ && abort_stream_) {
-    const int32_t gen = stop_generation_;
+    abort_value_ = stop_generation_;
     auto st = static_cast<cudaStream_t>(abort_stream_);
-    if (cudaMemcpyAsync(stop_dev_, &gen, sizeof(gen), cudaMemcpyHostToDevice, st) == cudaSuccess)
-      (void)cudaStreamSynchronize(st);
-    (void)cudaGetLastError();
+    cudaError_t q = cudaMemcpyAsync(stop_dev_, &abort_value_, sizeof(abort_value_), cudaMemcpyHostToDevice, st);
+    const auto t0 = std::chrono::steady_clock::now();
+    while (q == cudaSuccess && (q = cudaStreamQuery(st)) == cudaErrorNotReady &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1))
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (q != cudaSuccess) {
+      std::fprintf(stderr, "uccl-ep: rank %d: abort_waits: setting the stop flag (device int) to generation %d did "
+                   "not complete within 1 s (%s); the send and forward kernels may still run\n", rank_, abort_value_,
+                   q == cudaErrorNotReady ? "still pending" : cudaGetErrorString(q));
+      (void)cudaGetLastError();
+    }
   }
 }
 

@@ -198,6 +198,7 @@ class Context {
   int32_t* stop_dev_ = nullptr;      // StopFlag::flag, device memory
   int32_t stop_generation_ = 1;
   void* abort_stream_ = nullptr;     // cudaStream_t (non-blocking): abort_waits() sets the flag while kernels spin
+  int32_t abort_value_ = 0;          // the source of that copy, alive as long as the stream
   std::vector<void*> opened_peers_;
   bool destroyed_ = false;
   mutable std::mutex diag_mu_;  // serializes destroy() with the diagnostic reads (another thread may ask)
