@@ -552,6 +552,15 @@ class NativeInternodeBackend:
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
         self._settle(what or f"{phase} wait", drain)
 
+    def _scatter(self, dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: int, src_idx: int, n: int,
+                 row_bytes: int, dst_rows: int, phase: str, target: int) -> None:
+        """scatter_rows on this rank's stream with its range check, error word and stop flag (a failed rank forwards
+        nothing); ``target``: the destination's local GPU."""
+        self._k.scatter_rows(dst, dst_stride, dst_idx, src, src_stride, src_idx, n, row_bytes, self._stream(),
+                             dst_rows=dst_rows, err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                             stop_generation=self._cx.stop_generation, rank=self.rank, phase=self._phases[phase],
+                             target=target)
+
     def _lap(self, step: Optional[str]) -> None:
         """Benchmarks: add the host wall time since the previous lap to ``step`` (None: start a call)."""
         if self.host_timing is None:
@@ -603,15 +612,11 @@ class NativeInternodeBackend:
         arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
         fwd_dest = stamp_arrivals(arrivals, layout, G)
         if A:
-            stream = self._stream()
             for j in range(G):  # NVLink hop: every local GPU that needs the record gets its final row
                 idx = fwd_dest[:, j].contiguous()  # freed after the launch: the allocator reuses it stream-ordered
-                self._k.scatter_rows(self.peer_nvl[j], layout.final_bytes, idx.data_ptr(),
-                                     self._cx.rdma_ptr + recv_base, stride, 0, A, layout.final_bytes, stream,
-                                     dst_rows=num_recv_rows(counts, self.node * G + j),
-                                     err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
-                                     stop_generation=self._cx.stop_generation, rank=self.rank,
-                                     phase=self._phases["dispatch_forward"], target=j)
+                self._scatter(self.peer_nvl[j], layout.final_bytes, idx.data_ptr(), self._cx.rdma_ptr + recv_base,
+                              stride, 0, A, layout.final_bytes, num_recv_rows(counts, self.node * G + j),
+                              "dispatch_forward", j)
         if self.G > 1:  # with one GPU per node we forwarded every row ourselves, in stream order
             self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
@@ -837,7 +842,6 @@ class NativeInternodeBackend:
         self._settle("entry of combine")
         self._barrier("entry of combine")  # every rank finished its previous use of the areas
         self._lap("combine.entry")
-        stream = self._stream()
         # NVLink hop: each copy goes to its forwarder (same local index as the token's source), block = our local
         # index, row = the record's arrival. With one GPU per node we are every copy's forwarder and the only one:
         # the copies go straight into the send area (they are the partial sums), and stream order replaces the barrier.
@@ -850,12 +854,9 @@ class NativeInternodeBackend:
             dst = self._cx.rdma_ptr if G == 1 else self.peer_nvl[j] + gbase + self.local * self.gather_block
             for src, nbytes, off in ((rows, pay, 0), (w, 4 * kw, pay)):
                 if nbytes:
-                    self._k.scatter_rows(dst + off, cstride, dst_idx.data_ptr(), src.data_ptr(), nbytes,
-                                         sel.data_ptr(), sel.numel(), nbytes, stream,
-                                         dst_rows=sum(recv_counts(h.counts, self.node * G + j, G)),
-                                         err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
-                                         stop_generation=self._cx.stop_generation, rank=self.rank,
-                                         phase=self._phases["combine_gather"], target=j)
+                    self._scatter(dst + off, cstride, dst_idx.data_ptr(), src.data_ptr(), nbytes, sel.data_ptr(),
+                                  sel.numel(), nbytes, sum(recv_counts(h.counts, self.node * G + j, G)),
+                                  "combine_gather", j)
         send = self._rdma[:A * cstride].view(A, cstride)
         if G > 1:
             self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
