@@ -466,12 +466,16 @@ class NativeInternodeBackend:
         the same group, experts and top-k."""
         carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
         slots = carry and topk_idx is not None and self.R * topk_idx.size(1) <= NOTIFY_MAX_SLOT_COUNTS
-        row = local_count_row(is_token_in_rank, self.G, tokens_per_expert if carry else None,
-                              topk_idx if slots else None)
         shape = dict(num_experts=tokens_per_expert.numel() if carry else 0,
                      num_topk=topk_idx.size(1) if slots else 0)
+        width = self.R + self.N + shape["num_experts"] + self.R * shape["num_topk"]
+        tpe, topk = tokens_per_expert if carry else None, topk_idx if slots else None
         if self._notify_via_proxies:
-            return self._notify_through_proxies(row, shape)
+            own = self._notify_base + self.rank * self._notify_row
+            self._count_row(self._rdma[own:own + 8 * width].view(torch.int64), is_token_in_rank, tpe, topk)
+            return self._notify_through_proxies(width, shape)
+        row = torch.empty(width, dtype=torch.int64, device=self.device)
+        self._count_row(row, is_token_in_rank, tpe, topk)
         self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
         row = row.cpu()
         out = [torch.empty_like(row) for _ in range(self.R)]
@@ -485,20 +489,58 @@ class NativeInternodeBackend:
         self._check()
         return counts_from_rows(torch.stack(out), self.R, self.N, **shape)
 
+    def _count_row(self, out: torch.Tensor, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
+                   topk_idx: Optional[torch.Tensor]) -> None:
+        """local_count_row into ``out`` (int64 on the device) in one launch (count_row kernel); through torch when
+        the row has more bins than the kernel's shared memory holds."""
+        K = topk_idx.size(1) if topk_idx is not None else 0
+        if self.R + self.N + self.R * K > self._k.COUNT_ROW_MAX_BINS:
+            out.copy_(local_count_row(is_token_in_rank, self.G, tokens_per_expert, topk_idx))
+            return
+        itr = is_token_in_rank.to(torch.bool).contiguous()
+        tpe = None
+        if tokens_per_expert is not None:
+            tpe = tokens_per_expert.to(self.device)
+            tpe = (tpe if tpe.dtype in (torch.int32, torch.int64) else tpe.to(torch.int64)).contiguous()
+        topk = topk_idx.to(torch.int64).contiguous() if topk_idx is not None else None
+        self._k.count_row(out.data_ptr(), itr.data_ptr(), itr.size(0), self.R, self.G,
+                          tpe.data_ptr() if tpe is not None else 0, tpe is not None and tpe.dtype == torch.int64,
+                          tpe.numel() if tpe is not None else 0, topk.data_ptr() if topk is not None else 0, K,
+                          self._stream())
+
+    def _send_plan(self, is_token_in_rank: torch.Tensor, counts: Counts) -> SendPlan:
+        """internode_plan.send_plan with its device tables made by one launch (send_plan kernel); the host part (how
+        many records go to each node, where each node's run starts) comes from the counts."""
+        T, R, G, N = is_token_in_rank.size(0), self.R, self.G, self.N
+        node_send = [int(c) for c in counts.node_counts[self.rank].tolist()]
+        prefix = counts.rank_counts[:self.rank].sum(0) if self.rank else torch.zeros(R, dtype=torch.int64)
+        node_base = [sum(node_send[:m]) for m in range(N)]
+        table = self._upload(torch.cat([prefix.to(torch.int64), torch.tensor(node_base, dtype=torch.int64)]))
+        S1, dev = sum(node_send), self.device
+        plan = SendPlan(torch.empty(S1, dtype=torch.int64, device=dev), node_send,
+                        torch.empty((S1, G), dtype=torch.int64, device=dev),
+                        torch.empty((T, R), dtype=torch.int64, device=dev),
+                        torch.empty((N, T), dtype=torch.int32, device=dev))
+        itr = is_token_in_rank.to(torch.bool).contiguous()
+        self._k.send_plan(itr.data_ptr(), T, R, G, table.data_ptr(), table.data_ptr() + 8 * R,
+                          plan.dest_row_all.data_ptr(), plan.hop1_token.data_ptr(), plan.dest_rows.data_ptr(),
+                          plan.row_of.data_ptr(), self._stream())
+        return plan
+
     def _per_chunk(self, stride: int) -> int:
         """Records per write; every rank derives the same number (same settings, the group's smallest transport
         write limit), so receivers know the lanes."""
         return chunk_records(stride, min(chunk_bytes(self.inflight_bytes), self.max_write_bytes))
 
-    def _notify_through_proxies(self, row: torch.Tensor, shape: dict) -> Counts:
-        """Count exchange in stream order: our row goes into row ``rank`` of every rank's notify area (one write each,
-        through the proxies), then we wait for every other rank's row and copy the matrix to the host. Receiving
-        every row also proves that every rank finished its earlier work on the stream (each pushes behind it), so
-        an uncached dispatch needs no entry barrier. Replaced a gloo all_gather (~1 ms with 4 processes)."""
+    def _notify_through_proxies(self, words: int, shape: dict) -> Counts:
+        """Count exchange in stream order: our row (``words`` int64, already in row ``rank`` of our notify area) goes
+        into row ``rank`` of every rank's notify area (one write each, through the proxies), then we wait for every
+        other rank's row and copy the matrix to the host. Receiving every row also proves that every rank finished
+        its earlier work on the stream (each pushes behind it), so an uncached dispatch needs no entry barrier.
+        Replaced a gloo all_gather (~1 ms with 4 processes)."""
         R, rb, base = self.R, self._notify_row, self._notify_base
         own = base + self.rank * rb
-        width = 8 * row.numel()
-        self._rdma[own:own + width].view(torch.int64).copy_(row)
+        width = 8 * words
         self._lap("dispatch.notify_row")  # benchmarks: the count row's launches (and any wait they hide)
         # one write of the row's used width (the same on every rank: same group, same number of experts)
         rows = [[r, own, own, _align(width), 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
@@ -594,16 +636,11 @@ class NativeInternodeBackend:
                    self.half_rdma, "num_rdma_bytes")
         check_area("dispatch final rows (NVL)", [num_recv_rows(counts, r) for r in range(self.R)], layout.final_bytes,
                    self.half_nvl, "num_nvl_bytes")
-        pack_records(self._rdma[:S1 * stride].view(S1, stride), columns, plan, layout)
-        self._lap("dispatch.pack")
         recv_base = self.half_rdma
-        send_offs = block_offsets(plan.node_send, stride)
         recv_offs = block_offsets(recv_by_node, stride)
-        own = plan.node_send[self.node]
-        if own:  # own node: a device copy, never the network
-            dst = recv_base + recv_offs[self.node]
-            src = send_offs[self.node]
-            self._rdma[dst:dst + own * stride].copy_(self._rdma[src:src + own * stride])
+        # own node's records never cross the network: they are packed straight into their receive block
+        self._pack(columns, plan, layout, S1, recv_base + recv_offs[self.node])
+        self._lap("dispatch.pack")
         per = self._per_chunk(stride)
         self._push_and_wait(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base, self.L),
                             dispatch_waits(counts, self.rank, G, per, self.L), "dispatch_network", per)
@@ -611,18 +648,35 @@ class NativeInternodeBackend:
         A = sum(recv_by_node)
         arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
         fwd_dest = stamp_arrivals(arrivals, layout, G)
+        if G == 1:
+            # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
+            # source rank, tokens in order within each), so they are read in place instead of copied to the NVL area.
+            self._lap("dispatch.forward")
+            return arrivals[:, :layout.final_bytes], layout, fwd_dest, A
         if A:
             for j in range(G):  # NVLink hop: every local GPU that needs the record gets its final row
                 idx = fwd_dest[:, j].contiguous()  # freed after the launch: the allocator reuses it stream-ordered
                 self._scatter(self.peer_nvl[j], layout.final_bytes, idx.data_ptr(), self._cx.rdma_ptr + recv_base,
                               stride, 0, A, layout.final_bytes, num_recv_rows(counts, self.node * G + j),
                               "dispatch_forward", j)
-        if self.G > 1:  # with one GPU per node we forwarded every row ourselves, in stream order
-            self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
+        self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
         return final, layout, fwd_dest, A
+
+    def _pack(self, columns: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, num_records: int,
+              own_offset: int) -> None:
+        """internode_plan.pack_records in one launch (pack_records kernel), into the send area, except the records of
+        our own node, which go to ``own_offset`` of the RDMA region (their receive block)."""
+        own_first = sum(plan.node_send[:self.node])
+        rows = [_bytes_of(c) for c in columns]  # contiguous byte rows, alive until the launch below
+        self._k.pack_records(self._cx.rdma_ptr, self._cx.rdma_ptr + own_offset, own_first,
+                             plan.node_send[self.node], layout.stride, plan.hop1_token.data_ptr(),
+                             plan.dest_rows.data_ptr(), self.G, num_records,
+                             [(r.data_ptr(), nb, off) for r, nb, off in
+                              zip(rows, layout.column_bytes, layout.column_offsets) if nb],
+                             layout.src_idx_offset, layout.dest_rows_offset, self._stream())
 
     @staticmethod
     def _column(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor, copy: bool = True
@@ -670,7 +724,7 @@ class NativeInternodeBackend:
             itr = self.get_dispatch_layout(topk_idx, args.num_tokens_per_expert.numel())[3]
         counts = self._notify(itr, args.num_tokens_per_expert, topk_idx)
         self._lap("dispatch.notify")
-        plan = send_plan(itr, counts, self.rank, self.G)
+        plan = self._send_plan(itr, counts)
         self._lap("dispatch.plan")
         T = x.size(0)
         cols = [x] + ([scales] if scales is not None else [])

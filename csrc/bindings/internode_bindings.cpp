@@ -4,11 +4,13 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <tuple>
 #include <variant>
 #include <vector>
 
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #include "../kernels/internode.hpp"
+#include "../kernels/internode_plan.hpp"
 #include "bindings/proxy_stats_dict.hpp"
 #endif
 
@@ -49,6 +51,32 @@ void bind_internode(py::module_& m) {
         py::arg("src_stride"), py::arg("row_of"), py::arg("zero"), py::arg("num_nodes"), py::arg("num_tokens"),
         py::arg("payload_bytes"), py::arg("num_weights"), py::arg("fp32"), py::arg("stream"),
         "combine at the source: each token's node partial sums added in fp32 in node order, rounded once");
+
+  k.attr("COUNT_ROW_MAX_BINS") = int(in::kCountRowMaxBins);
+  k.def("count_row", &in::count_row, py::arg("out"), py::arg("is_token_in_rank"), py::arg("num_tokens"),
+        py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("tokens_per_expert"), py::arg("tpe_int64"),
+        py::arg("num_experts"), py::arg("topk_idx"), py::arg("num_topk"), py::arg("stream"),
+        "this rank's notify row (internode_plan.local_count_row) as int64 at `out`, one launch");
+  k.def("send_plan", &in::send_plan, py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"),
+        py::arg("ranks_per_node"), py::arg("prefix"), py::arg("node_base"), py::arg("dest_row_all"),
+        py::arg("hop1_token"), py::arg("dest_rows"), py::arg("row_of"), py::arg("stream"),
+        "the device tables of internode_plan.send_plan, one launch");
+  k.def(
+      "pack_records",
+      [](uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride, uintptr_t hop1_token,
+         uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
+         const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& columns, int64_t src_idx_offset,
+         int64_t dest_rows_offset, uintptr_t stream) {
+        std::vector<in::PackColumn> cols;
+        for (const auto& [src, bytes, offset] : columns) cols.push_back(in::PackColumn{src, bytes, offset});
+        in::pack_records(send, own_dst, own_first, own_count, stride, hop1_token, dest_rows, ranks_per_node,
+                         num_records, cols, src_idx_offset, dest_rows_offset, stream);
+      },
+      py::arg("send"), py::arg("own_dst"), py::arg("own_first"), py::arg("own_count"), py::arg("stride"),
+      py::arg("hop1_token"), py::arg("dest_rows"), py::arg("ranks_per_node"), py::arg("num_records"),
+      py::arg("columns"), py::arg("src_idx_offset"), py::arg("dest_rows_offset"), py::arg("stream"),
+      "the wire records of internode_plan.pack_records, one launch; columns: (src, row bytes, record offset); "
+      "records [own_first, own_first + own_count) go to own_dst");
 
   py::class_<in::Context>(k, "InternodeContext")
       .def(py::init([](int rank, int world, int device, int64_t rdma_bytes, int64_t nvl_bytes, int num_threads,

@@ -34,9 +34,11 @@ import torch
 from tests.shared_memory_files import map_file, sweep_leftovers
 
 from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
-                                          CMD_UNIT, SLOT_PAGE)
+                                          CMD_UNIT, SLOT_PAGE, Counts, RecordLayout, local_count_row,
+                                          pack_records as _pack_records, send_plan as _send_plan)
 
 PUSH_COLUMNS = 7
+COUNT_ROW_MAX_BINS = 12288
 PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "combine_gather": 4, "barrier": 5,
           "notify": 6}
 ERROR_CODES = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5}
@@ -158,6 +160,67 @@ def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of:
     _at(out_x, num_tokens * payload_bytes).view(dtype).view(num_tokens, H).copy_(acc_x.to(dtype))
     if num_weights:
         _at(out_w, 4 * num_tokens * num_weights, torch.float32).view(num_tokens, num_weights).copy_(acc_w)
+
+
+def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int,
+              tokens_per_expert: int, tpe_int64: bool, num_experts: int, topk_idx: int, num_topk: int,
+              stream: int) -> None:
+    """count_row_kernel (csrc/kernels/internode_plan.cu): internode_plan.local_count_row written at ``out``."""
+    T, R = num_tokens, num_ranks
+    itr = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
+    tpe = _at(tokens_per_expert, (8 if tpe_int64 else 4) * num_experts,
+              torch.int64 if tpe_int64 else torch.int32) if num_experts else None
+    topk = _at(topk_idx, 8 * T * num_topk, torch.int64).view(T, num_topk) if num_topk else None
+    row = local_count_row(itr, ranks_per_node, tpe, topk)
+    _at(out, 8 * row.numel(), torch.int64).copy_(row)
+
+
+def send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int, prefix: int,
+              node_base: int, dest_row_all: int, hop1_token: int, dest_rows: int, row_of: int, stream: int) -> None:
+    """send_plan_kernel: internode_plan.send_plan's device tables, from the prefix and node bases the host passes
+    (rebuilt here as the counts that give them: rank_counts row 0 = prefix, this rank = 1)."""
+    T, R, G = num_tokens, num_ranks, ranks_per_node
+    N = R // G
+    if T <= 0:
+        return
+    itr = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
+    pre = _at(prefix, 8 * R, torch.int64).clone()
+    base = _at(node_base, 8 * N, torch.int64).clone()
+    node_send = itr.view(T, N, G).any(2).sum(0).to(torch.int64)
+    if not torch.equal(base, torch.cumsum(node_send, 0) - node_send):
+        raise ValueError("send_plan: node_base is not the running sum of the records per node")
+    counts = Counts(torch.stack([pre, torch.zeros(R, dtype=torch.int64)]),
+                    torch.stack([torch.zeros(N, dtype=torch.int64), node_send]))
+    plan = _send_plan(itr, counts, 1, G)
+    S1 = plan.hop1_token.numel()
+    _at(dest_row_all, 8 * T * R, torch.int64).copy_(plan.dest_row_all.reshape(-1))
+    _at(hop1_token, 8 * S1, torch.int64).copy_(plan.hop1_token)
+    _at(dest_rows, 8 * S1 * G, torch.int64).copy_(plan.dest_rows.reshape(-1))
+    _at(row_of, 4 * N * T, torch.int32).copy_(plan.row_of.reshape(-1))
+
+
+def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride: int, hop1_token: int,
+                 dest_rows: int, ranks_per_node: int, num_records: int, columns: list, src_idx_offset: int,
+                 dest_rows_offset: int, stream: int) -> None:
+    """pack_records_kernel: internode_plan.pack_records, the records [own_first, own_first + own_count) at
+    ``own_dst`` instead of ``send``."""
+    n, G = num_records, ranks_per_node
+    if n <= 0:
+        return
+    tokens = _at(hop1_token, 8 * n, torch.int64).clone()
+    T = int(tokens.max()) + 1
+    cols = [_at(src, T * nb).view(T, nb) for src, nb, _ in columns]
+    layout = RecordLayout(tuple(off for _, _, off in columns), tuple(nb for _, nb, _ in columns), src_idx_offset,
+                          src_idx_offset + 4, dest_rows_offset, 0, stride)
+    plan = SimpleNamespace(hop1_token=tokens, dest_rows=_at(dest_rows, 8 * n * G, torch.int64).view(n, G).clone())
+    out = torch.empty((n, stride), dtype=torch.uint8)
+    _pack_records(out, cols, plan, layout)
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[own_first:own_first + own_count] = False
+    rows = _at(send, n * stride).view(n, stride)
+    rows[keep] = out[keep]
+    if own_count:
+        _at(own_dst, own_count * stride).view(own_count, stride).copy_(out[own_first:own_first + own_count])
 
 
 def _encode_error(dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> int:

@@ -1,0 +1,148 @@
+"""The planning kernels (csrc/kernels/internode_plan.cu) against the torch definitions in internode_plan.py, on one
+GPU: the notify count row, the send plan and the packed wire records must be equal, element for element, over
+random, skewed, empty and dropped routings, topologies from 2 x 1 to 8 nodes x 8 GPUs, and column widths that force
+every vector width of the pack kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu]
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from uccl_ep_train import native  # noqa: E402
+
+if not (native.available() and hasattr(native.module(), "internode")):
+    pytest.skip("uccl_ep_train._C has no internode submodule", allow_module_level=True)
+
+from internode_cases import _routing  # noqa: E402
+from uccl_ep_train.internode_plan import (Counts, _bytes_of, local_count_row, pack_records,  # noqa: E402
+                                          record_layout, send_plan)
+from uccl_ep_train.reference import get_dispatch_layout  # noqa: E402
+
+K_ = native.module().internode
+DEV = torch.device("cuda", 0)
+STREAM = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+# (ranks, ranks per node, tokens, top-k, experts per rank)
+SHAPES = [(2, 1, 4096, 8, 128), (4, 2, 333, 4, 3), (16, 8, 1000, 8, 4), (64, 8, 257, 8, 4), (8, 4, 1, 2, 2)]
+KINDS = ["random", "skewed", "empty", "dropped"]
+
+
+def _layout(R, G, T, K, epr, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    E = R * epr
+    idx = _routing(kind, T, min(K, E), E, R, g)
+    _, _, tpe, itr = get_dispatch_layout(idx, E, R, G)
+    return idx.to(DEV), tpe.to(DEV), itr.to(DEV), g
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("R,G,T,K,epr", SHAPES)
+def test_count_row_kernel_equals_local_count_row(R, G, T, K, epr, kind):
+    idx, tpe, itr, _ = _layout(R, G, T, K, epr, kind, seed=R * 1000 + T)
+    for tpe_in, topk in ((tpe.to(torch.int32), idx), (tpe.to(torch.int64), idx), (tpe.to(torch.int32), None),
+                         (None, None)):
+        want = local_count_row(itr, G, tpe_in, topk)
+        got = torch.full_like(want, -7)
+        Kk = topk.size(1) if topk is not None else 0
+        K_.count_row(got.data_ptr(), itr.data_ptr(), itr.size(0), R, G, tpe_in.data_ptr() if tpe_in is not None else 0,
+                     tpe_in is not None and tpe_in.dtype == torch.int64, tpe_in.numel() if tpe_in is not None else 0,
+                     topk.data_ptr() if topk is not None else 0, Kk, STREAM())
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"{kind} R={R} G={G}: count row differs at {(got != want).nonzero()[:4]}"
+
+
+def test_count_row_kernel_refuses_rows_wider_than_its_shared_memory():
+    itr = torch.ones((4, 4096), dtype=torch.bool, device=DEV)
+    tpe = torch.ones(4096, dtype=torch.int32, device=DEV)
+    topk = torch.zeros((4, 8), dtype=torch.int64, device=DEV)
+    out = torch.empty(4096 * 10, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="bins exceed"):
+        K_.count_row(out.data_ptr(), itr.data_ptr(), 4, 4096, 8, tpe.data_ptr(), False, 4096, topk.data_ptr(), 8,
+                     STREAM())
+
+
+def _random_counts(itr, R, G, rank, g):
+    """Counts as notify would give them at ``rank``: other ranks' rows random, ours from itr."""
+    N = R // G
+    rank_counts = torch.randint(0, 50, (R, R), generator=g)
+    rank_counts[rank] = itr.sum(0).cpu()
+    node_counts = torch.randint(0, 50, (R, N), generator=g)
+    node_counts[rank] = itr.view(-1, N, G).any(2).sum(0).cpu()
+    return Counts(rank_counts, node_counts)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("R,G,T,K,epr", SHAPES)
+def test_send_plan_kernel_equals_the_torch_send_plan(R, G, T, K, epr, kind):
+    idx, _, itr, g = _layout(R, G, T, K, epr, kind, seed=R * 77 + T)
+    N = R // G
+    rank = R - 1
+    counts = _random_counts(itr, R, G, rank, g)
+    want = send_plan(itr, counts, rank, G)
+    S1 = sum(want.node_send)
+    prefix = counts.rank_counts[:rank].sum(0)
+    base = torch.tensor([sum(want.node_send[:m]) for m in range(N)], dtype=torch.int64)
+    table = torch.cat([prefix, base]).to(DEV)
+    got = [torch.full(shape, -7, dtype=dtype, device=DEV) for shape, dtype in
+           (((T, R), torch.int64), ((S1,), torch.int64), ((S1, G), torch.int64), ((N, T), torch.int32))]
+    K_.send_plan(itr.data_ptr(), T, R, G, table.data_ptr(), table.data_ptr() + 8 * R, *[t.data_ptr() for t in got],
+                 STREAM())
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dest_row_all", "hop1_token", "dest_rows", "row_of"), got,
+                          (want.dest_row_all, want.hop1_token, want.dest_rows, want.row_of)):
+        assert torch.equal(a, b.contiguous()), f"{kind} R={R} G={G}: {name} differs"
+
+
+@pytest.mark.parametrize("kind", ["random", "dropped"])
+@pytest.mark.parametrize("R,G,T,K,epr", SHAPES[:3])
+@pytest.mark.parametrize("columns", ["bf16", "fp8_scales", "odd_widths"])
+def test_pack_records_kernel_equals_the_torch_pack_with_own_records_in_the_receive_block(R, G, T, K, epr, kind,
+                                                                                         columns):
+    idx, _, itr, g = _layout(R, G, T, K, epr, kind, seed=R * 31 + T)
+    rank = 0
+    counts = _random_counts(itr, R, G, rank, g)
+    plan = send_plan(itr, counts, rank, G)
+    plan.hop1_token, plan.dest_rows = plan.hop1_token.contiguous(), plan.dest_rows.contiguous()
+    H = 7168 if T <= 4096 and R <= 2 else 256
+    if columns == "bf16":
+        cols = [torch.randn((T, H), generator=g).to(torch.bfloat16), idx, torch.rand(idx.shape, generator=g)]
+    elif columns == "fp8_scales":
+        cols = [torch.randn((T, H), generator=g).to(torch.float8_e4m3fn), torch.rand((T, H // 128), generator=g),
+                idx, torch.rand(idx.shape, generator=g)]
+    else:  # rows of 2, 6, 12 and 24 bytes: the byte, int and 8-byte paths (bf16 payloads take the 16-byte one)
+        cols = [torch.randint(0, 255, (T, 2), generator=g, dtype=torch.uint8),
+                torch.randint(-9, 9, (T, 3), generator=g, dtype=torch.int16), torch.rand((T, 3), generator=g),
+                torch.rand((T, 3), generator=g, dtype=torch.float64)]
+    cols = [c.to(DEV) for c in cols]
+    layout = record_layout([_bytes_of(c).size(1) for c in cols], G)
+    S1 = plan.hop1_token.numel()
+    node = rank // G
+    own_first, own = sum(plan.node_send[:node]), plan.node_send[node]
+    want = torch.randint(0, 255, (S1, layout.stride), generator=g, dtype=torch.uint8).to(DEV)
+    send = want.clone()
+    send_before = send.clone()
+    own_dst = torch.randint(0, 255, (max(own, 1), layout.stride), generator=g, dtype=torch.uint8).to(DEV)
+    own_before = own_dst.clone()
+    pack_records(want, cols, plan, layout)
+    rows = [_bytes_of(c) for c in cols]
+    K_.pack_records(send.data_ptr(), own_dst.data_ptr(), own_first, own, layout.stride, plan.hop1_token.data_ptr(),
+                    plan.dest_rows.data_ptr(), G, S1, [(r.data_ptr(), nb, off) for r, nb, off in
+                                                      zip(rows, layout.column_bytes, layout.column_offsets)],
+                    layout.src_idx_offset, layout.dest_rows_offset, STREAM())
+    torch.cuda.synchronize()
+    # every field the torch pack writes; bytes in between (padding, the arrival field) are not part of the record
+    fields = [(off, nb) for off, nb in zip(layout.column_offsets, layout.column_bytes)]
+    fields += [(layout.src_idx_offset, 4), (layout.dest_rows_offset, 4 * G)]
+    remote = torch.ones(S1, dtype=torch.bool, device=DEV)
+    remote[own_first:own_first + own] = False
+    for off, nb in fields:
+        assert torch.equal(send[remote, off:off + nb], want[remote, off:off + nb]), f"field at {off} differs"
+        if own:
+            assert torch.equal(own_dst[:own, off:off + nb], want[own_first:own_first + own, off:off + nb]), \
+                f"own record field at {off} differs"
+    assert torch.equal(send[~remote], send_before[~remote]), "our own node's records were written to the send area"
+    if not own:
+        assert torch.equal(own_dst, own_before), "nothing of ours for our node, yet the receive block was written"
