@@ -434,8 +434,17 @@ class LoopbackTransport final : public Transport {
   uint64_t schedule(uint64_t now, uint64_t bytes) {
     uint64_t t = now;
     if (ns_per_byte_ > 0) {
-      wire_free_ns_ = std::max(wire_free_ns_, now) + uint64_t(double(bytes) * ns_per_byte_);
-      t = wire_free_ns_;
+      const uint64_t cost = uint64_t(double(bytes) * ns_per_byte_);
+      if (o_.wire) {  // shared with the proxy's other endpoints: claim the next slot of the one wire
+        uint64_t busy = o_.wire->load(std::memory_order_relaxed), next;
+        do {
+          next = std::max(busy, now) + cost;
+        } while (!o_.wire->compare_exchange_weak(busy, next, std::memory_order_relaxed));
+        t = next;
+      } else {
+        wire_free_ns_ = std::max(wire_free_ns_, now) + cost;
+        t = wire_free_ns_;
+      }
     }
     return t + o_.delay_us * 1000;
   }

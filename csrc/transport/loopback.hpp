@@ -5,6 +5,7 @@
 // bandwidth cap. A peer process that dies is detected (pid check) and reported as a failed completion.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -18,7 +19,11 @@ struct LoopbackOptions {
   int thread_index = 0;       // endpoints connect thread t <-> thread t
   int reorder = 0;            // 0/1: in order; k: deliver shuffled in groups of up to k
   uint64_t delay_us = 0;      // added to every delivery
-  double bandwidth_gbps = 0;  // GB/s per endpoint (0: uncapped)
+  double bandwidth_gbps = 0;  // GB/s of the wire (0: uncapped)
+  // When set, the endpoints holding it share one wire (the proxy's threads share the GPU's NIC, as QPs share a real
+  // one): each write is scheduled after every earlier write of any of them, at bandwidth_gbps. Unset: a wire per
+  // endpoint. Holds the time (ns) the wire is busy until.
+  std::shared_ptr<std::atomic<uint64_t>> wire;
   uint64_t seed = 0;
   uint32_t ring_capacity = 4096;  // immediates buffered per (receiver endpoint, sender rank)
 };
