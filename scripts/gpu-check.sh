@@ -47,7 +47,7 @@ for step in "${steps[@]}"; do
     kernels) run kernels 150 "${tr2[@]}" -m pytest -x -q -rf tests/kernels/test_intranode_gpu.py ;;
     internode_shared)  # one GPU hosting every rank (a 1-GPU machine): the 2 x 1 cases and the one-rank ones
       UCCL_EP_TEST_SHARE_GPU=1 run internode_shared "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 \
-        tests/internode -k "${INTERNODE_K:-2-1 or same_gpu or wait_failed or kernel_equals or refuses_rows}" ;;
+        tests/internode -k "${INTERNODE_K:-2-1 or same_gpu or wait_failed or kernel_equals or refuses_rows or unpack_records_kernel}" ;;
     moelayer) run moelayer 180 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
     internode) run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode \
                  ${INTERNODE_K:+-k "$INTERNODE_K"} ;;

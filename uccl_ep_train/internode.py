@@ -678,6 +678,26 @@ class NativeInternodeBackend:
                               zip(rows, layout.column_bytes, layout.column_offsets) if nb],
                              layout.src_idx_offset, layout.dest_rows_offset, self._stream())
 
+    def _unpack(self, final: torch.Tensor, layout: RecordLayout, outs: List[torch.Tensor], out_rows: int = -1,
+                ids: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None, ids_column: int = 0,
+                expert_lo: int = 0, experts_per_rank: int = 0, src_idx: Optional[torch.Tensor] = None,
+                arrival: Optional[torch.Tensor] = None) -> None:
+        """The final rows' columns into ``outs`` (column i into outs[i], padded with zero rows to ``out_rows``) in
+        one launch (unpack_records kernel); with ``ids`` / ``weights``, column ``ids_column`` (global expert ids) and
+        the next (weights) become local ids (-1 elsewhere and in padding rows) and the weights of local ids (0
+        elsewhere); the src_idx and arrival fields into ``src_idx`` / ``arrival``."""
+        n = final.size(0)
+        if out_rows < 0:
+            out_rows = n
+        K = ids.size(1) if ids is not None else 0
+        ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
+        self._k.unpack_records(
+            final.data_ptr(), final.stride(0), n, out_rows,
+            [(o.data_ptr(), layout.column_bytes[i], layout.column_offsets[i]) for i, o in enumerate(outs)],
+            ptr(ids), ptr(weights), layout.column_offsets[ids_column] if K else 0,
+            layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
+            layout.src_idx_offset, ptr(src_idx), layout.arrival_offset, ptr(arrival), self._stream())
+
     @staticmethod
     def _column(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor, copy: bool = True
                 ) -> torch.Tensor:
@@ -698,21 +718,24 @@ class NativeInternodeBackend:
         x, scales = args.x, args.x_scales
         if args.handle is None and args.num_tokens_per_expert is None:  # before any traffic: peers would hang
             raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) when no handle is given")
-        # The previous call's waits must be over before anything new is launched (see _push_and_wait)
-        self._settle("entry of dispatch")
+        # No drain here: the previous call's waits are over (the host drained after each, _push_and_wait), and what
+        # it queued after its last wait (unpack, the partial sums) may still run while this call's first launches
+        # queue behind it; a drain cost ~100 us per call on 2x H200 (session 8).
+        self._check("entry of dispatch")
         if args.handle is not None:  # every rank finished its previous use of the areas ...
             self._barrier("entry of dispatch")
-        # ... which, without a handle, notify proves: each rank drains its stream before the count exchange
+        # ... which, without a handle, notify proves: a rank's row leaves behind everything earlier on its stream
         self._lap("dispatch.entry")
         if args.handle is not None:
             h: InternodeHandle = args.handle
             cols = [x] + ([scales] if scales is not None else [])
             final, layout, _, _ = self._move(cols, h.counts, h.plan)
-            parts = [self._column(final, layout, i, c, copy=not h.expert_major) for i, c in enumerate(cols)]
             if h.expert_major:
-                parts = self._to_expert_major(h, parts)
+                parts = self._to_expert_major(h, [self._column(final, layout, i, c, copy=False)
+                                                  for i, c in enumerate(cols)])
             else:
-                parts = [_pad(p, h.num_recv_rows) for p in parts]
+                parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
+                self._unpack(final, layout, parts, h.num_recv_rows)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
             self._lap("dispatch.finish")
             return DispatchResult(parts[0], parts[1] if scales is not None else None, None, None, None, h,
@@ -734,25 +757,36 @@ class NativeInternodeBackend:
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
         final, layout, fwd_dest, A = self._move(cols, counts, plan)
         nrecv = final.size(0)
-        # expert-major: every column is gathered (payload) or recomputed (ids, weights) into new tensors below
-        parts = [self._column(final, layout, i, c, copy=not args.expert_major) for i, c in enumerate(cols)]
-        src_idx = int32_column(final, layout.src_idx_offset)
-        arrival = int32_column(final, layout.arrival_offset)
-        recv_x = parts[0]
-        recv_scales = parts[1] if scales is not None else None
+        worst = args.num_worst_tokens
+        rows = nrecv
+        if worst and not args.expert_major:
+            if nrecv > worst:
+                raise InternodeError(f"rank {self.rank}: received {nrecv} tokens but num_worst_tokens={worst}; "
+                                     "raise num_worst_tokens")
+            rows = worst
         L = args.num_tokens_per_expert.numel() // self.R
+        payload = cols[:2 if scales is not None else 1]
+        # one launch takes every column out of the final rows (padded to num_worst_tokens); expert-major gathers the
+        # payload straight from the final rows below instead (one copy)
+        outs = [] if args.expert_major else [_empty_rows(c, rows) for c in payload]
         recv_topk_idx = recv_w = None
         if topk_idx is not None:
-            gidx, w = parts[-2], parts[-1]
-            lo = self.rank * L
-            is_local = (gidx >= lo) & (gidx < lo + L)
-            recv_topk_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
-            recv_w = torch.where(is_local, w, torch.zeros_like(w))
+            recv_topk_idx = torch.empty((rows, topk_idx.size(1)), dtype=torch.int64, device=self.device)
+            recv_w = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=self.device)
+        src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
+        arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
+        self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
+                     arrival)
+        if args.expert_major:
+            outs = [self._column(final, layout, i, c, copy=False) for i, c in enumerate(payload)]
+        recv_x = outs[0]
+        recv_scales = outs[1] if scales is not None else None
         if counts.expert_counts is not None:  # notify carried every source's tokens per expert: no device read
             raw = recv_expert_counts(counts, self.rank, L)
         elif topk_idx is not None:  # more experts than a notify row holds: count the received ids (a host sync)
             # non-local slots count into a spare bin L: no boolean indexing
-            raw = torch.bincount(torch.where(is_local, recv_topk_idx, L).view(-1), minlength=L + 1)[:L].tolist()
+            ids = recv_topk_idx[:nrecv]
+            raw = torch.bincount(torch.where(ids >= 0, ids, L).view(-1), minlength=L + 1)[:L].tolist()
         else:  # no top-k: the per-expert counts come from every source's num_tokens_per_expert
             mine = args.num_tokens_per_expert.to(torch.int64).cpu()
             every = [torch.empty_like(mine) for _ in range(self.R)]
@@ -769,7 +803,6 @@ class NativeInternodeBackend:
                             expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
                             rows_by_local=list(self._upload(torch.cat(rows_by_local)).split(sizes_by_local)),
                             rows_by_local_sizes=sizes_by_local)
-        worst = args.num_worst_tokens
         if args.expert_major:
             self._build_expert_major(h, recv_topk_idx, raw, aligned, worst,
                                      recv_slot_counts(counts, self.rank) if counts.slot_counts is not None else None)
@@ -783,17 +816,7 @@ class NativeInternodeBackend:
             em_expert[pos] = recv_topk_idx[tok, slot]
             recv_topk_idx, recv_w = em_expert, em_w
         else:
-            rows = nrecv
-            if worst:
-                if nrecv > worst:
-                    raise InternodeError(f"rank {self.rank}: received {nrecv} tokens but num_worst_tokens={worst}; "
-                                         "raise num_worst_tokens")
-                rows = worst
             h.num_recv_rows = rows
-            recv_x = _pad(recv_x, rows)
-            recv_scales = _pad(recv_scales, rows) if recv_scales is not None else None
-            if recv_topk_idx is not None:
-                recv_topk_idx, recv_w = _pad(recv_topk_idx, rows, -1), _pad(recv_w, rows)
         if weights is None:
             recv_w = None
         self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
@@ -893,7 +916,7 @@ class NativeInternodeBackend:
         check_area("combine (RDMA)", [int(h.counts.node_counts[r].sum()) for r in range(self.R)], cstride,
                    self.half_rdma, "num_rdma_bytes")
         self._lap("combine.prepare")
-        self._settle("entry of combine")
+        self._check("entry of combine")  # no drain: see dispatch
         self._barrier("entry of combine")  # every rank finished its previous use of the areas
         self._lap("combine.entry")
         # NVLink hop: each copy goes to its forwarder (same local index as the token's source), block = our local
@@ -999,9 +1022,6 @@ class NativeInternodeBackend:
             self._cx.destroy()
 
 
-def _pad(t: torch.Tensor, rows: int, fill: float | int = 0) -> torch.Tensor:
-    if t.size(0) == rows:
-        return t
-    out = t.new_full((rows,) + tuple(t.shape[1:]), fill)
-    out[:t.size(0)] = t
-    return out
+def _empty_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """An uninitialised output of ``rows`` rows shaped and typed like ``like``'s rows."""
+    return torch.empty((rows,) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device)

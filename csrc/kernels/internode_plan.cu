@@ -150,6 +150,52 @@ __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
   }
 }
 
+// The inverse at the receiver, one group of 32 threads per output row.
+__global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
+    const char* __restrict__ src, long long src_stride, long long n, long long out_rows, PackArgs args,
+    UnpackTopk topk, long long src_idx_offset, long long* __restrict__ src_idx_out, long long arrival_offset,
+    long long* __restrict__ arrival_out) {
+  const int lane = threadIdx.x % kPackGroup;
+  const long long groups = static_cast<long long>(gridDim.x) * (blockDim.x / kPackGroup);
+  for (long long r = blockIdx.x * (blockDim.x / kPackGroup) + threadIdx.x / kPackGroup; r < out_rows; r += groups) {
+    const bool real = r < n;
+    const char* row = src + r * src_stride;
+    for (int c = 0; c < args.num_columns; ++c) {
+      const PackColumn& col = args.columns[c];
+      char* dst = reinterpret_cast<char*>(col.src) + r * col.bytes;
+      if (!real) {
+        for (long long b = lane; b < col.bytes; b += kPackGroup) dst[b] = 0;
+        continue;
+      }
+      const char* from = row + col.offset;
+      const unsigned long long align = reinterpret_cast<unsigned long long>(from) |
+                                       reinterpret_cast<unsigned long long>(dst) |
+                                       static_cast<unsigned long long>(col.bytes);
+      if (align % 16 == 0) copy_bytes<int4>(dst, from, col.bytes, lane);
+      else if (align % 8 == 0) copy_bytes<long long>(dst, from, col.bytes, lane);
+      else if (align % 4 == 0) copy_bytes<int>(dst, from, col.bytes, lane);
+      else copy_bytes<char>(dst, from, col.bytes, lane);
+    }
+    for (int k = lane; k < topk.num_topk; k += kPackGroup) {
+      long long id = -1;
+      float w = 0.0f;
+      if (real) {
+        const long long g = reinterpret_cast<const long long*>(row + topk.ids_offset)[k];
+        if (g >= topk.expert_lo && g < topk.expert_lo + topk.experts_per_rank) {
+          id = g - topk.expert_lo;
+          if (topk.weights_out) w = reinterpret_cast<const float*>(row + topk.weights_offset)[k];
+        }
+      }
+      if (topk.ids_out) reinterpret_cast<long long*>(topk.ids_out)[r * topk.num_topk + k] = id;
+      if (topk.weights_out) reinterpret_cast<float*>(topk.weights_out)[r * topk.num_topk + k] = w;
+    }
+    if (real && lane == 0) {
+      if (src_idx_out) src_idx_out[r] = *reinterpret_cast<const int*>(row + src_idx_offset);
+      if (arrival_out) arrival_out[r] = *reinterpret_cast<const int*>(row + arrival_offset);
+    }
+  }
+}
+
 }  // namespace
 
 void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node,
@@ -211,6 +257,33 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
       reinterpret_cast<const long long*>(hop1_token), reinterpret_cast<const long long*>(dest_rows), ranks_per_node,
       num_records, args, src_idx_offset, dest_rows_offset);
   check_launch("pack_records");
+}
+
+void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
+                    const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
+                    uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream) {
+  if (out_rows < num_rows) throw std::invalid_argument("unpack_records: fewer output rows than rows");
+  if (out_rows <= 0) return;
+  if (num_rows > 0 && !src) throw std::invalid_argument("unpack_records: null source");
+  if (columns.size() > size_t(kMaxPackColumns))
+    throw std::invalid_argument("unpack_records: at most " + std::to_string(kMaxPackColumns) + " columns");
+  if (topk.num_topk > 0 && topk.weights_out && !topk.ids_out)
+    throw std::invalid_argument("unpack_records: the weights are masked by the ids: give ids_out");
+  if (src_idx_offset % 4 || arrival_offset % 4 || topk.ids_offset % 8 || topk.weights_offset % 4)
+    throw std::invalid_argument("unpack_records: misaligned record layout");
+  PackArgs args{};
+  args.num_columns = int(columns.size());
+  for (size_t i = 0; i < columns.size(); ++i) {
+    if (!columns[i].src || columns[i].bytes < 0 || columns[i].offset < 0)
+      throw std::invalid_argument("unpack_records: column " + std::to_string(i) + " has no output or a bad range");
+    args.columns[i] = columns[i];
+  }
+  const int per_block = kPackThreads / kPackGroup;
+  const int blocks = int(std::min<int64_t>((out_rows + per_block - 1) / per_block, 1024));
+  unpack_records_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const char*>(src), src_stride, num_rows, out_rows, args, topk, src_idx_offset,
+      reinterpret_cast<long long*>(src_idx_out), arrival_offset, reinterpret_cast<long long*>(arrival_out));
+  check_launch("unpack_records");
 }
 
 }  // namespace uccl_ep::internode

@@ -1,5 +1,6 @@
 // Host API of the internode planning kernels: the per-call tables of uccl_ep_train/internode_plan.py (the notify
-// count row, the send plan, the wire records), each in one launch instead of a dozen torch operations. The torch
+// count row, the send plan, the wire records) and, at the receiver, the records' columns back out of the final rows,
+// each in one launch instead of a dozen torch operations. The torch
 // functions stay the definition; tests/internode/test_internode_plan_kernels_gpu.py compares both on random routings.
 // Plain C++: pointers are device addresses as integers, `stream` a cudaStream_t as an integer.
 #pragma once
@@ -29,7 +30,7 @@ void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, in
                uintptr_t row_of, uintptr_t stream);
 
 // One payload column of the wire records: row t of the source (contiguous rows of `bytes`) goes to byte `offset` of
-// every record that carries token t.
+// every record that carries token t (pack_records); for unpack_records, `src` is the column's output.
 struct PackColumn {
   uintptr_t src = 0;
   int64_t bytes = 0;
@@ -45,5 +46,25 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
                   uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
                   const std::vector<PackColumn>& columns, int64_t src_idx_offset, int64_t dest_rows_offset,
                   uintptr_t stream);
+
+// The receiver's side: rows [0, num_rows) of the final rows at `src` (row r at src + r * src_stride) are split into
+// the column outputs (row r of a column at dst + r * bytes, from byte `offset` of the final row); rows
+// [num_rows, out_rows) of every column output are zeroed (num_worst_tokens padding). With ids_out: the num_topk
+// global expert ids (int64 at ids_offset) become local ids (id - expert_lo when in [expert_lo, expert_lo +
+// experts_per_rank), else -1), and with weights_out the fp32 weights at weights_offset are kept where the id is
+// local, else 0 (padding rows: -1 and 0). src_idx_out / arrival_out (int64 [num_rows], 0: skipped): the int32 fields
+// at src_idx_offset / arrival_offset.
+struct UnpackTopk {
+  uintptr_t ids_out = 0;
+  uintptr_t weights_out = 0;
+  int64_t ids_offset = 0;
+  int64_t weights_offset = 0;
+  int num_topk = 0;
+  int64_t expert_lo = 0;
+  int64_t experts_per_rank = 0;
+};
+void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
+                    const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
+                    uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream);
 
 }  // namespace uccl_ep::internode

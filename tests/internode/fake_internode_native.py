@@ -223,6 +223,42 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
         _at(own_dst, own_count * stride).view(own_count, stride).copy_(out[own_first:own_first + own_count])
 
 
+def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, columns: list, ids_out: int,
+                   weights_out: int, ids_offset: int, weights_offset: int, num_topk: int, expert_lo: int,
+                   experts_per_rank: int, src_idx_offset: int, src_idx_out: int, arrival_offset: int,
+                   arrival_out: int, stream: int) -> None:
+    """unpack_records_kernel: the final rows' columns into their outputs (zero rows up to ``out_rows``); global
+    expert ids made local (-1 elsewhere), the weights of foreign ids zeroed; the int32 src_idx / arrival fields
+    widened to int64."""
+    if out_rows < num_rows:
+        raise ValueError("unpack_records: fewer output rows than rows")
+    n = num_rows
+    rows = _at(src, (n - 1) * src_stride + src_stride).as_strided((n, src_stride), (src_stride, 1)) if n else None
+
+    def field(off: int, nb: int) -> torch.Tensor:
+        return rows[:, off:off + nb].contiguous() if n else torch.empty((0, nb), dtype=torch.uint8)
+
+    for dst, nb, off in columns:
+        out = _at(dst, out_rows * nb).view(out_rows, nb)
+        out[:n] = field(off, nb)
+        out[n:] = 0
+    K = num_topk
+    if K and ids_out:
+        g = field(ids_offset, 8 * K).view(torch.int64).view(n, K)
+        local = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
+        ids = _at(ids_out, 8 * out_rows * K, torch.int64).view(out_rows, K)
+        ids[:n] = torch.where(local, g - expert_lo, torch.full_like(g, -1))
+        ids[n:] = -1
+        if weights_out:
+            w = field(weights_offset, 4 * K).view(torch.float32).view(n, K)
+            ws = _at(weights_out, 4 * out_rows * K, torch.float32).view(out_rows, K)
+            ws[:n] = torch.where(local, w, torch.zeros_like(w))
+            ws[n:] = 0
+    for off, out in ((src_idx_offset, src_idx_out), (arrival_offset, arrival_out)):
+        if out and n:
+            _at(out, 8 * n, torch.int64).copy_(field(off, 4).view(torch.int32).view(-1).to(torch.int64))
+
+
 def _encode_error(dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> int:
     """encode_write_signal's checks on the kernel's unsigned casts: 0 or the command error (command.hpp)."""
     u64 = (1 << 64) - 1

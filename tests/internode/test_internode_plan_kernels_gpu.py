@@ -146,3 +146,49 @@ def test_pack_records_kernel_equals_the_torch_pack_with_own_records_in_the_recei
     assert torch.equal(send[~remote], send_before[~remote]), "our own node's records were written to the send area"
     if not own:
         assert torch.equal(own_dst, own_before), "nothing of ours for our node, yet the receive block was written"
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("n,pad,fp8", [(4096, 0, False), (333, 77, True), (0, 5, False), (1, 0, True)])
+def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and_zero_padding(n, pad, fp8, in_place):
+    """in_place: the final rows are the arrivals themselves (one GPU per node), rows of the wire stride."""
+    g = torch.Generator().manual_seed(n + pad)
+    K, E, lo, L, H, G = 8, 64, 16, 16, 512, 2
+    cols = [torch.randn((n, H), generator=g).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)]
+    if fp8:
+        cols.append(torch.rand((n, H // 128), generator=g))
+    ids = torch.randint(-1, E, (n, K), generator=g)
+    cols += [ids, torch.rand((n, K), generator=g)]
+    layout = record_layout([_bytes_of(c).size(1) for c in cols], G)
+    width = layout.stride if in_place else layout.final_bytes
+    rows = torch.randint(0, 255, (n, width), generator=g, dtype=torch.uint8)
+    for c, off, nb in zip(cols, layout.column_offsets, layout.column_bytes):
+        rows[:, off:off + nb] = _bytes_of(c)
+    fields = torch.randint(0, 1 << 30, (n, 2), generator=g, dtype=torch.int32)
+    rows[:, layout.src_idx_offset:layout.src_idx_offset + 8] = fields.view(torch.uint8)
+    final = rows.to(DEV)[:, :layout.final_bytes]
+    out_rows = n + pad
+    payload = cols[:-2]
+    outs = [torch.full((out_rows,) + tuple(c.shape[1:]), 3, dtype=torch.uint8, device=DEV).view(c.dtype)
+            if c.element_size() == 1 else torch.full((out_rows,) + tuple(c.shape[1:]), 3.0, device=DEV).to(c.dtype)
+            for c in payload]
+    got_ids = torch.full((out_rows, K), 99, dtype=torch.int64, device=DEV)
+    got_w = torch.full((out_rows, K), 9.0, device=DEV)
+    got_src, got_arr = (torch.full((n,), -5, dtype=torch.int64, device=DEV) for _ in range(2))
+    K_.unpack_records(final.data_ptr(), final.stride(0), n, out_rows,
+                      [(o.data_ptr(), nb, off) for o, nb, off in zip(outs, layout.column_bytes, layout.column_offsets)],
+                      got_ids.data_ptr(), got_w.data_ptr(), layout.column_offsets[len(payload)],
+                      layout.column_offsets[len(payload) + 1], K, lo, L, layout.src_idx_offset, got_src.data_ptr(),
+                      layout.arrival_offset, got_arr.data_ptr(), STREAM())
+    torch.cuda.synchronize()
+    for c, o in zip(payload, outs):
+        o = o.cpu()
+        assert torch.equal(_bytes_of(o[:n]), _bytes_of(c)), "payload column differs"
+        assert not _bytes_of(o[n:]).any(), "padding rows are not zero"
+    local = (ids >= lo) & (ids < lo + L)
+    want_ids = torch.cat([torch.where(local, ids - lo, -1), torch.full((pad, K), -1)])
+    want_w = torch.cat([torch.where(local, cols[-1], 0.0), torch.zeros(pad, K)])
+    assert torch.equal(got_ids.cpu(), want_ids)
+    assert torch.equal(got_w.cpu(), want_w)
+    assert torch.equal(got_src.cpu(), fields[:, 0].to(torch.int64))
+    assert torch.equal(got_arr.cpu(), fields[:, 1].to(torch.int64))
