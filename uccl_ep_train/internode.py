@@ -621,10 +621,10 @@ class NativeInternodeBackend:
         return get_dispatch_layout(topk_idx, num_experts, self.R, self.G)
 
     # ---------------------------------------------------------------- dispatch
-    def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan) -> Tuple[torch.Tensor, RecordLayout,
-                                                                                          torch.Tensor, int]:
+    def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan
+              ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
-        forwarder dest rows [A, G], A)."""
+        forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A)."""
         G = self.G
         layout = record_layout([_bytes_of(c).size(1) for c in columns], G)
         stride = layout.stride
@@ -647,12 +647,13 @@ class NativeInternodeBackend:
         self._lap("dispatch.network")
         A = sum(recv_by_node)
         arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
-        fwd_dest = stamp_arrivals(arrivals, layout, G)
         if G == 1:
             # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
-            # source rank, tokens in order within each), so they are read in place instead of copied to the NVL area.
+            # source rank, tokens in order within each), so they are read in place instead of copied to the NVL area,
+            # and a row's arrival is its index (not stamped: unpack writes it); nobody forwards, so no dest rows.
             self._lap("dispatch.forward")
-            return arrivals[:, :layout.final_bytes], layout, fwd_dest, A
+            return arrivals[:, :layout.final_bytes], layout, None, A
+        fwd_dest = stamp_arrivals(arrivals, layout, G)
         if A:
             for j in range(G):  # NVLink hop: every local GPU that needs the record gets its final row
                 idx = fwd_dest[:, j].contiguous()  # freed after the launch: the allocator reuses it stream-ordered
@@ -696,7 +697,8 @@ class NativeInternodeBackend:
             [(o.data_ptr(), layout.column_bytes[i], layout.column_offsets[i]) for i, o in enumerate(outs)],
             ptr(ids), ptr(weights), layout.column_offsets[ids_column] if K else 0,
             layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
-            layout.src_idx_offset, ptr(src_idx), layout.arrival_offset, ptr(arrival), self._stream())
+            layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
+            self._stream())
 
     @staticmethod
     def _column(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor, copy: bool = True

@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     }
     if (real && lane == 0) {
       if (src_idx_out) src_idx_out[r] = *reinterpret_cast<const int*>(row + src_idx_offset);
-      if (arrival_out) arrival_out[r] = *reinterpret_cast<const int*>(row + arrival_offset);
+      if (arrival_out) arrival_out[r] = arrival_offset < 0 ? r : *reinterpret_cast<const int*>(row + arrival_offset);
     }
   }
 }
@@ -269,7 +269,8 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
     throw std::invalid_argument("unpack_records: at most " + std::to_string(kMaxPackColumns) + " columns");
   if (topk.num_topk > 0 && topk.weights_out && !topk.ids_out)
     throw std::invalid_argument("unpack_records: the weights are masked by the ids: give ids_out");
-  if (src_idx_offset % 4 || arrival_offset % 4 || topk.ids_offset % 8 || topk.weights_offset % 4)
+  if (src_idx_offset % 4 || (arrival_offset >= 0 && arrival_offset % 4) || topk.ids_offset % 8 ||
+      topk.weights_offset % 4)
     throw std::invalid_argument("unpack_records: misaligned record layout");
   PackArgs args{};
   args.num_columns = int(columns.size());

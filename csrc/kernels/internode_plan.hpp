@@ -53,7 +53,7 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
 // global expert ids (int64 at ids_offset) become local ids (id - expert_lo when in [expert_lo, expert_lo +
 // experts_per_rank), else -1), and with weights_out the fp32 weights at weights_offset are kept where the id is
 // local, else 0 (padding rows: -1 and 0). src_idx_out / arrival_out (int64 [num_rows], 0: skipped): the int32 fields
-// at src_idx_offset / arrival_offset.
+// at src_idx_offset / arrival_offset; arrival_offset < 0: the row index itself (the final rows are the arrivals).
 struct UnpackTopk {
   uintptr_t ids_out = 0;
   uintptr_t weights_out = 0;

@@ -229,7 +229,7 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
                    arrival_out: int, stream: int) -> None:
     """unpack_records_kernel: the final rows' columns into their outputs (zero rows up to ``out_rows``); global
     expert ids made local (-1 elsewhere), the weights of foreign ids zeroed; the int32 src_idx / arrival fields
-    widened to int64."""
+    widened to int64 (a negative arrival offset: the row index)."""
     if out_rows < num_rows:
         raise ValueError("unpack_records: fewer output rows than rows")
     n = num_rows
@@ -256,7 +256,8 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
             ws[n:] = 0
     for off, out in ((src_idx_offset, src_idx_out), (arrival_offset, arrival_out)):
         if out and n:
-            _at(out, 8 * n, torch.int64).copy_(field(off, 4).view(torch.int32).view(-1).to(torch.int64))
+            val = torch.arange(n) if off < 0 else field(off, 4).view(torch.int32).view(-1).to(torch.int64)
+            _at(out, 8 * n, torch.int64).copy_(val)
 
 
 def _encode_error(dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> int:

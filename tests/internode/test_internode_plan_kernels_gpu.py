@@ -151,7 +151,8 @@ def test_pack_records_kernel_equals_the_torch_pack_with_own_records_in_the_recei
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("n,pad,fp8", [(4096, 0, False), (333, 77, True), (0, 5, False), (1, 0, True)])
 def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and_zero_padding(n, pad, fp8, in_place):
-    """in_place: the final rows are the arrivals themselves (one GPU per node), rows of the wire stride."""
+    """in_place: the final rows are the arrivals themselves (one GPU per node), rows of the wire stride, and each
+    row's arrival is its index (arrival offset -1)."""
     g = torch.Generator().manual_seed(n + pad)
     K, E, lo, L, H, G = 8, 64, 16, 16, 512, 2
     cols = [torch.randn((n, H), generator=g).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)]
@@ -179,7 +180,7 @@ def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and
                       [(o.data_ptr(), nb, off) for o, nb, off in zip(outs, layout.column_bytes, layout.column_offsets)],
                       got_ids.data_ptr(), got_w.data_ptr(), layout.column_offsets[len(payload)],
                       layout.column_offsets[len(payload) + 1], K, lo, L, layout.src_idx_offset, got_src.data_ptr(),
-                      layout.arrival_offset, got_arr.data_ptr(), STREAM())
+                      -1 if in_place else layout.arrival_offset, got_arr.data_ptr(), STREAM())
     torch.cuda.synchronize()
     for c, o in zip(payload, outs):
         o = o.cpu()
@@ -191,4 +192,4 @@ def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and
     assert torch.equal(got_ids.cpu(), want_ids)
     assert torch.equal(got_w.cpu(), want_w)
     assert torch.equal(got_src.cpu(), fields[:, 0].to(torch.int64))
-    assert torch.equal(got_arr.cpu(), fields[:, 1].to(torch.int64))
+    assert torch.equal(got_arr.cpu(), torch.arange(n) if in_place else fields[:, 1].to(torch.int64))
