@@ -196,7 +196,7 @@ def run(args) -> int:
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=peer)
     t_raw = _wall(lambda: dst.copy_(src, non_blocking=True), args.iters, args.warmup)
-    del src, dst
+    src = dst = None  # free the copy buffers (the lambda above is done with them)
 
     def mx(v):
         t = torch.tensor([v], device=dev)
