@@ -31,7 +31,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
     describe_gpu_error, pack_records, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
     NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
-    rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns)
+    rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
+    dispatch_extents, combine_overlaps_dispatch)
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
@@ -353,6 +354,12 @@ class NativeInternodeBackend:
         self._zero_rows: dict = {}  # payload bytes -> zero row (combine: a node without a partial sum adds it)
         self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(s.kernel.drain_after_waits)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
+        # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
+        # (notify or barrier) since the last combine and its rows stay clear of what the last dispatch filled, whose
+        # per-rank extents are kept here. Every rank holds the same values (same calls, same counts).
+        self._synced_since_combine = False
+        self._last_dispatch_extents: Optional[Tuple[List[int], List[int]]] = None
+        self.combine_barriers_skipped = 0  # benchmarks and tests
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
         self._destroyed = False
@@ -636,6 +643,7 @@ class NativeInternodeBackend:
                    self.half_rdma, "num_rdma_bytes")
         check_area("dispatch final rows (NVL)", [num_recv_rows(counts, r) for r in range(self.R)], layout.final_bytes,
                    self.half_nvl, "num_nvl_bytes")
+        self._last_dispatch_extents = dispatch_extents(counts, G, stride)
         recv_base = self.half_rdma
         recv_offs = block_offsets(recv_by_node, stride)
         # own node's records never cross the network: they are packed straight into their receive block
@@ -727,6 +735,7 @@ class NativeInternodeBackend:
         if args.handle is not None:  # every rank finished its previous use of the areas ...
             self._barrier("entry of dispatch")
         # ... which, without a handle, notify proves: a rank's row leaves behind everything earlier on its stream
+        self._synced_since_combine = True
         self._lap("dispatch.entry")
         if args.handle is not None:
             h: InternodeHandle = args.handle
@@ -917,9 +926,15 @@ class NativeInternodeBackend:
                    self.half_rdma, "num_rdma_bytes")
         check_area("combine (RDMA)", [int(h.counts.node_counts[r].sum()) for r in range(self.R)], cstride,
                    self.half_rdma, "num_rdma_bytes")
+        areas = combine_areas(h.counts, G, cstride, self.half_rdma)
+        c_send, c_recv = areas.send_base[self.rank], areas.recv_base[self.rank]
         self._lap("combine.prepare")
         self._check("entry of combine")  # no drain: see dispatch
-        self._barrier("entry of combine")  # every rank finished its previous use of the areas
+        if self._combine_needs_barrier(areas):
+            self._barrier("entry of combine")  # every rank finished its previous use of the areas
+        else:
+            self.combine_barriers_skipped += 1
+        self._synced_since_combine = False
         self._lap("combine.entry")
         # NVLink hop: each copy goes to its forwarder (same local index as the token's source), block = our local
         # index, row = the record's arrival. With one GPU per node we are every copy's forwarder and the only one:
@@ -930,13 +945,13 @@ class NativeInternodeBackend:
                 continue
             sel = h.rows_by_local[j]
             dst_idx = h.recv_arrival[sel].contiguous()
-            dst = self._cx.rdma_ptr if G == 1 else self.peer_nvl[j] + gbase + self.local * self.gather_block
+            dst = self._cx.rdma_ptr + c_send if G == 1 else self.peer_nvl[j] + gbase + self.local * self.gather_block
             for src, nbytes, off in ((rows, pay, 0), (w, 4 * kw, pay)):
                 if nbytes:
                     self._scatter(dst + off, cstride, dst_idx.data_ptr(), src.data_ptr(), nbytes, sel.data_ptr(),
                                   sel.numel(), nbytes, sum(recv_counts(h.counts, self.node * G + j, G)),
                                   "combine_gather", j)
-        send = self._rdma[:A * cstride].view(A, cstride)
+        send = self._rdma[c_send:c_send + A * cstride].view(A, cstride)
         if G > 1:
             self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
             self._lap("combine.gather")
@@ -959,17 +974,16 @@ class NativeInternodeBackend:
                     send[:, pay:pay + 4 * kw] = part_w.view(torch.uint8)
         else:
             self._lap("combine.gather")
-        recv_base = self.half_rdma
         back = h.plan.node_send  # at the source: records per node, in node order
         back_offs = block_offsets(back, cstride)
         arr_offs = block_offsets(recv_by_node, cstride)
         own = recv_by_node[self.node]
         if own:
-            self._rdma[recv_base + back_offs[self.node]:recv_base + back_offs[self.node] + own * cstride].copy_(
-                self._rdma[arr_offs[self.node]:arr_offs[self.node] + own * cstride])
+            dst, src = c_recv + back_offs[self.node], c_send + arr_offs[self.node]
+            self._rdma[dst:dst + own * cstride].copy_(self._rdma[src:src + own * cstride])
         per = self._per_chunk(cstride)
         self._lap("combine.node_sum")
-        self._push_and_wait(combine_push_rows(h.counts, self.rank, G, cstride, recv_base, self.L),
+        self._push_and_wait(combine_push_rows(h.counts, self.rank, G, cstride, areas, self.L),
                             combine_waits(h.counts, self.rank, G, per, self.L), "combine_network", per)
         self._lap("combine.network")
         # the source adds each token's partial sums in node order, in fp32, and rounds once (one kernel)
@@ -978,7 +992,7 @@ class NativeInternodeBackend:
         zero = self._zero_rows.get(pay)
         if zero is None:
             zero = self._zero_rows[pay] = torch.zeros(pay, dtype=torch.uint8, device=dev)
-        self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + recv_base,
+        self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
                                   x.dtype == torch.float32, self._stream())
         self._settle("combine")
@@ -988,6 +1002,15 @@ class NativeInternodeBackend:
         self.last_traffic = TrafficReport(nvlink * eb, network * eb, nrecv * eb)
         self._lap("combine.finish")
         return combined_x, out_w
+
+    def _combine_needs_barrier(self, areas: CombineAreas) -> bool:
+        """Whether a rank may still use what this combine writes. Without a group sync since the last combine (two
+        combines in a row), a peer may still read its received partial sums, or our proxy still send ours. After one
+        (every dispatch starts with notify or a barrier, each pushed behind everything earlier on its rank's stream)
+        only the last dispatch can still be in use -- its arrivals read in place, its records on the wire -- and the
+        combine keeps clear of both while its rows fit above them on every rank (combine_overlaps_dispatch)."""
+        return (not self._synced_since_combine or self._last_dispatch_extents is None
+                or combine_overlaps_dispatch(areas, self._last_dispatch_extents, self.half_rdma))
 
     def _traffic_forward(self, h: InternodeHandle, row_bytes: int):
         from uccl_ep_train.reference import TrafficReport

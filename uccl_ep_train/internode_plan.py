@@ -357,15 +357,50 @@ def dispatch_waits(counts: Counts, rank: int, ranks_per_node: int, per_chunk: in
     return lane_waits(blocks, per_chunk, node, num_lanes)
 
 
-def combine_push_rows(counts: Counts, rank: int, ranks_per_node: int, cstride: int, recv_base: int,
+@dataclass(frozen=True)
+class CombineAreas:
+    """Where one combine's partial sums sit in every rank's RDMA region (byte offsets, per rank): the rows a rank
+    sends end at the top of its send half, the rows it gets back end at the top of its receive half. Dispatch fills
+    both halves from the bottom, so while a combine's rows stay above the last dispatch's, the combine writes nothing
+    that a rank may still be reading from that dispatch (combine_overlaps_dispatch): that is what lets a combine
+    right after a dispatch skip its entry barrier."""
+
+    send_base: List[int]
+    recv_base: List[int]
+
+
+def combine_areas(counts: Counts, ranks_per_node: int, cstride: int, half: int) -> CombineAreas:
+    """Every rank sends one partial sum per arrival (its receive counts) and gets one back per record it sent."""
+    R = counts.node_counts.size(0)
+    sends = [sum(recv_counts(counts, r, ranks_per_node)) for r in range(R)]
+    recvs = [int(counts.node_counts[r].sum()) for r in range(R)]
+    return CombineAreas([half - a * cstride for a in sends], [2 * half - b * cstride for b in recvs])
+
+
+def dispatch_extents(counts: Counts, ranks_per_node: int, stride: int) -> Tuple[List[int], List[int]]:
+    """Bytes a dispatch fills from the bottom of every rank's send half (its records, own node's block included in
+    the layout) and receive half (its arrivals)."""
+    R = counts.node_counts.size(0)
+    return ([int(counts.node_counts[r].sum()) * stride for r in range(R)],
+            [sum(recv_counts(counts, r, ranks_per_node)) * stride for r in range(R)])
+
+
+def combine_overlaps_dispatch(areas: CombineAreas, extents: Tuple[List[int], List[int]], half: int) -> bool:
+    """Whether, on some rank, the combine's rows reach down into what the dispatch filled (then the combine needs its
+    entry barrier). The same answer on every rank: it depends on the counts only."""
+    send_d, recv_d = extents
+    return any(send_d[r] > areas.send_base[r] or half + recv_d[r] > areas.recv_base[r] for r in range(len(send_d)))
+
+
+def combine_push_rows(counts: Counts, rank: int, ranks_per_node: int, cstride: int, areas: CombineAreas,
                       num_lanes: int = 1) -> List[List[int]]:
     """Combine's network hop: the partial sums of the arrivals from node n go back to rank n*G + local, into the
     block of our node there (blocks at a source are ordered by forwarder node and sized by its own send counts)."""
     node = rank // ranks_per_node
     num_nodes = counts.node_counts.size(1)
-    return push_rows(recv_counts(counts, rank, ranks_per_node), rank, ranks_per_node, 0,
-                     lambda d: recv_base + block_offsets(counts.node_counts[d].tolist(), cstride)[node], cstride,
-                     num_nodes, num_lanes)
+    return push_rows(recv_counts(counts, rank, ranks_per_node), rank, ranks_per_node, areas.send_base[rank],
+                     lambda d: areas.recv_base[d] + block_offsets(counts.node_counts[d].tolist(), cstride)[node],
+                     cstride, num_nodes, num_lanes)
 
 
 def combine_waits(counts: Counts, rank: int, ranks_per_node: int, per_chunk: int = CMD_MAX_VALUE,

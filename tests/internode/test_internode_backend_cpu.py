@@ -27,7 +27,7 @@ ENV = {"UCCL_EP_NUM_PROXY_THREADS": "2", "UCCL_EP_FIFOS_PER_THREAD": "2", "UCCL_
        "UCCL_EP_CPU_TIMEOUT_SECS": "30", "UCCL_EP_GPU_TIMEOUT_SECS": "30"}
 
 
-def _backends(rank, world, G):
+def _backends(rank, world, G, rdma=RDMA):
     import torch.distributed as dist
 
     from uccl_ep_train.backends import BackendContext
@@ -37,7 +37,7 @@ def _backends(rank, world, G):
 
     fake.install()
     ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G,
-                         device=torch.device("cpu"), num_nvl_bytes=NVL, num_rdma_bytes=RDMA, settings=load_settings())
+                         device=torch.device("cpu"), num_nvl_bytes=NVL, num_rdma_bytes=rdma, settings=load_settings())
     return NativeInternodeBackend(ctx), ReferenceBackend(ctx)
 
 
@@ -48,6 +48,29 @@ def _cases(rank, world, G, cases, iters):
         return done, nat.proxy_stats(), list(nat._cx._names.values())
     finally:
         nat.destroy()
+
+
+def _combine_barrier_decisions(rank, world, G, cases, iters, rdma):
+    """compare_cases (dispatch, cached dispatch, combine, combine again without weights) in an RDMA region of
+    ``rdma`` bytes; returns how many combines skipped their entry barrier."""
+    nat, ref = _backends(rank, world, G, rdma)
+    try:
+        compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, iters, unweighted=True)
+        return nat.combine_barriers_skipped
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G,tight", [(2, 1, 256 << 10), (4, 2, 300 << 10)], ids=["2x1", "2x2"])
+def test_a_combine_right_after_a_dispatch_skips_its_entry_barrier_unless_its_rows_would_overlap(world, G, tight):
+    cases = ALL[:3]
+    # roomy: the first combine of each (case, iteration) follows the cached dispatch and skips the barrier; the
+    # second (without weights) follows a combine, so it must not
+    out = run_distributed(_combine_barrier_decisions, world, G, cases, 2, 16 << 20, timeout=120, env=ENV)
+    assert out == [len(cases) * 2] * world
+    # a region where a dispatch and a combine each fit but not side by side: every combine keeps its barrier
+    out = run_distributed(_combine_barrier_decisions, world, G, cases, 1, tight, timeout=120, env=ENV)
+    assert out == [0] * world
 
 
 def _cases_without_expert_counts(rank, world, G, cases, iters):

@@ -158,20 +158,23 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
     rdma = [torch.full((2 * half,), STALE, dtype=torch.uint8) for _ in range(R)]
     net.rdma = rdma
     dispatch_signals = [list(v) for v in signals]
+    areas = inn.combine_areas(counts, G, cstride, half)
     for f in range(R):
         A = fwd[f].size(0)
         partial = torch.zeros((A, C))
         for j in range(G):
             partial += torch.where((fwd[f][:, j] >= 0).unsqueeze(1), gather[f][j, :A], torch.zeros(A, C))
-        rdma[f][:A * cstride].view(A, cstride)[:, :4 * C] = partial.view(torch.uint8)
+        sb = areas.send_base[f]
+        rdma[f][sb:sb + A * cstride].view(A, cstride)[:, :4 * C] = partial.view(torch.uint8)
     for f in range(R):
         node = f // G
         recv = inn.recv_counts(counts, f, G)
         back = counts.node_counts[f].tolist()
         own = recv[node]
         bo, ao = inn.block_offsets(back, cstride), inn.block_offsets(recv, cstride)
-        rdma[f][half + bo[node]:half + bo[node] + own * cstride] = rdma[f][ao[node]:ao[node] + own * cstride]
-        rows = inn.combine_push_rows(counts, f, G, cstride, half, L)
+        sb, rb = areas.send_base[f], areas.recv_base[f]
+        rdma[f][rb + bo[node]:rb + bo[node] + own * cstride] = rdma[f][sb + ao[node]:sb + ao[node] + own * cstride]
+        rows = inn.combine_push_rows(counts, f, G, cstride, areas, L)
         assert all(row[6] == row[0] // G for row in rows), "FIFO hint must be the destination node"
         net.execute(rows, f)
     combined = []
@@ -180,7 +183,8 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
             assert signals[s][slot] - dispatch_signals[s][slot] == c, (s, slot)
         back = plans[s].node_send
         S1 = sum(back)
-        got = rdma[s][half:half + S1 * cstride].view(S1, cstride)[:, :4 * C].contiguous().view(torch.float32)
+        rb = areas.recv_base[s]
+        got = rdma[s][rb:rb + S1 * cstride].view(S1, cstride)[:, :4 * C].contiguous().view(torch.float32)
         out = torch.zeros((T, C))
         start = 0
         for c in back:
@@ -257,7 +261,7 @@ def test_push_rows_route_each_destination_through_its_own_fifo_hint_in_every_cal
         plan = inn.send_plan(itr, counts, 1, G)
         for row in inn.dispatch_push_rows(counts, plan, 1, G, 64, 1 << 20, 4):
             assert row[6] == row[0] // G and row[5] == 0  # slots 0..3 = source node 0's lanes, hint = dest node
-        for row in inn.combine_push_rows(counts, 1, G, 64, 1 << 20, 4):
+        for row in inn.combine_push_rows(counts, 1, G, 64, inn.combine_areas(counts, G, 64, 1 << 20), 4):
             assert row[6] == row[0] // G and row[5] == (R // G + 0) * 4
 
 
@@ -465,3 +469,23 @@ def test_word_columns_is_the_same_bytes_as_the_byte_slice_in_the_widest_words_th
     assert torch.equal(words.contiguous().view(torch.uint8), rows[:, off:off + nb])
     words.fill_(0)  # a view: writing through it writes the rows
     assert int(rows[:, off:off + nb].sum()) == 0 and int(rows[:, :off].sum() + rows[:, off + nb:].sum()) > 0
+
+
+def test_combine_rows_sit_at_the_top_of_each_half_and_overlap_is_found_on_any_rank():
+    G, R, T = 2, 4, 40
+    rows = [inn.local_count_row(_inputs(r, T, 4, R, "skewed", 3)[1], G) for r in range(R)]
+    counts = inn.counts_from_rows(torch.stack(rows), R)
+    stride, cstride = 96, 64
+    sends = [sum(inn.recv_counts(counts, r, G)) for r in range(R)]
+    backs = [int(counts.node_counts[r].sum()) for r in range(R)]
+    extents = inn.dispatch_extents(counts, G, stride)
+    assert extents == ([b * stride for b in backs], [a * stride for a in sends])
+    roomy = 1 << 20
+    areas = inn.combine_areas(counts, G, cstride, roomy)
+    assert [b + a * cstride for b, a in zip(areas.send_base, sends)] == [roomy] * R  # sent rows end at the half
+    assert [b + n * cstride for b, n in zip(areas.recv_base, backs)] == [2 * roomy] * R  # received: at the top
+    assert not inn.combine_overlaps_dispatch(areas, extents, roomy)
+    # just enough for the busiest rank's dispatch and combine side by side, then one 16-byte unit less
+    tight = max(max(b * stride + a * cstride, a * stride + b * cstride) for a, b in zip(sends, backs))
+    assert not inn.combine_overlaps_dispatch(inn.combine_areas(counts, G, cstride, tight), extents, tight)
+    assert inn.combine_overlaps_dispatch(inn.combine_areas(counts, G, cstride, tight - 16), extents, tight - 16)
