@@ -14,9 +14,9 @@ out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 offload=()
 for a in $archs; do offload+=("--offload-arch=$a"); done
-for src in "$root"/csrc/kernels/layout.cu "$root"/csrc/kernels/intranode.cu; do
+for src in "$root"/csrc/kernels/layout.cu "$root"/csrc/kernels/intranode.cu "$root"/csrc/kernels/internode_plan.cu; do
   echo "check_hip: $hipcc ${offload[*]} -x hip -c $(basename "$src")"
   HIP_PLATFORM=amd "$hipcc" "${offload[@]}" -std=c++17 -O2 -x hip -I"$root/csrc/include" -Werror=return-type \
-    -c "$src" -o "$out/$(basename "$src").o"
+    -I"$root/csrc" -c "$src" -o "$out/$(basename "$src").o"
 done
 echo "check_hip: OK (device code for: $archs)"
