@@ -121,7 +121,17 @@ __device__ void copy_bytes(char* dst, const char* src, long long bytes, int lane
     reinterpret_cast<V*>(dst)[w] = reinterpret_cast<const V*>(src)[w];
 }
 
-// A group of 32 threads per record; the vector width per column follows its alignment (payload rows: 16 bytes).
+// One row of a column by a group of 32 threads, in the widest words its alignment allows (payload rows: 16 bytes).
+__device__ void copy_row(char* dst, const char* src, long long bytes, int lane) {
+  const unsigned long long align = reinterpret_cast<unsigned long long>(src) |
+                                   reinterpret_cast<unsigned long long>(dst) | static_cast<unsigned long long>(bytes);
+  if (align % 16 == 0) copy_bytes<int4>(dst, src, bytes, lane);
+  else if (align % 8 == 0) copy_bytes<long long>(dst, src, bytes, lane);
+  else if (align % 4 == 0) copy_bytes<int>(dst, src, bytes, lane);
+  else copy_bytes<char>(dst, src, bytes, lane);
+}
+
+// A group of 32 threads per record.
 __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
     char* __restrict__ send, char* __restrict__ own_dst, long long own_first, long long own_count, long long stride,
     const long long* __restrict__ hop1_token, const long long* __restrict__ dest_rows, int G, long long n,
@@ -134,15 +144,7 @@ __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
     const long long t = hop1_token[r];
     for (int c = 0; c < args.num_columns; ++c) {
       const PackColumn& col = args.columns[c];
-      const char* src = reinterpret_cast<const char*>(col.src) + t * col.bytes;
-      char* dst = rec + col.offset;
-      const unsigned long long align = reinterpret_cast<unsigned long long>(src) |
-                                       reinterpret_cast<unsigned long long>(dst) |
-                                       static_cast<unsigned long long>(col.bytes);
-      if (align % 16 == 0) copy_bytes<int4>(dst, src, col.bytes, lane);
-      else if (align % 8 == 0) copy_bytes<long long>(dst, src, col.bytes, lane);
-      else if (align % 4 == 0) copy_bytes<int>(dst, src, col.bytes, lane);
-      else copy_bytes<char>(dst, src, col.bytes, lane);
+      copy_row(rec + col.offset, reinterpret_cast<const char*>(col.src) + t * col.bytes, col.bytes, lane);
     }
     if (lane == 0) *reinterpret_cast<int*>(rec + src_idx_offset) = int(t);
     for (int g = lane; g < G; g += kPackGroup)
@@ -167,14 +169,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
         for (long long b = lane; b < col.bytes; b += kPackGroup) dst[b] = 0;
         continue;
       }
-      const char* from = row + col.offset;
-      const unsigned long long align = reinterpret_cast<unsigned long long>(from) |
-                                       reinterpret_cast<unsigned long long>(dst) |
-                                       static_cast<unsigned long long>(col.bytes);
-      if (align % 16 == 0) copy_bytes<int4>(dst, from, col.bytes, lane);
-      else if (align % 8 == 0) copy_bytes<long long>(dst, from, col.bytes, lane);
-      else if (align % 4 == 0) copy_bytes<int>(dst, from, col.bytes, lane);
-      else copy_bytes<char>(dst, from, col.bytes, lane);
+      copy_row(dst, row + col.offset, col.bytes, lane);
     }
     for (int k = lane; k < topk.num_topk; k += kPackGroup) {
       long long id = -1;
