@@ -637,11 +637,12 @@ class NativeInternodeBackend:
         stride = layout.stride
         S1 = int(plan.hop1_token.numel())
         recv_by_node = recv_counts(counts, self.rank, G)
-        check_area("dispatch send (RDMA)", [int(counts.node_counts[r].sum()) for r in range(self.R)], stride,
+        tot = counts.totals(G)
+        check_area("dispatch send (RDMA)", tot.sends, stride,
                    self.half_rdma, "num_rdma_bytes")
-        check_area("dispatch receive (RDMA)", [sum(recv_counts(counts, r, G)) for r in range(self.R)], stride,
+        check_area("dispatch receive (RDMA)", tot.arrivals, stride,
                    self.half_rdma, "num_rdma_bytes")
-        check_area("dispatch final rows (NVL)", [num_recv_rows(counts, r) for r in range(self.R)], layout.final_bytes,
+        check_area("dispatch final rows (NVL)", tot.final_rows, layout.final_bytes,
                    self.half_nvl, "num_nvl_bytes")
         self._last_dispatch_extents = dispatch_extents(counts, G, stride)
         recv_base = self.half_rdma
@@ -804,7 +805,7 @@ class NativeInternodeBackend:
             dist.all_gather(every, mine, group=self._gloo)
             raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).tolist()
         aligned = [_align(int(c), args.expert_alignment) for c in raw]
-        rows_by_local = rows_by_source_local(counts, self.rank, self.G)
+        rows_by_local = rows_by_source_local(counts, self.rank, self.G, self.device)
         sizes_by_local = [int(g.numel()) for g in rows_by_local]
         h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv, num_topk=topk_idx.size(1) if topk_idx is not None else 0,
                             num_ranks=self.R, expert_major=args.expert_major, is_token_in_rank=itr,
@@ -812,7 +813,7 @@ class NativeInternodeBackend:
                             counts=counts, plan=plan, num_recv_tokens=nrecv,
                             recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
                             expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
-                            rows_by_local=list(self._upload(torch.cat(rows_by_local)).split(sizes_by_local)),
+                            rows_by_local=rows_by_local,
                             rows_by_local_sizes=sizes_by_local)
         if args.expert_major:
             self._build_expert_major(h, recv_topk_idx, raw, aligned, worst,
@@ -920,11 +921,12 @@ class NativeInternodeBackend:
         cstride = _align(pay + 4 * kw)
         recv_by_node = recv_counts(h.counts, self.rank, G)
         A = sum(recv_by_node)
-        check_area("combine gather (NVL, per local rank)", [sum(recv_counts(h.counts, r, G)) for r in range(self.R)],
+        tot = h.counts.totals(G)
+        check_area("combine gather (NVL, per local rank)", tot.arrivals,
                    cstride, self.gather_block, "num_nvl_bytes")
-        check_area("combine (RDMA)", [sum(recv_counts(h.counts, r, G)) for r in range(self.R)], cstride,
+        check_area("combine (RDMA)", tot.arrivals, cstride,
                    self.half_rdma, "num_rdma_bytes")
-        check_area("combine (RDMA)", [int(h.counts.node_counts[r].sum()) for r in range(self.R)], cstride,
+        check_area("combine (RDMA)", tot.sends, cstride,
                    self.half_rdma, "num_rdma_bytes")
         areas = combine_areas(h.counts, G, cstride, self.half_rdma)
         c_send, c_recv = areas.send_base[self.rank], areas.recv_base[self.rank]
@@ -949,7 +951,7 @@ class NativeInternodeBackend:
             for src, nbytes, off in ((rows, pay, 0), (w, 4 * kw, pay)):
                 if nbytes:
                     self._scatter(dst + off, cstride, dst_idx.data_ptr(), src.data_ptr(), nbytes, sel.data_ptr(),
-                                  sel.numel(), nbytes, sum(recv_counts(h.counts, self.node * G + j, G)),
+                                  sel.numel(), nbytes, tot.arrivals[self.node * G + j],
                                   "combine_gather", j)
         send = self._rdma[c_send:c_send + A * cstride].view(A, cstride)
         if G > 1:

@@ -10,7 +10,7 @@ on GPUs is uccl_ep_train/internode.py.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -131,6 +131,43 @@ class Counts:
     node_counts: torch.Tensor  # [R, N] int64, CPU
     expert_counts: Optional[torch.Tensor] = None  # [R, E] int64, CPU
     slot_counts: Optional[torch.Tensor] = None  # [R, R, K] int64, CPU
+    # Per-rank totals derived once per Counts (every call with a handle reuses them): a Python loop over the ranks
+    # that indexes these tensors costs ~1.5 ms per total at 8 nodes x 8 GPUs.
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def recv_matrix(self, ranks_per_node: int) -> torch.Tensor:
+        """[R, N]: records rank r receives as forwarder from source node n (from rank n * G + local(r)), for every
+        r at once (``recv_counts`` of one rank is its row)."""
+        key = ("recv", ranks_per_node)
+        if key not in self._derived:
+            R, N = self.node_counts.shape
+            self._derived[key] = self.node_counts.view(N, ranks_per_node, N).permute(2, 1, 0).reshape(R, N)
+        return self._derived[key]
+
+    def final_rows(self) -> List[int]:
+        """Final rows each rank receives (one per token routed to it)."""
+        if "final" not in self._derived:
+            self._derived["final"] = [int(c) for c in self.rank_counts.sum(0).tolist()]
+        return self._derived["final"]
+
+    def totals(self, ranks_per_node: int) -> "CountTotals":
+        key = ("totals", ranks_per_node)
+        if key not in self._derived:
+            self._derived[key] = CountTotals(
+                sends=[int(c) for c in self.node_counts.sum(1).tolist()],
+                arrivals=[int(c) for c in self.recv_matrix(ranks_per_node).sum(1).tolist()],
+                final_rows=self.final_rows())
+        return self._derived[key]
+
+
+@dataclass(frozen=True)
+class CountTotals:
+    """Per rank r: records it sends (one per token and node it hits, own node included), records it receives as
+    forwarder (its arrivals), and final rows it receives (one per token routed to it)."""
+
+    sends: List[int]
+    arrivals: List[int]
+    final_rows: List[int]
 
 
 def local_count_row(is_token_in_rank: torch.Tensor, ranks_per_node: int,
@@ -186,20 +223,23 @@ def recv_expert_counts(counts: Counts, rank: int, experts_per_rank: int) -> List
     return [int(c) for c in block.sum(0).tolist()]
 
 
-def rows_by_source_local(counts: Counts, rank: int, ranks_per_node: int) -> List[torch.Tensor]:
+def rows_by_source_local(counts: Counts, rank: int, ranks_per_node: int,
+                         device: Optional[torch.device] = None) -> List[torch.Tensor]:
     """Receive rows of ``rank`` grouped by the local index j of their source (the forwarder that combine sends each
     row back through): rows arrive in source-rank order, rank_counts[s, rank] from source s, so group j is the union
-    of the ranges of sources n * G + j. CPU int64 index tensors; computed from the counts, so no device read."""
+    of the ranges of sources n * G + j. int64 index tensors on ``device`` (default CPU), made without a device read:
+    the sizes come from the counts (a loop over the sources cost ~0.2-0.4 ms per call at 8 x 8 GPUs)."""
     G = ranks_per_node
-    sizes = counts.rank_counts[:, rank].tolist()
-    starts = [0]
-    for c in sizes:
-        starts.append(starts[-1] + int(c))
-    groups: List[List[torch.Tensor]] = [[] for _ in range(G)]
-    for s, c in enumerate(sizes):
-        if c:
-            groups[s % G].append(torch.arange(starts[s], starts[s] + int(c), dtype=torch.int64))
-    return [torch.cat(g) if g else torch.empty(0, dtype=torch.int64) for g in groups]
+    dev = device if device is not None else torch.device("cpu")
+    sizes = counts.rank_counts[:, rank].to(torch.int64)
+    total = int(sizes.sum())
+    if G == 1:
+        return [torch.arange(total, device=dev)]
+    group_sizes = [int(c) for c in sizes.view(-1, G).sum(0).tolist()]  # source s = n * G + j
+    local_of_row = torch.repeat_interleave((torch.arange(sizes.numel()) % G).to(dev), sizes.to(dev),
+                                           output_size=total)
+    order = torch.argsort(local_of_row, stable=True)  # rows of group 0, then 1, ...: each in arrival order
+    return list(order.split(group_sizes))
 
 
 @dataclass
@@ -239,10 +279,7 @@ def send_plan(is_token_in_rank: torch.Tensor, counts: Counts, rank: int, ranks_p
 
 def recv_counts(counts: Counts, rank: int, ranks_per_node: int) -> List[int]:
     """Records arriving at ``rank`` (as forwarder) from each source node n: from rank n*G + local(rank)."""
-    G = ranks_per_node
-    node, local = divmod(rank, G)
-    N = counts.node_counts.size(1)
-    return [int(counts.node_counts[n * G + local, node]) for n in range(N)]
+    return [int(c) for c in counts.recv_matrix(ranks_per_node)[rank].tolist()]
 
 
 def dispatch_nvlink_rows(counts: Counts, rank: int, ranks_per_node: int) -> int:
@@ -277,7 +314,7 @@ def remote_block_offset(counts: Counts, dst_rank: int, src_node: int, ranks_per_
 
 
 def num_recv_rows(counts: Counts, rank: int) -> int:
-    return int(counts.rank_counts[:, rank].sum())
+    return counts.final_rows()[rank]
 
 
 def chunk_records(stride: int, max_bytes: int) -> int:
@@ -371,18 +408,15 @@ class CombineAreas:
 
 def combine_areas(counts: Counts, ranks_per_node: int, cstride: int, half: int) -> CombineAreas:
     """Every rank sends one partial sum per arrival (its receive counts) and gets one back per record it sent."""
-    R = counts.node_counts.size(0)
-    sends = [sum(recv_counts(counts, r, ranks_per_node)) for r in range(R)]
-    recvs = [int(counts.node_counts[r].sum()) for r in range(R)]
-    return CombineAreas([half - a * cstride for a in sends], [2 * half - b * cstride for b in recvs])
+    t = counts.totals(ranks_per_node)  # a rank sends a partial per arrival and gets one back per record it sent
+    return CombineAreas([half - a * cstride for a in t.arrivals], [2 * half - b * cstride for b in t.sends])
 
 
 def dispatch_extents(counts: Counts, ranks_per_node: int, stride: int) -> Tuple[List[int], List[int]]:
     """Bytes a dispatch fills from the bottom of every rank's send half (its records, own node's block included in
     the layout) and receive half (its arrivals)."""
-    R = counts.node_counts.size(0)
-    return ([int(counts.node_counts[r].sum()) * stride for r in range(R)],
-            [sum(recv_counts(counts, r, ranks_per_node)) * stride for r in range(R)])
+    t = counts.totals(ranks_per_node)
+    return [b * stride for b in t.sends], [a * stride for a in t.arrivals]
 
 
 def combine_overlaps_dispatch(areas: CombineAreas, extents: Tuple[List[int], List[int]], half: int) -> bool:

@@ -489,3 +489,25 @@ def test_combine_rows_sit_at_the_top_of_each_half_and_overlap_is_found_on_any_ra
     tight = max(max(b * stride + a * cstride, a * stride + b * cstride) for a, b in zip(sends, backs))
     assert not inn.combine_overlaps_dispatch(inn.combine_areas(counts, G, cstride, tight), extents, tight)
     assert inn.combine_overlaps_dispatch(inn.combine_areas(counts, G, cstride, tight - 16), extents, tight - 16)
+
+
+@pytest.mark.parametrize("R,G", [(2, 1), (8, 2), (64, 8), (16, 16)])
+def test_per_rank_totals_derived_at_once_equal_their_per_rank_definitions(R, G):
+    """Counts.recv_matrix / totals / final_rows replace Python loops over the ranks (~1.5 ms each at 8 x 8 GPUs);
+    they must give what the definitions give rank by rank: arrivals of r from node n come from rank n * G + local(r)."""
+    N = R // G
+    g = torch.Generator().manual_seed(R * G)
+    counts = inn.Counts(torch.randint(0, 50, (R, R), generator=g), torch.randint(0, 50, (R, N), generator=g))
+    t = counts.totals(G)
+    for r in range(R):
+        node, local = divmod(r, G)
+        arrivals = [int(counts.node_counts[n * G + local, node]) for n in range(N)]
+        assert inn.recv_counts(counts, r, G) == arrivals
+        assert t.arrivals[r] == sum(arrivals)
+        assert t.sends[r] == int(counts.node_counts[r].sum())
+        assert t.final_rows[r] == inn.num_recv_rows(counts, r) == int(counts.rank_counts[:, r].sum())
+        groups = inn.rows_by_source_local(counts, r, G)
+        starts = torch.cumsum(counts.rank_counts[:, r], 0) - counts.rank_counts[:, r]
+        for j in range(G):
+            want = [torch.arange(int(starts[s]), int(starts[s] + counts.rank_counts[s, r])) for s in range(j, R, G)]
+            assert torch.equal(groups[j], torch.cat(want)), (r, j)
