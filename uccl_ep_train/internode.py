@@ -263,6 +263,9 @@ class InternodeHandle:
     # receive rows grouped by the local index of their source: combine sends row group j back through local GPU j
     rows_by_local: Optional[List[torch.Tensor]] = None
     rows_by_local_sizes: Optional[List[int]] = None
+    # combine at this rank as forwarder (G > 1): (rows per gather block, int32 [G, A] row of arrival a's copy from
+    # local GPU j counted from the first block, -1 where GPU j sent none), made at the first combine
+    forward_sum_rows: Optional[Tuple[int, torch.Tensor]] = None
 
 
 class NativeInternodeBackend:
@@ -942,38 +945,39 @@ class NativeInternodeBackend:
         # index, row = the record's arrival. With one GPU per node we are every copy's forwarder and the only one:
         # the copies go straight into the send area (they are the partial sums), and stream order replaces the barrier.
         gbase = self.half_nvl
+        # gather block j (copies from local GPU j) starts at a whole number of rows, so the forwarder's node sum
+        # addresses every block's rows from one base
+        rows_per_block = self.gather_block // cstride
+        block = rows_per_block * cstride
         for j in range(G):
             if h.rows_by_local_sizes[j] == 0:
                 continue
             sel = h.rows_by_local[j]
             dst_idx = h.recv_arrival[sel].contiguous()
-            dst = self._cx.rdma_ptr + c_send if G == 1 else self.peer_nvl[j] + gbase + self.local * self.gather_block
+            dst = self._cx.rdma_ptr + c_send if G == 1 else self.peer_nvl[j] + gbase + self.local * block
             for src, nbytes, off in ((rows, pay, 0), (w, 4 * kw, pay)):
                 if nbytes:
                     self._scatter(dst + off, cstride, dst_idx.data_ptr(), src.data_ptr(), nbytes, sel.data_ptr(),
                                   sel.numel(), nbytes, tot.arrivals[self.node * G + j],
                                   "combine_gather", j)
-        send = self._rdma[c_send:c_send + A * cstride].view(A, cstride)
+        zero = self._zero_rows.get(pay)
+        if zero is None:
+            zero = self._zero_rows[pay] = torch.zeros(pay, dtype=torch.uint8, device=dev)
         if G > 1:
             self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
             self._lap("combine.gather")
-            # forwarder: node-local sum in fp32 in ascending local rank, into the combine send area (block per
-            # source node), the payload then rounded to x's dtype for the wire
-            part_x = torch.zeros((A, H), dtype=torch.float32, device=dev)
-            part_w = torch.zeros((A, kw), dtype=torch.float32, device=dev)
-            for j in range(G):
-                first = gbase + j * self.gather_block
-                blk = self._nvl[first:first + A * cstride].view(A, cstride)
-                need = (h.fwd_dest_rows[:, j] >= 0).unsqueeze(1)
-                vals = blk[:, :pay].view(x.dtype).float()
-                part_x += torch.where(need, vals, torch.zeros_like(vals))
-                if kw:
-                    vals = blk[:, pay:pay + 4 * kw].view(torch.float32)
-                    part_w += torch.where(need, vals, torch.zeros_like(vals))
+            # forwarder: each arrival's copies added in fp32 in ascending local rank and rounded once to x's dtype,
+            # straight into its send record (payload, then the fp32 weights): one kernel
             if A:
-                send[:, :pay] = part_x.to(x.dtype).view(torch.uint8)
-                if kw:
-                    send[:, pay:pay + 4 * kw] = part_w.view(torch.uint8)
+                if h.forward_sum_rows is None or h.forward_sum_rows[0] != rows_per_block:
+                    arrival = torch.arange(A, device=dev)
+                    first = torch.arange(G, device=dev).unsqueeze(1) * rows_per_block
+                    table = torch.where(h.fwd_dest_rows.t() >= 0, first + arrival, -1).to(torch.int32).contiguous()
+                    h.forward_sum_rows = (rows_per_block, table)
+                self._k.sum_node_partials(self._cx.rdma_ptr + c_send, self._cx.rdma_ptr + c_send + pay if kw else 0,
+                                          self._cx.nvl_ptr + gbase, cstride, h.forward_sum_rows[1].data_ptr(),
+                                          zero.data_ptr(), G, A, pay, kw, x.dtype == torch.float32, self._stream(),
+                                          out_x_stride=cstride, out_w_stride=cstride)
         else:
             self._lap("combine.gather")
         back = h.plan.node_send  # at the source: records per node, in node order
@@ -991,9 +995,6 @@ class NativeInternodeBackend:
         # the source adds each token's partial sums in node order, in fp32, and rounds once (one kernel)
         combined_x = torch.empty((h.num_tokens, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
-        zero = self._zero_rows.get(pay)
-        if zero is None:
-            zero = self._zero_rows[pay] = torch.zeros(pay, dtype=torch.uint8, device=dev)
         self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
                                   x.dtype == torch.float32, self._stream())

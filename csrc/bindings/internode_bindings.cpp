@@ -50,7 +50,9 @@ void bind_internode(py::module_& m) {
   k.def("sum_node_partials", &in::sum_node_partials, py::arg("out_x"), py::arg("out_w"), py::arg("src"),
         py::arg("src_stride"), py::arg("row_of"), py::arg("zero"), py::arg("num_nodes"), py::arg("num_tokens"),
         py::arg("payload_bytes"), py::arg("num_weights"), py::arg("fp32"), py::arg("stream"),
-        "combine at the source: each token's node partial sums added in fp32 in node order, rounded once");
+        py::arg("out_x_stride") = 0, py::arg("out_w_stride") = 0,
+        "each token's partial sums (rows row_of[m, t] of src) added in fp32 in order of m, rounded once; output "
+        "rows out_x_stride / out_w_stride bytes apart (0: back to back)");
 
   k.attr("COUNT_ROW_MAX_BINS") = int(in::kCountRowMaxBins);
   k.def("count_row", &in::count_row, py::arg("out"), py::arg("is_token_in_rank"), py::arg("num_tokens"),

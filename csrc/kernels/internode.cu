@@ -164,9 +164,9 @@ __global__ void scatter_rows_kernel(char* dst, long long dst_stride, const long 
 // fp32 output, one index_add per node and a cast (~0.5 ms per call at DeepSeek-V3 shape on H200, session 7).
 template <bool kF32>
 __global__ void __launch_bounds__(256) sum_node_partials_kernel(
-    int4* __restrict__ out_x, float* __restrict__ out_w, const char* __restrict__ src, long long src_stride,
-    const int* __restrict__ row_of, const int4* __restrict__ zero, int num_nodes, long long num_tokens,
-    int payload_units, int num_weights) {
+    char* __restrict__ out_x, long long out_x_stride, char* __restrict__ out_w, long long out_w_stride,
+    const char* __restrict__ src, long long src_stride, const int* __restrict__ row_of, const int4* __restrict__ zero,
+    int num_nodes, long long num_tokens, int payload_units, int num_weights) {
   const int lane = threadIdx.x % kWarpSize;
   const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarpSize);
   for (long long t = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize; t < num_tokens; t += warps) {
@@ -174,15 +174,15 @@ __global__ void __launch_bounds__(256) sum_node_partials_kernel(
       const int r = row_of[m * num_tokens + t];
       return r < 0 ? zero : reinterpret_cast<const int4*>(src + r * src_stride);
     };
-    warp_sum_rows<kF32>(num_nodes, payload_units, lane, row,
-                        [&](int u, const int4& v) { out_x[t * payload_units + u] = v; });
+    int4* ox = reinterpret_cast<int4*>(out_x + t * out_x_stride);
+    warp_sum_rows<kF32>(num_nodes, payload_units, lane, row, [&](int u, const int4& v) { ox[u] = v; });
     for (int k = lane; k < num_weights; k += kWarpSize) {
       float acc = 0.0f;
       for (int m = 0; m < num_nodes; ++m) {
         const int r = row_of[m * num_tokens + t];
         if (r >= 0) acc += reinterpret_cast<const float*>(src + r * src_stride + 16LL * payload_units)[k];
       }
-      out_w[t * num_weights + k] = acc;
+      reinterpret_cast<float*>(out_w + t * out_w_stride)[k] = acc;
     }
   }
 }
@@ -191,25 +191,29 @@ __global__ void __launch_bounds__(256) sum_node_partials_kernel(
 
 void sum_node_partials(uintptr_t out_x, uintptr_t out_w, uintptr_t src, int64_t src_stride, uintptr_t row_of,
                        uintptr_t zero, int num_nodes, int64_t num_tokens, int64_t payload_bytes, int num_weights,
-                       bool fp32, uintptr_t stream) {
+                       bool fp32, uintptr_t stream, int64_t out_x_stride, int64_t out_w_stride) {
   if (num_tokens <= 0) return;
-  if (payload_bytes <= 0 || payload_bytes % 16 || src_stride % 16 || src % 16 || out_x % 16 || zero % 16)
-    throw std::invalid_argument("sum_node_partials: payload bytes, stride and pointers must be multiples of 16");
-  if (num_weights > 0 && !out_w) throw std::invalid_argument("sum_node_partials: weights without an output");
+  if (out_x_stride <= 0) out_x_stride = payload_bytes;
+  if (out_w_stride <= 0) out_w_stride = 4LL * num_weights;
+  if (payload_bytes <= 0 || payload_bytes % 16 || src_stride % 16 || src % 16 || out_x % 16 || zero % 16 ||
+      out_x_stride % 16)
+    throw std::invalid_argument("sum_node_partials: payload bytes, strides and pointers must be multiples of 16");
+  if (num_weights > 0 && (!out_w || out_w % 4 || out_w_stride % 4))
+    throw std::invalid_argument("sum_node_partials: weights need a 4-byte aligned output");
   const int blocks = int(std::min<int64_t>((num_tokens + 7) / 8, 2048));
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  auto* ox = reinterpret_cast<int4*>(out_x);
-  auto* ow = reinterpret_cast<float*>(out_w);
+  auto* ox = reinterpret_cast<char*>(out_x);
+  auto* ow = reinterpret_cast<char*>(out_w);
   auto* sp = reinterpret_cast<const char*>(src);
   auto* ro = reinterpret_cast<const int*>(row_of);
   auto* z = reinterpret_cast<const int4*>(zero);
   const int units = int(payload_bytes / 16);
   if (fp32)
-    sum_node_partials_kernel<true><<<blocks, 256, 0, s>>>(ox, ow, sp, src_stride, ro, z, num_nodes, num_tokens, units,
-                                                          num_weights);
+    sum_node_partials_kernel<true><<<blocks, 256, 0, s>>>(ox, out_x_stride, ow, out_w_stride, sp, src_stride, ro, z,
+                                                          num_nodes, num_tokens, units, num_weights);
   else
-    sum_node_partials_kernel<false><<<blocks, 256, 0, s>>>(ox, ow, sp, src_stride, ro, z, num_nodes, num_tokens,
-                                                           units, num_weights);
+    sum_node_partials_kernel<false><<<blocks, 256, 0, s>>>(ox, out_x_stride, ow, out_w_stride, sp, src_stride, ro, z,
+                                                           num_nodes, num_tokens, units, num_weights);
   check(cudaGetLastError(), "sum_node_partials launch");
 }
 

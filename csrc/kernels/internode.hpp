@@ -221,9 +221,11 @@ void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_
 // payload_bytes]) = the fp32 sum in ascending node m of the payloads of rows row_of[m * num_tokens + t] (device int32
 // [num_nodes, num_tokens], -1: none) of `src` (rows of `src_stride` bytes), rounded once; out_w[t] (fp32
 // [num_tokens, num_weights]) the same sum of the num_weights fp32 values that follow each payload. `zero`: a device
-// buffer of payload_bytes zero bytes. Payload bytes, stride and pointers must be multiples of 16.
+// buffer of payload_bytes zero bytes. Payload bytes, strides and pointers must be multiples of 16.
+// out_x_stride / out_w_stride (bytes, <= 0: rows back to back): output rows may sit inside wider rows, e.g. the
+// forwarder writes its node sums straight into the combine send records (payload, then weights).
 void sum_node_partials(uintptr_t out_x, uintptr_t out_w, uintptr_t src, int64_t src_stride, uintptr_t row_of,
                        uintptr_t zero, int num_nodes, int64_t num_tokens, int64_t payload_bytes, int num_weights,
-                       bool fp32, uintptr_t stream);
+                       bool fp32, uintptr_t stream, int64_t out_x_stride = 0, int64_t out_w_stride = 0);
 
 }  // namespace uccl_ep::internode

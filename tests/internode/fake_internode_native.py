@@ -135,9 +135,11 @@ def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: 
 
 
 def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of: int, zero: int, num_nodes: int,
-                      num_tokens: int, payload_bytes: int, num_weights: int, fp32: bool, stream: int) -> None:
+                      num_tokens: int, payload_bytes: int, num_weights: int, fp32: bool, stream: int,
+                      out_x_stride: int = 0, out_w_stride: int = 0) -> None:
     """sum_node_partials_kernel: per token, the payloads of rows row_of[m, t] (-1: the zero row) added in fp32 in
-    ascending node m and rounded once to bf16 (fp32 with ``fp32``); the fp32 weights behind them summed the same way."""
+    ascending node m and rounded once to bf16 (fp32 with ``fp32``); the fp32 weights behind them summed the same way;
+    output rows ``out_x_stride`` / ``out_w_stride`` bytes apart (0: back to back)."""
     if num_tokens <= 0:
         return
     if payload_bytes <= 0 or any(v % 16 for v in (payload_bytes, src_stride, src, out_x, zero)):
@@ -157,9 +159,13 @@ def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of:
             acc_x += torch.where(have, vals[:, :payload_bytes].contiguous().view(dtype).float(), 0.0)
             if num_weights:
                 acc_w += torch.where(have, vals[:, payload_bytes:].contiguous().view(torch.float32), 0.0)
-    _at(out_x, num_tokens * payload_bytes).view(dtype).view(num_tokens, H).copy_(acc_x.to(dtype))
+    xs = out_x_stride if out_x_stride > 0 else payload_bytes
+    ws = out_w_stride if out_w_stride > 0 else 4 * num_weights
+    _at(out_x, (num_tokens - 1) * xs + payload_bytes).as_strided((num_tokens, payload_bytes), (xs, 1)).copy_(
+        acc_x.to(dtype).view(torch.uint8).view(num_tokens, payload_bytes))
     if num_weights:
-        _at(out_w, 4 * num_tokens * num_weights, torch.float32).view(num_tokens, num_weights).copy_(acc_w)
+        _at(out_w, (num_tokens - 1) * ws + 4 * num_weights).as_strided((num_tokens, 4 * num_weights), (ws, 1)).copy_(
+            acc_w.view(torch.uint8).view(num_tokens, 4 * num_weights))
 
 
 def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int,
