@@ -262,7 +262,6 @@ class InternodeHandle:
     num_worst_tokens: int = 0
     # receive rows grouped by the local index of their source: combine sends row group j back through local GPU j
     rows_by_local: Optional[List[torch.Tensor]] = None
-    rows_by_local_sizes: Optional[List[int]] = None
     # combine at this rank as forwarder (G > 1): (rows per gather block, int32 [G, A] row of arrival a's copy from
     # local GPU j counted from the first block, -1 where GPU j sent none), made at the first combine
     forward_sum_rows: Optional[Tuple[int, torch.Tensor]] = None
@@ -713,16 +712,12 @@ class NativeInternodeBackend:
             self._stream())
 
     @staticmethod
-    def _column(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor, copy: bool = True
-                ) -> torch.Tensor:
-        """Column i of the final rows in ``like``'s dtype and row shape: a tensor of its own (one copy), since the NVL
-        area is reused by the next call; or, with ``copy=False``, a strided view into the area for a caller that
-        gathers from it at once (the expert-major receive: one copy of the payload instead of two)."""
+    def _column_view(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Column i of the final rows in ``like``'s dtype and row shape, as a strided view into the area: for a caller
+        that gathers from it at once (the expert-major receive), since the area is reused by the next call. Rank-major
+        outputs are copied out by _unpack instead."""
         off, nb = layout.column_offsets[i], layout.column_bytes[i]
-        col = word_columns(final, off, nb)
-        if copy:
-            col = torch.empty(col.shape, dtype=col.dtype, device=final.device).copy_(col)
-        return col.view(like.dtype).reshape((final.size(0),) + tuple(like.shape[1:]))
+        return word_columns(final, off, nb).view(like.dtype).reshape((final.size(0),) + tuple(like.shape[1:]))
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         from uccl_ep_train.reference import _payload_bytes
@@ -746,7 +741,7 @@ class NativeInternodeBackend:
             cols = [x] + ([scales] if scales is not None else [])
             final, layout, _, _ = self._move(cols, h.counts, h.plan)
             if h.expert_major:
-                parts = self._to_expert_major(h, [self._column(final, layout, i, c, copy=False)
+                parts = self._to_expert_major(h, [self._column_view(final, layout, i, c)
                                                   for i, c in enumerate(cols)])
             else:
                 parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
@@ -793,7 +788,7 @@ class NativeInternodeBackend:
         self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
                      arrival)
         if args.expert_major:
-            outs = [self._column(final, layout, i, c, copy=False) for i, c in enumerate(payload)]
+            outs = [self._column_view(final, layout, i, c) for i, c in enumerate(payload)]
         recv_x = outs[0]
         recv_scales = outs[1] if scales is not None else None
         if counts.expert_counts is not None:  # notify carried every source's tokens per expert: no device read
@@ -809,15 +804,13 @@ class NativeInternodeBackend:
             raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).tolist()
         aligned = [_align(int(c), args.expert_alignment) for c in raw]
         rows_by_local = rows_by_source_local(counts, self.rank, self.G, self.device)
-        sizes_by_local = [int(g.numel()) for g in rows_by_local]
         h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv, num_topk=topk_idx.size(1) if topk_idx is not None else 0,
                             num_ranks=self.R, expert_major=args.expert_major, is_token_in_rank=itr,
                             num_recv_tokens_per_expert=self._upload(aligned).to(torch.int32),
                             counts=counts, plan=plan, num_recv_tokens=nrecv,
                             recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
                             expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
-                            rows_by_local=rows_by_local,
-                            rows_by_local_sizes=sizes_by_local)
+                            rows_by_local=rows_by_local)
         if args.expert_major:
             self._build_expert_major(h, recv_topk_idx, raw, aligned, worst,
                                      recv_slot_counts(counts, self.rank) if counts.slot_counts is not None else None)
@@ -950,7 +943,7 @@ class NativeInternodeBackend:
         rows_per_block = self.gather_block // cstride
         block = rows_per_block * cstride
         for j in range(G):
-            if h.rows_by_local_sizes[j] == 0:
+            if h.rows_by_local[j].numel() == 0:
                 continue
             sel = h.rows_by_local[j]
             dst_idx = h.recv_arrival[sel].contiguous()

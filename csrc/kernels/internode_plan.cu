@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
     const long long t = hop1_token[r];
     for (int c = 0; c < args.num_columns; ++c) {
       const PackColumn& col = args.columns[c];
-      copy_row(rec + col.offset, reinterpret_cast<const char*>(col.src) + t * col.bytes, col.bytes, lane);
+      copy_row(rec + col.offset, reinterpret_cast<const char*>(col.rows) + t * col.bytes, col.bytes, lane);
     }
     if (lane == 0) *reinterpret_cast<int*>(rec + src_idx_offset) = int(t);
     for (int g = lane; g < G; g += kPackGroup)
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const char* row = src + r * src_stride;
     for (int c = 0; c < args.num_columns; ++c) {
       const PackColumn& col = args.columns[c];
-      char* dst = reinterpret_cast<char*>(col.src) + r * col.bytes;
+      char* dst = reinterpret_cast<char*>(col.rows) + r * col.bytes;
       if (!real) {
         for (long long b = lane; b < col.bytes; b += kPackGroup) dst[b] = 0;
         continue;
@@ -270,7 +270,7 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
   PackArgs args{};
   args.num_columns = int(columns.size());
   for (size_t i = 0; i < columns.size(); ++i) {
-    if (!columns[i].src || columns[i].bytes < 0 || columns[i].offset < 0)
+    if (!columns[i].rows || columns[i].bytes < 0 || columns[i].offset < 0)
       throw std::invalid_argument("unpack_records: column " + std::to_string(i) + " has no output or a bad range");
     args.columns[i] = columns[i];
   }

@@ -29,10 +29,11 @@ void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, in
                uintptr_t node_base, uintptr_t dest_row_all, uintptr_t hop1_token, uintptr_t dest_rows,
                uintptr_t row_of, uintptr_t stream);
 
-// One payload column of the wire records: row t of the source (contiguous rows of `bytes`) goes to byte `offset` of
-// every record that carries token t (pack_records); for unpack_records, `src` is the column's output.
+// One column of the wire records: its rows (contiguous, `bytes` each) sit at byte `offset` of a record. pack_records
+// reads `rows` (row t goes into every record that carries token t); unpack_records writes them (row r from final
+// row r).
 struct PackColumn {
-  uintptr_t src = 0;
+  uintptr_t rows = 0;
   int64_t bytes = 0;
   int64_t offset = 0;
 };
