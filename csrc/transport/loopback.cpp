@@ -163,7 +163,10 @@ class LoopbackTransport final : public Transport {
     h->state.store(kStateRunning, std::memory_order_release);
     header_ = h;
     in_order_ = o.reorder <= 1;
-    if (o.bandwidth_gbps > 0) ns_per_byte_ = 1.0 / o.bandwidth_gbps;  // GB/s == bytes/ns
+    if (o.bandwidth_gbps > 0) {
+      ns_per_byte_ = 1.0 / o.bandwidth_gbps;  // GB/s == bytes/ns
+      if (!o_.wire) o_.wire = std::make_shared<std::atomic<uint64_t>>(0);  // a wire of its own
+    }
   }
 
   ~LoopbackTransport() override {
@@ -435,16 +438,12 @@ class LoopbackTransport final : public Transport {
     uint64_t t = now;
     if (ns_per_byte_ > 0) {
       const uint64_t cost = uint64_t(double(bytes) * ns_per_byte_);
-      if (o_.wire) {  // shared with the proxy's other endpoints: claim the next slot of the one wire
-        uint64_t busy = o_.wire->load(std::memory_order_relaxed), next;
-        do {
-          next = std::max(busy, now) + cost;
-        } while (!o_.wire->compare_exchange_weak(busy, next, std::memory_order_relaxed));
-        t = next;
-      } else {
-        wire_free_ns_ = std::max(wire_free_ns_, now) + cost;
-        t = wire_free_ns_;
-      }
+      // the wire may be shared with the proxy's other endpoints: claim the next slot of it
+      uint64_t busy = o_.wire->load(std::memory_order_relaxed), next;
+      do {
+        next = std::max(busy, now) + cost;
+      } while (!o_.wire->compare_exchange_weak(busy, next, std::memory_order_relaxed));
+      t = next;
     }
     return t + o_.delay_us * 1000;
   }
@@ -647,7 +646,6 @@ class LoopbackTransport final : public Transport {
   bool in_order_ = true;
   bool connected_ = false;
   double ns_per_byte_ = 0;
-  uint64_t wire_free_ns_ = 0;
   uint64_t last_liveness_ns_ = 0;
   bool posted_since_poll_ = false;
   int next_src_ = 0;

@@ -21,8 +21,8 @@ struct LoopbackOptions {
   uint64_t delay_us = 0;      // added to every delivery
   double bandwidth_gbps = 0;  // GB/s of the wire (0: uncapped)
   // When set, the endpoints holding it share one wire (the proxy's threads share the GPU's NIC, as QPs share a real
-  // one): each write is scheduled after every earlier write of any of them, at bandwidth_gbps. Unset: a wire per
-  // endpoint. Holds the time (ns) the wire is busy until.
+  // one): each write is scheduled after every earlier write of any of them, at bandwidth_gbps. Unset: the endpoint
+  // makes a wire of its own. Holds the time (ns) the wire is busy until.
   std::shared_ptr<std::atomic<uint64_t>> wire;
   uint64_t seed = 0;
   uint32_t ring_capacity = 4096;  // immediates buffered per (receiver endpoint, sender rank)
