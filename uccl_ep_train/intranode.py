@@ -71,6 +71,9 @@ class IntranodeHandle:
     recv_src_idx: torch.Tensor              # [rank-major rows] int32: source token index of each received row
     num_rank_major_rows: int                # rows of the rank-major receive (padding included in sync-free mode)
     expert_alignment: int = 1
+    # rows received from each source rank, on the host (normal and cached modes; None in sync-free mode, where the
+    # counts never leave the device): the block sizes of the copy-engine combine
+    rows_from: Optional[List[int]] = None
     # expert-major only
     expert_major_token: Optional[torch.Tensor] = None  # [num_recv_rows] int64
     expert_major_slot: Optional[torch.Tensor] = None   # [num_recv_rows] int64
@@ -95,6 +98,8 @@ class NativeIntranodeBackend:
         self.num_sms = int(kernel_settings.num_sms)
         self.local_sms = int(kernel_settings.local_sms)  # 0: the whole GPU for the kernels that touch only our memory
         self.timeout_secs = float(kernel_settings.gpu_timeout_secs)
+        self.combine_copy_engine = bool(kernel_settings.combine_copy_engine)
+        self.copy_chunk_bytes = int(kernel_settings.copy_chunk_bytes)
         self._k = native.module().kernels
         if self.num_ranks > self._k.max_ranks:
             raise ValueError(f"the intranode backend supports at most {self._k.max_ranks} ranks, got {self.num_ranks}")
@@ -216,14 +221,15 @@ class NativeIntranodeBackend:
                 self._cx.reset_host_counts()
             self._cx.notify(per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), T, num_experts, cap,
                             rank_prefix.data_ptr(), recv_info.data_ptr(), send_pos.data_ptr(), stream)
-            per_expert_recv = None
+            per_expert_recv = rows_from = None
             if worst == 0:
                 try:
                     counts = self._cx.wait_host_counts(L)
                 except RuntimeError as exc:
                     self._cx.clear_error()
                     raise IntranodeError(str(exc)) from None
-                num_recv, overflow, per_expert_recv = counts[0], counts[1], counts[2:]
+                num_recv, overflow = counts[0], counts[1]
+                per_expert_recv, rows_from = counts[2:2 + L], list(counts[2 + L:2 + L + R])
                 if overflow > 0:
                     self._cx.clear_error()  # the kernel's overflow record; reported here instead
                     raise ValueError(
@@ -276,7 +282,7 @@ class NativeIntranodeBackend:
             num_tokens=T, num_recv_rows=out_rows, num_topk=K, num_ranks=R, expert_major=expert_major,
             is_token_in_rank=in_rank, num_recv_tokens_per_expert=aligned, rank_prefix_matrix=rank_prefix,
             send_pos=send_pos, recv_info=recv_info, recv_src_idx=recv_src_idx, num_rank_major_rows=out_rows,
-            expert_alignment=align, extra={"num_experts": num_experts, "worst": worst})
+            expert_alignment=align, rows_from=rows_from, extra={"num_experts": num_experts, "worst": worst})
         if worst:
             per_expert_list: Optional[List[int]] = []
         else:
@@ -376,6 +382,11 @@ class NativeIntranodeBackend:
             # rank-major send of those. The local one goes before the barrier: it touches no shared buffer.
             x, weights = self._expert_major_partials(x, h, weights, stream)
             rows = h.num_rank_major_rows
+        if self.combine_copy_engine and h.rows_from is not None:
+            self._cx.combine_copy_engine(x.data_ptr(), _ptr(weights), h.rows_from, h.is_token_in_rank.data_ptr(),
+                                         h.send_pos.data_ptr(), T, H, elem, K, out.data_ptr(), _ptr(out_w), cap,
+                                         self.copy_chunk_bytes, self.local_sms, stream)
+            return out, out_w
         self._cx.barrier(stream)  # peers must be done reading their combine areas
         self._cx.combine_send(x.data_ptr(), _ptr(weights), h.recv_src_idx.data_ptr(), h.rank_prefix_matrix.data_ptr(),
                               h.recv_info.data_ptr(), rows, H, elem, K, cap, num_sms, stream)

@@ -158,6 +158,13 @@ class KernelSettings:
         "UCCL_EP_LOCAL_SMS", "SMs for the kernels of a call that touch only this GPU's memory (dispatch's receive "
         "copy, combine's reduce, the expert-major sum); 0: the whole GPU. Set it to UCCL_EP_NUM_SMS to hold a whole "
         "call to that many SMs", _int(0, 1024)))
+    combine_copy_engine: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_COMBINE_COPY_ENGINE", "intranode combine moves rows between GPUs with copy engines (cudaMemcpyAsync, "
+        "no SM) and sums them as they land; 0: SM stores over NVLink. Used where the row counts are on the host "
+        "(handles of normal and cached dispatch); sync-free handles always use SM stores", _bool))
+    copy_chunk_bytes: int = field(default=4 << 20, metadata=_meta(
+        "UCCL_EP_COPY_CHUNK_BYTES", "bytes per copy-engine transfer of that combine; a flag follows each, so smaller "
+        "chunks start the sum sooner but cost more launches", _int(16384)))
     gpu_timeout_secs: float = field(default=100.0, metadata=_meta(
         "UCCL_EP_GPU_TIMEOUT_SECS", "deadline for any GPU spin wait before the kernel reports and traps",
         _float(0.001)))

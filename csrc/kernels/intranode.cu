@@ -28,7 +28,10 @@ constexpr int kWarps = kThreads / kWarpSize;
 // ---------------------------------------------------------------- control region (ints from the buffer start)
 constexpr int kEpochOffset = 0;                  // this rank's barrier epoch (touched by its own kernels only)
 constexpr int kFlagsOffset = 64;                 // [kMaxRanks] barrier flags, written by peers
-constexpr int kCountsOffset = kFlagsOffset + kMaxRanks;           // [R][R] counts[src][dst], written by src
+// [kMaxRanks] uint64 copy-engine combine flags: (barrier epoch << 32) | rows of this combine that rank r's copy
+// engine has landed in our area so far, written by r after each chunk.
+constexpr int kCopyFlagsOffset = kFlagsOffset + kMaxRanks;
+constexpr int kCountsOffset = kCopyFlagsOffset + 2 * kMaxRanks;   // [R][R] counts[src][dst], written by src
 constexpr int kExpertCountsOffset = kCountsOffset + kMaxRanks * kMaxRanks;  // [R][L] written by src
 constexpr int64_t kMaxExpertCountInts = static_cast<int64_t>(kControlBytes / 4) - kExpertCountsOffset;
 
@@ -59,6 +62,9 @@ struct CombineArea {
 
 UCCL_DEVICE char* data_of(void* buffer) { return static_cast<char*>(buffer) + kControlBytes; }
 UCCL_DEVICE int* ctrl_of(void* buffer) { return static_cast<int*>(buffer); }
+UCCL_HOST_DEVICE uint64_t* copy_flags_of(void* buffer) {
+  return reinterpret_cast<uint64_t*>(static_cast<int*>(buffer) + kCopyFlagsOffset);
+}
 
 // Exclusive prefix sum of one int per thread over the block; also returns the block total in *total. Every thread of
 // the block must call it (it synchronizes); `scratch` holds blockDim.x ints of shared memory.
@@ -182,7 +188,10 @@ __global__ void notify_kernel(void** peers, int rank, int num_ranks, const int* 
     __syncthreads();
     if (threadIdx.x == 0) {
       int num_recv = 0;
-      for (int s = 0; s < R; ++s) num_recv += counts[s * R + rank];
+      for (int s = 0; s < R; ++s) {
+        num_recv += counts[s * R + rank];
+        host->rows_from[s] = counts[s * R + rank];
+      }
       recv_info[0] = num_recv;
       recv_info[1] = s_overflow;
       host->num_recv_tokens = num_recv;
@@ -471,6 +480,91 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(
   }
 }
 
+// ---------------------------------------------------------------- combine through the copy engine
+// Why: SM stores over NVLink top out near 290 GB/s on H200 whatever the SM count, while a copy engine moves ~390
+// GB/s and holds no SM. In normal and cached modes the host knows how many rows it holds from each source (notify
+// mirrors them), and those rows are contiguous in the rank-major x, so each source's share is one memcpy per chunk
+// into a block of the source's combine area, row send_pos[t][me] for the source's token t. After each chunk a
+// one-thread kernel on the copy stream publishes (epoch << 32) | rows landed; the source's reduce, running at the
+// same time, waits per token for the rows it needs, so summing overlaps the transfer. docs/intranode.md, "Combine
+// through the copy engine".
+
+// Published after a chunk's memcpy on the same stream: stream order makes the copy complete (and, with the system
+// fence, visible to the peer) before the flag.
+__global__ void copy_signal_kernel(void* local, uint64_t* peer_flag, int64_t rows_landed) {
+  const uint64_t epoch = static_cast<uint32_t>(ctrl_of(local)[kEpochOffset]);
+  drain_stores_before_release();
+  st_release_sys_u64(peer_flag, (epoch << 32) | static_cast<uint64_t>(rows_landed));
+}
+
+// Token t's copies: this rank's own row straight from x (self_x = x + the first row received from itself), each
+// peer r's from row send_pos[t][r] of r's block in our combine area, once r's flag covers that row. Summed in rank
+// order in fp32 like combine_reduce_kernel, so the two paths agree bit for bit.
+template <bool kF32>
+__global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
+    void* local, int rank, int num_ranks, const bool* __restrict__ in_rank, const int* __restrict__ send_pos,
+    const int4* __restrict__ self_x, const float* __restrict__ self_weights, int num_tokens, int hidden, int topk,
+    int4* __restrict__ out_x, float* __restrict__ out_weights, int64_t max_src_tokens, ErrorWord* err,
+    uint64_t timeout_ns) {
+  const int R = num_ranks;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  __shared__ int s_scratch[kWarps][kMaxRanks];
+  __shared__ int s_ranks[kWarps][kMaxRanks];
+  __shared__ int s_failed;
+  if (threadIdx.x == 0) s_failed = 0;
+  __syncthreads();
+  const int units_per_row = hidden / (kF32 ? 4 : 8);
+  const CombineArea area(max_src_tokens, R, hidden * (kF32 ? 2 : 1), topk);
+  const char* base = data_of(local);
+  const int4* blocks = reinterpret_cast<const int4*>(base + area.x);
+  const float* block_weights = reinterpret_cast<const float*>(base + area.weights);
+  const uint64_t* flags = copy_flags_of(local);
+  const uint64_t epoch = static_cast<uint32_t>(ctrl_of(local)[kEpochOffset]);
+  const int total_warps = gridDim.x * kWarps;
+  for (int t = blockIdx.x * kWarps + warp; t < num_tokens; t += total_warps) {
+    const bool* mask = in_rank + static_cast<int64_t>(t) * R;
+    const int* pos = send_pos + static_cast<int64_t>(t) * R;
+    const int n = warp_compact(R, lane, s_scratch[warp], s_ranks[warp], [&](int r) { return mask[r] ? r : -1; });
+    const int* ranks = s_ranks[warp];
+    for (int j = lane; j < n; j += kWarpSize) {
+      const int r = ranks[j];
+      if (r == rank) continue;
+      const uint64_t need = (epoch << 32) | static_cast<uint64_t>(pos[r] + 1);
+      const uint64_t deadline = now_ns() + timeout_ns;
+      uint64_t seen;
+      while ((seen = ld_acquire_sys_u64(flags + r)) < need) {
+        if (*static_cast<volatile int*>(&s_failed) || now_ns() > deadline) {
+          if (!s_failed) report(err, 1, rank, blockIdx.x, r, static_cast<int64_t>(seen), static_cast<int64_t>(need),
+                                "copy-engine combine rows");
+          s_failed = 1;
+          break;
+        }
+      }
+    }
+    warp_sync();  // the lanes that acquired the flags order the whole warp's loads below
+    if (*static_cast<volatile int*>(&s_failed)) return;  // the error word names the wait; the output is not valid
+    auto row_of = [&](int j) {
+      const int r = ranks[j];
+      return r == rank ? self_x + static_cast<int64_t>(pos[r]) * units_per_row
+                       : blocks + (static_cast<int64_t>(r) * max_src_tokens + pos[r]) * units_per_row;
+    };
+    int4* out = out_x + static_cast<int64_t>(t) * units_per_row;
+    warp_sum_rows<kF32, 4, 4, true>(n, units_per_row, lane, row_of, [&](int u, const int4& v) { out[u] = v; });
+    if (out_weights) {
+      for (int k = lane; k < topk; k += kWarpSize) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; ++j) {
+          const int r = ranks[j];
+          acc += r == rank ? self_weights[static_cast<int64_t>(pos[r]) * topk + k]
+                           : ld_cg_f32(block_weights + (static_cast<int64_t>(r) * max_src_tokens + pos[r]) * topk + k);
+        }
+        out_weights[static_cast<int64_t>(t) * topk + k] = acc;
+      }
+    }
+    warp_sync();  // s_ranks is reused by the next token
+  }
+}
+
 // ---------------------------------------------------------------- expert-major expansion
 // One block per local expert: scan the received rows in order, give each (row, k) with recv_topk_idx == expert the
 // next row of the expert's segment (segments start at the aligned prefix of the counts), then copy the payload
@@ -617,7 +711,9 @@ Context::Context(int rank, int num_ranks, int64_t num_bytes, int device, double 
       reinterpret_cast<const void*>(combine_reduce_kernel<false>),
       reinterpret_cast<const void*>(combine_reduce_kernel<true>),
       reinterpret_cast<const void*>(expert_major_partials_kernel<false>),
-      reinterpret_cast<const void*>(expert_major_partials_kernel<true>)};
+      reinterpret_cast<const void*>(expert_major_partials_kernel<true>),
+      reinterpret_cast<const void*>(combine_reduce_blocks_kernel<false>),
+      reinterpret_cast<const void*>(combine_reduce_blocks_kernel<true>)};
   for (int i = 0; i < kLocalKernels; ++i) {
     int per_sm = 0;
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, local_kernels[i], kThreads, 0),
@@ -672,6 +768,11 @@ void Context::destroy() {
   (void)cudaFree(local_);
   (void)cudaFreeHost(error_);
   (void)cudaFreeHost(host_counts_);
+  if (copy_stream_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
+  if (copy_fork_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(copy_fork_));
+  if (copy_join_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(copy_join_));
+  copy_stream_ = nullptr;
+  copy_fork_ = copy_join_ = nullptr;
   local_ = nullptr;
   peers_dev_ = nullptr;
   error_ = nullptr;
@@ -715,6 +816,7 @@ std::vector<int64_t> Context::wait_host_counts(int num_local_experts) const {
   out.push_back(host_counts_->num_recv_tokens);
   out.push_back(host_counts_->overflow_rows_needed);
   for (int l = 0; l < num_local_experts; ++l) out.push_back(host_counts_->per_expert[l]);
+  for (int r = 0; r < num_ranks_; ++r) out.push_back(host_counts_->rows_from[r]);
   return out;
 }
 
@@ -830,6 +932,92 @@ void Context::combine_reduce(uintptr_t is_token_in_rank, int num_tokens, int hid
       local_, num_ranks_, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, hidden, topk,
       reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_topk_weights), max_src_tokens);
   check(cudaGetLastError(), "combine_reduce_kernel launch");
+}
+
+void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std::vector<int64_t>& rows_from,
+                                  uintptr_t is_token_in_rank, uintptr_t send_pos, int num_tokens, int hidden,
+                                  int elem_size, int topk, uintptr_t out_x, uintptr_t out_topk_weights,
+                                  int64_t max_src_tokens, int64_t chunk_bytes, int local_sms, uintptr_t stream) {
+  if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
+  if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
+  if (topk > kMaxTopk) throw std::invalid_argument("combine: top-k above " + std::to_string(kMaxTopk));
+  if (static_cast<int>(rows_from.size()) != num_ranks_)
+    throw std::invalid_argument("combine_copy_engine: rows_from needs one count per rank");
+  if (chunk_bytes <= 0) throw std::invalid_argument("combine_copy_engine: chunk_bytes must be > 0");
+  // A block past a peer's area would land in its next block: refuse before anything is queued.
+  for (int r = 0; r < num_ranks_; ++r)
+    if (rows_from[r] < 0 || rows_from[r] > max_src_tokens)
+      throw std::invalid_argument("combine_copy_engine: " + std::to_string(rows_from[r]) + " rows for rank " +
+                                  std::to_string(r) + " exceed its combine area of " + std::to_string(max_src_tokens) +
+                                  " tokens");
+  DeviceGuard guard(device_);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  barrier(stream);  // every peer is done reading the combine area of its previous combine
+  const int64_t row_bytes = static_cast<int64_t>(hidden) * elem_size;
+  const CombineArea area(max_src_tokens, num_ranks_, hidden * (elem_size == 4 ? 2 : 1), topk);
+  std::vector<int64_t> start(num_ranks_ + 1, 0);
+  for (int r = 0; r < num_ranks_; ++r) start[r + 1] = start[r] + rows_from[r];
+  const char* src = reinterpret_cast<const char*>(x);
+  bool any_copy = false;
+  for (int r = 0; r < num_ranks_; ++r) any_copy |= r != rank_ && rows_from[r] > 0;
+  if (any_copy) {
+    if (!copy_stream_) {
+      cudaStream_t cs;
+      cudaEvent_t fork, join;
+      check(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      copy_stream_ = cs;
+      check(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      copy_fork_ = fork;
+      check(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      copy_join_ = join;
+    }
+    const auto copy_stream = static_cast<cudaStream_t>(copy_stream_);
+    check(cudaEventRecord(static_cast<cudaEvent_t>(copy_fork_), s), "cudaEventRecord");
+    check(cudaStreamWaitEvent(copy_stream, static_cast<cudaEvent_t>(copy_fork_), 0), "cudaStreamWaitEvent");
+    auto peer_data = [&](int r) { return static_cast<char*>(peers_[r]) + kControlBytes; };
+    const int64_t my_row0 = static_cast<int64_t>(rank_) * max_src_tokens;  // our block in every peer's area
+    if (topk_weights) {  // first: every chunk's flag then also covers the weights
+      const int64_t w_row = static_cast<int64_t>(topk) * sizeof(float);
+      for (int r = 0; r < num_ranks_; ++r)
+        if (r != rank_ && rows_from[r] > 0)
+          check(cudaMemcpyAsync(peer_data(r) + area.weights + my_row0 * w_row,
+                                reinterpret_cast<const char*>(topk_weights) + start[r] * w_row, rows_from[r] * w_row,
+                                cudaMemcpyDeviceToDevice, copy_stream),
+                "cudaMemcpyAsync (combine weights)");
+    }
+    // Chunks round-robin over the peers, so every source's reduce makes progress from the first chunk on.
+    const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / row_bytes);
+    for (int64_t c0 = 0;; c0 += chunk_rows) {
+      bool more = false;
+      for (int r = 0; r < num_ranks_; ++r) {
+        if (r == rank_ || c0 >= rows_from[r]) continue;
+        const int64_t c1 = std::min(rows_from[r], c0 + chunk_rows);
+        check(cudaMemcpyAsync(peer_data(r) + area.x + (my_row0 + c0) * row_bytes, src + (start[r] + c0) * row_bytes,
+                              (c1 - c0) * row_bytes, cudaMemcpyDeviceToDevice, copy_stream),
+              "cudaMemcpyAsync (combine rows)");
+        copy_signal_kernel<<<1, 1, 0, copy_stream>>>(local_, copy_flags_of(peers_[r]) + rank_, c1);
+        check(cudaGetLastError(), "copy_signal_kernel launch");
+        more = true;
+      }
+      if (!more) break;
+    }
+    check(cudaEventRecord(static_cast<cudaEvent_t>(copy_join_), copy_stream), "cudaEventRecord");
+  }
+  if (num_tokens > 0) {
+    const bool f32 = elem_size == 4;
+    auto kernel = f32 ? combine_reduce_blocks_kernel<true> : combine_reduce_blocks_kernel<false>;
+    // The reduce spins on flags that kernels on the copy stream publish: it must leave them SMs to run on.
+    const int grid = std::max(1, std::min(local_grid(f32 ? kLocalReduceBlocksF32 : kLocalReduceBlocksBf16, local_sms),
+                                          sms_ - 2));
+    kernel<<<grid, kThreads, 0, s>>>(
+        local_, rank_, num_ranks_, reinterpret_cast<const bool*>(is_token_in_rank),
+        reinterpret_cast<const int*>(send_pos), reinterpret_cast<const int4*>(src + start[rank_] * row_bytes),
+        topk_weights ? reinterpret_cast<const float*>(topk_weights) + start[rank_] * topk : nullptr, num_tokens,
+        hidden, topk, reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_topk_weights), max_src_tokens,
+        error_dev_, timeout_ns_);
+    check(cudaGetLastError(), "combine_reduce_blocks_kernel launch");
+  }
+  if (any_copy) check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(copy_join_), 0), "cudaStreamWaitEvent");
 }
 
 int64_t dispatch_rows_capacity(int64_t data_bytes, int hidden_bytes, int num_scales, int topk) {

@@ -34,6 +34,7 @@ struct HostCounts {
   int32_t num_recv_tokens;
   int32_t overflow_rows_needed;    // > 0 when some rank's receive area is too small
   int32_t num_local_experts;
+  int32_t rows_from[kMaxRanks];    // received rows from each source rank (the copy-engine combine's block sizes)
   int32_t per_expert[1];           // num_local_experts entries follow (raw counts, not aligned)
 };
 
@@ -60,7 +61,8 @@ class Context {
 
   // ---- host-side wait of the normal mode
   void reset_host_counts();
-  // Waits (deadline = timeout) for notify's counts; returns {num_recv_tokens, overflow_rows_needed, per_expert...}.
+  // Waits (deadline = timeout) for notify's counts; returns {num_recv_tokens, overflow_rows_needed, per_expert[L]...,
+  // rows_from[R]...}.
   std::vector<int64_t> wait_host_counts(int num_local_experts) const;
 
   // ---- launches (all asynchronous on `stream`)
@@ -118,6 +120,16 @@ class Context {
                       uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens,
                       int local_sms, uintptr_t stream);
 
+  // The same combine with the transfers on a copy engine (normal and cached modes, where the host knows
+  // rows_from[r], the rows x holds from each source rank r, contiguous in rank order): a barrier, then on a copy
+  // stream one memcpy per chunk of `chunk_bytes` into row send_pos of r's combine area and a flag after each; the
+  // reduce on `stream` waits for the rows each token needs, so it overlaps the copies. Bit-identical to
+  // combine_send + combine_reduce. Needs send_pos [T][R] of the dispatch (-1 where not sent).
+  void combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std::vector<int64_t>& rows_from,
+                           uintptr_t is_token_in_rank, uintptr_t send_pos, int num_tokens, int hidden, int elem_size,
+                           int topk, uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens,
+                           int64_t chunk_bytes, int local_sms, uintptr_t stream);
+
  private:
   int rank_, num_ranks_, device_;
   int64_t num_bytes_;
@@ -134,8 +146,14 @@ class Context {
   // The kernels that touch only this rank's memory (the receive copy, combine's reduce, the expert-major sum) run
   // on `local_sms` SMs, 0 meaning the whole GPU: blocks per SM from the occupancy API, asked once in the
   // constructor because a launch may be under CUDA-graph capture.
-  enum LocalKernel { kLocalRecv, kLocalReduceBf16, kLocalReduceF32, kLocalPartialsBf16, kLocalPartialsF32, kLocalKernels };
-  int whole_gpu_grid_[kLocalKernels] = {1, 1, 1, 1, 1};
+  enum LocalKernel { kLocalRecv, kLocalReduceBf16, kLocalReduceF32, kLocalPartialsBf16, kLocalPartialsF32,
+                     kLocalReduceBlocksBf16, kLocalReduceBlocksF32, kLocalKernels };
+  int whole_gpu_grid_[kLocalKernels] = {1, 1, 1, 1, 1, 1, 1};
+  // The copy-engine combine's stream and fork/join events (cudaStream_t / cudaEvent_t, kept opaque so this header
+  // stays free of CUDA/HIP types), made on first use.
+  void* copy_stream_ = nullptr;
+  void* copy_fork_ = nullptr;
+  void* copy_join_ = nullptr;
   int sms_ = 1;  // the device's SMs (blocks that clear the sync-free tail of the expert-major output)
   int local_grid(LocalKernel k, int local_sms) const;
 };

@@ -36,7 +36,8 @@ max_ranks = 128
 max_topk = 32
 control_bytes = 1 << 20
 _EPOCH, _FLAGS = 0, 64  # ints from the buffer start (intranode.cu's control region)
-_COUNTS = _FLAGS + max_ranks
+_COPY_FLAGS = _FLAGS + max_ranks  # [max_ranks] int64: (epoch << 32) | rows landed by each peer's copy engine
+_COUNTS = _COPY_FLAGS + 2 * max_ranks
 _EXPERT_COUNTS = _COUNTS + max_ranks * max_ranks
 _MAX_EXPERT_COUNT_INTS = control_bytes // 4 - _EXPERT_COUNTS
 _SHM, _PREFIX = "/dev/shm", "uccl-ep-fake-intranode"
@@ -169,7 +170,7 @@ class IntranodeContext:
         self._peers: List[Optional[torch.Tensor]] = [None] * num_ranks
         self._peers[rank] = self._local
         self._err = _ErrorWord()
-        self._host = {"ready": 0, "num_recv": 0, "overflow": 0, "per_expert": []}
+        self._host = {"ready": 0, "num_recv": 0, "overflow": 0, "per_expert": [], "rows_from": []}
         self._host_seq = 0
         self._opened = False
         self.launches = {}  # kernel name -> calls (for tests)
@@ -245,7 +246,8 @@ class IntranodeContext:
                                    f"host (counter ready={self._host['ready']}, expected {self._host_seq})")
             time.sleep(1e-4)
         h = self._host
-        return [h["num_recv"], h["overflow"]] + [int(c) for c in h["per_expert"][:num_local_experts]]
+        return ([h["num_recv"], h["overflow"]] + [int(c) for c in h["per_expert"][:num_local_experts]]
+                + [int(c) for c in h["rows_from"]])
 
     # ---- barrier
     def _barrier_block(self, what: str) -> bool:
@@ -305,7 +307,7 @@ class IntranodeContext:
         num_recv = int(counts[:, me].sum())
         info[0], info[1] = num_recv, overflow
         self._host.update(num_recv=num_recv, overflow=overflow, per_expert=per_expert_recv.tolist(),
-                          ready=self._host_seq)
+                          rows_from=counts[:, me].tolist(), ready=self._host_seq)
         if overflow > 0:
             self._report(2, 0, me, overflow, rows_capacity, "receive area overflow")
         # blocks 1..R: send_pos[t][dst] = position of t among this rank's tokens for dst, -1 when not sent
@@ -551,6 +553,90 @@ class IntranodeContext:
             for r in range(R):
                 sel = mask[:, r].nonzero().flatten()
                 accw[sel] += w[sel, r]
+            _rows(out_topk_weights, T, 4 * topk, torch.float32).copy_(accw)
+
+    def combine_copy_engine(self, x: int, topk_weights: int, rows_from: List[int], is_token_in_rank: int,
+                            send_pos: int, num_tokens: int, hidden: int, elem_size: int, topk: int, out_x: int,
+                            out_topk_weights: int, max_src_tokens: int, chunk_bytes: int, local_sms: int,
+                            stream: int) -> None:
+        """The barrier, each peer's block copied chunk by chunk with its flag after each chunk, then the sum in rank
+        order (own rows straight from x), waiting per token for the flags that cover its rows."""
+        if hidden % 8:
+            raise ValueError("combine: hidden must be a multiple of 8")
+        if elem_size not in (2, 4):
+            raise ValueError("combine: x must be bfloat16 or float32")
+        if topk > max_topk:
+            raise ValueError(f"combine: top-k above {max_topk}")
+        R, me = self._num_ranks, self._rank
+        if len(rows_from) != R:
+            raise ValueError("combine_copy_engine: rows_from needs one count per rank")
+        if chunk_bytes <= 0:
+            raise ValueError("combine_copy_engine: chunk_bytes must be > 0")
+        for r, n in enumerate(rows_from):
+            if n < 0 or n > max_src_tokens:
+                raise ValueError(f"combine_copy_engine: {n} rows for rank {r} exceed its combine area of "
+                                 f"{max_src_tokens} tokens")
+        self._count("combine_copy_engine")
+        self._barrier_block("barrier")
+        area = CombineArea(max_src_tokens, R, hidden * (2 if elem_size == 4 else 1), topk)
+        row_bytes = hidden * elem_size
+        start = [0]
+        for n in rows_from:
+            start.append(start[-1] + n)
+        total = start[-1]
+        # (a rank that received nothing may pass empty tensors, whose address is 0)
+        xs = _rows(x, total, row_bytes) if total else torch.empty((0, row_bytes), dtype=torch.uint8)
+        ws = (_rows(topk_weights, total, 4 * topk, torch.float32) if total else torch.empty((0, topk))) \
+            if topk_weights else None
+        epoch = int(self._ctrl(me)[_EPOCH])
+        chunk_rows = max(1, chunk_bytes // row_bytes)
+        for r in range(R):
+            n = rows_from[r]
+            if r == me or n == 0:
+                continue
+            d = self._data(r)
+            block = d[area.x:area.x + R * max_src_tokens * row_bytes].view(R, max_src_tokens, row_bytes)[me]
+            if ws is not None:
+                d[area.weights:area.weights + R * max_src_tokens * topk * 4].view(torch.float32).view(
+                    R, max_src_tokens, topk)[me, :n] = ws[start[r]:start[r] + n]
+            flag = self._peers[r][:control_bytes].view(torch.int64)[_COPY_FLAGS // 2 + me:_COPY_FLAGS // 2 + me + 1]
+            for c0 in range(0, n, chunk_rows):
+                c1 = min(n, c0 + chunk_rows)
+                block[c0:c1] = xs[start[r] + c0:start[r] + c1]
+                flag[0] = (epoch << 32) | c1
+        if num_tokens == 0:
+            return
+        T, dt = num_tokens, (torch.float32 if elem_size == 4 else torch.bfloat16)
+        mask = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
+        pos = _at(send_pos, 4 * T * R, torch.int32).view(T, R).to(torch.int64)
+        flags = self._ctrl(me).view(torch.int64)[_COPY_FLAGS // 2:_COPY_FLAGS // 2 + R]
+        deadline = time.monotonic() + self._timeout
+        for r in range(R):  # the rows each peer must have landed: one more than the last position we read
+            if r == me or not bool(mask[:, r].any()):
+                continue
+            need = (epoch << 32) | int(pos[mask[:, r], r].max() + 1)
+            while int(flags[r]) < need:
+                if time.monotonic() > deadline:
+                    self._report(1, 0, r, int(flags[r]), need, "copy-engine combine rows")
+                    return
+                time.sleep(1e-4)
+        d = self._data(me)
+        blocks = d[area.x:area.x + R * max_src_tokens * row_bytes].view(dt).view(R, max_src_tokens, hidden)
+        wblocks = d[area.weights:area.weights + R * max_src_tokens * topk * 4].view(torch.float32).view(
+            R, max_src_tokens, topk)
+        own_x = xs[start[me]:start[me + 1]].view(dt).view(-1, hidden)
+        acc = torch.zeros((T, hidden), dtype=torch.float32)
+        accw = torch.zeros((T, topk), dtype=torch.float32)
+        for r in range(R):  # rank order, fp32 from 0, rounded once
+            sel = mask[:, r].nonzero().flatten()
+            if sel.numel() == 0:
+                continue
+            p = pos[sel, r]
+            acc[sel] += (own_x[p] if r == me else blocks[r, p]).float()
+            if out_topk_weights:
+                accw[sel] += ws[start[me]:start[me + 1]][p] if r == me else wblocks[r, p]
+        _rows(out_x, T, hidden * elem_size, dt).copy_(acc.to(dt))
+        if out_topk_weights:
             _rows(out_topk_weights, T, 4 * topk, torch.float32).copy_(accw)
 
 

@@ -82,13 +82,16 @@ def _cases(rank, world, cases, iters):
         nat.destroy()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_output_matches_reference_over_routings_fp8_worst_tokens_and_expert_major(world):
-    out = run_distributed(_cases, world, ALL, 1, timeout=120, env=ENV)
+@pytest.mark.parametrize("world,copy_engine", [(2, "1"), (4, "1"), (2, "0")])
+def test_every_output_matches_reference_over_routings_fp8_worst_tokens_and_expert_major(world, copy_engine):
+    out = run_distributed(_cases, world, ALL, 1, timeout=120,
+                          env={**ENV, "UCCL_EP_COMBINE_COPY_ENGINE": copy_engine})
     assert all(done == len(ALL) for done, _, _ in out)
     for _, launches, _ in out:  # every kernel of the backend ran through the stand-in
         assert {"notify", "dispatch_send", "dispatch_recv", "barrier", "expert_major", "expert_major_partials",
                 "combine_send", "combine_reduce"} <= set(launches), launches
+        # normal and cached handles combine through the copy engine unless it is off; sync-free ones never do
+        assert ("combine_copy_engine" in launches) == (copy_engine == "1"), launches
     left = [name for _, _, name in out if os.path.exists(os.path.join("/dev/shm", name))]
     assert not left, f"shared memory left behind after destroy: {left}"
 
@@ -179,7 +182,7 @@ def test_a_rank_that_never_joins_makes_the_others_raise_a_timeout_naming_the_not
 
 def _too_small(rank, world):
     from uccl_ep_train.backends import DispatchArgs
-    from uccl_ep_train.intranode import NativeIntranodeBackend, nvl_bytes_needed
+    from uccl_ep_train.intranode import nvl_bytes_needed
 
     T, H = 40, 128
     nat, _ = _backends(rank, world, nvl=nvl_bytes_needed(T, world, H, world) // 2)

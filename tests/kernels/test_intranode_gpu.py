@@ -144,6 +144,8 @@ def run_case(backends, kind, T, H, K, E, *, fp8=False, worst=0, expert_major=Fal
     orr, owr = ref.combine(y, rr.handle, rr.recv_topk_weights, None)
     torch.testing.assert_close(on.float(), orr.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(own, owr, rtol=1e-5, atol=1e-5)
+    if rn.handle.rows_from is not None:  # both combine paths, same inputs: bit for bit
+        same_combine_both_ways(nat, y, rn.handle, yw, on, own)
     # combine(dispatch(w)) gives w back on every kept slot
     kept = topk_idx >= 0
     torch.testing.assert_close(own[kept], w[kept], rtol=1e-6, atol=1e-6)
@@ -152,6 +154,52 @@ def run_case(backends, kind, T, H, K, E, *, fp8=False, worst=0, expert_major=Fal
     on2, own2 = nat.combine(y, cn.handle, None, None)
     assert own2 is None
     same(on2, on, "combine without weights")
+    torch.cuda.synchronize()
+
+
+def same_combine_both_ways(nat, y, handle, weights, out, out_w, chunk_bytes=None):
+    """The combine of the other path (copy engine / SM stores) on the same inputs equals ``out``/``out_w`` exactly."""
+    saved = nat.combine_copy_engine, nat.copy_chunk_bytes
+    nat.combine_copy_engine = not saved[0]
+    try:
+        alt, alt_w = nat.combine(y, handle, weights, None)
+    finally:
+        nat.combine_copy_engine = saved[0]
+    same(alt, out, "combine: copy engine vs SM stores")
+    same(alt_w, out_w, "combined weights: copy engine vs SM stores")
+    if chunk_bytes is not None:  # many chunks: a flag per 16 KiB, the reduce waiting on most of them
+        nat.copy_chunk_bytes = chunk_bytes
+        try:
+            small, small_w = nat.combine(y, handle, weights, None)
+        finally:
+            nat.copy_chunk_bytes = saved[1]
+        same(small, out, f"combine with {chunk_bytes}-byte copies")
+        same(small_w, out_w, f"combined weights with {chunk_bytes}-byte copies")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["random", "skewed", "empty", "dropped"])
+def test_copy_engine_combine_equals_sm_store_combine_bit_for_bit_at_any_chunk_size(backends, kind, dtype):
+    nat, ref = backends
+    R, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(77 + rank)
+    T, H, K, E = 1024 + 37 * rank, 2048, 8, 64
+    topk_idx = make_routing(kind, T, K, E, R, gen)
+    x, _, w = make_inputs(T, H, K, False, gen)
+    per_rank, per_rdma, per_expert, in_rank = ref.get_dispatch_layout(topk_idx, E)
+    res = nat.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
+                                    num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                    num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w))
+    assert res.handle.rows_from is not None and sum(res.handle.rows_from) == res.handle.num_recv_rows
+    y = torch.randn((res.handle.num_recv_rows, H), generator=gen).to(x.device, dtype)
+    out, out_w = nat.combine(y, res.handle, res.recv_topk_weights, None)
+    ref_out, ref_w = ref.combine(y, ref.dispatch(DispatchArgs(
+        x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w)).handle,
+        res.recv_topk_weights, None)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out_w, ref_w, rtol=1e-5, atol=1e-5)
+    same_combine_both_ways(nat, y, res.handle, res.recv_topk_weights, out, out_w, chunk_bytes=16384)
     torch.cuda.synchronize()
 
 
@@ -246,7 +294,6 @@ def test_cuda_graph_replays_sync_free_dispatch_and_combine(backends, expert_majo
     nat, ref = backends
     R, rank = dist.get_world_size(), dist.get_rank()
     T, H, K, E = 256, 2048, 4, 16
-    dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(100 + rank)
     static_idx = make_routing("random", T, K, E, R, gen)
     static_x, _, static_w = make_inputs(T, H, K, False, gen)

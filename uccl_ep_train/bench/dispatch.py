@@ -126,6 +126,13 @@ def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep
     worst = T * R
     t_syncfree = _time(lambda: backend.dispatch(args(x, worst=worst)), iters, warmup)
     t_combine = _time(lambda: backend.combine(recv_x, handle, None, None), iters, warmup)
+    # The same combine with its transfers as SM stores over NVLink (the path of sync-free handles), in the same run.
+    copy_engine = backend.combine_copy_engine
+    backend.combine_copy_engine = False
+    try:
+        t_combine_sm = _time(lambda: backend.combine(recv_x, handle, None, None), iters, warmup)
+    finally:
+        backend.combine_copy_engine = copy_engine
     if profile_path:
         _profile(profile_path, lambda: backend.dispatch(args(x)), lambda: backend.combine(recv_x, handle, None, None))
 
@@ -141,7 +148,8 @@ def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep
 
     for name, us, row in (("dispatch_bf16", t_bf16, row_bf16), ("dispatch_fp8", t_fp8, row_fp8),
                           ("dispatch_bf16_cached", t_cached, row_bf16), ("dispatch_bf16_syncfree", t_syncfree, row_bf16),
-                          ("combine_bf16", t_combine, row_bf16), ("nccl_all_to_all_bf16", t_nccl, row_bf16)):
+                          ("combine_bf16", t_combine, row_bf16), ("combine_bf16_sm_stores", t_combine_sm, row_bf16),
+                          ("nccl_all_to_all_bf16", t_nccl, row_bf16)):
         us = _max_over_ranks(us)
         remote = recv_remote if name.startswith(("dispatch", "nccl")) else sent_remote
         if name.startswith("combine"):
@@ -214,10 +222,11 @@ def run(args: argparse.Namespace) -> int:
         dev = torch.cuda.get_device_name()
         local_desc = f"{local_sms} SMs" if local_sms else "the whole GPU"
         print(f"# uccl-ep-train bench dispatch: {R} x {dev}, hidden {H}, top-{K} of {E}, {args.num_sms} SMs "
-              f"moving data between GPUs, {local_desc} for the local kernels, "
+              f"moving data between GPUs, {local_desc} for the local kernels, combine_bf16 "
+              f"{'by copy engine (no SM for the transfer)' if backend.combine_copy_engine else 'by SM stores'}, "
               f"{args.iters} iterations; times are the max over ranks; GB/s per rank")
         cols = ["dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "dispatch_bf16_syncfree", "combine_bf16",
-                "nccl_all_to_all_bf16"]
+                "combine_bf16_sm_stores", "nccl_all_to_all_bf16"]
         print("| tokens | recv rows | " + " | ".join(f"{c} us (logical / nvlink GB/s)" for c in cols)
               + " | layout us |" + (" DeepEP dispatch / combine us |" if deep is not None else ""))
         print("|" + " --- |" * (len(cols) + 3 + (1 if deep is not None else 0)))
@@ -232,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": dev, "ranks": R, "num_sms": args.num_sms, "local_sms": local_sms,
+                           "combine_copy_engine": backend.combine_copy_engine,
                            "results": results}, f, indent=1)
         if args.plot:
             try:

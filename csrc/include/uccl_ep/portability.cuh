@@ -38,6 +38,17 @@
 #define cudaDeviceGetAttribute hipDeviceGetAttribute
 #define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
 #define cudaOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+#define cudaEvent_t hipEvent_t
+#define cudaEventCreateWithFlags hipEventCreateWithFlags
+#define cudaEventDisableTiming hipEventDisableTiming
+#define cudaEventDestroy hipEventDestroy
+#define cudaEventRecord hipEventRecord
+#define cudaStreamCreateWithFlags hipStreamCreateWithFlags
+#define cudaStreamNonBlocking hipStreamNonBlocking
+#define cudaStreamDestroy hipStreamDestroy
+#define cudaStreamWaitEvent hipStreamWaitEvent
+#define cudaMemcpyAsync hipMemcpyAsync
+#define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #else
 #include <cuda_runtime.h>
 #define UCCL_EP_CUDA 1
@@ -87,6 +98,25 @@ UCCL_DEVICE int ld_acquire_sys(const int* p) {
 UCCL_DEVICE void st_release_sys(int* p, int v) {
 #if defined(UCCL_EP_CUDA)
   asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#else
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#endif
+}
+
+// 64-bit flags: a barrier epoch in the high half and a row count in the low half (copy-engine combine).
+UCCL_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+#if defined(UCCL_EP_CUDA)
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#endif
+}
+
+UCCL_DEVICE void st_release_sys_u64(uint64_t* p, uint64_t v) {
+#if defined(UCCL_EP_CUDA)
+  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 #else
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 #endif
@@ -149,6 +179,36 @@ UCCL_DEVICE int4 ld_nc_v4(const int4* p) {
 }
 
 UCCL_DEVICE int4 ld_v4(const int4* p) { return *p; }
+
+// Loads of data another agent (a copy engine, a peer GPU) may still be writing while this kernel runs: served by L2,
+// never by a possibly stale L1 / non-coherent line. Only read after an acquire of the flag that covers the data.
+UCCL_DEVICE int4 ld_cg_v4(const int4* p) {
+#if defined(UCCL_EP_CUDA)
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#else
+  const int* q = reinterpret_cast<const int*>(p);
+  int4 v;
+  v.x = __hip_atomic_load(q, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  v.y = __hip_atomic_load(q + 1, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  v.z = __hip_atomic_load(q + 2, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  v.w = __hip_atomic_load(q + 3, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  return v;
+#endif
+}
+
+UCCL_DEVICE float ld_cg_f32(const float* p) {
+#if defined(UCCL_EP_CUDA)
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+#else
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#endif
+}
 
 UCCL_DEVICE void st_v4(int4* p, const int4& v) { *p = v; }
 

@@ -58,7 +58,8 @@ UCCL_DEVICE int4 pack_any(const float (&acc)[8]) {
 // rounding, so results do not depend on the launch shape). `row(j)` gives row j's first unit; `store(u, v)` writes
 // unit u of the sum. Why the shape: these kernels are latency-bound (a warp walks its rows one after the other), so
 // each lane keeps kUnits units of up to kRows rows in flight per step: with 4 x 4, sixteen 16-byte loads.
-template <bool kF32, int kUnits = 4, int kRows = 4, typename RowOf, typename Store>
+// kCoherent: rows that a copy engine or a peer may still be writing while the kernel runs (L2 loads, see ld_cg_v4).
+template <bool kF32, int kUnits = 4, int kRows = 4, bool kCoherent = false, typename RowOf, typename Store>
 UCCL_DEVICE void warp_sum_rows(int n, int units, int lane, const RowOf& row, const Store& store) {
   for (int u0 = lane; u0 < units; u0 += kUnits * kWarpSize) {
     float acc[kUnits][8];
@@ -74,7 +75,8 @@ UCCL_DEVICE void warp_sum_rows(int n, int units, int lane, const RowOf& row, con
           const int4* src = row(j0 + r);
 #pragma unroll
           for (int q = 0; q < kUnits; ++q)
-            if (u0 + q * kWarpSize < units) v[r][q] = ld_nc_v4(src + u0 + q * kWarpSize);
+            if (u0 + q * kWarpSize < units)
+              v[r][q] = kCoherent ? ld_cg_v4(src + u0 + q * kWarpSize) : ld_nc_v4(src + u0 + q * kWarpSize);
         }
       }
 #pragma unroll
