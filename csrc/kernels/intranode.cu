@@ -489,12 +489,19 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(
 // same time, waits per token for the rows it needs, so summing overlaps the transfer. docs/intranode.md, "Combine
 // through the copy engine".
 
-// Published after a chunk's memcpy on the same stream: stream order makes the copy complete (and, with the system
-// fence, visible to the peer) before the flag.
-__global__ void copy_signal_kernel(void* local, uint64_t* peer_flag, int64_t rows_landed) {
+// The flag values one combine publishes, made once per call on the copy stream (the epoch lives on the device, so a
+// captured graph replays correctly): values[c] = (epoch << 32) | rows up to the end of chunk c, and the last entry
+// (epoch << 32) | 0xffffffff, "every row", for a peer's last chunk. Each flag is then an 8-byte copy of one of
+// them behind the chunk's copy on the same stream: a copy engine runs its stream's copies one after the other, each
+// complete before the next starts, so the flag lands after the rows. A kernel as the flag cost ~8 us of idle copy
+// engine per chunk (it waits to be scheduled on an SM); a copy does not.
+constexpr int kMaxCopyChunks = 1024;
+__global__ void copy_flag_values_kernel(void* local, uint64_t* values, int64_t chunk_rows) {
   const uint64_t epoch = static_cast<uint32_t>(ctrl_of(local)[kEpochOffset]);
-  drain_stores_before_release();
-  st_release_sys_u64(peer_flag, (epoch << 32) | static_cast<uint64_t>(rows_landed));
+  for (int c = threadIdx.x; c <= kMaxCopyChunks; c += blockDim.x) {
+    const uint64_t rows = c == kMaxCopyChunks ? 0xffffffffull : static_cast<uint64_t>((c + 1) * chunk_rows);
+    values[c] = (epoch << 32) | rows;
+  }
 }
 
 // Token t's copies: this rank's own row straight from x (self_x = x + the first row received from itself), each
@@ -771,6 +778,8 @@ void Context::destroy() {
   if (copy_stream_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
   if (copy_fork_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(copy_fork_));
   if (copy_join_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(copy_join_));
+  if (copy_values_) (void)cudaFree(copy_values_);
+  copy_values_ = nullptr;
   copy_stream_ = nullptr;
   copy_fork_ = copy_join_ = nullptr;
   local_ = nullptr;
@@ -970,6 +979,7 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
       copy_fork_ = fork;
       check(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "cudaEventCreateWithFlags");
       copy_join_ = join;
+      check(cudaMalloc(&copy_values_, sizeof(uint64_t) * (kMaxCopyChunks + 1)), "cudaMalloc (combine flag values)");
     }
     const auto copy_stream = static_cast<cudaStream_t>(copy_stream_);
     check(cudaEventRecord(static_cast<cudaEvent_t>(copy_fork_), s), "cudaEventRecord");
@@ -986,7 +996,13 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
                 "cudaMemcpyAsync (combine weights)");
     }
     // Chunks round-robin over the peers, so every source's reduce makes progress from the first chunk on.
-    const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / row_bytes);
+    int64_t max_rows = 0;
+    for (int r = 0; r < num_ranks_; ++r) max_rows = std::max(max_rows, r == rank_ ? 0 : rows_from[r]);
+    const int64_t chunk_rows = std::max({int64_t{1}, chunk_bytes / row_bytes,
+                                         (max_rows + kMaxCopyChunks - 1) / kMaxCopyChunks});
+    auto* values = static_cast<uint64_t*>(copy_values_);
+    copy_flag_values_kernel<<<1, 256, 0, copy_stream>>>(local_, values, chunk_rows);
+    check(cudaGetLastError(), "copy_flag_values_kernel launch");
     for (int64_t c0 = 0;; c0 += chunk_rows) {
       bool more = false;
       for (int r = 0; r < num_ranks_; ++r) {
@@ -995,8 +1011,10 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
         check(cudaMemcpyAsync(peer_data(r) + area.x + (my_row0 + c0) * row_bytes, src + (start[r] + c0) * row_bytes,
                               (c1 - c0) * row_bytes, cudaMemcpyDeviceToDevice, copy_stream),
               "cudaMemcpyAsync (combine rows)");
-        copy_signal_kernel<<<1, 1, 0, copy_stream>>>(local_, copy_flags_of(peers_[r]) + rank_, c1);
-        check(cudaGetLastError(), "copy_signal_kernel launch");
+        const uint64_t* value = values + (c1 == rows_from[r] ? kMaxCopyChunks : c0 / chunk_rows);
+        check(cudaMemcpyAsync(copy_flags_of(peers_[r]) + rank_, value, sizeof(uint64_t), cudaMemcpyDeviceToDevice,
+                              copy_stream),
+              "cudaMemcpyAsync (combine flag)");
         more = true;
       }
       if (!more) break;

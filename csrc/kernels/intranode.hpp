@@ -154,6 +154,7 @@ class Context {
   void* copy_stream_ = nullptr;
   void* copy_fork_ = nullptr;
   void* copy_join_ = nullptr;
+  void* copy_values_ = nullptr;         // device uint64 [1025]: the flag values of the current combine
   int sms_ = 1;  // the device's SMs (blocks that clear the sync-free tail of the expert-major output)
   int local_grid(LocalKernel k, int local_sms) const;
 };
