@@ -100,6 +100,7 @@ class NativeIntranodeBackend:
         self.timeout_secs = float(kernel_settings.gpu_timeout_secs)
         self.combine_copy_engine = bool(kernel_settings.combine_copy_engine)
         self.copy_chunk_bytes = int(kernel_settings.copy_chunk_bytes)
+        self.copy_streams = int(kernel_settings.copy_streams)
         self._k = native.module().kernels
         if self.num_ranks > self._k.max_ranks:
             raise ValueError(f"the intranode backend supports at most {self._k.max_ranks} ranks, got {self.num_ranks}")
@@ -385,7 +386,7 @@ class NativeIntranodeBackend:
         if self.combine_copy_engine and h.rows_from is not None:
             self._cx.combine_copy_engine(x.data_ptr(), _ptr(weights), h.rows_from, h.is_token_in_rank.data_ptr(),
                                          h.send_pos.data_ptr(), T, H, elem, K, out.data_ptr(), _ptr(out_w), cap,
-                                         self.copy_chunk_bytes, self.local_sms, stream)
+                                         self.copy_chunk_bytes, self.copy_streams, self.local_sms, stream)
             return out, out_w
         self._cx.barrier(stream)  # peers must be done reading their combine areas
         self._cx.combine_send(x.data_ptr(), _ptr(weights), h.recv_src_idx.data_ptr(), h.rank_prefix_matrix.data_ptr(),

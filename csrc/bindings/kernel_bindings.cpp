@@ -74,7 +74,8 @@ void bind_kernels(py::module_& m) {
       .def("combine_copy_engine", &in::Context::combine_copy_engine, py::arg("x"), py::arg("topk_weights"),
            py::arg("rows_from"), py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("num_tokens"),
            py::arg("hidden"), py::arg("elem_size"), py::arg("topk"), py::arg("out_x"), py::arg("out_topk_weights"),
-           py::arg("max_src_tokens"), py::arg("chunk_bytes"), py::arg("local_sms"), py::arg("stream"));
+           py::arg("max_src_tokens"), py::arg("chunk_bytes"), py::arg("num_streams"), py::arg("local_sms"),
+           py::arg("stream"));
 #else
   (void)m;  // built without a GPU toolchain: no `kernels` submodule, native.has_kernels() is False
 #endif

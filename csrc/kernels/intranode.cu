@@ -28,10 +28,11 @@ constexpr int kWarps = kThreads / kWarpSize;
 // ---------------------------------------------------------------- control region (ints from the buffer start)
 constexpr int kEpochOffset = 0;                  // this rank's barrier epoch (touched by its own kernels only)
 constexpr int kFlagsOffset = 64;                 // [kMaxRanks] barrier flags, written by peers
-// [kMaxRanks] uint64 copy-engine combine flags: (barrier epoch << 32) | rows of this combine that rank r's copy
-// engine has landed in our area so far, written by r after each chunk.
+// [kMaxCopyStreams][kMaxRanks] uint64 copy-engine combine flags: (barrier epoch << 32) | the end row of the last
+// chunk of this combine that rank r's copy stream s has landed in our area, written by r after each chunk.
+constexpr int kMaxCopyStreams = 4;
 constexpr int kCopyFlagsOffset = kFlagsOffset + kMaxRanks;
-constexpr int kCountsOffset = kCopyFlagsOffset + 2 * kMaxRanks;   // [R][R] counts[src][dst], written by src
+constexpr int kCountsOffset = kCopyFlagsOffset + 2 * kMaxCopyStreams * kMaxRanks;  // [R][R] counts[src][dst], by src
 constexpr int kExpertCountsOffset = kCountsOffset + kMaxRanks * kMaxRanks;  // [R][L] written by src
 constexpr int64_t kMaxExpertCountInts = static_cast<int64_t>(kControlBytes / 4) - kExpertCountsOffset;
 
@@ -511,8 +512,8 @@ template <bool kF32>
 __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
     void* local, int rank, int num_ranks, const bool* __restrict__ in_rank, const int* __restrict__ send_pos,
     const int4* __restrict__ self_x, const float* __restrict__ self_weights, int num_tokens, int hidden, int topk,
-    int4* __restrict__ out_x, float* __restrict__ out_weights, int64_t max_src_tokens, ErrorWord* err,
-    uint64_t timeout_ns) {
+    int4* __restrict__ out_x, float* __restrict__ out_weights, int64_t max_src_tokens, int64_t chunk_rows,
+    int num_streams, ErrorWord* err, uint64_t timeout_ns) {
   const int R = num_ranks;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   __shared__ int s_scratch[kWarps][kMaxRanks];
@@ -539,7 +540,8 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
       const uint64_t need = (epoch << 32) | static_cast<uint64_t>(pos[r] + 1);
       const uint64_t deadline = now_ns() + timeout_ns;
       uint64_t seen;
-      while ((seen = ld_acquire_sys_u64(flags + r)) < need) {
+      const uint64_t* flag = flags + (pos[r] / chunk_rows) % num_streams * kMaxRanks + r;  // its chunk's stream
+      while ((seen = ld_acquire_sys_u64(flag)) < need) {
         if (*static_cast<volatile int*>(&s_failed) || now_ns() > deadline) {
           if (!s_failed) report(err, 1, rank, blockIdx.x, r, static_cast<int64_t>(seen), static_cast<int64_t>(need),
                                 "copy-engine combine rows");
@@ -775,13 +777,14 @@ void Context::destroy() {
   (void)cudaFree(local_);
   (void)cudaFreeHost(error_);
   (void)cudaFreeHost(host_counts_);
-  if (copy_stream_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
-  if (copy_fork_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(copy_fork_));
-  if (copy_join_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(copy_join_));
+  for (void* cs : copy_streams_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(cs));
+  for (void* e : copy_joins_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  for (void* e : {copy_fork_, copy_ready_})
+    if (e) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
   if (copy_values_) (void)cudaFree(copy_values_);
-  copy_values_ = nullptr;
-  copy_stream_ = nullptr;
-  copy_fork_ = copy_join_ = nullptr;
+  copy_streams_.clear();
+  copy_joins_.clear();
+  copy_values_ = copy_fork_ = copy_ready_ = nullptr;
   local_ = nullptr;
   peers_dev_ = nullptr;
   error_ = nullptr;
@@ -946,7 +949,8 @@ void Context::combine_reduce(uintptr_t is_token_in_rank, int num_tokens, int hid
 void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std::vector<int64_t>& rows_from,
                                   uintptr_t is_token_in_rank, uintptr_t send_pos, int num_tokens, int hidden,
                                   int elem_size, int topk, uintptr_t out_x, uintptr_t out_topk_weights,
-                                  int64_t max_src_tokens, int64_t chunk_bytes, int local_sms, uintptr_t stream) {
+                                  int64_t max_src_tokens, int64_t chunk_bytes, int num_streams, int local_sms,
+                                  uintptr_t stream) {
   if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
   if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
   if (topk > kMaxTopk) throw std::invalid_argument("combine: top-k above " + std::to_string(kMaxTopk));
@@ -968,63 +972,67 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
   for (int r = 0; r < num_ranks_; ++r) start[r + 1] = start[r] + rows_from[r];
   const char* src = reinterpret_cast<const char*>(x);
   bool any_copy = false;
-  for (int r = 0; r < num_ranks_; ++r) any_copy |= r != rank_ && rows_from[r] > 0;
-  if (any_copy) {
-    if (!copy_stream_) {
-      cudaStream_t cs;
-      cudaEvent_t fork, join;
-      check(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-      copy_stream_ = cs;
-      check(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-      copy_fork_ = fork;
-      check(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-      copy_join_ = join;
-      check(cudaMalloc(&copy_values_, sizeof(uint64_t) * (kMaxCopyChunks + 1)), "cudaMalloc (combine flag values)");
+  int64_t max_rows = 0;  // the most rows we copy to one peer
+  for (int r = 0; r < num_ranks_; ++r)
+    if (r != rank_) {
+      any_copy |= rows_from[r] > 0;
+      max_rows = std::max(max_rows, rows_from[r]);
     }
-    const auto copy_stream = static_cast<cudaStream_t>(copy_stream_);
-    check(cudaEventRecord(static_cast<cudaEvent_t>(copy_fork_), s), "cudaEventRecord");
-    check(cudaStreamWaitEvent(copy_stream, static_cast<cudaEvent_t>(copy_fork_), 0), "cudaStreamWaitEvent");
+  // Every rank must map a row to the same chunk and stream: chunk_rows depends only on arguments all ranks share
+  // (not on max_rows), except past kMaxCopyChunks chunks, where the receiver's bound (max_src_tokens) decides.
+  const int64_t chunk_rows = std::max({int64_t{1}, chunk_bytes / row_bytes,
+                                       (max_src_tokens + kMaxCopyChunks - 1) / kMaxCopyChunks});
+  const int streams = std::max(1, std::min(num_streams, kMaxCopyStreams));
+  if (any_copy) {
+    ensure_copy_streams();
+    std::vector<cudaStream_t> cs(streams);
+    for (int i = 0; i < streams; ++i) cs[i] = static_cast<cudaStream_t>(copy_streams_[i]);
+    auto event = [](void* e) { return static_cast<cudaEvent_t>(e); };
+    check(cudaEventRecord(event(copy_fork_), s), "cudaEventRecord");
+    check(cudaStreamWaitEvent(cs[0], event(copy_fork_), 0), "cudaStreamWaitEvent");
     auto peer_data = [&](int r) { return static_cast<char*>(peers_[r]) + kControlBytes; };
     const int64_t my_row0 = static_cast<int64_t>(rank_) * max_src_tokens;  // our block in every peer's area
-    if (topk_weights) {  // first: every chunk's flag then also covers the weights
+    auto* values = static_cast<uint64_t*>(copy_values_);
+    copy_flag_values_kernel<<<1, 256, 0, cs[0]>>>(local_, values, chunk_rows);
+    check(cudaGetLastError(), "copy_flag_values_kernel launch");
+    if (topk_weights) {  // before any chunk on any stream: every chunk's flag then covers the weights too
       const int64_t w_row = static_cast<int64_t>(topk) * sizeof(float);
       for (int r = 0; r < num_ranks_; ++r)
         if (r != rank_ && rows_from[r] > 0)
           check(cudaMemcpyAsync(peer_data(r) + area.weights + my_row0 * w_row,
                                 reinterpret_cast<const char*>(topk_weights) + start[r] * w_row, rows_from[r] * w_row,
-                                cudaMemcpyDeviceToDevice, copy_stream),
+                                cudaMemcpyDeviceToDevice, cs[0]),
                 "cudaMemcpyAsync (combine weights)");
     }
-    // Chunks round-robin over the peers, so every source's reduce makes progress from the first chunk on.
-    int64_t max_rows = 0;
-    for (int r = 0; r < num_ranks_; ++r) max_rows = std::max(max_rows, r == rank_ ? 0 : rows_from[r]);
-    const int64_t chunk_rows = std::max({int64_t{1}, chunk_bytes / row_bytes,
-                                         (max_rows + kMaxCopyChunks - 1) / kMaxCopyChunks});
-    auto* values = static_cast<uint64_t*>(copy_values_);
-    copy_flag_values_kernel<<<1, 256, 0, copy_stream>>>(local_, values, chunk_rows);
-    check(cudaGetLastError(), "copy_flag_values_kernel launch");
-    for (int64_t c0 = 0;; c0 += chunk_rows) {
-      bool more = false;
+    if (streams > 1) {  // the other streams start behind the flag values and the weights
+      check(cudaEventRecord(event(copy_ready_), cs[0]), "cudaEventRecord");
+      for (int i = 1; i < streams; ++i) check(cudaStreamWaitEvent(cs[i], event(copy_ready_), 0), "cudaStreamWaitEvent");
+    }
+    // Chunk c goes on stream c % streams, each stream with its own flag per peer (monotone in its chunks); chunks
+    // round-robin over the peers, so every source's reduce makes progress from the first chunk on.
+    for (int64_t c = 0; c * chunk_rows < max_rows; ++c) {
+      const int64_t c0 = c * chunk_rows;
+      const int si = static_cast<int>(c % streams);
       for (int r = 0; r < num_ranks_; ++r) {
         if (r == rank_ || c0 >= rows_from[r]) continue;
         const int64_t c1 = std::min(rows_from[r], c0 + chunk_rows);
         check(cudaMemcpyAsync(peer_data(r) + area.x + (my_row0 + c0) * row_bytes, src + (start[r] + c0) * row_bytes,
-                              (c1 - c0) * row_bytes, cudaMemcpyDeviceToDevice, copy_stream),
+                              (c1 - c0) * row_bytes, cudaMemcpyDeviceToDevice, cs[si]),
               "cudaMemcpyAsync (combine rows)");
-        const uint64_t* value = values + (c1 == rows_from[r] ? kMaxCopyChunks : c0 / chunk_rows);
-        check(cudaMemcpyAsync(copy_flags_of(peers_[r]) + rank_, value, sizeof(uint64_t), cudaMemcpyDeviceToDevice,
-                              copy_stream),
+        const uint64_t* value = values + (c1 == rows_from[r] ? kMaxCopyChunks : c);
+        check(cudaMemcpyAsync(copy_flags_of(peers_[r]) + si * kMaxRanks + rank_, value, sizeof(uint64_t),
+                              cudaMemcpyDeviceToDevice, cs[si]),
               "cudaMemcpyAsync (combine flag)");
-        more = true;
       }
-      if (!more) break;
     }
-    check(cudaEventRecord(static_cast<cudaEvent_t>(copy_join_), copy_stream), "cudaEventRecord");
+    for (int i = 0; i < streams; ++i) {
+      check(cudaEventRecord(event(copy_joins_[i]), cs[i]), "cudaEventRecord");
+    }
   }
   if (num_tokens > 0) {
     const bool f32 = elem_size == 4;
     auto kernel = f32 ? combine_reduce_blocks_kernel<true> : combine_reduce_blocks_kernel<false>;
-    // The reduce spins on flags that kernels on the copy stream publish: it must leave them SMs to run on.
+    // The reduce spins on flags that follow copies behind copy_flag_values_kernel: leave that kernel an SM.
     const int grid = std::max(1, std::min(local_grid(f32 ? kLocalReduceBlocksF32 : kLocalReduceBlocksBf16, local_sms),
                                           sms_ - 2));
     kernel<<<grid, kThreads, 0, s>>>(
@@ -1032,10 +1040,30 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
         reinterpret_cast<const int*>(send_pos), reinterpret_cast<const int4*>(src + start[rank_] * row_bytes),
         topk_weights ? reinterpret_cast<const float*>(topk_weights) + start[rank_] * topk : nullptr, num_tokens,
         hidden, topk, reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_topk_weights), max_src_tokens,
-        error_dev_, timeout_ns_);
+        chunk_rows, streams, error_dev_, timeout_ns_);
     check(cudaGetLastError(), "combine_reduce_blocks_kernel launch");
   }
-  if (any_copy) check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(copy_join_), 0), "cudaStreamWaitEvent");
+  if (any_copy)
+    for (int i = 0; i < streams; ++i)
+      check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(copy_joins_[i]), 0), "cudaStreamWaitEvent");
+}
+
+void Context::ensure_copy_streams() {
+  if (copy_fork_) return;
+  for (int i = 0; i < kMaxCopyStreams; ++i) {
+    cudaStream_t cs;
+    cudaEvent_t join;
+    check(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    copy_streams_.push_back(cs);
+    check(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    copy_joins_.push_back(join);
+  }
+  cudaEvent_t e;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  copy_ready_ = e;
+  check(cudaMalloc(&copy_values_, sizeof(uint64_t) * (kMaxCopyChunks + 1)), "cudaMalloc (combine flag values)");
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  copy_fork_ = e;  // last: its presence says every member above exists
 }
 
 int64_t dispatch_rows_capacity(int64_t data_bytes, int hidden_bytes, int num_scales, int topk) {

@@ -120,15 +120,16 @@ class Context {
                       uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens,
                       int local_sms, uintptr_t stream);
 
-  // The same combine with the transfers on a copy engine (normal and cached modes, where the host knows
-  // rows_from[r], the rows x holds from each source rank r, contiguous in rank order): a barrier, then on a copy
-  // stream one memcpy per chunk of `chunk_bytes` into row send_pos of r's combine area and a flag after each; the
-  // reduce on `stream` waits for the rows each token needs, so it overlaps the copies. Bit-identical to
-  // combine_send + combine_reduce. Needs send_pos [T][R] of the dispatch (-1 where not sent).
+  // The same combine with the transfers on copy engines (normal and cached modes, where the host knows
+  // rows_from[r], the rows x holds from each source rank r, contiguous in rank order): a barrier, then on
+  // `num_streams` copy streams (at most 4; chunk c on stream c % num_streams) one memcpy per chunk of `chunk_bytes`
+  // into row send_pos of r's combine area, each followed by a flag; the reduce on `stream` waits for the rows each
+  // token needs, so it overlaps the copies. Bit-identical to combine_send + combine_reduce. Needs send_pos [T][R] of
+  // the dispatch (-1 where not sent).
   void combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std::vector<int64_t>& rows_from,
                            uintptr_t is_token_in_rank, uintptr_t send_pos, int num_tokens, int hidden, int elem_size,
                            int topk, uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens,
-                           int64_t chunk_bytes, int local_sms, uintptr_t stream);
+                           int64_t chunk_bytes, int num_streams, int local_sms, uintptr_t stream);
 
  private:
   int rank_, num_ranks_, device_;
@@ -151,10 +152,11 @@ class Context {
   int whole_gpu_grid_[kLocalKernels] = {1, 1, 1, 1, 1, 1, 1};
   // The copy-engine combine's stream and fork/join events (cudaStream_t / cudaEvent_t, kept opaque so this header
   // stays free of CUDA/HIP types), made on first use.
-  void* copy_stream_ = nullptr;
-  void* copy_fork_ = nullptr;
-  void* copy_join_ = nullptr;
+  std::vector<void*> copy_streams_, copy_joins_;  // kMaxCopyStreams each
+  void* copy_fork_ = nullptr;           // the caller's stream -> copy stream 0
+  void* copy_ready_ = nullptr;          // copy stream 0's flag values and weights -> the other copy streams
   void* copy_values_ = nullptr;         // device uint64 [1025]: the flag values of the current combine
+  void ensure_copy_streams();
   int sms_ = 1;  // the device's SMs (blocks that clear the sync-free tail of the expert-major output)
   int local_grid(LocalKernel k, int local_sms) const;
 };

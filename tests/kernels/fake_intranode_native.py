@@ -36,8 +36,10 @@ max_ranks = 128
 max_topk = 32
 control_bytes = 1 << 20
 _EPOCH, _FLAGS = 0, 64  # ints from the buffer start (intranode.cu's control region)
-_COPY_FLAGS = _FLAGS + max_ranks  # [max_ranks] int64: (epoch << 32) | rows landed by each peer's copy engine
-_COUNTS = _COPY_FLAGS + 2 * max_ranks
+# [_COPY_STREAMS][max_ranks] int64: (epoch << 32) | end row of the last chunk each peer's copy stream landed
+_COPY_STREAMS, _MAX_COPY_CHUNKS = 4, 1024
+_COPY_FLAGS = _FLAGS + max_ranks
+_COUNTS = _COPY_FLAGS + 2 * _COPY_STREAMS * max_ranks
 _EXPERT_COUNTS = _COUNTS + max_ranks * max_ranks
 _MAX_EXPERT_COUNT_INTS = control_bytes // 4 - _EXPERT_COUNTS
 _SHM, _PREFIX = "/dev/shm", "uccl-ep-fake-intranode"
@@ -557,8 +559,8 @@ class IntranodeContext:
 
     def combine_copy_engine(self, x: int, topk_weights: int, rows_from: List[int], is_token_in_rank: int,
                             send_pos: int, num_tokens: int, hidden: int, elem_size: int, topk: int, out_x: int,
-                            out_topk_weights: int, max_src_tokens: int, chunk_bytes: int, local_sms: int,
-                            stream: int) -> None:
+                            out_topk_weights: int, max_src_tokens: int, chunk_bytes: int, num_streams: int,
+                            local_sms: int, stream: int) -> None:
         """The barrier, each peer's block copied chunk by chunk with its flag after each chunk, then the sum in rank
         order (own rows straight from x), waiting per token for the flags that cover its rows."""
         if hidden % 8:
@@ -589,7 +591,9 @@ class IntranodeContext:
         ws = (_rows(topk_weights, total, 4 * topk, torch.float32) if total else torch.empty((0, topk))) \
             if topk_weights else None
         epoch = int(self._ctrl(me)[_EPOCH])
-        chunk_rows = max(1, chunk_bytes // row_bytes)
+        chunk_rows = max(1, chunk_bytes // row_bytes, -(-max_src_tokens // _MAX_COPY_CHUNKS))
+        streams = max(1, min(num_streams, _COPY_STREAMS))
+        all_rows = 0xFFFFFFFF
         for r in range(R):
             n = rows_from[r]
             if r == me or n == 0:
@@ -599,27 +603,32 @@ class IntranodeContext:
             if ws is not None:
                 d[area.weights:area.weights + R * max_src_tokens * topk * 4].view(torch.float32).view(
                     R, max_src_tokens, topk)[me, :n] = ws[start[r]:start[r] + n]
-            flag = self._peers[r][:control_bytes].view(torch.int64)[_COPY_FLAGS // 2 + me:_COPY_FLAGS // 2 + me + 1]
+            flags = self._peers[r][:control_bytes].view(torch.int64)[_COPY_FLAGS // 2:].view(-1)
             for c0 in range(0, n, chunk_rows):
                 c1 = min(n, c0 + chunk_rows)
                 block[c0:c1] = xs[start[r] + c0:start[r] + c1]
-                flag[0] = (epoch << 32) | c1
+                flags[(c0 // chunk_rows) % streams * max_ranks + me] = (epoch << 32) | (all_rows if c1 == n else c1)
         if num_tokens == 0:
             return
         T, dt = num_tokens, (torch.float32 if elem_size == 4 else torch.bfloat16)
         mask = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
         pos = _at(send_pos, 4 * T * R, torch.int32).view(T, R).to(torch.int64)
-        flags = self._ctrl(me).view(torch.int64)[_COPY_FLAGS // 2:_COPY_FLAGS // 2 + R]
+        flags = self._ctrl(me).view(torch.int64)[_COPY_FLAGS // 2:].view(-1)
         deadline = time.monotonic() + self._timeout
-        for r in range(R):  # the rows each peer must have landed: one more than the last position we read
+        for r in range(R):  # per peer and copy stream: one more than the last position we read from its chunks
             if r == me or not bool(mask[:, r].any()):
                 continue
-            need = (epoch << 32) | int(pos[mask[:, r], r].max() + 1)
-            while int(flags[r]) < need:
-                if time.monotonic() > deadline:
-                    self._report(1, 0, r, int(flags[r]), need, "copy-engine combine rows")
-                    return
-                time.sleep(1e-4)
+            p = pos[mask[:, r], r]
+            for si in range(streams):
+                mine = p[(p // chunk_rows) % streams == si]
+                if mine.numel() == 0:
+                    continue
+                need, flag = (epoch << 32) | int(mine.max() + 1), si * max_ranks + r
+                while int(flags[flag]) < need:
+                    if time.monotonic() > deadline:
+                        self._report(1, 0, r, int(flags[flag]), need, "copy-engine combine rows")
+                        return
+                    time.sleep(1e-4)
         d = self._data(me)
         blocks = d[area.x:area.x + R * max_src_tokens * row_bytes].view(dt).view(R, max_src_tokens, hidden)
         wblocks = d[area.weights:area.weights + R * max_src_tokens * topk * 4].view(torch.float32).view(

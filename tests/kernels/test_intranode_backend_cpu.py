@@ -82,10 +82,14 @@ def _cases(rank, world, cases, iters):
         nat.destroy()
 
 
-@pytest.mark.parametrize("world,copy_engine", [(2, "1"), (4, "1"), (2, "0")])
-def test_every_output_matches_reference_over_routings_fp8_worst_tokens_and_expert_major(world, copy_engine):
+# (the third: many 16 KiB chunks over three copy streams, each with its own flags)
+@pytest.mark.parametrize("world,copy_engine,chunk,streams", [(2, "1", "4194304", "2"), (4, "1", "4194304", "2"),
+                                                             (2, "1", "16384", "3"), (2, "0", "4194304", "2")])
+def test_every_output_matches_reference_over_routings_fp8_worst_tokens_and_expert_major(world, copy_engine, chunk,
+                                                                                       streams):
     out = run_distributed(_cases, world, ALL, 1, timeout=120,
-                          env={**ENV, "UCCL_EP_COMBINE_COPY_ENGINE": copy_engine})
+                          env={**ENV, "UCCL_EP_COMBINE_COPY_ENGINE": copy_engine, "UCCL_EP_COPY_CHUNK_BYTES": chunk,
+                               "UCCL_EP_COPY_STREAMS": streams})
     assert all(done == len(ALL) for done, _, _ in out)
     for _, launches, _ in out:  # every kernel of the backend ran through the stand-in
         assert {"notify", "dispatch_send", "dispatch_recv", "barrier", "expert_major", "expert_major_partials",

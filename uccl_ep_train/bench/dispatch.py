@@ -87,7 +87,7 @@ def _profile(path: str, dispatch, combine) -> None:
 
 
 def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep_ep_buffer=None,
-          profile_path: str = "") -> Dict[str, Any]:
+          profile_path: str = "", copy_sweep: bool = False) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -133,6 +133,17 @@ def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep
         t_combine_sm = _time(lambda: backend.combine(recv_x, handle, None, None), iters, warmup)
     finally:
         backend.combine_copy_engine = copy_engine
+    if copy_sweep and copy_engine:  # the copy-engine combine's knobs, headline row only
+        saved = backend.copy_streams, backend.copy_chunk_bytes
+        out["combine_bf16_copy_sweep"] = sweep = []
+        try:
+            for streams in (1, 2, 4):
+                for chunk_mib in (2, 4, 8):
+                    backend.copy_streams, backend.copy_chunk_bytes = streams, chunk_mib << 20
+                    us = _time(lambda: backend.combine(recv_x, handle, None, None), iters, warmup)
+                    sweep.append({"copy_streams": streams, "chunk_MiB": chunk_mib, "us": _max_over_ranks(us)})
+        finally:
+            backend.copy_streams, backend.copy_chunk_bytes = saved
     if profile_path:
         _profile(profile_path, lambda: backend.dispatch(args(x)), lambda: backend.combine(recv_x, handle, None, None))
 
@@ -215,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     results: List[Dict[str, Any]] = []
     for T in [args.tokens] + [t for t in sweep if t != args.tokens]:
         results.append(_case(backend, T, H, K, E, args.iters, args.warmup, deep,
-                             args.profile if T == args.tokens else ""))
+                             args.profile if T == args.tokens else "", copy_sweep=T == args.tokens))
     results.sort(key=lambda r: r["tokens"])
 
     if rank == 0:
@@ -238,6 +249,10 @@ def run(args: argparse.Namespace) -> int:
                 c = r.get("deepep_combine_bf16", {}).get("us", float("nan"))
                 line += f" {d:.1f} / {c:.1f} |"
             print(line)
+        for r in results:
+            if r.get("combine_bf16_copy_sweep"):
+                print(f"copy-engine combine at {r['tokens']} tokens, us by copy streams x chunk: " + ", ".join(
+                    f"{c['copy_streams']} x {c['chunk_MiB']} MiB {c['us']:.1f}" for c in r["combine_bf16_copy_sweep"]))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": dev, "ranks": R, "num_sms": args.num_sms, "local_sms": local_sms,
