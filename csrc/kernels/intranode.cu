@@ -28,8 +28,9 @@ constexpr int kWarps = kThreads / kWarpSize;
 // ---------------------------------------------------------------- control region (ints from the buffer start)
 constexpr int kEpochOffset = 0;                  // this rank's barrier epoch (touched by its own kernels only)
 constexpr int kFlagsOffset = 64;                 // [kMaxRanks] barrier flags, written by peers
-// [kMaxCopyStreams][kMaxRanks] uint64 copy-engine combine flags: (barrier epoch << 32) | the end row of the last
-// chunk of this combine that rank r's copy stream s has landed in our area, written by r after each chunk.
+// [kMaxCopyStreams][kMaxRanks] uint64 copy-engine combine flags: the end row of the last chunk of this combine that
+// rank r's copy stream s has landed in our area (kAllRows after r's last chunk), written by r after each chunk and
+// cleared by us once our reduce has read them all.
 constexpr int kMaxCopyStreams = 4;
 constexpr int kCopyFlagsOffset = kFlagsOffset + kMaxRanks;
 constexpr int kCountsOffset = kCopyFlagsOffset + 2 * kMaxCopyStreams * kMaxRanks;  // [R][R] counts[src][dst], by src
@@ -490,20 +491,10 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(
 // same time, waits per token for the rows it needs, so summing overlaps the transfer. docs/intranode.md, "Combine
 // through the copy engine".
 
-// The flag values one combine publishes, made once per call on the copy stream (the epoch lives on the device, so a
-// captured graph replays correctly): values[c] = (epoch << 32) | rows up to the end of chunk c, and the last entry
-// (epoch << 32) | 0xffffffff, "every row", for a peer's last chunk. Each flag is then an 8-byte copy of one of
-// them behind the chunk's copy on the same stream: a copy engine runs its stream's copies one after the other, each
-// complete before the next starts, so the flag lands after the rows. A kernel as the flag cost ~8 us of idle copy
-// engine per chunk (it waits to be scheduled on an SM); a copy does not.
+// A peer's last chunk publishes kAllRows rather than its end row, so the flag covers every row whatever count the
+// reader derives; at most kMaxCopyChunks chunks per peer and call.
+constexpr uint64_t kAllRows = 0xffffffffull;
 constexpr int kMaxCopyChunks = 1024;
-__global__ void copy_flag_values_kernel(void* local, uint64_t* values, int64_t chunk_rows) {
-  const uint64_t epoch = static_cast<uint32_t>(ctrl_of(local)[kEpochOffset]);
-  for (int c = threadIdx.x; c <= kMaxCopyChunks; c += blockDim.x) {
-    const uint64_t rows = c == kMaxCopyChunks ? 0xffffffffull : static_cast<uint64_t>((c + 1) * chunk_rows);
-    values[c] = (epoch << 32) | rows;
-  }
-}
 
 // Token t's copies: this rank's own row straight from x (self_x = x + the first row received from itself), each
 // peer r's from row send_pos[t][r] of r's block in our combine area, once r's flag covers that row. Summed in rank
@@ -527,7 +518,6 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
   const int4* blocks = reinterpret_cast<const int4*>(base + area.x);
   const float* block_weights = reinterpret_cast<const float*>(base + area.weights);
   const uint64_t* flags = copy_flags_of(local);
-  const uint64_t epoch = static_cast<uint32_t>(ctrl_of(local)[kEpochOffset]);
   const int total_warps = gridDim.x * kWarps;
   for (int t = blockIdx.x * kWarps + warp; t < num_tokens; t += total_warps) {
     const bool* mask = in_rank + static_cast<int64_t>(t) * R;
@@ -537,7 +527,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
     for (int j = lane; j < n; j += kWarpSize) {
       const int r = ranks[j];
       if (r == rank) continue;
-      const uint64_t need = (epoch << 32) | static_cast<uint64_t>(pos[r] + 1);
+      const uint64_t need = static_cast<uint64_t>(pos[r]) + 1;
       const uint64_t deadline = now_ns() + timeout_ns;
       uint64_t seen;
       const uint64_t* flag = flags + (pos[r] / chunk_rows) % num_streams * kMaxRanks + r;  // its chunk's stream
@@ -781,10 +771,10 @@ void Context::destroy() {
   for (void* e : copy_joins_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
   for (void* e : {copy_fork_, copy_ready_})
     if (e) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
-  if (copy_values_) (void)cudaFree(copy_values_);
   copy_streams_.clear();
   copy_joins_.clear();
-  copy_values_ = copy_fork_ = copy_ready_ = nullptr;
+  copy_fork_ = copy_ready_ = nullptr;
+  write_value64_ = nullptr;
   local_ = nullptr;
   peers_dev_ = nullptr;
   error_ = nullptr;
@@ -992,9 +982,6 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
     check(cudaStreamWaitEvent(cs[0], event(copy_fork_), 0), "cudaStreamWaitEvent");
     auto peer_data = [&](int r) { return static_cast<char*>(peers_[r]) + kControlBytes; };
     const int64_t my_row0 = static_cast<int64_t>(rank_) * max_src_tokens;  // our block in every peer's area
-    auto* values = static_cast<uint64_t*>(copy_values_);
-    copy_flag_values_kernel<<<1, 256, 0, cs[0]>>>(local_, values, chunk_rows);
-    check(cudaGetLastError(), "copy_flag_values_kernel launch");
     if (topk_weights) {  // before any chunk on any stream: every chunk's flag then covers the weights too
       const int64_t w_row = static_cast<int64_t>(topk) * sizeof(float);
       for (int r = 0; r < num_ranks_; ++r)
@@ -1004,7 +991,7 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
                                 cudaMemcpyDeviceToDevice, cs[0]),
                 "cudaMemcpyAsync (combine weights)");
     }
-    if (streams > 1) {  // the other streams start behind the flag values and the weights
+    if (streams > 1) {  // the other streams start behind the weights
       check(cudaEventRecord(event(copy_ready_), cs[0]), "cudaEventRecord");
       for (int i = 1; i < streams; ++i) check(cudaStreamWaitEvent(cs[i], event(copy_ready_), 0), "cudaStreamWaitEvent");
     }
@@ -1019,10 +1006,11 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
         check(cudaMemcpyAsync(peer_data(r) + area.x + (my_row0 + c0) * row_bytes, src + (start[r] + c0) * row_bytes,
                               (c1 - c0) * row_bytes, cudaMemcpyDeviceToDevice, cs[si]),
               "cudaMemcpyAsync (combine rows)");
-        const uint64_t* value = values + (c1 == rows_from[r] ? kMaxCopyChunks : c);
-        check(cudaMemcpyAsync(copy_flags_of(peers_[r]) + si * kMaxRanks + rank_, value, sizeof(uint64_t),
-                              cudaMemcpyDeviceToDevice, cs[si]),
-              "cudaMemcpyAsync (combine flag)");
+        // A stream memory operation, not a kernel or a copy: neither an SM to wait for nor a copy engine to set up
+        // (an 8-byte copy as the flag left the engine idle ~4.6 us per chunk). Its implicit memory barrier orders
+        // it after the chunk's copy.
+        write_value64(cs[si], copy_flags_of(peers_[r]) + si * kMaxRanks + rank_,
+                      c1 == rows_from[r] ? kAllRows : static_cast<uint64_t>(c1));
       }
     }
     for (int i = 0; i < streams; ++i) {
@@ -1032,9 +1020,7 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
   if (num_tokens > 0) {
     const bool f32 = elem_size == 4;
     auto kernel = f32 ? combine_reduce_blocks_kernel<true> : combine_reduce_blocks_kernel<false>;
-    // The reduce spins on flags that follow copies behind copy_flag_values_kernel: leave that kernel an SM.
-    const int grid = std::max(1, std::min(local_grid(f32 ? kLocalReduceBlocksF32 : kLocalReduceBlocksBf16, local_sms),
-                                          sms_ - 2));
+    const int grid = local_grid(f32 ? kLocalReduceBlocksF32 : kLocalReduceBlocksBf16, local_sms);
     kernel<<<grid, kThreads, 0, s>>>(
         local_, rank_, num_ranks_, reinterpret_cast<const bool*>(is_token_in_rank),
         reinterpret_cast<const int*>(send_pos), reinterpret_cast<const int4*>(src + start[rank_] * row_bytes),
@@ -1046,6 +1032,22 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
   if (any_copy)
     for (int i = 0; i < streams; ++i)
       check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(copy_joins_[i]), 0), "cudaStreamWaitEvent");
+  // Our reduce waited for the last flag each peer stream writes this call; clearing them before our next barrier
+  // means no peer can publish its next combine's rows into a flag that still reads "landed".
+  check(cudaMemsetAsync(copy_flags_of(local_), 0, sizeof(uint64_t) * kMaxCopyStreams * kMaxRanks, s),
+        "cudaMemsetAsync (combine flags)");
+}
+
+void Context::write_value64(void* stream, uint64_t* address, uint64_t value) {
+#if defined(UCCL_EP_HIP)
+  check(hipStreamWriteValue64(static_cast<hipStream_t>(stream), address, value, 0), "hipStreamWriteValue64");
+#else
+  using WriteValue64 = int (*)(cudaStream_t, unsigned long long, unsigned long long, unsigned int);
+  const int rc = reinterpret_cast<WriteValue64>(write_value64_)(static_cast<cudaStream_t>(stream),
+                                                                 reinterpret_cast<uintptr_t>(address), value, 0);
+  if (rc != 0) throw std::runtime_error("uccl-ep intranode: cuStreamWriteValue64 failed with CUresult " +
+                                        std::to_string(rc));
+#endif
 }
 
 void Context::ensure_copy_streams() {
@@ -1061,7 +1063,18 @@ void Context::ensure_copy_streams() {
   cudaEvent_t e;
   check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   copy_ready_ = e;
-  check(cudaMalloc(&copy_values_, sizeof(uint64_t) * (kMaxCopyChunks + 1)), "cudaMalloc (combine flag values)");
+#if defined(UCCL_EP_HIP)
+  write_value64_ = reinterpret_cast<void*>(&hipStreamWriteValue64);
+#else
+  // Through the runtime's entry-point query: the driver library is not linked directly.
+  cudaDriverEntryPointQueryResult found;
+  void* fn = nullptr;
+  if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || fn == nullptr)
+    throw std::runtime_error("uccl-ep intranode: the CUDA driver has no cuStreamWriteValue64, which the copy-engine "
+                             "combine needs: set UCCL_EP_COMBINE_COPY_ENGINE=0");
+  write_value64_ = fn;
+#endif
   check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   copy_fork_ = e;  // last: its presence says every member above exists
 }

@@ -155,8 +155,9 @@ class Context {
   std::vector<void*> copy_streams_, copy_joins_;  // kMaxCopyStreams each
   void* copy_fork_ = nullptr;           // the caller's stream -> copy stream 0
   void* copy_ready_ = nullptr;          // copy stream 0's flag values and weights -> the other copy streams
-  void* copy_values_ = nullptr;         // device uint64 [1025]: the flag values of the current combine
+  void* write_value64_ = nullptr;       // cuStreamWriteValue64 (hipStreamWriteValue64): the flag after a chunk
   void ensure_copy_streams();
+  void write_value64(void* stream, uint64_t* address, uint64_t value);
   int sms_ = 1;  // the device's SMs (blocks that clear the sync-free tail of the expert-major output)
   int local_grid(LocalKernel k, int local_sms) const;
 };

@@ -36,8 +36,9 @@ max_ranks = 128
 max_topk = 32
 control_bytes = 1 << 20
 _EPOCH, _FLAGS = 0, 64  # ints from the buffer start (intranode.cu's control region)
-# [_COPY_STREAMS][max_ranks] int64: (epoch << 32) | end row of the last chunk each peer's copy stream landed
-_COPY_STREAMS, _MAX_COPY_CHUNKS = 4, 1024
+# [_COPY_STREAMS][max_ranks] int64: end row of the last chunk each peer's copy stream landed (_ALL_ROWS after its
+# last chunk), cleared by the owner after its reduce
+_COPY_STREAMS, _MAX_COPY_CHUNKS, _ALL_ROWS = 4, 1024, 0xFFFFFFFF
 _COPY_FLAGS = _FLAGS + max_ranks
 _COUNTS = _COPY_FLAGS + 2 * _COPY_STREAMS * max_ranks
 _EXPERT_COUNTS = _COUNTS + max_ranks * max_ranks
@@ -590,10 +591,8 @@ class IntranodeContext:
         xs = _rows(x, total, row_bytes) if total else torch.empty((0, row_bytes), dtype=torch.uint8)
         ws = (_rows(topk_weights, total, 4 * topk, torch.float32) if total else torch.empty((0, topk))) \
             if topk_weights else None
-        epoch = int(self._ctrl(me)[_EPOCH])
         chunk_rows = max(1, chunk_bytes // row_bytes, -(-max_src_tokens // _MAX_COPY_CHUNKS))
         streams = max(1, min(num_streams, _COPY_STREAMS))
-        all_rows = 0xFFFFFFFF
         for r in range(R):
             n = rows_from[r]
             if r == me or n == 0:
@@ -607,9 +606,21 @@ class IntranodeContext:
             for c0 in range(0, n, chunk_rows):
                 c1 = min(n, c0 + chunk_rows)
                 block[c0:c1] = xs[start[r] + c0:start[r] + c1]
-                flags[(c0 // chunk_rows) % streams * max_ranks + me] = (epoch << 32) | (all_rows if c1 == n else c1)
+                flags[(c0 // chunk_rows) % streams * max_ranks + me] = _ALL_ROWS if c1 == n else c1
+        try:
+            self._reduce_blocks(xs, ws, start, rows_from, is_token_in_rank, send_pos, num_tokens, hidden, elem_size,
+                                topk, out_x, out_topk_weights, area, max_src_tokens, chunk_rows, streams)
+        finally:  # every flag a peer writes this call has been read: clear them before the next barrier
+            self._ctrl(me).view(torch.int64)[_COPY_FLAGS // 2:_COPY_FLAGS // 2 + _COPY_STREAMS * max_ranks] = 0
+
+    def _reduce_blocks(self, xs, ws, start, rows_from, is_token_in_rank, send_pos, num_tokens, hidden, elem_size,
+                       topk, out_x, out_topk_weights, area, max_src_tokens, chunk_rows, streams) -> None:
+        """combine_reduce_blocks_kernel: per peer and copy stream, wait for the flag that covers the rows we read,
+        then sum each token's copies in rank order (own rows from x)."""
         if num_tokens == 0:
             return
+        R, me = self._num_ranks, self._rank
+        row_bytes = hidden * elem_size
         T, dt = num_tokens, (torch.float32 if elem_size == 4 else torch.bfloat16)
         mask = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
         pos = _at(send_pos, 4 * T * R, torch.int32).view(T, R).to(torch.int64)
@@ -623,7 +634,7 @@ class IntranodeContext:
                 mine = p[(p // chunk_rows) % streams == si]
                 if mine.numel() == 0:
                     continue
-                need, flag = (epoch << 32) | int(mine.max() + 1), si * max_ranks + r
+                need, flag = int(mine.max() + 1), si * max_ranks + r
                 while int(flags[flag]) < need:
                     if time.monotonic() > deadline:
                         self._report(1, 0, r, int(flags[flag]), need, "copy-engine combine rows")
