@@ -162,10 +162,10 @@ class KernelSettings:
         "UCCL_EP_COMBINE_COPY_ENGINE", "intranode combine moves rows between GPUs with copy engines (cudaMemcpyAsync, "
         "no SM) and sums them as they land; 0: SM stores over NVLink. Used where the row counts are on the host "
         "(handles of normal and cached dispatch); sync-free handles always use SM stores", _bool))
-    copy_chunk_bytes: int = field(default=4 << 20, metadata=_meta(
+    copy_chunk_bytes: int = field(default=8 << 20, metadata=_meta(
         "UCCL_EP_COPY_CHUNK_BYTES", "bytes per copy-engine transfer of that combine; a flag follows each, so smaller "
-        "chunks start the sum sooner but cost more launches", _int(16384)))
-    copy_streams: int = field(default=2, metadata=_meta(
+        "chunks start the sum sooner, but each transfer costs ~5 us of idle engine on H200 (docs/intranode.md)", _int(16384)))
+    copy_streams: int = field(default=1, metadata=_meta(
         "UCCL_EP_COPY_STREAMS", "copy streams of that combine (chunk c on stream c mod n): one copy engine per "
         "stream, so more streams keep more engines busy", _int(1, 4)))
     gpu_timeout_secs: float = field(default=100.0, metadata=_meta(
