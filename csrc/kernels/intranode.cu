@@ -531,16 +531,16 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
       const uint64_t deadline = now_ns() + timeout_ns;
       uint64_t seen;
       const uint64_t* flag = flags + (pos[r] / chunk_rows) % num_streams * kMaxRanks + r;  // its chunk's stream
-      while ((seen = ld_relaxed_sys_u64(flag)) < need) {
+      // (A __nanosleep between polls made the whole combine slower on H200, 293 -> 375 us at 24 SMs: the sleeping
+      // warps woke late for rows that had landed.)
+      while ((seen = ld_acquire_sys_u64(flag)) < need) {
         if (*static_cast<volatile int*>(&s_failed) || now_ns() > deadline) {
           if (!s_failed) report(err, 1, rank, blockIdx.x, r, static_cast<int64_t>(seen), static_cast<int64_t>(need),
                                 "copy-engine combine rows");
           s_failed = 1;
           break;
         }
-        pause_briefly();  // most warps wait here while the first chunks land: leave the SM to those summing
       }
-      fence_system();  // acquire: the rows the flag covers are read after it
     }
     warp_sync();  // the lanes that acquired the flags order the whole warp's loads below
     if (*static_cast<volatile int*>(&s_failed)) return;  // the error word names the wait; the output is not valid

@@ -114,26 +114,6 @@ UCCL_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* p) {
 #endif
 }
 
-// For polling: the acquire goes into one fence once the value is seen, not into every poll.
-UCCL_DEVICE uint64_t ld_relaxed_sys_u64(const uint64_t* p) {
-#if defined(UCCL_EP_CUDA)
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-#else
-  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
-#endif
-}
-
-// Between polls of a flag that is not there yet: give the SM's issue slots to the warps that have work.
-UCCL_DEVICE void pause_briefly() {
-#if defined(UCCL_EP_CUDA)
-  __nanosleep(64);
-#else
-  __builtin_amdgcn_s_sleep(1);
-#endif
-}
-
 UCCL_DEVICE void st_release_sys_u64(uint64_t* p, uint64_t v) {
 #if defined(UCCL_EP_CUDA)
   asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
