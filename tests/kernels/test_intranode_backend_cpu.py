@@ -184,6 +184,42 @@ def test_a_rank_that_never_joins_makes_the_others_raise_a_timeout_naming_the_not
         assert elapsed < 3, elapsed
 
 
+def _silent_copy_engine_peer(rank, world):
+    """Rank 1 joins the copy-engine combine's barrier but copies nothing to rank 0 (its handle claims it holds no
+    rows from rank 0), so rank 0's reduce waits for rows that never land."""
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.intranode import IntranodeError
+
+    nat, _ = _backends(rank, world)
+    try:
+        idx = torch.tensor([[0, 2]] * 16)  # every token to both ranks
+        x = torch.randn((16, 64)).to(torch.bfloat16)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 2 * world)
+        res = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
+        if rank == 1:  # claims rank 0 sent it nothing: it copies nothing back (its own sums are then wrong)
+            res.handle.rows_from = [0] + res.handle.rows_from[1:]
+        t0 = time.time()
+        try:
+            nat.combine(res.recv_x, res.handle, None, None)
+            nat._check_error()  # the kernel reports into the error word; the host raises it
+            return time.time() - t0, "no error"
+        except IntranodeError as exc:
+            return time.time() - t0, str(exc)
+    finally:
+        nat.destroy()
+
+
+def test_copy_engine_combine_waiting_for_rows_that_never_land_raises_naming_the_peer_and_the_row_count():
+    out = run_distributed(_silent_copy_engine_peer, 2, timeout=60,
+                          env=dict(ENV, UCCL_EP_GPU_TIMEOUT_SECS="0.5", UCCL_EP_COMBINE_COPY_ENGINE="1"))
+    elapsed, err = out[0]
+    # rank 0 waited for row 16 of rank 1's block: the flag stayed 0
+    assert "GPU wait timed out" in err and "copy-engine combine rows" in err and "peer 1" in err, err
+    assert "counter 0, expected 16" in err, err
+    assert elapsed < 3, elapsed
+    assert out[1][1] == "no error", out[1]  # rank 1 needs nothing from rank 0 that it did not get
+
+
 def _too_small(rank, world):
     from uccl_ep_train.backends import DispatchArgs
     from uccl_ep_train.intranode import nvl_bytes_needed
