@@ -1,4 +1,4 @@
-"""Copy-engine probe between GPU 0 and GPU 1 of one process: one 58.7 MB peer copy, the same in 4 MiB chunks, each
+"""Copy-engine probe between GPU 0 and GPU 1 of one process: a 58.7 MB copy within GPU 0, one 58.7 MB peer copy, the same in 4 MiB chunks, each
 chunk followed by a one-element kernel or by an 8-byte peer copy (the flag of the copy-engine combine), and both
 directions at once. Prints microseconds and GB/s. Usage: python scripts/probe_copy_engine.py"""
 import torch
@@ -43,7 +43,12 @@ def main():
                     flag1.copy_(flag0, non_blocking=True)
         return f
 
-    for name, fn in (("one copy", one), ("4 MiB chunks", chunked()), ("chunks + kernel", chunked("kernel")),
+    local = torch.empty(N, dtype=torch.uint8, device="cuda:0")
+
+    def local_copy():  # a copy within GPU 0 (cudaMemcpyAsync device to device: a copy engine, no SM)
+        local.copy_(src[0], non_blocking=True)
+
+    for name, fn in (("local copy (same GPU)", local_copy), ("one copy", one), ("4 MiB chunks", chunked()), ("chunks + kernel", chunked("kernel")),
                      ("chunks + 8-byte copy", chunked("copy"))):
         us = timed(s0, fn)
         print(f"{name:24s} {us:8.1f} us {N / us / 1e3:6.1f} GB/s")
