@@ -28,12 +28,11 @@ constexpr int kWarps = kThreads / kWarpSize;
 // ---------------------------------------------------------------- control region (ints from the buffer start)
 constexpr int kEpochOffset = 0;                  // this rank's barrier epoch (touched by its own kernels only)
 constexpr int kFlagsOffset = 64;                 // [kMaxRanks] barrier flags, written by peers
-// [kMaxCopyStreams][kMaxRanks] uint64 copy-engine combine flags: the end row of the last chunk of this combine that
-// rank r's copy stream s has landed in our area (kAllRows after r's last chunk), written by r after each chunk and
-// cleared by us once our reduce has read them all.
-constexpr int kMaxCopyStreams = 4;
+// [kMaxRanks] uint64 copy-engine combine flags: the end row of the last chunk of this combine that rank r has landed
+// in our area, written by r after each chunk and cleared by us once our reduce has read them all.
 constexpr int kCopyFlagsOffset = kFlagsOffset + kMaxRanks;
-constexpr int kCountsOffset = kCopyFlagsOffset + 2 * kMaxCopyStreams * kMaxRanks;  // [R][R] counts[src][dst], by src
+constexpr int kCountsOffset = kCopyFlagsOffset + 2 * kMaxRanks;   // [R][R] counts[src][dst], written by src
+constexpr int kMaxCopyStreams = 8;
 constexpr int kExpertCountsOffset = kCountsOffset + kMaxRanks * kMaxRanks;  // [R][L] written by src
 constexpr int64_t kMaxExpertCountInts = static_cast<int64_t>(kControlBytes / 4) - kExpertCountsOffset;
 
@@ -491,10 +490,12 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(
 // same time, waits per token for the rows it needs, so summing overlaps the transfer. docs/intranode.md, "Combine
 // through the copy engine".
 
-// A peer's last chunk publishes kAllRows rather than its end row, so the flag covers every row whatever count the
-// reader derives; at most kMaxCopyChunks chunks per peer and call.
-constexpr uint64_t kAllRows = 0xffffffffull;
-constexpr int kMaxCopyChunks = 1024;
+// Every chunk from one rank to one peer goes on the same copy stream, in row order, so the peer's single flag per
+// sender only grows within a call. Peers at distance 1, 2, ... (mod R) from the sender take streams 0, 1, ...
+// (mod the stream count): several peers, several copy engines at once.
+UCCL_HOST_DEVICE int copy_stream_of(int sender, int receiver, int num_ranks, int num_streams) {
+  return ((receiver - sender + num_ranks) % num_ranks - 1) % num_streams;
+}
 
 // Token t's copies: this rank's own row straight from x (self_x = x + the first row received from itself), each
 // peer r's from row send_pos[t][r] of r's block in our combine area, once r's flag covers that row. Summed in rank
@@ -503,8 +504,8 @@ template <bool kF32>
 __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
     void* local, int rank, int num_ranks, const bool* __restrict__ in_rank, const int* __restrict__ send_pos,
     const int4* __restrict__ self_x, const float* __restrict__ self_weights, int num_tokens, int hidden, int topk,
-    int4* __restrict__ out_x, float* __restrict__ out_weights, int64_t max_src_tokens, int64_t chunk_rows,
-    int num_streams, ErrorWord* err, uint64_t timeout_ns) {
+    int4* __restrict__ out_x, float* __restrict__ out_weights, int64_t max_src_tokens, ErrorWord* err,
+    uint64_t timeout_ns) {
   const int R = num_ranks;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   __shared__ int s_scratch[kWarps][kMaxRanks];
@@ -530,7 +531,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
       const uint64_t need = static_cast<uint64_t>(pos[r]) + 1;
       const uint64_t deadline = now_ns() + timeout_ns;
       uint64_t seen;
-      const uint64_t* flag = flags + (pos[r] / chunk_rows) % num_streams * kMaxRanks + r;  // its chunk's stream
+      const uint64_t* flag = flags + r;
       // (A __nanosleep between polls made the whole combine slower on H200, 293 -> 375 us at 24 SMs: the sleeping
       // warps woke late for rows that had landed.)
       while ((seen = ld_acquire_sys_u64(flag)) < need) {
@@ -771,11 +772,10 @@ void Context::destroy() {
   (void)cudaFreeHost(host_counts_);
   for (void* cs : copy_streams_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(cs));
   for (void* e : copy_joins_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
-  for (void* e : {copy_fork_, copy_ready_})
-    if (e) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  if (copy_fork_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(copy_fork_));
   copy_streams_.clear();
   copy_joins_.clear();
-  copy_fork_ = copy_ready_ = nullptr;
+  copy_fork_ = nullptr;
   write_value64_ = nullptr;
   local_ = nullptr;
   peers_dev_ = nullptr;
@@ -970,11 +970,8 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
       any_copy |= rows_from[r] > 0;
       max_rows = std::max(max_rows, rows_from[r]);
     }
-  // Every rank must map a row to the same chunk and stream: chunk_rows depends only on arguments all ranks share
-  // (not on max_rows), except past kMaxCopyChunks chunks, where the receiver's bound (max_src_tokens) decides.
-  const int64_t chunk_rows = std::max({int64_t{1}, chunk_bytes / row_bytes,
-                                       (max_src_tokens + kMaxCopyChunks - 1) / kMaxCopyChunks});
-  const int streams = std::max(1, std::min(num_streams, kMaxCopyStreams));
+  const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / row_bytes);
+  const int streams = std::max(1, std::min({num_streams, kMaxCopyStreams, num_ranks_ - 1}));
   if (any_copy) {
     ensure_copy_streams();
     std::vector<cudaStream_t> cs(streams);
@@ -984,35 +981,28 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
     check(cudaStreamWaitEvent(cs[0], event(copy_fork_), 0), "cudaStreamWaitEvent");
     auto peer_data = [&](int r) { return static_cast<char*>(peers_[r]) + kControlBytes; };
     const int64_t my_row0 = static_cast<int64_t>(rank_) * max_src_tokens;  // our block in every peer's area
-    if (topk_weights) {  // before any chunk on any stream: every chunk's flag then covers the weights too
+    for (int i = 1; i < streams; ++i) check(cudaStreamWaitEvent(cs[i], event(copy_fork_), 0), "cudaStreamWaitEvent");
+    auto stream_of = [&](int r) { return cs[copy_stream_of(rank_, r, num_ranks_, streams)]; };
+    if (topk_weights) {  // ahead of the peer's first chunk on its stream: every flag then covers the weights too
       const int64_t w_row = static_cast<int64_t>(topk) * sizeof(float);
       for (int r = 0; r < num_ranks_; ++r)
         if (r != rank_ && rows_from[r] > 0)
           check(cudaMemcpyAsync(peer_data(r) + area.weights + my_row0 * w_row,
                                 reinterpret_cast<const char*>(topk_weights) + start[r] * w_row, rows_from[r] * w_row,
-                                cudaMemcpyDeviceToDevice, cs[0]),
+                                cudaMemcpyDeviceToDevice, stream_of(r)),
                 "cudaMemcpyAsync (combine weights)");
     }
-    if (streams > 1) {  // the other streams start behind the weights
-      check(cudaEventRecord(event(copy_ready_), cs[0]), "cudaEventRecord");
-      for (int i = 1; i < streams; ++i) check(cudaStreamWaitEvent(cs[i], event(copy_ready_), 0), "cudaStreamWaitEvent");
-    }
-    // Chunk c goes on stream c % streams, each stream with its own flag per peer (monotone in its chunks); chunks
-    // round-robin over the peers, so every source's reduce makes progress from the first chunk on.
-    for (int64_t c = 0; c * chunk_rows < max_rows; ++c) {
-      const int64_t c0 = c * chunk_rows;
-      const int si = static_cast<int>(c % streams);
+    // Chunks round-robin over the peers (the host queues them in that order), so every source's reduce makes
+    // progress from the first chunk on.
+    for (int64_t c0 = 0; c0 < max_rows; c0 += chunk_rows) {
       for (int r = 0; r < num_ranks_; ++r) {
         if (r == rank_ || c0 >= rows_from[r]) continue;
         const int64_t c1 = std::min(rows_from[r], c0 + chunk_rows);
         check(cudaMemcpyAsync(peer_data(r) + area.x + (my_row0 + c0) * row_bytes, src + (start[r] + c0) * row_bytes,
-                              (c1 - c0) * row_bytes, cudaMemcpyDeviceToDevice, cs[si]),
+                              (c1 - c0) * row_bytes, cudaMemcpyDeviceToDevice, stream_of(r)),
               "cudaMemcpyAsync (combine rows)");
-        // A stream memory operation, not a kernel or a copy: neither an SM to wait for nor a copy engine to set up
-        // (an 8-byte copy as the flag left the engine idle ~4.6 us per chunk). Its implicit memory barrier orders
-        // it after the chunk's copy.
-        write_value64(cs[si], copy_flags_of(peers_[r]) + si * kMaxRanks + rank_,
-                      c1 == rows_from[r] ? kAllRows : static_cast<uint64_t>(c1));
+        // A stream memory operation: no SM to wait for. Its implicit memory barrier orders it after the chunk.
+        write_value64(stream_of(r), copy_flags_of(peers_[r]) + rank_, static_cast<uint64_t>(c1));
       }
     }
     for (int i = 0; i < streams; ++i) {
@@ -1028,7 +1018,7 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
         reinterpret_cast<const int*>(send_pos), reinterpret_cast<const int4*>(src + start[rank_] * row_bytes),
         topk_weights ? reinterpret_cast<const float*>(topk_weights) + start[rank_] * topk : nullptr, num_tokens,
         hidden, topk, reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_topk_weights), max_src_tokens,
-        chunk_rows, streams, error_dev_, timeout_ns_);
+        error_dev_, timeout_ns_);
     check(cudaGetLastError(), "combine_reduce_blocks_kernel launch");
   }
   if (any_copy)
@@ -1036,7 +1026,7 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
       check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(copy_joins_[i]), 0), "cudaStreamWaitEvent");
   // Our reduce waited for the last flag each peer stream writes this call; clearing them before our next barrier
   // means no peer can publish its next combine's rows into a flag that still reads "landed".
-  check(cudaMemsetAsync(copy_flags_of(local_), 0, sizeof(uint64_t) * kMaxCopyStreams * kMaxRanks, s),
+  check(cudaMemsetAsync(copy_flags_of(local_), 0, sizeof(uint64_t) * kMaxRanks, s),
         "cudaMemsetAsync (combine flags)");
 }
 
@@ -1062,9 +1052,6 @@ void Context::ensure_copy_streams() {
     check(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     copy_joins_.push_back(join);
   }
-  cudaEvent_t e;
-  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  copy_ready_ = e;
 #if defined(UCCL_EP_HIP)
   write_value64_ = reinterpret_cast<void*>(&hipStreamWriteValue64);
 #else
@@ -1077,6 +1064,7 @@ void Context::ensure_copy_streams() {
                              "combine needs: set UCCL_EP_COMBINE_COPY_ENGINE=0");
   write_value64_ = fn;
 #endif
+  cudaEvent_t e;
   check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   copy_fork_ = e;  // last: its presence says every member above exists
 }

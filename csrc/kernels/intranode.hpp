@@ -121,11 +121,11 @@ class Context {
                       int local_sms, uintptr_t stream);
 
   // The same combine with the transfers on copy engines (normal and cached modes, where the host knows
-  // rows_from[r], the rows x holds from each source rank r, contiguous in rank order): a barrier, then on
-  // `num_streams` copy streams (at most 4; chunk c on stream c % num_streams) one memcpy per chunk of `chunk_bytes`
-  // into row send_pos of r's combine area, each followed by a flag; the reduce on `stream` waits for the rows each
-  // token needs, so it overlaps the copies. Bit-identical to combine_send + combine_reduce. Needs send_pos [T][R] of
-  // the dispatch (-1 where not sent).
+  // rows_from[r], the rows x holds from each source rank r, contiguous in rank order): a barrier, then one memcpy per
+  // chunk of `chunk_bytes` into row send_pos of r's combine area, each followed by a flag, on one copy stream per
+  // peer (peers share streams beyond `num_streams`, at most 8); the reduce on `stream` waits for the rows each token
+  // needs, so it overlaps the copies. Bit-identical to combine_send + combine_reduce. Needs send_pos [T][R] of the
+  // dispatch (-1 where not sent).
   void combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std::vector<int64_t>& rows_from,
                            uintptr_t is_token_in_rank, uintptr_t send_pos, int num_tokens, int hidden, int elem_size,
                            int topk, uintptr_t out_x, uintptr_t out_topk_weights, int64_t max_src_tokens,
@@ -152,9 +152,8 @@ class Context {
   int whole_gpu_grid_[kLocalKernels] = {1, 1, 1, 1, 1, 1, 1};
   // The copy-engine combine's stream and fork/join events (cudaStream_t / cudaEvent_t, kept opaque so this header
   // stays free of CUDA/HIP types), made on first use.
-  std::vector<void*> copy_streams_, copy_joins_;  // kMaxCopyStreams each
-  void* copy_fork_ = nullptr;           // the caller's stream -> copy stream 0
-  void* copy_ready_ = nullptr;          // copy stream 0's flag values and weights -> the other copy streams
+  std::vector<void*> copy_streams_, copy_joins_;  // kMaxCopyStreams (8) each
+  void* copy_fork_ = nullptr;           // the caller's stream -> the copy streams
   void* write_value64_ = nullptr;       // cuStreamWriteValue64 (hipStreamWriteValue64): the flag after a chunk
   void ensure_copy_streams();
   void write_value64(void* stream, uint64_t* address, uint64_t value);

@@ -36,11 +36,9 @@ max_ranks = 128
 max_topk = 32
 control_bytes = 1 << 20
 _EPOCH, _FLAGS = 0, 64  # ints from the buffer start (intranode.cu's control region)
-# [_COPY_STREAMS][max_ranks] int64: end row of the last chunk each peer's copy stream landed (_ALL_ROWS after its
-# last chunk), cleared by the owner after its reduce
-_COPY_STREAMS, _MAX_COPY_CHUNKS, _ALL_ROWS = 4, 1024, 0xFFFFFFFF
+# [max_ranks] int64: end row of the last chunk each peer landed, cleared by the owner after its reduce
 _COPY_FLAGS = _FLAGS + max_ranks
-_COUNTS = _COPY_FLAGS + 2 * _COPY_STREAMS * max_ranks
+_COUNTS = _COPY_FLAGS + 2 * max_ranks
 _EXPERT_COUNTS = _COUNTS + max_ranks * max_ranks
 _MAX_EXPERT_COUNT_INTS = control_bytes // 4 - _EXPERT_COUNTS
 _SHM, _PREFIX = "/dev/shm", "uccl-ep-fake-intranode"
@@ -591,8 +589,7 @@ class IntranodeContext:
         xs = _rows(x, total, row_bytes) if total else torch.empty((0, row_bytes), dtype=torch.uint8)
         ws = (_rows(topk_weights, total, 4 * topk, torch.float32) if total else torch.empty((0, topk))) \
             if topk_weights else None
-        chunk_rows = max(1, chunk_bytes // row_bytes, -(-max_src_tokens // _MAX_COPY_CHUNKS))
-        streams = max(1, min(num_streams, _COPY_STREAMS))
+        chunk_rows = max(1, chunk_bytes // row_bytes)  # (streams: only the order of the real copies; here serial)
         for r in range(R):
             n = rows_from[r]
             if r == me or n == 0:
@@ -606,17 +603,17 @@ class IntranodeContext:
             for c0 in range(0, n, chunk_rows):
                 c1 = min(n, c0 + chunk_rows)
                 block[c0:c1] = xs[start[r] + c0:start[r] + c1]
-                flags[(c0 // chunk_rows) % streams * max_ranks + me] = _ALL_ROWS if c1 == n else c1
+                flags[me] = c1
         try:
             self._reduce_blocks(xs, ws, start, rows_from, is_token_in_rank, send_pos, num_tokens, hidden, elem_size,
-                                topk, out_x, out_topk_weights, area, max_src_tokens, chunk_rows, streams)
+                                topk, out_x, out_topk_weights, area, max_src_tokens)
         finally:  # every flag a peer writes this call has been read: clear them before the next barrier
-            self._ctrl(me).view(torch.int64)[_COPY_FLAGS // 2:_COPY_FLAGS // 2 + _COPY_STREAMS * max_ranks] = 0
+            self._ctrl(me).view(torch.int64)[_COPY_FLAGS // 2:_COPY_FLAGS // 2 + max_ranks] = 0
 
     def _reduce_blocks(self, xs, ws, start, rows_from, is_token_in_rank, send_pos, num_tokens, hidden, elem_size,
-                       topk, out_x, out_topk_weights, area, max_src_tokens, chunk_rows, streams) -> None:
-        """combine_reduce_blocks_kernel: per peer and copy stream, wait for the flag that covers the rows we read,
-        then sum each token's copies in rank order (own rows from x)."""
+                       topk, out_x, out_topk_weights, area, max_src_tokens) -> None:
+        """combine_reduce_blocks_kernel: per peer, wait for the flag that covers the rows we read, then sum each
+        token's copies in rank order (own rows from x)."""
         if num_tokens == 0:
             return
         R, me = self._num_ranks, self._rank
@@ -626,20 +623,15 @@ class IntranodeContext:
         pos = _at(send_pos, 4 * T * R, torch.int32).view(T, R).to(torch.int64)
         flags = self._ctrl(me).view(torch.int64)[_COPY_FLAGS // 2:].view(-1)
         deadline = time.monotonic() + self._timeout
-        for r in range(R):  # per peer and copy stream: one more than the last position we read from its chunks
+        for r in range(R):  # per peer: one more than the last position we read from its block
             if r == me or not bool(mask[:, r].any()):
                 continue
-            p = pos[mask[:, r], r]
-            for si in range(streams):
-                mine = p[(p // chunk_rows) % streams == si]
-                if mine.numel() == 0:
-                    continue
-                need, flag = int(mine.max() + 1), si * max_ranks + r
-                while int(flags[flag]) < need:
-                    if time.monotonic() > deadline:
-                        self._report(1, 0, r, int(flags[flag]), need, "copy-engine combine rows")
-                        return
-                    time.sleep(1e-4)
+            need = int(pos[mask[:, r], r].max() + 1)
+            while int(flags[r]) < need:
+                if time.monotonic() > deadline:
+                    self._report(1, 0, r, int(flags[r]), need, "copy-engine combine rows")
+                    return
+                time.sleep(1e-4)
         d = self._data(me)
         blocks = d[area.x:area.x + R * max_src_tokens * row_bytes].view(dt).view(R, max_src_tokens, hidden)
         wblocks = d[area.weights:area.weights + R * max_src_tokens * topk * 4].view(torch.float32).view(

@@ -82,7 +82,7 @@ def _cases(rank, world, cases, iters):
         nat.destroy()
 
 
-# (the third: many 16 KiB chunks over three copy streams, each with its own flags)
+# (the third: many 16 KiB chunks, each with its flag)
 @pytest.mark.parametrize("world,copy_engine,chunk,streams", [(2, "1", "4194304", "2"), (4, "1", "4194304", "2"),
                                                              (2, "1", "16384", "3"), (2, "0", "4194304", "2")])
 def test_every_output_matches_reference_over_routings_fp8_worst_tokens_and_expert_major(world, copy_engine, chunk,

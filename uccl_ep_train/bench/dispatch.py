@@ -137,8 +137,8 @@ def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep
         saved = backend.copy_streams, backend.copy_chunk_bytes
         out["combine_bf16_copy_sweep"] = sweep = []
         try:
-            for streams in (1, 2):
-                for chunk_mib in (1, 2, 4, 8, 16):
+            for streams in (1, 2, 8):
+                for chunk_mib in (4, 8, 16):
                     backend.copy_streams, backend.copy_chunk_bytes = streams, chunk_mib << 20
                     us = _time(lambda: backend.combine(recv_x, handle, None, None), iters, warmup)
                     sweep.append({"copy_streams": streams, "chunk_MiB": chunk_mib, "us": _max_over_ranks(us)})
