@@ -165,9 +165,10 @@ class KernelSettings:
     copy_chunk_bytes: int = field(default=8 << 20, metadata=_meta(
         "UCCL_EP_COPY_CHUNK_BYTES", "bytes per copy-engine transfer of that combine; a flag follows each, so smaller "
         "chunks start the sum sooner, but each transfer costs ~5 us of idle engine on H200 (docs/intranode.md)", _int(16384)))
-    copy_streams: int = field(default=8, metadata=_meta(
+    copy_streams: int = field(default=2, metadata=_meta(
         "UCCL_EP_COPY_STREAMS", "copy streams of that combine, one copy engine each: the peer at distance k (mod "
-        "ranks) uses stream (k - 1) mod n, so up to n peers are sent to at once", _int(1, 8)))
+        "ranks) uses stream (k - 1) mod n, so up to n peers are sent to at once (on 4x H200, 2 beat 1 and 3)",
+        _int(1, 8)))
     gpu_timeout_secs: float = field(default=100.0, metadata=_meta(
         "UCCL_EP_GPU_TIMEOUT_SECS", "deadline for any GPU spin wait before the kernel reports and traps",
         _float(0.001)))
