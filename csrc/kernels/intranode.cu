@@ -482,13 +482,13 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(
 }
 
 // ---------------------------------------------------------------- combine through the copy engine
-// Why: SM stores over NVLink top out near 290 GB/s on H200 whatever the SM count, while a copy engine moves ~390
-// GB/s and holds no SM. In normal and cached modes the host knows how many rows it holds from each source (notify
-// mirrors them), and those rows are contiguous in the rank-major x, so each source's share is one memcpy per chunk
-// into a block of the source's combine area, row send_pos[t][me] for the source's token t. After each chunk a
-// one-thread kernel on the copy stream publishes (epoch << 32) | rows landed; the source's reduce, running at the
-// same time, waits per token for the rows it needs, so summing overlaps the transfer. docs/intranode.md, "Combine
-// through the copy engine".
+// Why: with both GPUs of a 2x H200 pair sending, SM stores, copy engines and NCCL all move ~260 GB/s each way, so
+// the stores buy no bandwidth but hold the SMs the sum needs; a copy engine holds none. In normal and cached modes
+// the host knows how many rows it holds from each source (notify mirrors them), and those rows are contiguous in the
+// rank-major x, so each source's share is one memcpy per chunk into our block of the source's combine area (row
+// send_pos[t][me] for the source's token t). After each chunk a stream write-value publishes the rows landed so far;
+// the source's reduce, running at the same time, waits per token for the rows it needs, so the sum overlaps the
+// transfer. docs/intranode.md, "Combine through the copy engine".
 
 // Every chunk from one rank to one peer goes on the same copy stream, in row order, so the peer's single flag per
 // sender only grows within a call. Peers at distance 1, 2, ... (mod R) from the sender take streams 0, 1, ...
@@ -977,11 +977,10 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
     std::vector<cudaStream_t> cs(streams);
     for (int i = 0; i < streams; ++i) cs[i] = static_cast<cudaStream_t>(copy_streams_[i]);
     auto event = [](void* e) { return static_cast<cudaEvent_t>(e); };
-    check(cudaEventRecord(event(copy_fork_), s), "cudaEventRecord");
-    check(cudaStreamWaitEvent(cs[0], event(copy_fork_), 0), "cudaStreamWaitEvent");
+    check(cudaEventRecord(event(copy_fork_), s), "cudaEventRecord");  // behind the barrier
+    for (int i = 0; i < streams; ++i) check(cudaStreamWaitEvent(cs[i], event(copy_fork_), 0), "cudaStreamWaitEvent");
     auto peer_data = [&](int r) { return static_cast<char*>(peers_[r]) + kControlBytes; };
     const int64_t my_row0 = static_cast<int64_t>(rank_) * max_src_tokens;  // our block in every peer's area
-    for (int i = 1; i < streams; ++i) check(cudaStreamWaitEvent(cs[i], event(copy_fork_), 0), "cudaStreamWaitEvent");
     auto stream_of = [&](int r) { return cs[copy_stream_of(rank_, r, num_ranks_, streams)]; };
     if (topk_weights) {  // ahead of the peer's first chunk on its stream: every flag then covers the weights too
       const int64_t w_row = static_cast<int64_t>(topk) * sizeof(float);
@@ -1005,9 +1004,7 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
         write_value64(stream_of(r), copy_flags_of(peers_[r]) + rank_, static_cast<uint64_t>(c1));
       }
     }
-    for (int i = 0; i < streams; ++i) {
-      check(cudaEventRecord(event(copy_joins_[i]), cs[i]), "cudaEventRecord");
-    }
+    for (int i = 0; i < streams; ++i) check(cudaEventRecord(event(copy_joins_[i]), cs[i]), "cudaEventRecord");
   }
   if (num_tokens > 0) {
     const bool f32 = elem_size == 4;
@@ -1024,8 +1021,8 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
   if (any_copy)
     for (int i = 0; i < streams; ++i)
       check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(copy_joins_[i]), 0), "cudaStreamWaitEvent");
-  // Our reduce waited for the last flag each peer stream writes this call; clearing them before our next barrier
-  // means no peer can publish its next combine's rows into a flag that still reads "landed".
+  // Our reduce waited for the last value each peer writes into its flag this call (every row a peer sends is some
+  // token's), so clearing the flags here, before our next barrier, leaves no stale "landed" for its next combine.
   check(cudaMemsetAsync(copy_flags_of(local_), 0, sizeof(uint64_t) * kMaxRanks, s),
         "cudaMemsetAsync (combine flags)");
 }
