@@ -153,6 +153,16 @@ def _map(name: str, nbytes: int, create: bool) -> torch.Tensor:
     return map_file(name, nbytes, create)
 
 
+def _check_combine_shape(hidden: int, elem_size: int, topk: int) -> None:
+    """The argument checks the combine launchers share (intranode.cu)."""
+    if hidden % 8:
+        raise ValueError("combine: hidden must be a multiple of 8")
+    if elem_size not in (2, 4):
+        raise ValueError("combine: x must be bfloat16 or float32")
+    if topk > max_topk:
+        raise ValueError(f"combine: top-k above {max_topk}")
+
+
 class IntranodeContext:
     """One rank's buffer (control region + data region in shared memory), error word and host counts."""
 
@@ -474,12 +484,7 @@ class IntranodeContext:
     def expert_major_partials(self, x: int, topk_weights: int, slot_of: int, recv_info: int, num_rows: int,
                               hidden: int, elem_size: int, topk: int, partials: int, out_topk_weights: int,
                               local_sms: int, stream: int) -> None:
-        if hidden % 8:
-            raise ValueError("combine: hidden must be a multiple of 8")
-        if elem_size not in (2, 4):
-            raise ValueError("combine: x must be bfloat16 or float32")
-        if topk > max_topk:
-            raise ValueError(f"combine: top-k above {max_topk}")
+        _check_combine_shape(hidden, elem_size, topk)
         if (topk_weights == 0) != (out_topk_weights == 0):
             raise ValueError("expert_major_partials: give both topk_weights and out_topk_weights, or neither")
         if num_rows == 0:
@@ -562,12 +567,7 @@ class IntranodeContext:
                             local_sms: int, stream: int) -> None:
         """The barrier, each peer's block copied chunk by chunk with its flag after each chunk, then the sum in rank
         order (own rows straight from x), waiting per token for the flags that cover its rows."""
-        if hidden % 8:
-            raise ValueError("combine: hidden must be a multiple of 8")
-        if elem_size not in (2, 4):
-            raise ValueError("combine: x must be bfloat16 or float32")
-        if topk > max_topk:
-            raise ValueError(f"combine: top-k above {max_topk}")
+        _check_combine_shape(hidden, elem_size, topk)
         R, me = self._num_ranks, self._rank
         if len(rows_from) != R:
             raise ValueError("combine_copy_engine: rows_from needs one count per rank")
