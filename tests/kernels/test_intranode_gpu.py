@@ -337,6 +337,44 @@ def test_cuda_graph_replays_sync_free_dispatch_and_combine(backends, expert_majo
         torch.testing.assert_close(g_w, owr, rtol=1e-5, atol=1e-5)
 
 
+def test_cuda_graph_replays_copy_engine_combine_of_a_normal_handle(backends):
+    """The copy-engine combine under capture: copy streams forked and joined by events, write-value flags, the flag
+    clear. Each replay on fresh rows must equal the SM-store combine of the same rows (which is not captured)."""
+    nat, ref = backends
+    R, rank = dist.get_world_size(), dist.get_rank()
+    T, H, K, E = 512, 2048, 4, 16
+    gen = torch.Generator().manual_seed(200 + rank)
+    idx = make_routing("random", T, K, E, R, gen)
+    x, _, w = make_inputs(T, H, K, False, gen)
+    per_rank, per_rdma, per_expert, in_rank = nat.get_dispatch_layout(idx, E)
+    res = nat.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
+                                    num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w))
+    h = res.handle
+    assert h.rows_from is not None and nat.combine_copy_engine
+    static_y = torch.randn((h.num_recv_rows, H), generator=gen).to(x.device, torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        nat.combine(static_y, h, res.recv_topk_weights, None)  # warm up outside the capture (makes the streams)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_w = nat.combine(static_y, h, res.recv_topk_weights, None)
+    for it in range(4):
+        static_y.copy_(torch.randn((h.num_recv_rows, H), generator=gen).to(x.device, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        nat.combine_copy_engine = False
+        try:
+            want, want_w = nat.combine(static_y, h, res.recv_topk_weights, None)
+        finally:
+            nat.combine_copy_engine = True
+        same(g_out, want, f"replay {it}: combined rows")
+        same(g_w, want_w, f"replay {it}: combined weights")
+
+
 def test_thousand_random_iterations_keep_matching_without_leaks(backends):
     nat, ref = backends
     R, rank = dist.get_world_size(), dist.get_rank()
