@@ -384,6 +384,12 @@ class NativeIntranodeBackend:
             x, weights = self._expert_major_partials(x, h, weights, stream)
             rows = h.num_rank_major_rows
         if self.combine_copy_engine and h.rows_from is not None:
+            # The copies read whole source blocks of x (and of the weights): too few rows would read past them.
+            need = sum(h.rows_from)
+            short = [f"{name} has {n} rows" for name, n in (("x", rows), ("topk_weights",
+                     weights.shape[0] if weights is not None else need)) if n < need]
+            if short:
+                raise ValueError(f"combine: {' and '.join(short)}; the handle's dispatch received {need}")
             self._cx.combine_copy_engine(x.data_ptr(), _ptr(weights), h.rows_from, h.is_token_in_rank.data_ptr(),
                                          h.send_pos.data_ptr(), T, H, elem, K, out.data_ptr(), _ptr(out_w), cap,
                                          self.copy_chunk_bytes, self.copy_streams, self.local_sms, stream)

@@ -220,6 +220,33 @@ def test_copy_engine_combine_waiting_for_rows_that_never_land_raises_naming_the_
     assert out[1][1] == "no error", out[1]  # rank 1 needs nothing from rank 0 that it did not get
 
 
+def _short_combine_input(rank, world):
+    """Every rank passes one row fewer than its dispatch received: refused before the barrier, so nobody waits."""
+    from uccl_ep_train.backends import DispatchArgs
+
+    nat, _ = _backends(rank, world)
+    try:
+        idx = torch.tensor([[0, 2]] * 8)
+        x = torch.randn((8, 64)).to(torch.bfloat16)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 2 * world)
+        res = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, torch.rand((8, 2))))
+        before = dict(nat._cx.launches)
+        try:
+            nat.combine(res.recv_x[:-1], res.handle, res.recv_topk_weights, None)
+        except ValueError as exc:
+            return str(exc), nat._cx.launches == before
+        return "no error", False
+    finally:
+        nat.destroy()
+
+
+def test_copy_engine_combine_refuses_fewer_rows_than_dispatch_received_before_any_launch():
+    out = run_distributed(_short_combine_input, 2, timeout=60, env=dict(ENV, UCCL_EP_COMBINE_COPY_ENGINE="1"))
+    for msg, nothing_launched in out:
+        assert "x has 15 rows" in msg and "received 16" in msg, msg
+        assert nothing_launched  # no barrier, no copy: the peer is not left waiting
+
+
 def _too_small(rank, world):
     from uccl_ep_train.backends import DispatchArgs
     from uccl_ep_train.intranode import nvl_bytes_needed
