@@ -1,6 +1,11 @@
-"""Copy-engine probe between GPU 0 and GPU 1 of one process: a 58.7 MB copy within GPU 0, one 58.7 MB peer copy, the same in 4 MiB chunks, each
-chunk followed by a one-element kernel or by an 8-byte peer copy (the flag of the copy-engine combine), and both
-directions at once. Prints microseconds and GB/s. Usage: python scripts/probe_copy_engine.py"""
+"""Copy-engine probe on GPUs 0 and 1 of one process (58.7 MB, the peer payload of one DeepSeek-V3 combine at EP=2):
+a copy within GPU 0, one peer copy, the same in 4 MiB chunks, and the chunks each followed by a one-element kernel or
+by an 8-byte peer copy (flag candidates of the copy-engine combine). Prints microseconds and GB/s.
+Usage: python scripts/probe_copy_engine.py
+
+Torch's cross-device copies also synchronize with the other device's current stream, so the chunked lines carry
+that cost too. Both directions at once are measured where it matters, inside `bench dispatch --profile` (the
+combine's `Memcpy PtoP` rows), not here."""
 import torch
 
 N = 4096 * 7168 * 2
@@ -23,20 +28,20 @@ def timed(stream, fn, iters=10):
 
 def main():
     torch.cuda.set_device(0)
-    src = [torch.empty(N, dtype=torch.uint8, device=f"cuda:{d}") for d in (0, 1)]
-    dst = [torch.empty(N, dtype=torch.uint8, device=f"cuda:{d}") for d in (1, 0)]
+    src = torch.empty(N, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(N, dtype=torch.uint8, device="cuda:1")
     flag0 = torch.zeros(1, dtype=torch.int64, device="cuda:0")
     flag1 = torch.zeros(1, dtype=torch.int64, device="cuda:1")
     s0 = torch.cuda.Stream(device=0)
     chunks = range(0, N, CHUNK)
 
     def one():
-        dst[0].copy_(src[0], non_blocking=True)
+        dst.copy_(src, non_blocking=True)
 
     def chunked(signal=None):
         def f():
             for c in chunks:
-                dst[0][c:c + CHUNK].copy_(src[0][c:c + CHUNK], non_blocking=True)
+                dst[c:c + CHUNK].copy_(src[c:c + CHUNK], non_blocking=True)
                 if signal == "kernel":
                     flag0.fill_(c)
                 elif signal == "copy":
@@ -46,30 +51,12 @@ def main():
     local = torch.empty(N, dtype=torch.uint8, device="cuda:0")
 
     def local_copy():  # a copy within GPU 0 (cudaMemcpyAsync device to device: a copy engine, no SM)
-        local.copy_(src[0], non_blocking=True)
+        local.copy_(src, non_blocking=True)
 
-    for name, fn in (("local copy (same GPU)", local_copy), ("one copy", one), ("4 MiB chunks", chunked()), ("chunks + kernel", chunked("kernel")),
-                     ("chunks + 8-byte copy", chunked("copy"))):
+    for name, fn in (("local copy (same GPU)", local_copy), ("one copy", one), ("4 MiB chunks", chunked()),
+                     ("chunks + kernel", chunked("kernel")), ("chunks + 8-byte copy", chunked("copy"))):
         us = timed(s0, fn)
         print(f"{name:24s} {us:8.1f} us {N / us / 1e3:6.1f} GB/s")
-    # both directions at once, each from its own GPU's stream
-    s1 = torch.cuda.Stream(device=1)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record(s0)
-    s1.wait_event(a)
-    for _ in range(10):
-        with torch.cuda.stream(s0):
-            dst[0].copy_(src[0], non_blocking=True)
-        with torch.cuda.stream(s1):
-            dst[1].copy_(src[1], non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(s1)
-    s0.wait_event(done)
-    b.record(s0)
-    torch.cuda.synchronize()
-    us = a.elapsed_time(b) * 1000 / 10
-    print(f"{'both directions':24s} {us:8.1f} us {N / us / 1e3:6.1f} GB/s each way")
 
 
 if __name__ == "__main__":
