@@ -61,7 +61,7 @@ struct CombineArea {
   }
 };
 
-UCCL_DEVICE char* data_of(void* buffer) { return static_cast<char*>(buffer) + kControlBytes; }
+UCCL_HOST_DEVICE char* data_of(void* buffer) { return static_cast<char*>(buffer) + kControlBytes; }
 UCCL_DEVICE int* ctrl_of(void* buffer) { return static_cast<int*>(buffer); }
 UCCL_HOST_DEVICE uint64_t* copy_flags_of(void* buffer) {
   return reinterpret_cast<uint64_t*>(static_cast<int*>(buffer) + kCopyFlagsOffset);
@@ -676,6 +676,13 @@ struct DeviceGuard {
 
 int grid_of(int num_sms) { return num_sms > 0 ? num_sms : 1; }
 
+// The argument checks every combine launcher shares (topk 0: the launcher takes no top-k bound of its own).
+void check_combine_shape(int hidden, int elem_size, int topk) {
+  if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
+  if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
+  if (topk > kMaxTopk) throw std::invalid_argument("combine: top-k above " + std::to_string(kMaxTopk));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Context
@@ -897,9 +904,7 @@ void Context::expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv
 void Context::expert_major_partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t recv_info,
                                     int num_rows, int hidden, int elem_size, int topk, uintptr_t partials,
                                     uintptr_t out_topk_weights, int local_sms, uintptr_t stream) {
-  if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
-  if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
-  if (topk > kMaxTopk) throw std::invalid_argument("combine: top-k above " + std::to_string(kMaxTopk));
+  check_combine_shape(hidden, elem_size, topk);
   if ((topk_weights == 0) != (out_topk_weights == 0))
     throw std::invalid_argument("expert_major_partials: give both topk_weights and out_topk_weights, or neither");
   if (num_rows == 0) return;
@@ -916,8 +921,7 @@ void Context::expert_major_partials(uintptr_t x, uintptr_t topk_weights, uintptr
 void Context::combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx, uintptr_t rank_prefix_matrix,
                            uintptr_t recv_info, int num_rows, int hidden, int elem_size, int topk,
                            int64_t max_src_tokens, int num_sms, uintptr_t stream) {
-  if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
-  if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
+  check_combine_shape(hidden, elem_size, 0);
   if (num_rows == 0) return;
   auto kernel = elem_size == 4 ? combine_send_kernel<4, true> : combine_send_kernel<4, false>;
   kernel<<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
@@ -943,9 +947,7 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
                                   int elem_size, int topk, uintptr_t out_x, uintptr_t out_topk_weights,
                                   int64_t max_src_tokens, int64_t chunk_bytes, int num_streams, int local_sms,
                                   uintptr_t stream) {
-  if (hidden % 8) throw std::invalid_argument("combine: hidden must be a multiple of 8");
-  if (elem_size != 2 && elem_size != 4) throw std::invalid_argument("combine: x must be bfloat16 or float32");
-  if (topk > kMaxTopk) throw std::invalid_argument("combine: top-k above " + std::to_string(kMaxTopk));
+  check_combine_shape(hidden, elem_size, topk);
   if (static_cast<int>(rows_from.size()) != num_ranks_)
     throw std::invalid_argument("combine_copy_engine: rows_from needs one count per rank");
   if (chunk_bytes <= 0) throw std::invalid_argument("combine_copy_engine: chunk_bytes must be > 0");
@@ -979,14 +981,13 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
     auto event = [](void* e) { return static_cast<cudaEvent_t>(e); };
     check(cudaEventRecord(event(copy_fork_), s), "cudaEventRecord");  // behind the barrier
     for (int i = 0; i < streams; ++i) check(cudaStreamWaitEvent(cs[i], event(copy_fork_), 0), "cudaStreamWaitEvent");
-    auto peer_data = [&](int r) { return static_cast<char*>(peers_[r]) + kControlBytes; };
     const int64_t my_row0 = static_cast<int64_t>(rank_) * max_src_tokens;  // our block in every peer's area
     auto stream_of = [&](int r) { return cs[copy_stream_of(rank_, r, num_ranks_, streams)]; };
     if (topk_weights) {  // ahead of the peer's first chunk on its stream: every flag then covers the weights too
       const int64_t w_row = static_cast<int64_t>(topk) * sizeof(float);
       for (int r = 0; r < num_ranks_; ++r)
         if (r != rank_ && rows_from[r] > 0)
-          check(cudaMemcpyAsync(peer_data(r) + area.weights + my_row0 * w_row,
+          check(cudaMemcpyAsync(data_of(peers_[r]) + area.weights + my_row0 * w_row,
                                 reinterpret_cast<const char*>(topk_weights) + start[r] * w_row, rows_from[r] * w_row,
                                 cudaMemcpyDeviceToDevice, stream_of(r)),
                 "cudaMemcpyAsync (combine weights)");
@@ -997,8 +998,9 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
       for (int r = 0; r < num_ranks_; ++r) {
         if (r == rank_ || c0 >= rows_from[r]) continue;
         const int64_t c1 = std::min(rows_from[r], c0 + chunk_rows);
-        check(cudaMemcpyAsync(peer_data(r) + area.x + (my_row0 + c0) * row_bytes, src + (start[r] + c0) * row_bytes,
-                              (c1 - c0) * row_bytes, cudaMemcpyDeviceToDevice, stream_of(r)),
+        check(cudaMemcpyAsync(data_of(peers_[r]) + area.x + (my_row0 + c0) * row_bytes,
+                              src + (start[r] + c0) * row_bytes, (c1 - c0) * row_bytes, cudaMemcpyDeviceToDevice,
+                              stream_of(r)),
               "cudaMemcpyAsync (combine rows)");
         // A stream memory operation: no SM to wait for. Its implicit memory barrier orders it after the chunk.
         write_value64(stream_of(r), copy_flags_of(peers_[r]) + rank_, static_cast<uint64_t>(c1));
