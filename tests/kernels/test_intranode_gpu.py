@@ -6,6 +6,7 @@ Exact equality for payloads, indices, weights and counts; combine sums within fl
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -157,24 +158,52 @@ def run_case(backends, kind, T, H, K, E, *, fp8=False, worst=0, expert_major=Fal
     torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def combine_path(nat, copy_engine: bool, chunk_bytes=None):
+    """Run the backend's combines on the copy-engine or the SM-store path (and a chunk size) for the block."""
+    saved = nat.combine_copy_engine, nat.copy_chunk_bytes
+    nat.combine_copy_engine = copy_engine
+    nat.copy_chunk_bytes = chunk_bytes if chunk_bytes is not None else saved[1]
+    try:
+        yield
+    finally:
+        nat.combine_copy_engine, nat.copy_chunk_bytes = saved
+
+
 def same_combine_both_ways(nat, y, handle, weights, out, out_w, chunk_bytes=None):
     """The combine of the other path (copy engine / SM stores) on the same inputs equals ``out``/``out_w`` exactly."""
-    saved = nat.combine_copy_engine, nat.copy_chunk_bytes
-    nat.combine_copy_engine = not saved[0]
-    try:
+    with combine_path(nat, not nat.combine_copy_engine):
         alt, alt_w = nat.combine(y, handle, weights, None)
-    finally:
-        nat.combine_copy_engine = saved[0]
     same(alt, out, "combine: copy engine vs SM stores")
     same(alt_w, out_w, "combined weights: copy engine vs SM stores")
     if chunk_bytes is not None:  # many chunks: a flag per 16 KiB, the reduce waiting on most of them
-        nat.copy_chunk_bytes = chunk_bytes
-        try:
+        with combine_path(nat, True, chunk_bytes):
             small, small_w = nat.combine(y, handle, weights, None)
-        finally:
-            nat.copy_chunk_bytes = saved[1]
         same(small, out, f"combine with {chunk_bytes}-byte copies")
         same(small_w, out_w, f"combined weights with {chunk_bytes}-byte copies")
+
+
+def normal_dispatch_args(backend, topk_idx, x, w, E):
+    """DispatchArgs of a normal-mode dispatch, the layout from ``backend``."""
+    per_rank, per_rdma, per_expert, in_rank = backend.get_dispatch_layout(topk_idx, E)
+    return DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
+                        num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w)
+
+
+def capture(step):
+    """``step()`` once on a side stream (warm-up: allocations and lazily made streams stay out of the graph), then
+    captured in a CUDA graph. Returns the graph and the captured call's outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -186,17 +215,12 @@ def test_copy_engine_combine_equals_sm_store_combine_bit_for_bit_at_any_chunk_si
     T, H, K, E = 1024 + 37 * rank, 2048, 8, 64
     topk_idx = make_routing(kind, T, K, E, R, gen)
     x, _, w = make_inputs(T, H, K, False, gen)
-    per_rank, per_rdma, per_expert, in_rank = ref.get_dispatch_layout(topk_idx, E)
-    res = nat.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
-                                    num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-                                    num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w))
+    args = normal_dispatch_args(ref, topk_idx, x, w, E)
+    res = nat.dispatch(args)
     assert res.handle.rows_from is not None and sum(res.handle.rows_from) == res.handle.num_recv_rows
     y = torch.randn((res.handle.num_recv_rows, H), generator=gen).to(x.device, dtype)
     out, out_w = nat.combine(y, res.handle, res.recv_topk_weights, None)
-    ref_out, ref_w = ref.combine(y, ref.dispatch(DispatchArgs(
-        x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w)).handle,
-        res.recv_topk_weights, None)
+    ref_out, ref_w = ref.combine(y, ref.dispatch(args).handle, res.recv_topk_weights, None)
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(out_w, ref_w, rtol=1e-5, atol=1e-5)
     same_combine_both_ways(nat, y, res.handle, res.recv_topk_weights, out, out_w, chunk_bytes=16384)
@@ -309,15 +333,7 @@ def test_cuda_graph_replays_sync_free_dispatch_and_combine(backends, expert_majo
         out, out_w = nat.combine(res.recv_x, res.handle, res.recv_topk_weights, None)
         return res.recv_x, out, out_w
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_recv, g_out, g_w = step()
+    graph, (g_recv, g_out, g_w) = capture(step)
     for it in range(3):
         idx = make_routing("dropped" if it % 2 else "random", T, K, E, R, gen)
         x, _, w = make_inputs(T, H, K, False, gen)
@@ -346,31 +362,17 @@ def test_cuda_graph_replays_copy_engine_combine_of_a_normal_handle(backends):
     gen = torch.Generator().manual_seed(200 + rank)
     idx = make_routing("random", T, K, E, R, gen)
     x, _, w = make_inputs(T, H, K, False, gen)
-    per_rank, per_rdma, per_expert, in_rank = nat.get_dispatch_layout(idx, E)
-    res = nat.dispatch(DispatchArgs(x=x, x_scales=None, handle=None, num_tokens_per_rank=per_rank,
-                                    num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-                                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w))
+    res = nat.dispatch(normal_dispatch_args(nat, idx, x, w, E))
     h = res.handle
     assert h.rows_from is not None and nat.combine_copy_engine
     static_y = torch.randn((h.num_recv_rows, H), generator=gen).to(x.device, torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        nat.combine(static_y, h, res.recv_topk_weights, None)  # warm up outside the capture (makes the streams)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_w = nat.combine(static_y, h, res.recv_topk_weights, None)
+    graph, (g_out, g_w) = capture(lambda: nat.combine(static_y, h, res.recv_topk_weights, None))
     for it in range(4):
         static_y.copy_(torch.randn((h.num_recv_rows, H), generator=gen).to(x.device, torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        nat.combine_copy_engine = False
-        try:
+        with combine_path(nat, False):
             want, want_w = nat.combine(static_y, h, res.recv_topk_weights, None)
-        finally:
-            nat.combine_copy_engine = True
         same(g_out, want, f"replay {it}: combined rows")
         same(g_w, want_w, f"replay {it}: combined weights")
 
