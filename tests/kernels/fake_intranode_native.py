@@ -222,6 +222,17 @@ class IntranodeContext:
     def _data(self, r: int) -> torch.Tensor:
         return self._peers[r][control_bytes:]
 
+    def _copy_flags(self, r: int) -> torch.Tensor:
+        """Rank r's copy-engine combine flags, one int64 per sender."""
+        return self._ctrl(r).view(torch.int64)[_COPY_FLAGS // 2:_COPY_FLAGS // 2 + max_ranks]
+
+    def _combine_blocks(self, r: int, area: "CombineArea", cap: int, row_bytes: int, topk: int):
+        """Rank r's combine area as per-sender blocks: rows [R, cap, row_bytes] bytes and weights [R, cap, topk]."""
+        R, d = self._num_ranks, self._data(r)
+        rows = d[area.x:area.x + R * cap * row_bytes].view(R, cap, row_bytes)
+        weights = d[area.weights:area.weights + R * cap * topk * 4].view(torch.float32).view(R, cap, topk)
+        return rows, weights
+
     # ---- errors
     def _report(self, code: int, channel: int, peer: int, observed: int, expected: int, what: str) -> None:
         e = self._err
@@ -594,12 +605,11 @@ class IntranodeContext:
             n = rows_from[r]
             if r == me or n == 0:
                 continue
-            d = self._data(r)
-            block = d[area.x:area.x + R * max_src_tokens * row_bytes].view(R, max_src_tokens, row_bytes)[me]
+            blocks, wblocks = self._combine_blocks(r, area, max_src_tokens, row_bytes, topk)
+            block = blocks[me]
             if ws is not None:
-                d[area.weights:area.weights + R * max_src_tokens * topk * 4].view(torch.float32).view(
-                    R, max_src_tokens, topk)[me, :n] = ws[start[r]:start[r] + n]
-            flags = self._peers[r][:control_bytes].view(torch.int64)[_COPY_FLAGS // 2:].view(-1)
+                wblocks[me, :n] = ws[start[r]:start[r] + n]
+            flags = self._copy_flags(r)
             for c0 in range(0, n, chunk_rows):
                 c1 = min(n, c0 + chunk_rows)
                 block[c0:c1] = xs[start[r] + c0:start[r] + c1]
@@ -608,7 +618,7 @@ class IntranodeContext:
             self._reduce_blocks(xs, ws, start, rows_from, is_token_in_rank, send_pos, num_tokens, hidden, elem_size,
                                 topk, out_x, out_topk_weights, area, max_src_tokens)
         finally:  # every flag a peer writes this call has been read: clear them before the next barrier
-            self._ctrl(me).view(torch.int64)[_COPY_FLAGS // 2:_COPY_FLAGS // 2 + max_ranks] = 0
+            self._copy_flags(me).zero_()
 
     def _reduce_blocks(self, xs, ws, start, rows_from, is_token_in_rank, send_pos, num_tokens, hidden, elem_size,
                        topk, out_x, out_topk_weights, area, max_src_tokens) -> None:
@@ -621,7 +631,7 @@ class IntranodeContext:
         T, dt = num_tokens, (torch.float32 if elem_size == 4 else torch.bfloat16)
         mask = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
         pos = _at(send_pos, 4 * T * R, torch.int32).view(T, R).to(torch.int64)
-        flags = self._ctrl(me).view(torch.int64)[_COPY_FLAGS // 2:].view(-1)
+        flags = self._copy_flags(me)
         deadline = time.monotonic() + self._timeout
         for r in range(R):  # per peer: one more than the last position we read from its block
             if r == me or not bool(mask[:, r].any()):
@@ -632,10 +642,8 @@ class IntranodeContext:
                     self._report(1, 0, r, int(flags[r]), need, "copy-engine combine rows")
                     return
                 time.sleep(1e-4)
-        d = self._data(me)
-        blocks = d[area.x:area.x + R * max_src_tokens * row_bytes].view(dt).view(R, max_src_tokens, hidden)
-        wblocks = d[area.weights:area.weights + R * max_src_tokens * topk * 4].view(torch.float32).view(
-            R, max_src_tokens, topk)
+        raw, wblocks = self._combine_blocks(me, area, max_src_tokens, row_bytes, topk)
+        blocks = raw.view(dt).view(R, max_src_tokens, hidden)
         own_x = xs[start[me]:start[me + 1]].view(dt).view(-1, hidden)
         acc = torch.zeros((T, hidden), dtype=torch.float32)
         accw = torch.zeros((T, topk), dtype=torch.float32)
