@@ -32,7 +32,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     describe_gpu_error, pack_records, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
     NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
-    dispatch_extents, combine_overlaps_dispatch)
+    dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows)
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
@@ -355,6 +355,7 @@ class NativeInternodeBackend:
         self._fixed_tables: dict = {}  # (phase, row bytes) -> device push table that never changes (barrier, notify)
         self._zero_rows: dict = {}  # payload bytes -> zero row (combine: a node without a partial sum adds it)
         self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(s.kernel.drain_after_waits)
+        self.gated_arrivals = bool(s.kernel.gated_arrivals)  # docs/internode.md, "Gated arrivals"
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
         # (notify or barrier) since the last combine and its rows stay clear of what the last dispatch filled, whose
@@ -570,38 +571,84 @@ class NativeInternodeBackend:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused."""
-        stream = self._stream()
-        ph = self._phases[phase]
-        timing = self.network_timing is not None and self.device.type == "cuda"  # CUDA events: not on the CPU stand-in
-        if timing:
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-        if rows:
-            if len(rows[0]) != self._k.PUSH_COLUMNS:
-                raise InternodeError(f"push table has {len(rows[0])} columns, the module expects "
-                                     f"{self._k.PUSH_COLUMNS} (rebuild _C)")
-            key = (phase, rows[0][3])  # notify rows change width with the number of experts
-            table = self._fixed_tables.get(key) if fixed else None
-            if table is None:
-                table = self._upload(rows)
-                if fixed:
-                    self._fixed_tables[key] = table
-            self._cx.push_chunks(table.data_ptr(), len(rows), per_chunk, ph, stream)
-            self._keep = table
+        t0 = self._hop_started()
+        self._push(rows, phase, per_chunk, fixed)
         if waits:
             se = []
             for slot, count in waits:
                 self._expected[slot] += count
                 se.append([slot, self._expected[slot]])
             t = self._upload(se)
-            self._cx.wait_signals(t.data_ptr(), len(se), ph, stream)
+            self._cx.wait_signals(t.data_ptr(), len(se), self._phases[phase], self._stream())
             self._keep_w = t
-        if timing:
-            t1.record()
-            self.network_timing.setdefault(phase, []).append((t0, t1))
+        self._hop_ended(phase, t0)
         # Nothing else is launched while wait_signals spins (docs/internode.md, "Drains"): the host drains the
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
         self._settle(what or f"{phase} wait", drain)
+
+    def _push_and_gate(self, rows: List[List[int]], waits: List[Tuple[int, int]],
+                       blocks: List[Tuple[int, int, int]], phase: str, per_chunk: int) -> Tuple[Any, Any, List[int]]:
+        """Push the table's chunks and return (gate, timing start, counters) instead of waiting: the kernel that reads the
+        arrivals takes the gate and waits chunk by chunk (UCCL_EP_GATED_ARRIVALS), so it runs during the hop. The
+        caller launches it, then calls ``_gated_done``, which drains as ``_push_and_wait`` does (the gated kernel
+        spins as wait_signals did). ``blocks``: the arrivals' blocks (dispatch_gate_blocks / combine_gate_blocks),
+        the same counters as ``waits``, whose targets advance here."""
+        t0 = self._hop_started()
+        self._push(rows, phase, per_chunk)
+        table = gate_rows(blocks, self.node, self.L, self._expected)
+        for slot, count in waits:
+            self._expected[slot] += count
+        t = self._upload(table) if table else None
+        self._keep_w = t  # alive until the gated launch has run (the drain in _gated_done)
+        return self._cx.arrival_gate(t.data_ptr() if t is not None else 0, len(table), per_chunk,
+                                     self._phases[phase]), t0, [slot for slot, _ in waits]
+
+    def _gated_done(self, phase: str, t0: Any, what: str) -> None:
+        self._hop_ended(phase, t0)
+        self._settle(what)
+
+    def _await_pending(self, pending: Any, phase: str) -> None:
+        """A gated hop whose reader will not run (the call fails after the push): wait for every counter's target
+        instead, so nothing is still landing when the error reaches the caller."""
+        if not pending:
+            return
+        se = [[slot, self._expected[slot]] for slot in pending[2]]
+        if se:
+            t = self._upload(se)
+            self._cx.wait_signals(t.data_ptr(), len(se), self._phases[phase], self._stream())
+            self._keep_w = t
+        self._gated_done(phase, pending[1], f"{phase} wait")
+
+    def _push(self, rows: List[List[int]], phase: str, per_chunk: int, fixed: bool = False) -> None:
+        if not rows:
+            return
+        if len(rows[0]) != self._k.PUSH_COLUMNS:
+            raise InternodeError(f"push table has {len(rows[0])} columns, the module expects "
+                                 f"{self._k.PUSH_COLUMNS} (rebuild _C)")
+        key = (phase, rows[0][3])  # notify rows change width with the number of experts
+        table = self._fixed_tables.get(key) if fixed else None
+        if table is None:
+            table = self._upload(rows)
+            if fixed:
+                self._fixed_tables[key] = table
+        self._cx.push_chunks(table.data_ptr(), len(rows), per_chunk, self._phases[phase], self._stream())
+        self._keep = table
+
+    def _hop_started(self) -> Any:
+        """Benchmarks: a CUDA event at the push (None when not timing, and on the CPU stand-in)."""
+        if self.network_timing is None or self.device.type != "cuda":
+            return None
+        t0 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        return t0
+
+    def _hop_ended(self, phase: str, t0: Any) -> None:
+        """... and one when the arrivals are in (after the wait, or after the gated kernel that read them)."""
+        if t0 is None:
+            return
+        t1 = torch.cuda.Event(enable_timing=True)
+        t1.record()
+        self.network_timing.setdefault(phase, []).append((t0, t1))
 
     def _scatter(self, dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: int, src_idx: int, n: int,
                  row_bytes: int, dst_rows: int, phase: str, target: int) -> None:
@@ -630,10 +677,13 @@ class NativeInternodeBackend:
         return get_dispatch_layout(topk_idx, num_experts, self.R, self.G)
 
     # ---------------------------------------------------------------- dispatch
-    def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan
-              ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int]:
+    def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan, gate_ok: bool = False
+              ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
-        forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A)."""
+        forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
+        caller reads every final row with one gated unpack next; then, with one GPU per node (the final rows are the
+        arrivals), the hop is not awaited here and ``pending`` is (gate, timing start) for ``_unpack`` and
+        ``_gated_done``; otherwise pending is None and the rows are in."""
         G = self.G
         layout = record_layout([_bytes_of(c).size(1) for c in columns], G)
         stride = layout.stride
@@ -653,17 +703,23 @@ class NativeInternodeBackend:
         self._pack(columns, plan, layout, S1, recv_base + recv_offs[self.node])
         self._lap("dispatch.pack")
         per = self._per_chunk(stride)
-        self._push_and_wait(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base, self.L),
-                            dispatch_waits(counts, self.rank, G, per, self.L), "dispatch_network", per)
-        self._lap("dispatch.network")
+        push = dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base, self.L)
+        waits = dispatch_waits(counts, self.rank, G, per, self.L)
         A = sum(recv_by_node)
         arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
+        if G == 1 and gate_ok and self.gated_arrivals:
+            pending = self._push_and_gate(push, waits, dispatch_gate_blocks(counts, self.rank, G, self.L),
+                                          "dispatch_network", per)
+            self._lap("dispatch.push")
+            return arrivals[:, :layout.final_bytes], layout, None, A, pending
+        self._push_and_wait(push, waits, "dispatch_network", per)
+        self._lap("dispatch.network")
         if G == 1:
             # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
             # source rank, tokens in order within each), so they are read in place instead of copied to the NVL area,
             # and a row's arrival is its index (not stamped: unpack writes it); nobody forwards, so no dest rows.
             self._lap("dispatch.forward")
-            return arrivals[:, :layout.final_bytes], layout, None, A
+            return arrivals[:, :layout.final_bytes], layout, None, A, None
         fwd_dest = stamp_arrivals(arrivals, layout, G)
         if A:
             for j in range(G):  # NVLink hop: every local GPU that needs the record gets its final row
@@ -675,7 +731,7 @@ class NativeInternodeBackend:
         self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
-        return final, layout, fwd_dest, A
+        return final, layout, fwd_dest, A, None
 
     def _pack(self, columns: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, num_records: int,
               own_offset: int) -> None:
@@ -693,11 +749,12 @@ class NativeInternodeBackend:
     def _unpack(self, final: torch.Tensor, layout: RecordLayout, outs: List[torch.Tensor], out_rows: int = -1,
                 ids: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None, ids_column: int = 0,
                 expert_lo: int = 0, experts_per_rank: int = 0, src_idx: Optional[torch.Tensor] = None,
-                arrival: Optional[torch.Tensor] = None) -> None:
+                arrival: Optional[torch.Tensor] = None, pending: Any = None) -> None:
         """The final rows' columns into ``outs`` (column i into outs[i], padded with zero rows to ``out_rows``) in
         one launch (unpack_records kernel); with ``ids`` / ``weights``, column ``ids_column`` (global expert ids) and
         the next (weights) become local ids (-1 elsewhere and in padding rows) and the weights of local ids (0
-        elsewhere); the src_idx and arrival fields into ``src_idx`` / ``arrival``."""
+        elsewhere); the src_idx and arrival fields into ``src_idx`` / ``arrival``. ``pending`` (from ``_move``): the
+        rows are still landing; the unpack is gated on them and the hop is closed after it."""
         n = final.size(0)
         if out_rows < 0:
             out_rows = n
@@ -709,7 +766,10 @@ class NativeInternodeBackend:
             ptr(ids), ptr(weights), layout.column_offsets[ids_column] if K else 0,
             layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
             layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
-            self._stream())
+            self._stream(), gate=pending[0] if pending else None)
+        if pending:
+            self._gated_done("dispatch_network", pending[1], "dispatch_network wait")
+            self._lap("dispatch.network")
 
     @staticmethod
     def _column_view(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor) -> torch.Tensor:
@@ -739,13 +799,13 @@ class NativeInternodeBackend:
         if args.handle is not None:
             h: InternodeHandle = args.handle
             cols = [x] + ([scales] if scales is not None else [])
-            final, layout, _, _ = self._move(cols, h.counts, h.plan)
+            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=not h.expert_major)
             if h.expert_major:
                 parts = self._to_expert_major(h, [self._column_view(final, layout, i, c)
                                                   for i, c in enumerate(cols)])
             else:
                 parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
-                self._unpack(final, layout, parts, h.num_recv_rows)
+                self._unpack(final, layout, parts, h.num_recv_rows, pending=pending)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
             self._lap("dispatch.finish")
             return DispatchResult(parts[0], parts[1] if scales is not None else None, None, None, None, h,
@@ -765,12 +825,13 @@ class NativeInternodeBackend:
             cols.append(topk_idx.to(torch.int64))
             cols.append(weights.float() if weights is not None else
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
-        final, layout, fwd_dest, A = self._move(cols, counts, plan)
+        final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True)
         nrecv = final.size(0)
         worst = args.num_worst_tokens
         rows = nrecv
         if worst and not args.expert_major:
             if nrecv > worst:
+                self._await_pending(pending, "dispatch_network")  # the peers' records land before we give up
                 raise InternodeError(f"rank {self.rank}: received {nrecv} tokens but num_worst_tokens={worst}; "
                                      "raise num_worst_tokens")
             rows = worst
@@ -786,7 +847,7 @@ class NativeInternodeBackend:
         src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
         arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
         self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
-                     arrival)
+                     arrival, pending)
         if args.expert_major:
             outs = [self._column_view(final, layout, i, c) for i, c in enumerate(payload)]
         recv_x = outs[0]
@@ -982,16 +1043,27 @@ class NativeInternodeBackend:
             self._rdma[dst:dst + own * cstride].copy_(self._rdma[src:src + own * cstride])
         per = self._per_chunk(cstride)
         self._lap("combine.node_sum")
-        self._push_and_wait(combine_push_rows(h.counts, self.rank, G, cstride, areas, self.L),
-                            combine_waits(h.counts, self.rank, G, per, self.L), "combine_network", per)
-        self._lap("combine.network")
+        push = combine_push_rows(h.counts, self.rank, G, cstride, areas, self.L)
+        waits = combine_waits(h.counts, self.rank, G, per, self.L)
+        pending = None
+        if self.gated_arrivals:  # the sum below reads each token's partial sums as their chunks land
+            pending = self._push_and_gate(push, waits, combine_gate_blocks(h.counts, self.rank, G, self.L),
+                                          "combine_network", per)
+            self._lap("combine.push")
+        else:
+            self._push_and_wait(push, waits, "combine_network", per)
+            self._lap("combine.network")
         # the source adds each token's partial sums in node order, in fp32, and rounds once (one kernel)
         combined_x = torch.empty((h.num_tokens, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
         self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
-                                  x.dtype == torch.float32, self._stream())
-        self._settle("combine")
+                                  x.dtype == torch.float32, self._stream(), gate=pending[0] if pending else None)
+        if pending:
+            self._gated_done("combine_network", pending[1], "combine_network wait")
+            self._lap("combine.network")
+        else:
+            self._settle("combine")
         nvlink = combine_nvlink_rows(h.counts, self.rank, G)
         network = sum(c for n, c in enumerate(recv_by_node) if n != self.node)
         eb = H * x.element_size()

@@ -394,6 +394,56 @@ def dispatch_waits(counts: Counts, rank: int, ranks_per_node: int, per_chunk: in
     return lane_waits(blocks, per_chunk, node, num_lanes)
 
 
+#: Fixed columns of a gate-table row (csrc/kernels/arrival_gate.hpp): first row, records, lane 0's counter, FIFO
+#: hint; then one counter base per lane.
+GATE_FIXED_COLUMNS = 4
+
+
+def dispatch_gate_blocks(counts: Counts, rank: int, ranks_per_node: int, num_lanes: int = 1
+                         ) -> List[Tuple[int, int, int]]:
+    """(first row, records, lane 0's counter) of each block of a dispatch's arrivals that crosses the network, in the
+    row space of the receive area (blocks by source node, back to back): what dispatch_waits waits for, row by row."""
+    node = rank // ranks_per_node
+    recv = recv_counts(counts, rank, ranks_per_node)
+    first = [sum(recv[:n]) for n in range(len(recv))]
+    return [(first[n], c, n * num_lanes) for n, c in enumerate(recv) if n != node and c]
+
+
+def combine_gate_blocks(counts: Counts, rank: int, ranks_per_node: int, num_lanes: int = 1
+                        ) -> List[Tuple[int, int, int]]:
+    """The same for a combine's partial sums at their source, in the row space of its receive area (blocks by
+    forwarder node, each as long as what we sent that node): what combine_waits waits for, row by row."""
+    node = rank // ranks_per_node
+    num_nodes = counts.node_counts.size(1)
+    back = [int(c) for c in counts.node_counts[rank].tolist()]
+    first = [sum(back[:m]) for m in range(num_nodes)]
+    return [(first[m], c, (num_nodes + m) * num_lanes) for m, c in enumerate(back) if m != node and c]
+
+
+def gate_rows(blocks: Sequence[Tuple[int, int, int]], hint: int, num_lanes: int, counter_before: Sequence[int]
+              ) -> List[List[int]]:
+    """The gate table (device int64 [blocks][GATE_FIXED_COLUMNS + lanes]) for blocks from *_gate_blocks that the
+    senders pushed with FIFO hint ``hint`` (our node); ``counter_before``: every counter's target before this call
+    (the counters are monotone across calls)."""
+    return [[first, records, slot, hint] + [int(counter_before[slot + f]) for f in range(num_lanes)]
+            for first, records, slot in blocks]
+
+
+def gate_threshold(row: int, table: Sequence[Sequence[int]], per_chunk: int, num_lanes: int
+                   ) -> Optional[Tuple[int, int]]:
+    """(counter, value) after which ``row`` has landed; None when no block holds it (our own node's rows, copied
+    locally). Chunk c of a block goes through lane (hint + c) % lanes, whose counter moves in lane order, and the
+    chunks before c on that lane are whole: so the counter has passed base + (c // lanes) * per_chunk + (records of
+    chunk c) exactly when chunk c and every earlier chunk of its lane have landed. The gated kernels
+    (csrc/kernels/arrival_gate.cuh) compute the same."""
+    for first, records, slot, hint, *base in table:
+        if first <= row < first + records:
+            c = (row - first) // per_chunk
+            lane = (hint + c) % num_lanes
+            return slot + lane, base[lane] + (c // num_lanes) * per_chunk + min(per_chunk, records - c * per_chunk)
+    return None
+
+
 @dataclass(frozen=True)
 class CombineAreas:
     """Where one combine's partial sums sit in every rank's RDMA region (byte offsets, per rank): the rows a rank

@@ -172,6 +172,10 @@ class KernelSettings:
     gpu_timeout_secs: float = field(default=100.0, metadata=_meta(
         "UCCL_EP_GPU_TIMEOUT_SECS", "deadline for any GPU spin wait before the kernel reports and traps",
         _float(0.001)))
+    gated_arrivals: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_GATED_ARRIVALS", "internode: the kernel that reads a hop's arrivals (dispatch's unpack with one GPU "
+        "per node, combine's sum of partial sums) starts with the hop and reads each chunk as its counter shows it "
+        "landed; 0: it starts after the whole hop (docs/internode.md, Gated arrivals)", _bool))
     drain_after_waits: str = field(default="always", metadata=_meta(
         "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
         "never: launch on while the wait spins; it stalled and corrupted cached dispatches on the loopback transport "

@@ -50,9 +50,10 @@ void bind_internode(py::module_& m) {
   k.def("sum_node_partials", &in::sum_node_partials, py::arg("out_x"), py::arg("out_w"), py::arg("src"),
         py::arg("src_stride"), py::arg("row_of"), py::arg("zero"), py::arg("num_nodes"), py::arg("num_tokens"),
         py::arg("payload_bytes"), py::arg("num_weights"), py::arg("fp32"), py::arg("stream"),
-        py::arg("out_x_stride") = 0, py::arg("out_w_stride") = 0,
+        py::arg("out_x_stride") = 0, py::arg("out_w_stride") = 0, py::arg("gate") = nullptr,
         "each token's partial sums (rows row_of[m, t] of src) added in fp32 in order of m, rounded once; output "
-        "rows out_x_stride / out_w_stride bytes apart (0: back to back)");
+        "rows out_x_stride / out_w_stride bytes apart (0: back to back); gate (InternodeContext.arrival_gate): "
+        "each tile of tokens first waits for the chunks holding its rows");
 
   k.attr("COUNT_ROW_MAX_BINS") = int(in::kCountRowMaxBins);
   k.def("count_row", &in::count_row, py::arg("out"), py::arg("is_token_in_rank"), py::arg("num_tokens"),
@@ -86,20 +87,29 @@ void bind_internode(py::module_& m) {
          const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& columns, uintptr_t ids_out,
          uintptr_t weights_out, int64_t ids_offset, int64_t weights_offset, int num_topk, int64_t expert_lo,
          int64_t experts_per_rank, int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset,
-         uintptr_t arrival_out, uintptr_t stream) {
+         uintptr_t arrival_out, uintptr_t stream, const in::ArrivalGate* gate) {
         std::vector<in::PackColumn> cols;
         for (const auto& [dst, bytes, offset] : columns) cols.push_back(in::PackColumn{dst, bytes, offset});
         in::unpack_records(src, src_stride, num_rows, out_rows, cols,
                            in::UnpackTopk{ids_out, weights_out, ids_offset, weights_offset, num_topk, expert_lo,
                                           experts_per_rank},
-                           src_idx_offset, src_idx_out, arrival_offset, arrival_out, stream);
+                           src_idx_offset, src_idx_out, arrival_offset, arrival_out, stream, gate);
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("out_rows"), py::arg("columns"),
       py::arg("ids_out"), py::arg("weights_out"), py::arg("ids_offset"), py::arg("weights_offset"),
       py::arg("num_topk"), py::arg("expert_lo"), py::arg("experts_per_rank"), py::arg("src_idx_offset"),
       py::arg("src_idx_out"), py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"),
+      py::arg("gate") = nullptr,
       "the final rows' columns into their outputs, one launch; columns: (output, row bytes, row offset); rows "
-      "past num_rows up to out_rows zeroed (ids -1); global expert ids made local, foreign weights zeroed");
+      "past num_rows up to out_rows zeroed (ids -1); global expert ids made local, foreign weights zeroed; gate "
+      "(InternodeContext.arrival_gate): each tile of rows first waits for the chunks that carry it");
+
+  k.attr("GATE_COLUMNS") = int(in::kGateBase);
+  py::class_<in::ArrivalGate>(k, "ArrivalGate",
+                              "what a gated kernel waits on (InternodeContext.arrival_gate); opaque")
+      .def_readonly("blocks", &in::ArrivalGate::blocks)
+      .def_readonly("lanes", &in::ArrivalGate::lanes)
+      .def_readonly("per_chunk", &in::ArrivalGate::per_chunk);
 
   py::class_<in::Context>(k, "InternodeContext")
       .def(py::init([](int rank, int world, int device, int64_t rdma_bytes, int64_t nvl_bytes, int num_threads,
@@ -193,6 +203,11 @@ void bind_internode(py::module_& m) {
       .def_property_readonly("stop_generation", &in::Context::stop_generation)
       .def("push_chunks", &in::Context::push_chunks, py::arg("table"), py::arg("n"), py::arg("chunk_records"),
            py::arg("phase"), py::arg("stream"))
+      .def("arrival_gate", &in::Context::arrival_gate, py::arg("table"), py::arg("blocks"),
+           py::arg("chunk_records"), py::arg("phase"),
+           "a gate for sum_node_partials / unpack_records over this call's arrivals; table: device int64 "
+           "[blocks][GATE_COLUMNS + num_fifos] (first row, records, first slot, FIFO hint, counter bases), kept "
+           "alive until the gated launch ran")
       .def("wait_signals", &in::Context::wait_signals, py::arg("slot_expected"), py::arg("n"), py::arg("phase"),
            py::arg("stream"))
       .def("error_message", &in::Context::error_message)

@@ -18,6 +18,9 @@
 #include "uccl_ep/fifo_device.cuh"
 #include "uccl_ep/row_sum.cuh"
 
+#include "kernels/arrival_gate.cuh"
+#include "kernels/gpu_wait.cuh"
+
 #include "proxy/errors.hpp"
 #include "proxy/proxy.hpp"
 #include "proxy/transport_factory.hpp"
@@ -33,37 +36,6 @@ void check(cudaError_t e, const std::string& what) {
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     throw std::runtime_error("internode: " + what + " failed: " + cudaGetErrorString(e));
-  }
-}
-
-// A rank's stop flag (device memory, Context::stop_flag_ptr): it holds the generation of the failure, so a kernel
-// launched with that generation (queued behind the failed wait) stops, and kernels launched after the host cleared
-// the error (a new generation) run. The copy kernels test it in every block: a test of the host-mapped error word
-// instead serialized over PCIe and made each scatter_rows take 17 ms on 2x H200 (session 7).
-__device__ bool stopped(StopFlag s) {
-  return s.flag && *reinterpret_cast<const volatile int32_t*>(s.flag) == s.generation;
-}
-__device__ void set_stop(StopFlag s) {
-  if (!s.flag) return;
-  *reinterpret_cast<volatile int32_t*>(s.flag) = s.generation;
-  __threadfence();
-}
-
-// The fields go out before the code (the host reads the code first, then the rest); the CAS only reserves.
-__device__ void report(ErrorWord* err, StopFlag stop, int code, int rank, int slot, int aux, int phase,
-                       long long observed, long long expected) {
-  set_stop(stop);
-  if (!err) return;
-  if (atomicCAS(&err->reserved, 0, 1) == 0) {
-    err->rank = rank;
-    err->slot = slot;
-    err->aux = aux;
-    err->phase = phase;
-    err->observed = observed;
-    err->expected = expected;
-    __threadfence_system();
-    *reinterpret_cast<volatile int32_t*>(&err->code) = code;
-    __threadfence_system();
   }
 }
 
@@ -109,29 +81,7 @@ __global__ void wait_signals_kernel(const unsigned long long* signals, const lon
                                     StopFlag stop) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const long long slot = slot_expected[2 * i], expected = slot_expected[2 * i + 1];
-  const unsigned long long start = fifo_now_ns();
-  long long v = 0;
-  for (unsigned spins = 0;; ++spins) {
-    v = static_cast<long long>(fifo_load_tail(signals + slot));
-    if (v >= expected) return;
-    if (fifo_now_ns() - start > timeout_ns) {
-      report(err, stop, kErrWaitTimeout, rank, int(slot), 0, phase, v, expected);
-      return;
-    }
-    // Another wait of this rank that already failed, or the host (abort_waits: its proxy failed), ends this wait
-    // now instead of at its own deadline. The host reports what the error word says.
-    if ((spins & 63) == 0 && *reinterpret_cast<volatile int*>(&err->code) != 0) {
-      set_stop(stop);
-      return;
-    }
-    // A tight acquire loop over PCIe gains nothing: poll a few times per microsecond.
-#if defined(__HIPCC__)
-    __builtin_amdgcn_s_sleep(4);
-#else
-    __nanosleep(200);
-#endif
-  }
+  wait_counter(signals, slot_expected[2 * i], slot_expected[2 * i + 1], timeout_ns, err, stop, rank, phase);
 }
 
 template <typename V>
@@ -160,27 +110,60 @@ __global__ void scatter_rows_kernel(char* dst, long long dst_stride, const long 
 
 // Source side of combine: token t's result is the sum, in fp32 and in ascending node m, of its partial sums
 // row_of[m * num_tokens + t] (-1: node m had none; the zero row stands in, which adds nothing) of the receive area,
-// rounded once to x's dtype; the fp32 weights behind the payload likewise. One warp per token. Replaces a zeroed
-// fp32 output, one index_add per node and a cast (~0.5 ms per call at DeepSeek-V3 shape on H200, session 7).
-template <bool kF32>
-__global__ void __launch_bounds__(256) sum_node_partials_kernel(
+// rounded once to x's dtype; the fp32 weights behind the payload likewise. One warp per token, a block per tile of
+// kSumTile tokens. Replaces a zeroed fp32 output, one index_add per node and a cast (~0.5 ms per call at DeepSeek-V3
+// shape on H200, session 7). With a gate, a tile starts as soon as the chunks holding its partial sums have landed
+// (a node's partial sums sit in token order, so a tile needs a short row range per node), while later chunks are
+// still on the wire; the loads then go through L2 (the rows were written by another engine during this kernel).
+constexpr int kSumThreads = 256;
+constexpr int kSumTile = kSumThreads / kWarpSize;
+
+template <bool kF32, bool kGated>
+__global__ void __launch_bounds__(kSumThreads) sum_node_partials_kernel(
     char* __restrict__ out_x, long long out_x_stride, char* __restrict__ out_w, long long out_w_stride,
     const char* __restrict__ src, long long src_stride, const int* __restrict__ row_of, const int4* __restrict__ zero,
-    int num_nodes, long long num_tokens, int payload_units, int num_weights) {
+    int num_nodes, long long num_tokens, int payload_units, int num_weights, ArrivalGate gate) {
+  __shared__ bool s_ok;
   const int lane = threadIdx.x % kWarpSize;
-  const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarpSize);
-  for (long long t = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize; t < num_tokens; t += warps) {
+  for (long long t0 = static_cast<long long>(blockIdx.x) * kSumTile; t0 < num_tokens;
+       t0 += static_cast<long long>(gridDim.x) * kSumTile) {
+    if constexpr (kGated) {
+      // thread 0 waits for each node's row range of the tile (rows of one node ascend with the token)
+      if (threadIdx.x == 0) {
+        bool ok = true;
+        const long long t1 = t0 + kSumTile < num_tokens ? t0 + kSumTile : num_tokens;
+        for (int m = 0; ok && m < num_nodes; ++m) {
+          long long lo = -1, hi = -1;
+          for (long long t = t0; t < t1; ++t) {
+            const int r = row_of[m * num_tokens + t];
+            if (r < 0) continue;
+            if (lo < 0 || r < lo) lo = r;
+            if (r > hi) hi = r;
+          }
+          if (lo >= 0) ok = gate_wait_rows(gate, lo, hi);
+        }
+        s_ok = ok;
+      }
+      __syncthreads();
+      const bool ok = s_ok;
+      __syncthreads();
+      if (!ok) return;  // reported; the output keeps whatever it held (the host raises)
+    }
+    const long long t = t0 + threadIdx.x / kWarpSize;
+    if (t >= num_tokens) continue;
     auto row = [&](int m) -> const int4* {
       const int r = row_of[m * num_tokens + t];
       return r < 0 ? zero : reinterpret_cast<const int4*>(src + r * src_stride);
     };
     int4* ox = reinterpret_cast<int4*>(out_x + t * out_x_stride);
-    warp_sum_rows<kF32>(num_nodes, payload_units, lane, row, [&](int u, const int4& v) { ox[u] = v; });
+    warp_sum_rows<kF32, 4, 4, kGated>(num_nodes, payload_units, lane, row, [&](int u, const int4& v) { ox[u] = v; });
     for (int k = lane; k < num_weights; k += kWarpSize) {
       float acc = 0.0f;
       for (int m = 0; m < num_nodes; ++m) {
         const int r = row_of[m * num_tokens + t];
-        if (r >= 0) acc += reinterpret_cast<const float*>(src + r * src_stride + 16LL * payload_units)[k];
+        if (r < 0) continue;
+        const float* w = reinterpret_cast<const float*>(src + r * src_stride + 16LL * payload_units) + k;
+        acc += kGated ? ld_cg_f32(w) : *w;
       }
       reinterpret_cast<float*>(out_w + t * out_w_stride)[k] = acc;
     }
@@ -191,7 +174,8 @@ __global__ void __launch_bounds__(256) sum_node_partials_kernel(
 
 void sum_node_partials(uintptr_t out_x, uintptr_t out_w, uintptr_t src, int64_t src_stride, uintptr_t row_of,
                        uintptr_t zero, int num_nodes, int64_t num_tokens, int64_t payload_bytes, int num_weights,
-                       bool fp32, uintptr_t stream, int64_t out_x_stride, int64_t out_w_stride) {
+                       bool fp32, uintptr_t stream, int64_t out_x_stride, int64_t out_w_stride,
+                       const ArrivalGate* gate) {
   if (num_tokens <= 0) return;
   if (out_x_stride <= 0) out_x_stride = payload_bytes;
   if (out_w_stride <= 0) out_w_stride = 4LL * num_weights;
@@ -200,7 +184,8 @@ void sum_node_partials(uintptr_t out_x, uintptr_t out_w, uintptr_t src, int64_t 
     throw std::invalid_argument("sum_node_partials: payload bytes, strides and pointers must be multiples of 16");
   if (num_weights > 0 && (!out_w || out_w % 4 || out_w_stride % 4))
     throw std::invalid_argument("sum_node_partials: weights need a 4-byte aligned output");
-  const int blocks = int(std::min<int64_t>((num_tokens + 7) / 8, 2048));
+  check_gate(gate, "sum_node_partials");
+  const int blocks = int(std::min<int64_t>((num_tokens + kSumTile - 1) / kSumTile, 2048));
   auto s = reinterpret_cast<cudaStream_t>(stream);
   auto* ox = reinterpret_cast<char*>(out_x);
   auto* ow = reinterpret_cast<char*>(out_w);
@@ -208,12 +193,15 @@ void sum_node_partials(uintptr_t out_x, uintptr_t out_w, uintptr_t src, int64_t 
   auto* ro = reinterpret_cast<const int*>(row_of);
   auto* z = reinterpret_cast<const int4*>(zero);
   const int units = int(payload_bytes / 16);
+  const ArrivalGate g = gate ? *gate : ArrivalGate{};
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks, kSumThreads, 0, s>>>(ox, out_x_stride, ow, out_w_stride, sp, src_stride, ro, z, num_nodes,
+                                          num_tokens, units, num_weights, g);
+  };
   if (fp32)
-    sum_node_partials_kernel<true><<<blocks, 256, 0, s>>>(ox, out_x_stride, ow, out_w_stride, sp, src_stride, ro, z,
-                                                          num_nodes, num_tokens, units, num_weights);
+    gate ? launch(sum_node_partials_kernel<true, true>) : launch(sum_node_partials_kernel<true, false>);
   else
-    sum_node_partials_kernel<false><<<blocks, 256, 0, s>>>(ox, out_x_stride, ow, out_w_stride, sp, src_stride, ro, z,
-                                                           num_nodes, num_tokens, units, num_weights);
+    gate ? launch(sum_node_partials_kernel<false, true>) : launch(sum_node_partials_kernel<false, false>);
   check(cudaGetLastError(), "sum_node_partials launch");
 }
 
@@ -521,6 +509,22 @@ void Context::wait_signals(uintptr_t slot_expected, int n, int phase, uintptr_t 
   check(cudaGetLastError(), "wait_signals launch");
 }
 
+ArrivalGate Context::arrival_gate(uintptr_t table, int blocks, int64_t chunk_records, int phase) const {
+  ArrivalGate g;
+  g.signals = static_cast<const unsigned long long*>(signals_dev_);
+  g.table = reinterpret_cast<const long long*>(table);
+  g.blocks = blocks;
+  g.lanes = proxy_->num_fifos();
+  g.per_chunk = chunk_records;
+  g.timeout_ns = timeout_ns_;
+  g.err = error_dev_;
+  g.stop = StopFlag{stop_dev_, stop_generation_};
+  g.rank = rank_;
+  g.phase = phase;
+  check_gate(&g, "arrival_gate");
+  return g;
+}
+
 ErrorWord Context::error_fields() const {
   ErrorWord e{};
   if (!error_) return e;
@@ -620,6 +624,7 @@ std::vector<Context::FifoState> Context::fifo_states() const { return {}; }
 std::string Context::proxy_counters() const { return ""; }
 void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
 void Context::wait_signals(uintptr_t, int, int, uintptr_t) {}
+ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) const { return ArrivalGate{}; }
 std::string Context::error_message() const { return ""; }
 ErrorWord Context::error_fields() const { return ErrorWord{}; }
 void Context::clear_error() {}

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/arrival_gate.hpp"
+#include "kernels/step_failure.hpp"
 #include "proxy/proxy.hpp"  // Proxy, ProxyThreadStats (host-only header)
 
 namespace uccl_ep::internode {
@@ -27,50 +29,6 @@ enum PushColumn : int {
   kPushFifo = 6,         // FIFO hint (the destination node): chunk c of the row goes to FIFO (hint + c) % num_fifos,
                          // so one block's chunks travel every proxy thread at once
   kPushColumns = 7,
-};
-
-// What failed (ErrorWord::code); the first failure of a rank wins, later ones are dropped.
-enum ErrorCode : int32_t {
-  kErrNone = 0,
-  kErrWaitTimeout = 1,    // wait_signals: slot, observed, expected
-  kErrPushTimeout = 2,    // push_chunks: FIFO full past the deadline; slot = FIFO, aux = destination rank,
-                          // observed = first record of the chunk, expected = records of the block
-  kErrEncode = 3,         // push_chunks: a command does not encode; slot = destination rank, aux = command error
-  kErrScatterRange = 4,   // scatter_rows: a destination row outside the area; slot = target (local GPU), aux = list
-                          // position, observed = row, expected = rows the area holds
-  kErrAborted = 5,        // the host aborted the GPU waits (its proxy failed; the host names the proxy error)
-};
-
-// Which step was running (ErrorWord::phase); passed by the host with each launch.
-enum Phase : int32_t {
-  kPhaseUnknown = 0,
-  kPhaseDispatchNetwork = 1,  // dispatch: records pushed to / awaited from the rail peers of other nodes
-  kPhaseCombineNetwork = 2,   // combine: partial sums pushed back to / awaited from the forwarders
-  kPhaseDispatchForward = 3,  // dispatch: forwarder -> final rows of the node's GPUs (NVLink scatter)
-  kPhaseCombineGather = 4,    // combine: received rows -> the forwarder's gather block (NVLink scatter)
-  kPhaseBarrier = 5,          // group barrier between steps: zero-byte signals through the proxies
-  kPhaseNotify = 6,           // count exchange: every rank's count row to every other rank through the proxies
-};
-const char* phase_name(int phase);
-
-// What a GPU-side failure leaves in host-mapped memory (read by the host after each phase).
-struct ErrorWord {
-  int32_t code;      // ErrorCode
-  int32_t rank;
-  int32_t slot;      // see ErrorCode
-  int32_t aux;       // see ErrorCode
-  int32_t phase;     // Phase
-  int32_t reserved;
-  int64_t observed;  // counter value seen / offending index
-  int64_t expected;  // value waited for / limit
-};
-
-// A rank's stop flag as the kernels see it: `flag` (device memory) equal to `generation` means a failure of this
-// generation was recorded, so push_chunks and scatter_rows do nothing. Context::clear_error() starts a new
-// generation; kernels still queued from the failed one keep stopping. flag == nullptr: never stopped.
-struct StopFlag {
-  int32_t* flag;
-  int32_t generation;
 };
 
 struct ProxyParams {
@@ -170,6 +128,10 @@ class Context {
   // Wait until signal[slot_i] >= expected_i (device int64 [n][2] = slot, expected); deadline: the GPU timeout.
   // A wait also ends early when the error word is set (by another kernel of this rank, or by abort_waits()).
   void wait_signals(uintptr_t slot_expected, int n, int phase, uintptr_t stream);
+  // The gate for a consumer of this call's arrivals (arrival_gate.hpp): `table` (device int64 [blocks][kGateBase +
+  // num_fifos]) names the blocks, `chunk_records` is the senders' chunk size; the waits get this rank's counters,
+  // deadline, error word and stop flag. The table must outlive the gated launch.
+  ArrivalGate arrival_gate(uintptr_t table, int blocks, int64_t chunk_records, int phase) const;
 
   std::string error_message() const;  // "" when fine
   ErrorWord error_fields() const;     // the raw error word (code 0 when fine)
@@ -224,8 +186,11 @@ void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_
 // buffer of payload_bytes zero bytes. Payload bytes, strides and pointers must be multiples of 16.
 // out_x_stride / out_w_stride (bytes, <= 0: rows back to back): output rows may sit inside wider rows, e.g. the
 // forwarder writes its node sums straight into the combine send records (payload, then weights).
+// gate (nullptr: none): each tile of tokens waits until the chunks holding its partial sums (row_of's rows, the
+// gate's row space) have landed, so the sum overlaps the network hop (arrival_gate.hpp).
 void sum_node_partials(uintptr_t out_x, uintptr_t out_w, uintptr_t src, int64_t src_stride, uintptr_t row_of,
                        uintptr_t zero, int num_nodes, int64_t num_tokens, int64_t payload_bytes, int num_weights,
-                       bool fp32, uintptr_t stream, int64_t out_x_stride = 0, int64_t out_w_stride = 0);
+                       bool fp32, uintptr_t stream, int64_t out_x_stride = 0, int64_t out_w_stride = 0,
+                       const ArrivalGate* gate = nullptr);
 
 }  // namespace uccl_ep::internode

@@ -10,6 +10,8 @@
 
 #include "uccl_ep/portability.cuh"
 
+#include "kernels/arrival_gate.cuh"
+
 namespace uccl_ep::internode {
 namespace {
 
@@ -115,20 +117,28 @@ struct PackArgs {
   int num_columns;
 };
 
-template <typename V>
+// kCoherent: the source may be landing while the kernel runs (gated reads of arrivals): L2 loads, so that a line
+// cached with the unlanded head of a later row is never served (ld_cg_v4).
+template <bool kCoherent, typename V>
+__device__ V load_word(const V* p) {
+  if constexpr (kCoherent) return ld_cg(p); else return *p;
+}
+
+template <typename V, bool kCoherent>
 __device__ void copy_bytes(char* dst, const char* src, long long bytes, int lane) {
   for (long long w = lane; w < bytes / static_cast<long long>(sizeof(V)); w += kPackGroup)
-    reinterpret_cast<V*>(dst)[w] = reinterpret_cast<const V*>(src)[w];
+    reinterpret_cast<V*>(dst)[w] = load_word<kCoherent>(reinterpret_cast<const V*>(src) + w);
 }
 
 // One row of a column by a group of 32 threads, in the widest words its alignment allows (payload rows: 16 bytes).
+template <bool kCoherent = false>
 __device__ void copy_row(char* dst, const char* src, long long bytes, int lane) {
   const unsigned long long align = reinterpret_cast<unsigned long long>(src) |
                                    reinterpret_cast<unsigned long long>(dst) | static_cast<unsigned long long>(bytes);
-  if (align % 16 == 0) copy_bytes<int4>(dst, src, bytes, lane);
-  else if (align % 8 == 0) copy_bytes<long long>(dst, src, bytes, lane);
-  else if (align % 4 == 0) copy_bytes<int>(dst, src, bytes, lane);
-  else copy_bytes<char>(dst, src, bytes, lane);
+  if (align % 16 == 0) copy_bytes<int4, kCoherent>(dst, src, bytes, lane);
+  else if (align % 8 == 0) copy_bytes<long long, kCoherent>(dst, src, bytes, lane);
+  else if (align % 4 == 0) copy_bytes<int, kCoherent>(dst, src, bytes, lane);
+  else copy_bytes<char, kCoherent>(dst, src, bytes, lane);
 }
 
 // A group of 32 threads per record.
@@ -152,14 +162,23 @@ __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
   }
 }
 
-// The inverse at the receiver, one group of 32 threads per output row.
+// The inverse at the receiver, one group of 32 threads per output row, a block per tile of rows. With a gate, a
+// tile waits for the chunks that carry its rows and is unpacked while later chunks are still on the wire.
+template <bool kGated>
 __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const char* __restrict__ src, long long src_stride, long long n, long long out_rows, PackArgs args,
     UnpackTopk topk, long long src_idx_offset, long long* __restrict__ src_idx_out, long long arrival_offset,
-    long long* __restrict__ arrival_out) {
+    long long* __restrict__ arrival_out, ArrivalGate gate) {
+  constexpr int kTile = kPackThreads / kPackGroup;
+  __shared__ bool s_ok;
   const int lane = threadIdx.x % kPackGroup;
-  const long long groups = static_cast<long long>(gridDim.x) * (blockDim.x / kPackGroup);
-  for (long long r = blockIdx.x * (blockDim.x / kPackGroup) + threadIdx.x / kPackGroup; r < out_rows; r += groups) {
+  for (long long r0 = static_cast<long long>(blockIdx.x) * kTile; r0 < out_rows;
+       r0 += static_cast<long long>(gridDim.x) * kTile) {
+    if constexpr (kGated) {
+      if (r0 < n && !block_gate_rows(&gate, r0, (r0 + kTile < n ? r0 + kTile : n) - 1, &s_ok)) return;
+    }
+    const long long r = r0 + threadIdx.x / kPackGroup;
+    if (r >= out_rows) continue;
     const bool real = r < n;
     const char* row = src + r * src_stride;
     for (int c = 0; c < args.num_columns; ++c) {
@@ -169,24 +188,25 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
         for (long long b = lane; b < col.bytes; b += kPackGroup) dst[b] = 0;
         continue;
       }
-      copy_row(dst, row + col.offset, col.bytes, lane);
+      copy_row<kGated>(dst, row + col.offset, col.bytes, lane);
     }
     for (int k = lane; k < topk.num_topk; k += kPackGroup) {
       long long id = -1;
       float w = 0.0f;
       if (real) {
-        const long long g = reinterpret_cast<const long long*>(row + topk.ids_offset)[k];
+        const long long g = load_word<kGated>(reinterpret_cast<const long long*>(row + topk.ids_offset) + k);
         if (g >= topk.expert_lo && g < topk.expert_lo + topk.experts_per_rank) {
           id = g - topk.expert_lo;
-          if (topk.weights_out) w = reinterpret_cast<const float*>(row + topk.weights_offset)[k];
+          if (topk.weights_out) w = load_word<kGated>(reinterpret_cast<const float*>(row + topk.weights_offset) + k);
         }
       }
       if (topk.ids_out) reinterpret_cast<long long*>(topk.ids_out)[r * topk.num_topk + k] = id;
       if (topk.weights_out) reinterpret_cast<float*>(topk.weights_out)[r * topk.num_topk + k] = w;
     }
     if (real && lane == 0) {
-      if (src_idx_out) src_idx_out[r] = *reinterpret_cast<const int*>(row + src_idx_offset);
-      if (arrival_out) arrival_out[r] = arrival_offset < 0 ? r : *reinterpret_cast<const int*>(row + arrival_offset);
+      if (src_idx_out) src_idx_out[r] = load_word<kGated>(reinterpret_cast<const int*>(row + src_idx_offset));
+      if (arrival_out)
+        arrival_out[r] = arrival_offset < 0 ? r : load_word<kGated>(reinterpret_cast<const int*>(row + arrival_offset));
     }
   }
 }
@@ -256,7 +276,8 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
 
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
-                    uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream) {
+                    uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
+                    const ArrivalGate* gate) {
   if (out_rows < num_rows) throw std::invalid_argument("unpack_records: fewer output rows than rows");
   if (out_rows <= 0) return;
   if (num_rows > 0 && !src) throw std::invalid_argument("unpack_records: null source");
@@ -276,9 +297,14 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
   }
   const int per_block = kPackThreads / kPackGroup;
   const int blocks = int(std::min<int64_t>((out_rows + per_block - 1) / per_block, 1024));
-  unpack_records_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const char*>(src), src_stride, num_rows, out_rows, args, topk, src_idx_offset,
-      reinterpret_cast<long long*>(src_idx_out), arrival_offset, reinterpret_cast<long long*>(arrival_out));
+  check_gate(gate, "unpack_records");
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+        reinterpret_cast<const char*>(src), src_stride, num_rows, out_rows, args, topk, src_idx_offset,
+        reinterpret_cast<long long*>(src_idx_out), arrival_offset, reinterpret_cast<long long*>(arrival_out),
+        gate ? *gate : ArrivalGate{});
+  };
+  gate ? launch(unpack_records_kernel<true>) : launch(unpack_records_kernel<false>);
   check_launch("unpack_records");
 }
 

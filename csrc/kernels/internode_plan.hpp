@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/arrival_gate.hpp"
+
 namespace uccl_ep::internode {
 
 // The widest count row count_row writes (its shared-memory bins: per rank, per node, per (rank, slot)).
@@ -55,6 +57,8 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
 // experts_per_rank), else -1), and with weights_out the fp32 weights at weights_offset are kept where the id is
 // local, else 0 (padding rows: -1 and 0). src_idx_out / arrival_out (int64 [num_rows], 0: skipped): the int32 fields
 // at src_idx_offset / arrival_offset; arrival_offset < 0: the row index itself (the final rows are the arrivals).
+// gate (nullptr: none): the rows are arrivals still landing; each tile of rows waits for the chunks that carry it
+// (arrival_gate.hpp; the gate's row space is the rows of `src`).
 struct UnpackTopk {
   uintptr_t ids_out = 0;
   uintptr_t weights_out = 0;
@@ -66,6 +70,7 @@ struct UnpackTopk {
 };
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
-                    uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream);
+                    uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
+                    const ArrivalGate* gate = nullptr);
 
 }  // namespace uccl_ep::internode

@@ -9,7 +9,9 @@ row of the push table into chunks exactly as push_chunks_kernel (lane = (hint + 
 format checks, the same ``encode`` error word), copying each chunk's bytes and THEN adding its record count to the
 destination's slot + lane; ``wait_signals`` polling until every slot reaches its target, recording ``wait_timeout``
 after the GPU deadline and returning early once the error word is set (``abort_waits``); ``scatter_rows`` with the
-``scatter_range`` check; the error word at a raw address; diagnostics with the real keys.
+``scatter_range`` check; ``arrival_gate`` and the gated ``unpack_records`` / ``sum_node_partials``, which wait for
+the counter of every row they read by the kernels' rule (internode_plan.gate_threshold) before reading it; the error
+word at a raw address; diagnostics with the real keys.
 
 A counter is one int64 per (slot, writer rank): only that writer adds to it and a slot's value is the sum over
 writers, so counters stay exact with several writer processes and no atomics.
@@ -34,10 +36,12 @@ import torch
 from tests.shared_memory_files import map_file, sweep_leftovers
 
 from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
-                                          CMD_UNIT, SLOT_PAGE, Counts, RecordLayout, local_count_row,
-                                          pack_records as _pack_records, send_plan as _send_plan)
+                                          CMD_UNIT, GATE_FIXED_COLUMNS, SLOT_PAGE, Counts, RecordLayout,
+                                          gate_threshold, local_count_row, pack_records as _pack_records,
+                                          send_plan as _send_plan)
 
 PUSH_COLUMNS = 7
+GATE_COLUMNS = GATE_FIXED_COLUMNS
 COUNT_ROW_MAX_BINS = 12288
 PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "combine_gather": 4, "barrier": 5,
           "notify": 6}
@@ -136,7 +140,7 @@ def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: 
 
 def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of: int, zero: int, num_nodes: int,
                       num_tokens: int, payload_bytes: int, num_weights: int, fp32: bool, stream: int,
-                      out_x_stride: int = 0, out_w_stride: int = 0) -> None:
+                      out_x_stride: int = 0, out_w_stride: int = 0, gate: "ArrivalGate | None" = None) -> None:
     """sum_node_partials_kernel: per token, the payloads of rows row_of[m, t] (-1: the zero row) added in fp32 in
     ascending node m and rounded once to bf16 (fp32 with ``fp32``); the fp32 weights behind them summed the same way;
     output rows ``out_x_stride`` / ``out_w_stride`` bytes apart (0: back to back)."""
@@ -147,6 +151,8 @@ def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of:
     dtype = torch.float32 if fp32 else torch.bfloat16
     H = payload_bytes // dtype.itemsize
     rows = _at(row_of, 4 * num_nodes * num_tokens, torch.int32).view(num_nodes, num_tokens).to(torch.int64)
+    if gate is not None and not gate.wait_rows(rows[rows >= 0].tolist()):
+        return  # reported; the kernel's tiles return without writing
     acc_x = torch.zeros((num_tokens, H))
     acc_w = torch.zeros((num_tokens, num_weights))
     n = int(rows.max()) + 1 if rows.numel() else 0
@@ -232,13 +238,15 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
 def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, columns: list, ids_out: int,
                    weights_out: int, ids_offset: int, weights_offset: int, num_topk: int, expert_lo: int,
                    experts_per_rank: int, src_idx_offset: int, src_idx_out: int, arrival_offset: int,
-                   arrival_out: int, stream: int) -> None:
+                   arrival_out: int, stream: int, gate: "ArrivalGate | None" = None) -> None:
     """unpack_records_kernel: the final rows' columns into their outputs (zero rows up to ``out_rows``); global
     expert ids made local (-1 elsewhere), the weights of foreign ids zeroed; the int32 src_idx / arrival fields
     widened to int64 (a negative arrival offset: the row index)."""
     if out_rows < num_rows:
         raise ValueError("unpack_records: fewer output rows than rows")
     n = num_rows
+    if gate is not None and not gate.wait_rows(range(n)):
+        return
     rows = _at(src, (n - 1) * src_stride + src_stride).as_strided((n, src_stride), (src_stride, 1)) if n else None
 
     def field(off: int, nb: int) -> torch.Tensor:
@@ -275,6 +283,29 @@ def _encode_error(dst: int, nbytes: int, local: int, remote: int, slot: int, val
               (local > _MAX_OFFSET, 7), (remote % CMD_UNIT, 10), (remote > _MAX_OFFSET, 9),
               (slot >= CMD_MAX_SLOTS, 3), (value > CMD_MAX_VALUE, 4)]
     return next((e for bad, e in checks if bad), 0)
+
+
+class ArrivalGate:
+    """InternodeContext.arrival_gate: the counters behind every row of this call's arrivals. The table (device int64
+    [blocks][GATE_COLUMNS + lanes]) is read when a gated kernel runs, as on the GPU."""
+
+    def __init__(self, ctx: "InternodeContext", table: int, blocks: int, per_chunk: int, phase: int) -> None:
+        if blocks < 0 or per_chunk < 1 or (blocks and not table):
+            raise ValueError(f"arrival_gate: malformed arrival gate ({blocks} blocks, {per_chunk} records per chunk)")
+        self._ctx, self._table, self._phase = ctx, table, phase
+        self.blocks, self.lanes, self.per_chunk = blocks, ctx.num_fifos, per_chunk
+
+    def wait_rows(self, rows) -> bool:
+        """Wait until every row in ``rows`` has landed; False: a wait failed (reported) and nothing may be read."""
+        width = GATE_COLUMNS + self.lanes
+        table = _at(self._table, 8 * width * self.blocks, torch.int64).view(self.blocks, width).tolist() \
+            if self.blocks else []
+        need: dict = {}
+        for r in rows:
+            t = gate_threshold(int(r), table, self.per_chunk, self.lanes)
+            if t is not None:
+                need[t[0]] = max(need.get(t[0], 0), t[1])
+        return self._ctx._wait_for(sorted(need.items()), self._phase)
 
 
 class InternodeContext:
@@ -416,21 +447,30 @@ class InternodeContext:
         pairs = _at(slot_expected, 16 * n, torch.int64).view(n, 2).tolist()
         if any(not 0 <= s < self.num_signal_slots for s, _ in pairs):
             raise ValueError(f"wait_signals: a slot outside 0..{self.num_signal_slots - 1}: {pairs}")
+        self._wait_for(pairs, phase)
+
+    def arrival_gate(self, table: int, blocks: int, chunk_records: int, phase: int) -> ArrivalGate:
+        return ArrivalGate(self, table, blocks, chunk_records, phase)
+
+    def _wait_for(self, pairs: list, phase: int) -> bool:
+        """wait_counter (csrc/kernels/gpu_wait.cuh) for each (slot, target): True when all were reached."""
+        if not pairs:
+            return True
         slots = torch.tensor([s for s, _ in pairs])
         start, nap = time.monotonic(), 2e-5
         while True:
             seen = self._sig[slots].sum(1).tolist()
             late = [(s, v, e) for (s, e), v in zip(pairs, seen) if v < e]
             if not late:
-                return
+                return True
             if time.monotonic() - start > self._timeout:
                 s, v, e = late[0]
                 _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["wait_timeout"], self.rank, s, 0, phase,
                         v, e)
-                return
+                return False
             if self._err.code:  # another failed wait of this rank, or abort_waits()
                 _set_stop(*self._stop_now())
-                return
+                return False
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
 

@@ -149,6 +149,14 @@ def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, 
     assert not left, f"shared memory left behind after destroy: {left}"
 
 
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_outputs_also_match_when_arrivals_are_read_only_after_the_whole_hop(world, G):
+    """UCCL_EP_GATED_ARRIVALS=0 keeps the wait for every counter before the readers run (the other tests run the
+    gated readers)."""
+    out = run_distributed(_cases, world, G, ALL[:5], 1, timeout=120, env=dict(ENV, UCCL_EP_GATED_ARRIVALS="0"))
+    assert all(done == 5 for done, _, _ in out)
+
+
 def _absent_peer(rank, world, G):
     from uccl_ep_train.backends import DispatchArgs
     from uccl_ep_train.internode import InternodeError

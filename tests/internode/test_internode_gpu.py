@@ -97,6 +97,16 @@ def test_reordered_transport_with_inflight_cap_one_and_tiny_chunks_still_matches
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_outputs_also_match_when_arrivals_are_read_only_after_the_whole_hop(world, G):
+    """UCCL_EP_GATED_ARRIVALS=0: the readers of a hop's arrivals wait for every counter first (the path before
+    session 10); every other test here runs the gated readers, which start with the hop."""
+    _need(world)
+    env = {"UCCL_EP_GATED_ARRIVALS": "0", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_cases, world, G, ALL[:5], 1, timeout=420, env=env)
+    assert all(done == 5 for done, _ in out)
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
 def test_reordered_transport_with_several_writes_in_flight_still_matches(world, G):
     """With one write in flight the loopback never actually reorders (a write's completion and its immediate leave
     together); four in flight let deliveries overtake each other, so the sequence numbers must restore the order.

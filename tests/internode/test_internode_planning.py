@@ -511,3 +511,53 @@ def test_per_rank_totals_derived_at_once_equal_their_per_rank_definitions(R, G):
         for j in range(G):
             want = [torch.arange(int(starts[s]), int(starts[s] + counts.rank_counts[s, r])) for s in range(j, R, G)]
             assert torch.equal(groups[j], torch.cat(want)), (r, j)
+
+
+@pytest.mark.parametrize("R,G,lanes,per,seed", [(2, 1, 1, 3, 0), (4, 1, 4, 2, 1), (8, 2, 3, 5, 2), (6, 3, 2, 1, 3),
+                                                (4, 2, 4, 7, 4)])
+def test_a_gated_row_is_ready_exactly_when_the_chunk_carrying_it_has_landed(R, G, lanes, per, seed):
+    """The gated readers (csrc/kernels/arrival_gate.cuh) read a row once its lane's counter passes gate_threshold.
+    Chunks land in any interleaving of the lanes, each lane in its own order (one FIFO per counter; the proxy's
+    sequencer restores that order on an unordered NIC). After every landing, each row of every block must be ready
+    exactly when its chunk has landed: never before (it would read bytes not yet written), never later (the reader
+    would wait for chunks it does not need). Dispatch and combine blocks, with counters that start where the calls
+    before left them."""
+    N = R // G
+    g = torch.Generator().manual_seed(seed)
+    counts = inn.Counts(torch.randint(0, 12, (R, R), generator=g), torch.randint(0, 20, (R, N), generator=g))
+    for r in range(R):
+        node = r // G
+        for blocks, waits in ((plan.dispatch_gate_blocks(counts, r, G, lanes), plan.dispatch_waits(counts, r, G, per,
+                                                                                                    lanes)),
+                              (plan.combine_gate_blocks(counts, r, G, lanes), plan.combine_waits(counts, r, G, per,
+                                                                                                  lanes))):
+            before = torch.randint(0, 100, (2 * N * lanes,), generator=g).tolist()
+            table = plan.gate_rows(blocks, node, lanes, before)
+            # what the counters finally reach is what the host-side waits expect
+            final = list(before)
+            for slot, c in waits:
+                final[slot] += c
+            # the chunks as push_chunks cuts each block: chunk c through lane (hint + c) % lanes, in order per lane
+            queues = [[] for _ in range(2 * N * lanes)]
+            for first, records, slot in blocks:
+                for c, lo in enumerate(range(0, records, per)):
+                    lane = (node + c) % lanes
+                    queues[slot + lane].append((first + lo, min(per, records - lo)))
+            counters, landed = list(before), set()
+            rows = [(first + i, first) for first, records, _ in blocks for i in range(records)]
+            while True:
+                for row, first in rows:
+                    chunk_first = first + (row - first) // per * per
+                    slot, value = plan.gate_threshold(row, table, per, lanes)
+                    assert (counters[slot] >= value) == (chunk_first in landed), (r, row, slot, value, counters)
+                live = [i for i, q in enumerate(queues) if q]
+                if not live:
+                    break
+                lane_slot = live[int(torch.randint(0, len(live), (1,), generator=g))]
+                lo, n = queues[lane_slot].pop(0)
+                counters[lane_slot] += n
+                landed.add(lo)
+            assert counters == final
+            own_rows = [i for i in range(sum(int(c) for c in counts.rank_counts[:, r]))
+                        if all(not first <= i < first + n for first, n, _ in blocks)]
+            assert all(plan.gate_threshold(i, table, per, lanes) is None for i in own_rows)

@@ -227,6 +227,9 @@ def run(args) -> int:
         # whether the host waited for its stream after each network wait (internode.drain_after_waits): without the
         # drains the host steps below are launch times and the GPU runs the steps back to back
         "drain_after_waits": nat._drain_after_waits,
+        # whether the readers of each hop's arrivals (unpack with one GPU per node, the source's sum) ran during the
+        # hop, gated chunk by chunk (UCCL_EP_GATED_ARRIVALS); the hop figures then end when the reader is done
+        "gated_arrivals": nat.gated_arrivals,
         # per rank: mean host wall time per call and step (uncached and cached together); earlier runs' JSON had
         # rank 0's alone as host_step_us_rank0
         "host_step_us_by_rank": steps_by_rank,
@@ -240,6 +243,7 @@ def run(args) -> int:
     }
     row["combine_after_dispatch_us"] = row["dispatch_then_combine_us"] - row["dispatch_us"]
     row["dispatch_network_GBps"] = row["dispatch_network_bytes"] / (row["dispatch_us"] * 1e3)
+    row["cached_dispatch_network_GBps"] = row["dispatch_network_bytes"] / (row["cached_dispatch_us"] * 1e3)
     row["dispatch_logical_GBps"] = row["dispatch_logical_bytes"] / (row["dispatch_us"] * 1e3)
     row["combine_network_GBps"] = row["combine_network_bytes"] / (row["combine_us"] * 1e3)
     row["combine_after_dispatch_network_GBps"] = row["combine_network_bytes"] / max(
@@ -250,6 +254,7 @@ def run(args) -> int:
     # what the goal compares with: the NIC cap when one is emulated, else the raw copy bandwidth
     ceiling = row["loopback_bw_gbps"] or row["raw_copy_GBps"]
     row["dispatch_network_vs_ceiling"] = row["dispatch_network_GBps"] / ceiling
+    row["cached_dispatch_network_vs_ceiling"] = row["cached_dispatch_network_GBps"] / ceiling
     row["combine_network_vs_ceiling"] = row["combine_network_GBps"] / ceiling
     row["dispatch_network_hop_vs_ceiling"] = row["dispatch_network_hop_GBps"] / ceiling
     row["combine_network_hop_vs_ceiling"] = row["combine_network_hop_GBps"] / ceiling

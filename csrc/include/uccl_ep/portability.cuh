@@ -210,6 +210,18 @@ UCCL_DEVICE float ld_cg_f32(const float* p) {
 #endif
 }
 
+// ld_cg_v4 for any word type (int4, long long, int, float, char).
+template <typename V>
+UCCL_DEVICE V ld_cg(const V* p) {
+#if defined(UCCL_EP_CUDA)
+  return __ldcg(p);
+#else
+  return *reinterpret_cast<const volatile V*>(p);
+#endif
+}
+template <>
+UCCL_DEVICE int4 ld_cg<int4>(const int4* p) { return ld_cg_v4(p); }
+
 UCCL_DEVICE void st_v4(int4* p, const int4& v) { *p = v; }
 
 // Stores that go to a peer over NVLink/xGMI: skip L1 allocation; the data is consumed on the other GPU.

@@ -1,0 +1,53 @@
+// An arrival gate: lets a kernel that reads a receive area (unpack the dispatch's records, add the combine's partial
+// sums) start while the hop is still running, reading each row as soon as the chunk that carries it has landed
+// instead of after the whole hop (docs/internode.md, "Consuming arrivals as they land"). Plain C++: the bindings
+// compile it with the host compiler.
+//
+// What makes it possible: a sender cuts each block into chunks of `per_chunk` records and sends chunk c through lane
+// (hint + c) % lanes, and every lane's counter is fed by one FIFO, so it moves in that lane's order (the proxy's
+// sequencer restores it when the NIC reorders). Chunks before c on c's lane are whole, so row i of a block has landed
+// once counter[first_slot + lane] >= base[lane] + (c / lanes) * per_chunk + min(per_chunk, records - c * per_chunk),
+// base being the counter's value before this call. uccl_ep_train/internode_plan.py (`gate_threshold`) is the
+// definition the tests hold this to.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/step_failure.hpp"  // ErrorWord, StopFlag
+
+namespace uccl_ep::internode {
+
+// Columns of one gate-table row (int64, one row per block of arrivals), followed by `lanes` counter bases.
+enum GateColumn : int {
+  kGateFirstRow = 0,  // the block's first row in the consumer's row space
+  kGateRecords = 1,   // rows in the block
+  kGateSlot = 2,      // the counter of lane 0 (lane f counts into kGateSlot + f)
+  kGateHint = 3,      // the sender's FIFO hint: chunk c went through lane (hint + c) % lanes
+  kGateBase = 4,      // lanes counter values from before this call
+};
+
+struct ArrivalGate {
+  const unsigned long long* signals = nullptr;  // the proxy's counters, device-mapped
+  const long long* table = nullptr;             // device int64 [blocks][kGateBase + lanes]
+  int blocks = 0;
+  int lanes = 1;
+  long long per_chunk = 1;
+  unsigned long long timeout_ns = 0;
+  ErrorWord* err = nullptr;
+  StopFlag stop{nullptr, 0};
+  int rank = -1;
+  int phase = 0;
+};
+
+// Host check before a gated launch (nullptr: no gate, nothing to check).
+inline void check_gate(const ArrivalGate* g, const char* who) {
+  if (!g) return;
+  if (g->blocks < 0 || g->lanes < 1 || g->per_chunk < 1 || (g->blocks > 0 && (!g->table || !g->signals)))
+    throw std::invalid_argument(std::string(who) + ": malformed arrival gate (" + std::to_string(g->blocks) +
+                                " blocks, " + std::to_string(g->lanes) + " lanes, " + std::to_string(g->per_chunk) +
+                                " records per chunk)");
+}
+
+}  // namespace uccl_ep::internode
