@@ -444,6 +444,19 @@ def gate_threshold(row: int, table: Sequence[Sequence[int]], per_chunk: int, num
     return None
 
 
+def gate_lane_target(row: Sequence[int], lane: int, per_chunk: int, num_lanes: int) -> Optional[int]:
+    """The counter value at which ``lane`` has carried every chunk of the block of gate-table ``row`` (the threshold of
+    its last chunk there), None when no chunk of the block goes through it: where a gated launch's watcher stops
+    (gate_watch in csrc/kernels/arrival_gate.cuh)."""
+    first, records, _, hint, *base = row
+    chunks = -(-records // per_chunk)
+    c0 = (lane - hint) % num_lanes
+    if c0 >= chunks:
+        return None
+    c = c0 + (chunks - 1 - c0) // num_lanes * num_lanes
+    return base[lane] + (c // num_lanes) * per_chunk + min(per_chunk, records - c * per_chunk)
+
+
 @dataclass(frozen=True)
 class CombineAreas:
     """Where one combine's partial sums sit in every rank's RDMA region (byte offsets, per rank): the rows a rank

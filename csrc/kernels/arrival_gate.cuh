@@ -6,6 +6,58 @@
 
 namespace uccl_ep::internode {
 
+// The counter value at which lane `lane` of a block has carried all its chunks (the threshold of its last chunk);
+// -1: no chunk of the block goes through that lane.
+__device__ inline long long gate_lane_target(const long long* row, int lane, long long per, int lanes) {
+  const long long records = row[kGateRecords];
+  const long long chunks = (records + per - 1) / per;
+  const long long c0 = ((lane - row[kGateHint]) % lanes + lanes) % lanes;
+  if (c0 >= chunks) return -1;
+  const long long c = c0 + (chunks - 1 - c0) / lanes * lanes;
+  const long long rest = records - c * per;
+  return row[kGateBase + lane] + (c / lanes) * per + (rest < per ? rest : per);
+}
+
+// Block 0 of a gated launch: copy each (block, lane) counter into the mirror as it moves, until every lane has
+// carried its last chunk. The only reads of host memory in a gated launch; the deadline and the host's abort end it
+// like wait_signals, and the stop flag it sets ends the readers' waits.
+__device__ inline void gate_watch(const ArrivalGate& g) {
+  const int width = kGateBase + g.lanes;
+  const int pairs = g.blocks * g.lanes;
+  const unsigned long long start = fifo_now_ns();
+  for (unsigned spins = 0;; ++spins) {
+    bool done = true;
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+      const long long* row = g.table + static_cast<long long>(i / g.lanes) * width;
+      const int lane = i % g.lanes;
+      const long long target = gate_lane_target(row, lane, g.per_chunk, g.lanes);
+      if (target < 0) continue;
+      const long long slot = row[kGateSlot] + lane;
+      const unsigned long long v = fifo_load_tail(g.signals + slot);
+      if (v > *reinterpret_cast<volatile unsigned long long*>(g.mirror + slot)) {
+        __threadfence();  // the rows the counter covers are read after the mirror: publish it as a release
+        atomicMax(g.mirror + slot, v);
+      }
+      if (static_cast<long long>(v) >= target) continue;
+      done = false;
+      if (fifo_now_ns() - start > g.timeout_ns) {
+        report(g.err, g.stop, kErrWaitTimeout, g.rank, int(slot), 0, g.phase, static_cast<long long>(v), target);
+        return;
+      }
+    }
+    if (done) return;
+    if ((spins & 63) == 0 && ((g.err && *reinterpret_cast<volatile int*>(&g.err->code) != 0) || stopped(g.stop))) {
+      set_stop(g.stop);
+      return;
+    }
+#if defined(__HIPCC__)
+    __builtin_amdgcn_s_sleep(4);
+#else
+    __nanosleep(200);
+#endif
+  }
+}
+
 // One thread waits until rows [lo, hi] of the gate's row space have landed: for every block that holds some of them,
 // the counter of each chunk that carries them. Rows outside every block (our own node's, copied locally) need no
 // wait. False: a wait failed and was reported; the caller must not read the rows.
@@ -22,7 +74,8 @@ __device__ inline bool gate_wait_rows(const ArrivalGate& g, long long lo, long l
       const int lane = int((row[kGateHint] + c) % g.lanes);
       const long long rest = records - c * per;
       const long long need = row[kGateBase + lane] + (c / g.lanes) * per + (rest < per ? rest : per);
-      if (!wait_counter(g.signals, row[kGateSlot] + lane, need, g.timeout_ns, g.err, g.stop, g.rank, g.phase))
+      if (!wait_counter(g.mirror, row[kGateSlot] + lane, need, g.timeout_ns, g.err, g.stop, g.rank, g.phase,
+                        /*watch_error_word=*/false))
         return false;
     }
   }

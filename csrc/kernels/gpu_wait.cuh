@@ -47,9 +47,11 @@ __device__ inline void report(ErrorWord* err, StopFlag stop, int code, int rank,
 // kErrWaitTimeout with the slot, the value seen and the one waited for), or another wait of this rank failed, or the
 // host aborted the waits (its proxy failed): the stop flag is set either way and the caller must not read what the
 // counter guards.
+// watch_error_word = false: test only the stop flag (device memory), for waits on device memory by many blocks at
+// once, whose reads of the host-mapped error word would flood PCIe; whoever sees the error word sets the flag.
 __device__ inline bool wait_counter(const unsigned long long* signals, long long slot, long long expected,
                                     unsigned long long timeout_ns, ErrorWord* err, StopFlag stop, int rank,
-                                    int phase) {
+                                    int phase, bool watch_error_word = true) {
   const unsigned long long start = fifo_now_ns();
   for (unsigned spins = 0;; ++spins) {
     const long long v = static_cast<long long>(fifo_load_tail(signals + slot));
@@ -58,7 +60,8 @@ __device__ inline bool wait_counter(const unsigned long long* signals, long long
       report(err, stop, kErrWaitTimeout, rank, int(slot), 0, phase, v, expected);
       return false;
     }
-    if ((spins & 63) == 0 && ((err && *reinterpret_cast<volatile int*>(&err->code) != 0) || stopped(stop))) {
+    if ((spins & 63) == 0 &&
+        ((watch_error_word && err && *reinterpret_cast<volatile int*>(&err->code) != 0) || stopped(stop))) {
       set_stop(stop);
       return false;
     }

@@ -124,9 +124,13 @@ __global__ void __launch_bounds__(kSumThreads) sum_node_partials_kernel(
     const char* __restrict__ src, long long src_stride, const int* __restrict__ row_of, const int4* __restrict__ zero,
     int num_nodes, long long num_tokens, int payload_units, int num_weights, ArrivalGate gate) {
   __shared__ bool s_ok;
+  if (kGated && blockIdx.x == 0) {  // the watcher (arrival_gate.hpp); the tiles go to the other blocks
+    gate_watch(gate);
+    return;
+  }
+  const long long block = blockIdx.x - (kGated ? 1 : 0), grid = gridDim.x - (kGated ? 1 : 0);
   const int lane = threadIdx.x % kWarpSize;
-  for (long long t0 = static_cast<long long>(blockIdx.x) * kSumTile; t0 < num_tokens;
-       t0 += static_cast<long long>(gridDim.x) * kSumTile) {
+  for (long long t0 = block * kSumTile; t0 < num_tokens; t0 += grid * kSumTile) {
     if constexpr (kGated) {
       // thread 0 waits for each node's row range of the tile (rows of one node ascend with the token)
       if (threadIdx.x == 0) {
@@ -195,7 +199,7 @@ void sum_node_partials(uintptr_t out_x, uintptr_t out_w, uintptr_t src, int64_t 
   const int units = int(payload_bytes / 16);
   const ArrivalGate g = gate ? *gate : ArrivalGate{};
   auto launch = [&](auto kernel) {
-    kernel<<<blocks, kSumThreads, 0, s>>>(ox, out_x_stride, ow, out_w_stride, sp, src_stride, ro, z, num_nodes,
+    kernel<<<blocks + (gate ? 1 : 0), kSumThreads, 0, s>>>(ox, out_x_stride, ow, out_w_stride, sp, src_stride, ro, z, num_nodes,
                                           num_tokens, units, num_weights, g);
   };
   if (fp32)
@@ -310,6 +314,8 @@ Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nv
                            cudaHostRegisterPortable), "cudaHostRegister of the proxy's signal counters");
     signals_registered_ = true;
     check(cudaHostGetDevicePointer(&signals_dev_, sig, 0), "cudaHostGetDevicePointer of the signal counters");
+    check(cudaMalloc(&mirror_dev_, size_t(num_slots_) * sizeof(uint64_t)), "cudaMalloc of the counter mirror");
+    check(cudaMemset(mirror_dev_, 0, size_t(num_slots_) * sizeof(uint64_t)), "cudaMemset of the counter mirror");
 
     std::vector<DeviceFifo> views;
     for (int i = 0; i < proxy_->num_fifos(); ++i) views.push_back(proxy_->fifo(i).device_view());
@@ -361,6 +367,8 @@ void Context::destroy() {
   if (nvl_) (void)cudaFree(nvl_);
   if (error_) (void)cudaFreeHost(error_);
   if (stop_dev_) (void)cudaFree(stop_dev_);
+  if (mirror_dev_) (void)cudaFree(mirror_dev_);
+  mirror_dev_ = nullptr;
   if (abort_stream_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(abort_stream_));
   fifos_dev_ = rdma_ = nvl_ = nullptr;
   error_ = error_dev_ = nullptr;
@@ -512,6 +520,7 @@ void Context::wait_signals(uintptr_t slot_expected, int n, int phase, uintptr_t 
 ArrivalGate Context::arrival_gate(uintptr_t table, int blocks, int64_t chunk_records, int phase) const {
   ArrivalGate g;
   g.signals = static_cast<const unsigned long long*>(signals_dev_);
+  g.mirror = static_cast<unsigned long long*>(mirror_dev_);
   g.table = reinterpret_cast<const long long*>(table);
   g.blocks = blocks;
   g.lanes = proxy_->num_fifos();

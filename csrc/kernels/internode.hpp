@@ -151,6 +151,7 @@ class Context {
   void* nvl_ = nullptr;
   std::unique_ptr<Proxy> proxy_;
   void* signals_dev_ = nullptr;      // device view of the proxy's signal counters
+  void* mirror_dev_ = nullptr;       // device memory: the counters as a gated kernel's watcher last saw them
   bool signals_registered_ = false;
   void* fifos_dev_ = nullptr;        // DeviceFifo[num_fifos] in device memory
   std::vector<unsigned long long*> fifo_heads_dev_;  // each FIFO's head in GPU memory (fifo_states reads them)

@@ -171,9 +171,13 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     long long* __restrict__ arrival_out, ArrivalGate gate) {
   constexpr int kTile = kPackThreads / kPackGroup;
   __shared__ bool s_ok;
+  if (kGated && blockIdx.x == 0) {  // the watcher (arrival_gate.hpp); the tiles go to the other blocks
+    gate_watch(gate);
+    return;
+  }
+  const long long block = blockIdx.x - (kGated ? 1 : 0), grid = gridDim.x - (kGated ? 1 : 0);
   const int lane = threadIdx.x % kPackGroup;
-  for (long long r0 = static_cast<long long>(blockIdx.x) * kTile; r0 < out_rows;
-       r0 += static_cast<long long>(gridDim.x) * kTile) {
+  for (long long r0 = block * kTile; r0 < out_rows; r0 += grid * kTile) {
     if constexpr (kGated) {
       if (r0 < n && !block_gate_rows(&gate, r0, (r0 + kTile < n ? r0 + kTile : n) - 1, &s_ok)) return;
     }
@@ -299,7 +303,7 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
   const int blocks = int(std::min<int64_t>((out_rows + per_block - 1) / per_block, 1024));
   check_gate(gate, "unpack_records");
   auto launch = [&](auto kernel) {
-    kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+    kernel<<<blocks + (gate ? 1 : 0), kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const char*>(src), src_stride, num_rows, out_rows, args, topk, src_idx_offset,
         reinterpret_cast<long long*>(src_idx_out), arrival_offset, reinterpret_cast<long long*>(arrival_out),
         gate ? *gate : ArrivalGate{});

@@ -521,7 +521,7 @@ def test_a_gated_row_is_ready_exactly_when_the_chunk_carrying_it_has_landed(R, G
     sequencer restores that order on an unordered NIC). After every landing, each row of every block must be ready
     exactly when its chunk has landed: never before (it would read bytes not yet written), never later (the reader
     would wait for chunks it does not need). Dispatch and combine blocks, with counters that start where the calls
-    before left them."""
+    before left them; and the watcher of a gated launch stops each lane where the host-side wait would."""
     N = R // G
     g = torch.Generator().manual_seed(seed)
     counts = inn.Counts(torch.randint(0, 12, (R, R), generator=g), torch.randint(0, 20, (R, N), generator=g))
@@ -558,6 +558,11 @@ def test_a_gated_row_is_ready_exactly_when_the_chunk_carrying_it_has_landed(R, G
                 counters[lane_slot] += n
                 landed.add(lo)
             assert counters == final
+            # the watcher of a gated launch stops each lane where the host-side wait expects it
+            for row in table:
+                for lane, n in enumerate(plan.chunk_lanes(row[1], per, row[3], lanes)):
+                    want = row[4 + lane] + n if n else None
+                    assert plan.gate_lane_target(row, lane, per, lanes) == want, (row, lane)
             own_rows = [i for i in range(sum(int(c) for c in counts.rank_counts[:, r]))
                         if all(not first <= i < first + n for first, n, _ in blocks)]
             assert all(plan.gate_threshold(i, table, per, lanes) is None for i in own_rows)
