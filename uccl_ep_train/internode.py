@@ -32,7 +32,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     describe_gpu_error, pack_records, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
     NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
-    dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows)
+    dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
+    dispatch_may_skip_entry_barrier)
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
@@ -374,6 +375,7 @@ class NativeInternodeBackend:
         self._zero_rows: dict = {}  # payload bytes -> zero row (combine: a node without a partial sum adds it)
         self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(s.kernel.drain_after_waits)
         self.gated_arrivals = bool(s.kernel.gated_arrivals)  # docs/internode.md, "Gated arrivals"
+        self.skip_dispatch_barrier = bool(s.kernel.skip_dispatch_barrier)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
         # (notify or barrier) since the last combine and its rows stay clear of what the last dispatch filled, whose
@@ -381,6 +383,10 @@ class NativeInternodeBackend:
         self._synced_since_combine = False
         self._last_dispatch_extents: Optional[Tuple[List[int], List[int]]] = None
         self.combine_barriers_skipped = 0  # benchmarks and tests
+        # ... and a cached dispatch right after a combine may skip its own (dispatch_may_skip_entry_barrier): the
+        # counts and areas of the last call when it was a combine
+        self._last_combine: Optional[Tuple[Counts, CombineAreas]] = None
+        self.dispatch_barriers_skipped = 0
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
         self._destroyed = False
@@ -832,9 +838,13 @@ class NativeInternodeBackend:
         # queue behind it; a drain cost ~100 us per call on 2x H200 (session 8).
         self._check("entry of dispatch")
         if args.handle is not None:  # every rank finished its previous use of the areas ...
-            self._barrier("entry of dispatch")
+            if self._cached_dispatch_needs_barrier(args.handle, [x] + ([scales] if scales is not None else [])):
+                self._barrier("entry of dispatch")
+            else:  # ... as the last combine's traffic proves
+                self.dispatch_barriers_skipped += 1
         # ... which, without a handle, notify proves: a rank's row leaves behind everything earlier on its stream
         self._synced_since_combine = True
+        self._last_combine = None
         self._lap("dispatch.entry")
         if args.handle is not None:
             h: InternodeHandle = args.handle
@@ -1034,6 +1044,7 @@ class NativeInternodeBackend:
         else:
             self.combine_barriers_skipped += 1
         self._synced_since_combine = False
+        self._last_combine = (h.counts, areas)
         self._lap("combine.entry")
         # NVLink hop: each copy goes to its forwarder (same local index as the token's source), block = our local
         # index, row = the record's arrival. With one GPU per node we are every copy's forwarder and the only one:
@@ -1043,23 +1054,33 @@ class NativeInternodeBackend:
         # addresses every block's rows from one base
         rows_per_block = self.gather_block // cstride
         block = rows_per_block * cstride
-        for j in range(G):
-            if h.rows_by_local[j].numel() == 0:
-                continue
-            sel = h.rows_by_local[j]
-            if h.gather_rows is None:  # where each group's rows go at their forwarder: the same in every combine
-                h.gather_rows = [h.recv_arrival[g].contiguous() for g in h.rows_by_local]
-            dst_idx = h.gather_rows[j]
-            dst = self._cx.rdma_ptr + c_send if G == 1 else self.peer_nvl[j] + gbase + self.local * block
-            for src, nbytes, off in ((rows, pay, 0), (w, 4 * kw, pay)):
-                if nbytes:
-                    self._scatter(dst + off, cstride, dst_idx.data_ptr(), src.data_ptr(), nbytes, sel.data_ptr(),
-                                  sel.numel(), nbytes, tot.arrivals[self.node * G + j],
-                                  "combine_gather", j)
         zero = self._zero_rows.get(pay)
         if zero is None:
             zero = self._zero_rows[pay] = torch.zeros(pay, dtype=torch.uint8, device=dev)
-        if G > 1:
+        back_offs = block_offsets(h.plan.node_send, cstride)  # at the source: records per node, in node order
+        own_first = sum(recv_by_node[:self.node])
+        own = recv_by_node[self.node]
+        if G == 1:
+            # One GPU per node: the rows are the partial sums already, in arrival order (row = arrival). The other
+            # nodes' go to their records in the send area and are pushed first; our own node's go afterwards straight
+            # to where the sum reads them (their block of the receive area), during the hop and without a copy.
+            self._gather_rows(rows, w, 0, own_first, c_send, cstride)
+            self._gather_rows(rows, w, own_first + own, A, c_send + (own_first + own) * cstride, cstride)
+            self._lap("combine.gather")
+        else:
+            for j in range(G):
+                if h.rows_by_local[j].numel() == 0:
+                    continue
+                sel = h.rows_by_local[j]
+                if h.gather_rows is None:  # where each group's rows go at their forwarder: the same in every combine
+                    h.gather_rows = [h.recv_arrival[g].contiguous() for g in h.rows_by_local]
+                dst_idx = h.gather_rows[j]
+                dst = self.peer_nvl[j] + gbase + self.local * block
+                for src, nbytes, off in ((rows, pay, 0), (w, 4 * kw, pay)):
+                    if nbytes:
+                        self._scatter(dst + off, cstride, dst_idx.data_ptr(), src.data_ptr(), nbytes, sel.data_ptr(),
+                                      sel.numel(), nbytes, tot.arrivals[self.node * G + j],
+                                      "combine_gather", j)
             self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
             self._lap("combine.gather")
             # forwarder: each arrival's copies added in fp32 in ascending local rank and rounded once to x's dtype,
@@ -1074,16 +1095,10 @@ class NativeInternodeBackend:
                                           self._cx.nvl_ptr + gbase, cstride, h.forward_sum_rows[1].data_ptr(),
                                           zero.data_ptr(), G, A, pay, kw, x.dtype == torch.float32, self._stream(),
                                           out_x_stride=cstride, out_w_stride=cstride)
-        else:
-            self._lap("combine.gather")
-        back = h.plan.node_send  # at the source: records per node, in node order
-        back_offs = block_offsets(back, cstride)
-        arr_offs = block_offsets(recv_by_node, cstride)
-        own = recv_by_node[self.node]
-        if own:
-            dst, src = c_recv + back_offs[self.node], c_send + arr_offs[self.node]
-            self._rdma[dst:dst + own * cstride].copy_(self._rdma[src:src + own * cstride])
-        self._lap("combine.node_sum")
+            if own:  # our own node's node sums: from the send area to where the source's sum reads them
+                dst, src = c_recv + back_offs[self.node], c_send + own_first * cstride
+                self._rdma[dst:dst + own * cstride].copy_(self._rdma[src:src + own * cstride])
+            self._lap("combine.node_sum")
 
         def make() -> HopPlan:
             per = self._per_chunk(cstride)
@@ -1099,6 +1114,9 @@ class NativeInternodeBackend:
         else:
             self._push_and_wait(hop.rows, hop.waits, "combine_network", hop.per_chunk, table=hop.table)
             self._lap("combine.network")
+        if G == 1 and own:
+            self._gather_rows(rows, w, own_first, own_first + own, c_recv + back_offs[self.node], cstride)
+            self._lap("combine.node_sum")
         # the source adds each token's partial sums in node order, in fp32, and rounds once (one kernel)
         combined_x = torch.empty((h.num_tokens, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
@@ -1116,6 +1134,28 @@ class NativeInternodeBackend:
         self.last_traffic = TrafficReport(nvlink * eb, network * eb, nrecv * eb)
         self._lap("combine.finish")
         return combined_x, out_w
+
+    def _gather_rows(self, rows: torch.Tensor, w: Optional[torch.Tensor], lo: int, hi: int, dst_off: int,
+                     cstride: int) -> None:
+        """Rows [lo, hi) of the combine input (and of its fp32 weights) into consecutive wire rows of ``cstride``
+        bytes at ``dst_off`` of our RDMA region: payload first, weights behind it."""
+        n = hi - lo
+        if n <= 0:
+            return
+        pay = rows.size(1) * rows.element_size()
+        parts = [(rows, pay, 0)] + ([(w, 4 * w.size(1), pay)] if w is not None and w.size(1) else [])
+        for src, nbytes, off in parts:
+            self._scatter(self._cx.rdma_ptr + dst_off + off, cstride, 0, src.data_ptr() + lo * nbytes, nbytes, 0, n,
+                          nbytes, n, "combine_gather", 0)
+
+    def _cached_dispatch_needs_barrier(self, h: InternodeHandle, cols: List[torch.Tensor]) -> bool:
+        """Unless the last call was a combine whose traffic proves what the barrier would (docs/internode.md, "Areas
+        and entry barriers"). UCCL_EP_SKIP_DISPATCH_BARRIER=0 keeps the barrier always."""
+        if self._last_combine is None or not self.skip_dispatch_barrier:
+            return True
+        stride = record_layout([_bytes_of(c).size(1) for c in cols], self.G).stride
+        counts, areas = self._last_combine
+        return not dispatch_may_skip_entry_barrier(h.counts, counts, areas, self.G, stride, self.half_rdma)
 
     def _combine_needs_barrier(self, areas: CombineAreas) -> bool:
         """Whether a rank may still use what this combine writes. Without a group sync since the last combine (two

@@ -489,6 +489,32 @@ def combine_overlaps_dispatch(areas: CombineAreas, extents: Tuple[List[int], Lis
     return any(send_d[r] > areas.send_base[r] or half + recv_d[r] > areas.recv_base[r] for r in range(len(send_d)))
 
 
+def sends_to_every_node(counts: Counts, ranks_per_node: int) -> bool:
+    """Whether every rank sent at least one record to every other node (then every rank hears from every other node
+    in each hop of the call: what lets a later call use that traffic as proof of the peers' progress)."""
+    N = counts.node_counts.size(1)
+    if N < 2:
+        return True
+    own = torch.arange(counts.node_counts.size(0)) // ranks_per_node
+    other = torch.arange(N).unsqueeze(0) != own.unsqueeze(1)
+    return bool((counts.node_counts[other] > 0).all())
+
+
+def dispatch_may_skip_entry_barrier(dispatch_counts: Counts, combine_counts: Counts, areas: CombineAreas,
+                                    ranks_per_node: int, stride: int, half: int) -> bool:
+    """Whether a cached dispatch that directly follows a combine may skip its entry barrier; the same answer on every
+    rank (counts only). What the barrier would prove, the combine's traffic already does when every rank sent to
+    every other node both in that combine's dispatch and in this one: each rank got partial sums from every other
+    node, and a node pushes them only after it is done with that dispatch's arrivals (its unpack or forward comes
+    first on its stream); its NVLink peers passed the combine's gather barrier after their own. The combine's own
+    rows still in use -- partial sums being added at their source, ours still on the wire -- lie at the top of the
+    halves, so this dispatch's rows must stay below them on every rank. After such a dispatch a combine may skip its
+    barrier by the same rule as after a synced one: each source pushed this dispatch's records after its last
+    combine's sum, and every rank hears from every node."""
+    return (sends_to_every_node(dispatch_counts, ranks_per_node) and sends_to_every_node(combine_counts, ranks_per_node)
+            and not combine_overlaps_dispatch(areas, dispatch_extents(dispatch_counts, ranks_per_node, stride), half))
+
+
 def combine_push_rows(counts: Counts, rank: int, ranks_per_node: int, cstride: int, areas: CombineAreas,
                       num_lanes: int = 1) -> List[List[int]]:
     """Combine's network hop: the partial sums of the arrivals from node n go back to rank n*G + local, into the

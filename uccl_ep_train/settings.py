@@ -176,6 +176,10 @@ class KernelSettings:
         "UCCL_EP_GATED_ARRIVALS", "internode: the kernel that reads a hop's arrivals (dispatch's unpack with one GPU "
         "per node, combine's sum of partial sums) starts with the hop and reads each chunk as its counter shows it "
         "landed; 0: it starts after the whole hop (docs/internode.md, Gated arrivals)", _bool))
+    skip_dispatch_barrier: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_SKIP_DISPATCH_BARRIER", "internode: a cached dispatch right after a combine skips its entry barrier "
+        "when that combine's traffic proves every rank is done with the areas (docs/internode.md, Areas and entry "
+        "barriers); 0: always keep it", _bool))
     drain_after_waits: str = field(default="always", metadata=_meta(
         "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
         "never: launch on while the wait spins; it stalled and corrupted cached dispatches on the loopback transport "

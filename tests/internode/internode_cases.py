@@ -37,8 +37,10 @@ ALL = [(k, fp8, em, worst, i) for i, (k, fp8, em, worst) in enumerate([
 
 def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=False):
     """Run every case ``iters`` times on both backends (the reference on CPU copies of the same inputs): uncached
-    dispatch, cached dispatch, combine with the received weights (``unweighted``: and once more without); every
-    output must be equal bit for bit. Returns the number of (case, iteration) pairs compared."""
+    dispatch, cached dispatch, combine with the received weights (``unweighted``: and once more without), then a
+    cached dispatch and a combine again (as a backward pass orders them: the dispatch right after a combine, where it
+    may skip its entry barrier); every output must be equal bit for bit. Returns the number of (case, iteration)
+    pairs compared."""
     from uccl_ep_train.backends import DispatchArgs
 
     done = 0
@@ -70,8 +72,11 @@ def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=Fa
                 cx, cw = b.combine(y, r.handle, r.recv_topk_weights, None)
                 traffic = b.last_traffic
                 ux, uw = b.combine(y, r.handle, None, None) if unweighted else (None, None)
-                outs.append((r, cached, cx, cw, traffic, ux, uw))
-            (r0, c0, x0, w0, t0, u0, v0), (r1, c1, x1, w1, t1, u1, v1) = outs
+                again = b.dispatch(DispatchArgs(x.to(d), None if scales is None else scales.to(d), r.handle,
+                                                None, None, None, None, None, None))
+                ax, aw = b.combine(y, r.handle, r.recv_topk_weights, None)
+                outs.append((r, cached, cx, cw, traffic, ux, uw, again, ax, aw))
+            (r0, c0, x0, w0, t0, u0, v0, _, _, _), (r1, c1, x1, w1, t1, u1, v1, a1, ax1, aw1) = outs
             tag = f"rank {rank} {kind} fp8={fp8} em={expert_major} worst={worst} it={it}"
             _same(r0.recv_x, r1.recv_x, f"{tag}: recv_x")
             _same(r0.recv_x_scales, r1.recv_x_scales, f"{tag}: scales")
@@ -83,6 +88,9 @@ def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=Fa
             _same(w0, w1, f"{tag}: combined weights")
             _same(u0, u1, f"{tag}: combined_x without weights")
             assert v0 is None and v1 is None, f"{tag}: combine without weights returned weights"
+            _same(c0.recv_x, a1.recv_x, f"{tag}: cached recv_x right after a combine")
+            _same(x0, ax1, f"{tag}: combined_x after that")
+            _same(w0, aw1, f"{tag}: combined weights after that")
             assert (t0.nvlink_bytes, t0.network_bytes, t0.logical_bytes) == \
                 (t1.nvlink_bytes, t1.network_bytes, t1.logical_bytes), f"{tag}: traffic"
             done += 1

@@ -566,3 +566,32 @@ def test_a_gated_row_is_ready_exactly_when_the_chunk_carrying_it_has_landed(R, G
             own_rows = [i for i in range(sum(int(c) for c in counts.rank_counts[:, r]))
                         if all(not first <= i < first + n for first, n, _ in blocks)]
             assert all(plan.gate_threshold(i, table, per, lanes) is None for i in own_rows)
+
+
+def test_a_cached_dispatch_after_a_combine_skips_its_barrier_only_with_traffic_between_all_nodes_and_room():
+    R, G = 4, 2
+    full = inn.Counts(torch.full((R, R), 5), torch.full((R, 2), 5))
+    stride, cstride, half = 64, 48, 1 << 20
+    areas = inn.combine_areas(full, G, cstride, half)
+    assert plan.sends_to_every_node(full, G)
+    assert plan.dispatch_may_skip_entry_barrier(full, full, areas, G, stride, half)
+    # rank 3 sent nothing to node 0 in the dispatch before that combine: node 0 never answered it, so nothing proves
+    # node 0 is done with that dispatch's arrivals
+    gap = inn.Counts(full.rank_counts.clone(), full.node_counts.clone())
+    gap.node_counts[3, 0] = 0
+    assert not plan.sends_to_every_node(gap, G)
+    assert not plan.dispatch_may_skip_entry_barrier(full, gap, inn.combine_areas(gap, G, cstride, half), G, stride,
+                                                    half)
+    # ... or in this dispatch (the combine after it could not skip its own)
+    assert not plan.dispatch_may_skip_entry_barrier(gap, full, areas, G, stride, half)
+    # a rank's own node needs no traffic, and one node is trivially complete
+    own_only = inn.Counts(full.rank_counts.clone(), full.node_counts.clone())
+    own_only.node_counts[0, 0] = own_only.node_counts[3, 1] = 0
+    assert plan.sends_to_every_node(own_only, G)
+    assert plan.sends_to_every_node(inn.Counts(torch.zeros((2, 2)), torch.zeros((2, 1))), 2)
+    # the dispatch's rows must stay below the combine's on every rank
+    tight = max(b * stride + a * cstride for a, b in zip(full.totals(G).arrivals, full.totals(G).sends))
+    assert plan.dispatch_may_skip_entry_barrier(full, full, inn.combine_areas(full, G, cstride, tight), G, stride,
+                                                tight)
+    assert not plan.dispatch_may_skip_entry_barrier(full, full, inn.combine_areas(full, G, cstride, tight - 16), G,
+                                                    stride, tight - 16)

@@ -95,6 +95,29 @@ def _wall(fn, iters: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _wall_pair(first, second, iters: int, warmup: int):
+    """Mean wall time of each of two calls made in turn (as a training step makes them), each timed to the end of
+    its GPU work (a synchronize after each call, so neither absorbs the other's tail)."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        first()
+        second()
+    torch.cuda.synchronize()
+    dist.barrier()
+    a = b = 0.0
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        first()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        second()
+        torch.cuda.synchronize()
+        a, b = a + t1 - t0, b + time.perf_counter() - t1
+    return a / iters, b / iters
+
+
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -172,6 +195,18 @@ def run(args) -> int:
     skipped0 = nat.combine_barriers_skipped
     t_step = _wall(step, args.iters, args.warmup)
     step_skips = nat.combine_barriers_skipped - skipped0
+    # the same pairs timed call by call; then a backward pass's pairs: the cached dispatch (combine's backward) right
+    # after a combine, where it may skip its entry barrier, then the combine (dispatch's backward)
+    fwd = {}
+
+    def fwd_dispatch():
+        fwd["h"] = nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)).handle
+
+    t_fd, t_fc = _wall_pair(fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None), args.iters, args.warmup)
+    skipped0, dskipped0 = nat.combine_barriers_skipped, nat.dispatch_barriers_skipped
+    t_bd, t_bc = _wall_pair(lambda: nat.dispatch(DispatchArgs(x, scales, handle, None, None, None, None, None, None)),
+                            lambda: nat.combine(y, handle, None, None), args.iters, args.warmup)
+    back_skips = (nat.dispatch_barriers_skipped - dskipped0, nat.combine_barriers_skipped - skipped0)
 
     if args.profile:
         _profile(args.profile, lambda: nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)),
@@ -240,6 +275,12 @@ def run(args) -> int:
         # dispatch loop (max over ranks of each); how many of those combines skipped their entry barrier (rank 0)
         "dispatch_then_combine_us": mx(t_step) * 1e6,
         "combine_barriers_skipped_in_steps": step_skips,
+        # call by call in turn (each to the end of its GPU work), max over ranks: the forward pair, then the backward
+        # pair (cached dispatch after a combine, then combine) and how many entry barriers those skipped (rank 0)
+        "step_dispatch_us": mx(t_fd) * 1e6, "step_combine_us": mx(t_fc) * 1e6,
+        "backward_cached_dispatch_us": mx(t_bd) * 1e6, "backward_combine_us": mx(t_bc) * 1e6,
+        "backward_barriers_skipped": {"dispatch": back_skips[0], "combine": back_skips[1],
+                                      "calls_each": args.iters + args.warmup},
     }
     row["combine_after_dispatch_us"] = row["dispatch_then_combine_us"] - row["dispatch_us"]
     row["dispatch_network_GBps"] = row["dispatch_network_bytes"] / (row["dispatch_us"] * 1e3)
@@ -248,6 +289,9 @@ def run(args) -> int:
     row["combine_network_GBps"] = row["combine_network_bytes"] / (row["combine_us"] * 1e3)
     row["combine_after_dispatch_network_GBps"] = row["combine_network_bytes"] / max(
         row["combine_after_dispatch_us"] * 1e3, 1e-9)
+    for k in ("step_dispatch", "step_combine", "backward_cached_dispatch", "backward_combine"):
+        kind = "combine" if k.endswith("combine") else "dispatch"
+        row[f"{k}_network_GBps"] = row[f"{kind}_network_bytes"] / (row[f"{k}_us"] * 1e3)
     row["dispatch_network_hop_GBps"] = row["dispatch_network_bytes"] / max(row["dispatch_network_hop_us"] * 1e3, 1e-9)
     row["combine_network_hop_GBps"] = row["combine_network_bytes"] / max(row["combine_network_hop_us"] * 1e3, 1e-9)
     row["raw_copy_GBps"] = row["dispatch_network_bytes"] / (row["raw_copy_us"] * 1e3)
