@@ -244,7 +244,7 @@ class InternodeHandle:
     num_ranks: int
     expert_major: bool
     is_token_in_rank: torch.Tensor
-    num_recv_tokens_per_expert: torch.Tensor
+    num_recv_tokens_per_expert: Optional[torch.Tensor]  # set before dispatch returns the handle
     counts: Counts = field(repr=False)
     plan: SendPlan = field(repr=False)
     num_recv_tokens: int = 0
@@ -850,13 +850,13 @@ class NativeInternodeBackend:
             h: InternodeHandle = args.handle
             cols = [x] + ([scales] if scales is not None else [])
             final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=not h.expert_major, h=h)
+            self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
             if h.expert_major:
                 parts = self._to_expert_major(h, [self._column_view(final, layout, i, c)
                                                   for i, c in enumerate(cols)])
             else:
                 parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
                 self._unpack(final, layout, parts, h.num_recv_rows, pending=pending)
-            self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
             self._lap("dispatch.finish")
             return DispatchResult(parts[0], parts[1] if scales is not None else None, None, None, None, h,
                                   self.last_traffic)
@@ -896,32 +896,37 @@ class NativeInternodeBackend:
             recv_w = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=self.device)
         src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
         arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
+        # Everything that follows from the counts alone is made now, while the hop runs (with one GPU per node the
+        # unpack below is gated and the host then drains): after the drain it added ~100 us per call (session 10).
+        raw = recv_expert_counts(counts, self.rank, L) if counts.expert_counts is not None else None
+        aligned = [_align(int(c), args.expert_alignment) for c in raw] if raw is not None else None
+        h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv, num_topk=topk_idx.size(1) if topk_idx is not None else 0,
+                            num_ranks=self.R, expert_major=args.expert_major, is_token_in_rank=itr,
+                            num_recv_tokens_per_expert=(self._upload(aligned).to(torch.int32) if aligned is not None
+                                                        else None),
+                            counts=counts, plan=plan, num_recv_tokens=nrecv,
+                            recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
+                            expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
+                            rows_by_local=rows_by_source_local(counts, self.rank, self.G, self.device))
+        self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
         self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
                      arrival, pending)
         if args.expert_major:
             outs = [self._column_view(final, layout, i, c) for i, c in enumerate(payload)]
         recv_x = outs[0]
         recv_scales = outs[1] if scales is not None else None
-        if counts.expert_counts is not None:  # notify carried every source's tokens per expert: no device read
-            raw = recv_expert_counts(counts, self.rank, L)
-        elif topk_idx is not None:  # more experts than a notify row holds: count the received ids (a host sync)
-            # non-local slots count into a spare bin L: no boolean indexing
-            ids = recv_topk_idx[:nrecv]
-            raw = torch.bincount(torch.where(ids >= 0, ids, L).view(-1), minlength=L + 1)[:L].tolist()
-        else:  # no top-k: the per-expert counts come from every source's num_tokens_per_expert
-            mine = args.num_tokens_per_expert.to(torch.int64).cpu()
-            every = [torch.empty_like(mine) for _ in range(self.R)]
-            dist.all_gather(every, mine, group=self._gloo)
-            raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).tolist()
-        aligned = [_align(int(c), args.expert_alignment) for c in raw]
-        rows_by_local = rows_by_source_local(counts, self.rank, self.G, self.device)
-        h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv, num_topk=topk_idx.size(1) if topk_idx is not None else 0,
-                            num_ranks=self.R, expert_major=args.expert_major, is_token_in_rank=itr,
-                            num_recv_tokens_per_expert=self._upload(aligned).to(torch.int32),
-                            counts=counts, plan=plan, num_recv_tokens=nrecv,
-                            recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
-                            expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
-                            rows_by_local=rows_by_local)
+        if raw is None:
+            if topk_idx is not None:  # more experts than a notify row holds: count the received ids (a host sync)
+                # non-local slots count into a spare bin L: no boolean indexing
+                ids = recv_topk_idx[:nrecv]
+                raw = torch.bincount(torch.where(ids >= 0, ids, L).view(-1), minlength=L + 1)[:L].tolist()
+            else:  # no top-k: the per-expert counts come from every source's num_tokens_per_expert
+                mine = args.num_tokens_per_expert.to(torch.int64).cpu()
+                every = [torch.empty_like(mine) for _ in range(self.R)]
+                dist.all_gather(every, mine, group=self._gloo)
+                raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).tolist()
+            aligned = [_align(int(c), args.expert_alignment) for c in raw]
+            h.num_recv_tokens_per_expert = self._upload(aligned).to(torch.int32)
         if args.expert_major:
             self._build_expert_major(h, recv_topk_idx, raw, aligned, worst,
                                      recv_slot_counts(counts, self.rank) if counts.slot_counts is not None else None)
@@ -938,7 +943,6 @@ class NativeInternodeBackend:
             h.num_recv_rows = rows
         if weights is None:
             recv_w = None
-        self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
         self._lap("dispatch.finish")
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_w, [] if worst else aligned, h,
                               self.last_traffic)
@@ -1120,6 +1124,10 @@ class NativeInternodeBackend:
         # the source adds each token's partial sums in node order, in fp32, and rounds once (one kernel)
         combined_x = torch.empty((h.num_tokens, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
+        nvlink = combine_nvlink_rows(h.counts, self.rank, G)  # host work before the gated sum, during the hop
+        network = sum(c for n, c in enumerate(recv_by_node) if n != self.node)
+        eb = H * x.element_size()
+        self.last_traffic = TrafficReport(nvlink * eb, network * eb, nrecv * eb)
         self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
                                   x.dtype == torch.float32, self._stream(), gate=pending[0] if pending else None)
@@ -1128,10 +1136,6 @@ class NativeInternodeBackend:
             self._lap("combine.network")
         else:
             self._settle("combine")
-        nvlink = combine_nvlink_rows(h.counts, self.rank, G)
-        network = sum(c for n, c in enumerate(recv_by_node) if n != self.node)
-        eb = H * x.element_size()
-        self.last_traffic = TrafficReport(nvlink * eb, network * eb, nrecv * eb)
         self._lap("combine.finish")
         return combined_x, out_w
 
