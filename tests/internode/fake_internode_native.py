@@ -37,7 +37,8 @@ from tests.shared_memory_files import map_file, sweep_leftovers
 
 from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
                                           CMD_UNIT, GATE_FIXED_COLUMNS, SLOT_PAGE, Counts, RecordLayout,
-                                          gate_threshold, local_count_row, pack_records as _pack_records,
+                                          gate_lane_target, gate_threshold, local_count_row,
+                                          pack_records as _pack_records,
                                           send_plan as _send_plan)
 
 PUSH_COLUMNS = 7
@@ -305,7 +306,10 @@ class ArrivalGate:
             t = gate_threshold(int(r), table, self.per_chunk, self.lanes)
             if t is not None:
                 need[t[0]] = max(need.get(t[0], 0), t[1])
-        return self._ctx._wait_for(sorted(need.items()), self._phase)
+        # a timeout names what the GPU's watcher waits for: the lane's last chunk (gate_lane_target)
+        lane_target = {row[2] + f: gate_lane_target(row, f, self.per_chunk, self.lanes)
+                       for row in table for f in range(self.lanes)}
+        return self._ctx._wait_for(sorted(need.items()), self._phase, lane_target)
 
 
 class InternodeContext:
@@ -452,8 +456,9 @@ class InternodeContext:
     def arrival_gate(self, table: int, blocks: int, chunk_records: int, phase: int) -> ArrivalGate:
         return ArrivalGate(self, table, blocks, chunk_records, phase)
 
-    def _wait_for(self, pairs: list, phase: int) -> bool:
-        """wait_counter (csrc/kernels/gpu_wait.cuh) for each (slot, target): True when all were reached."""
+    def _wait_for(self, pairs: list, phase: int, reported: "dict | None" = None) -> bool:
+        """wait_counter (csrc/kernels/gpu_wait.cuh) for each (slot, target): True when all were reached. A timeout
+        reports the first late slot with ``reported[slot]`` as the value expected, when given."""
         if not pairs:
             return True
         slots = torch.tensor([s for s, _ in pairs])
@@ -465,6 +470,7 @@ class InternodeContext:
                 return True
             if time.monotonic() - start > self._timeout:
                 s, v, e = late[0]
+                e = (reported or {}).get(s) or e
                 _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["wait_timeout"], self.rank, s, 0, phase,
                         v, e)
                 return False

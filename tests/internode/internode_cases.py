@@ -2,6 +2,8 @@
 (test_internode_backend_cpu.py) share: routings, the exact comparison, and the case loop against reference.py."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -129,3 +131,44 @@ def check_a_failed_rank_sends_and_forwards_nothing(cx, scatter_rows, dev):
     assert torch.equal(rdma[2048:2048 + 4 * 32], before), "a step queued behind the failure forwarded rows"
     scatter(cx.stop_generation)
     assert torch.equal(rdma[2048:2064], rdma[:16]) and torch.equal(rdma[2080:2096], rdma[16:32])
+
+
+def check_a_gated_unpack_reads_rows_only_after_their_chunks_land(cx, unpack_records, rdma, dev, codes):
+    """The arrival gate on one rank that writes to itself: ten 64-byte records in chunks of 3 through two lanes
+    (chunk c through lane (1 + c) % 2, counters 7 and 8) land over stale bytes in the receive area, and an unpack gated
+    on them must copy the records, not the stale bytes; on a GPU (where ``cx``'s loopback delays each write, one at a
+    time) it must still be waiting while they land. Then the last chunk never comes: the wait must fail at the GPU
+    deadline naming lane 0's counter, the value it stopped at and the one its last chunk would reach (what the
+    launch's watcher waits for), and nothing is read. ``rdma``: a uint8 view of cx's RDMA region on ``dev``."""
+    stride, n, per, hint, slot, recv = 64, 10, 3, 1, 7, 4096
+    g = torch.Generator().manual_seed(5)
+    rdma[:n * stride] = torch.randint(0, 256, (n * stride,), generator=g, dtype=torch.uint8).to(dev)
+    cuda = dev.type == "cuda"
+    stream = torch.cuda.current_stream().cuda_stream if cuda else 0
+    for records in (n, n - 1):
+        rdma[recv:recv + n * stride] = 0xAB  # stale bytes where the records land
+        base = [cx.signal_value(slot + f) for f in range(2)]
+        push = torch.tensor([[0, 0, recv, stride, records, slot, hint]], dtype=torch.int64, device=dev)
+        gate_table = torch.tensor([[0, n, slot, hint] + base], dtype=torch.int64, device=dev)
+        out = torch.zeros((n, 48), dtype=torch.uint8, device=dev)
+        gate = cx.arrival_gate(gate_table.data_ptr(), 1, per, 1)
+        cx.push_chunks(push.data_ptr(), 1, per, 1, stream)
+        unpack_records(cx.rdma_ptr + recv, stride, n, n, [(out.data_ptr(), 48, 0)], 0, 0, 0, 0, 0, 0, 0, 48, 0, -1,
+                       0, stream, gate=gate)
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+            if records == n:
+                time.sleep(0.03)  # the writes land 20 ms apart
+                assert not done.query(), "the gated unpack finished before its chunks landed"
+            done.synchronize()
+        e = cx.error_fields()
+        if records == n:
+            assert e["code"] == 0, cx.error_message()
+            assert torch.equal(out, rdma[:n * stride].view(n, stride)[:, :48]), "a row was read before it landed"
+        else:
+            # the missing chunk 3 (the tenth record) goes through lane (1 + 3) % 2 = 0, which carries chunks 1 and 3
+            assert (e["code"], e["slot"], e["observed"], e["expected"]) == \
+                (codes["wait_timeout"], slot, base[0] + 3, base[0] + 4), e
+            assert not bool((out[9] != 0).any()), "a row was read after the wait failed"
+            cx.clear_error()

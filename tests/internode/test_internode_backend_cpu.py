@@ -18,7 +18,8 @@ import torch
 from tests.distributed import run_distributed
 
 import fake_internode_native as fake
-from internode_cases import ALL, check_a_failed_rank_sends_and_forwards_nothing, compare_cases
+from internode_cases import (ALL, check_a_failed_rank_sends_and_forwards_nothing,
+                             check_a_gated_unpack_reads_rows_only_after_their_chunks_land, compare_cases)
 
 RDMA = 16 << 20
 NVL = 16 << 20
@@ -203,6 +204,15 @@ def _context(world=1, **kw):
     cx.proxy_connect([[cx.proxy_local_info(0)]])
     cx.proxy_start()
     return cx
+
+
+def test_stand_in_gated_unpack_reads_landed_rows_and_times_out_naming_the_lane_of_a_missing_chunk():
+    cx = _context(gpu_timeout_secs=0.2)
+    try:
+        check_a_gated_unpack_reads_rows_only_after_their_chunks_land(
+            cx, fake.unpack_records, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"), fake.ERROR_CODES)
+    finally:
+        cx.destroy()
 
 
 def test_stand_in_cuts_chunks_like_the_kernel_and_reports_encode_scatter_range_and_timeouts():
