@@ -262,6 +262,7 @@ class InternodeHandle:
     expert_alignment: int = 1
     num_worst_tokens: int = 0
     # receive rows grouped by the local index of their source: combine sends row group j back through local GPU j
+    # (made by the first combine that needs it: with several GPUs per node)
     rows_by_local: Optional[List[torch.Tensor]] = None
     # combine at this rank as forwarder (G > 1): (rows per gather block, int32 [G, A] row of arrival a's copy from
     # local GPU j counted from the first block, -1 where GPU j sent none), made at the first combine
@@ -590,6 +591,9 @@ class NativeInternodeBackend:
         t = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
         return t.to(self.device, non_blocking=True)
 
+    def _upload_int32(self, values: List[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
+
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
                        table: Optional[torch.Tensor] = None) -> None:
@@ -898,16 +902,16 @@ class NativeInternodeBackend:
         arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
         # Everything that follows from the counts alone is made now, while the hop runs (with one GPU per node the
         # unpack below is gated and the host then drains): after the drain it added ~100 us per call (session 10).
+        # Copies only, no kernel: a kernel's first launch may load its module, which waits for running kernels, and
+        # push_chunks spins while a FIFO is full ("Drains"); rows_by_local is made by the combine that needs it.
         raw = recv_expert_counts(counts, self.rank, L) if counts.expert_counts is not None else None
         aligned = [_align(int(c), args.expert_alignment) for c in raw] if raw is not None else None
         h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv, num_topk=topk_idx.size(1) if topk_idx is not None else 0,
                             num_ranks=self.R, expert_major=args.expert_major, is_token_in_rank=itr,
-                            num_recv_tokens_per_expert=(self._upload(aligned).to(torch.int32) if aligned is not None
-                                                        else None),
+                            num_recv_tokens_per_expert=self._upload_int32(aligned) if aligned is not None else None,
                             counts=counts, plan=plan, num_recv_tokens=nrecv,
                             recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
-                            expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
-                            rows_by_local=rows_by_source_local(counts, self.rank, self.G, self.device))
+                            expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
         self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
         self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
                      arrival, pending)
@@ -926,7 +930,7 @@ class NativeInternodeBackend:
                 dist.all_gather(every, mine, group=self._gloo)
                 raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).tolist()
             aligned = [_align(int(c), args.expert_alignment) for c in raw]
-            h.num_recv_tokens_per_expert = self._upload(aligned).to(torch.int32)
+            h.num_recv_tokens_per_expert = self._upload_int32(aligned)
         if args.expert_major:
             self._build_expert_major(h, recv_topk_idx, raw, aligned, worst,
                                      recv_slot_counts(counts, self.rank) if counts.slot_counts is not None else None)
@@ -1072,6 +1076,8 @@ class NativeInternodeBackend:
             self._gather_rows(rows, w, own_first + own, A, c_send + (own_first + own) * cstride, cstride)
             self._lap("combine.gather")
         else:
+            if h.rows_by_local is None:
+                h.rows_by_local = rows_by_source_local(h.counts, self.rank, G, dev)
             for j in range(G):
                 if h.rows_by_local[j].numel() == 0:
                     continue
