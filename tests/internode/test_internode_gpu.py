@@ -311,22 +311,33 @@ def test_a_signal_never_arrives_before_its_bytes_while_the_sender_spins_on_the_d
         assert ok, f"rank {rank}: the signal arrived before the bytes (stale data read after the wait)"
 
 
+def _one_rank_context(**overrides):
+    """A started one-rank InternodeContext on GPU 0 whose proxy writes to the rank itself (1 thread, 2 FIFOs)."""
+    args = dict(rank=0, world=1, device=0, rdma_bytes=1 << 16, nvl_bytes=1 << 16, num_threads=1, fifos_per_thread=2,
+                fifo_depth=64, cpus=[], idle_backoff_us=0, timeout_secs=5.0, max_inflight_writes=8,
+                max_inflight_bytes=4096, reorder_window=256, num_signal_slots=512, loopback_reorder=0,
+                loopback_delay_us=0, loopback_bandwidth_gbps=0.0, loopback_seed=0, gpu_timeout_secs=5.0)
+    args.update(overrides)
+    cx = native.module().internode.InternodeContext(**args)
+    try:
+        cx.proxy_connect([[cx.proxy_local_info(0)]])
+        cx.proxy_start()
+    except Exception:
+        cx.destroy()
+        raise
+    return cx
+
+
 def test_a_gated_unpack_waits_for_each_chunk_and_a_missing_chunk_times_out_naming_its_lane():
     """The arrival gate at kernel level, on one GPU writing to itself through the loopback (each write delayed 20 ms,
     one at a time): the watcher block, the device mirror and the readers' L2 loads (internode_cases)."""
     k = native.module().internode
-    RB = 1 << 16
-    cx = k.InternodeContext(rank=0, world=1, device=0, rdma_bytes=RB, nvl_bytes=1 << 16, num_threads=1,
-                            fifos_per_thread=2, fifo_depth=64, cpus=[], idle_backoff_us=0, timeout_secs=5.0,
-                            max_inflight_writes=1, max_inflight_bytes=4096, reorder_window=256, num_signal_slots=512,
-                            loopback_reorder=0, loopback_delay_us=20000, loopback_bandwidth_gbps=0.0, loopback_seed=0,
-                            gpu_timeout_secs=2.0)
+    cx = _one_rank_context(max_inflight_writes=1, loopback_delay_us=20000, gpu_timeout_secs=2.0)
     try:
-        cx.proxy_connect([[cx.proxy_local_info(0)]])
-        cx.proxy_start()
         dev = torch.device("cuda", 0)
         check_a_gated_unpack_reads_rows_only_after_their_chunks_land(
-            cx, k.unpack_records, torch.as_tensor(_View(cx.rdma_ptr, RB), device=dev), dev, dict(k.ERROR_CODES))
+            cx, k.unpack_records, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev,
+            dict(k.ERROR_CODES))
     finally:
         cx.destroy()
 
@@ -335,15 +346,9 @@ def test_a_rank_whose_wait_failed_pushes_no_command_and_scatters_no_row():
     """push_chunks_kernel and scatter_rows_kernel return at once when the rank's error word is set: steps launched
     behind a failed wait used to pass stale rows on to the node's peers, which then returned them without an error
     (seen with the drains off, session 6)."""
-    k = native.module().internode
-    cx = k.InternodeContext(rank=0, world=1, device=0, rdma_bytes=1 << 16, nvl_bytes=1 << 16, num_threads=1,
-                            fifos_per_thread=2, fifo_depth=64, cpus=[], idle_backoff_us=0, timeout_secs=5.0,
-                            max_inflight_writes=8, max_inflight_bytes=4096, reorder_window=256, num_signal_slots=512,
-                            loopback_reorder=0, loopback_delay_us=0, loopback_bandwidth_gbps=0.0, loopback_seed=0,
-                            gpu_timeout_secs=5.0)
+    cx = _one_rank_context()
     try:
-        cx.proxy_connect([[cx.proxy_local_info(0)]])
-        cx.proxy_start()
-        check_a_failed_rank_sends_and_forwards_nothing(cx, k.scatter_rows, torch.device("cuda", 0))
+        check_a_failed_rank_sends_and_forwards_nothing(cx, native.module().internode.scatter_rows,
+                                                       torch.device("cuda", 0))
     finally:
         cx.destroy()
