@@ -24,7 +24,7 @@ __device__ inline long long gate_lane_target(const long long* row, int lane, lon
 __device__ inline void gate_watch(const ArrivalGate& g) {
   const int width = kGateBase + g.lanes;
   const int pairs = g.blocks * g.lanes;
-  const unsigned long long start = fifo_now_ns();
+  const uint64_t start = now_ns();
   for (unsigned spins = 0;; ++spins) {
     bool done = true;
     for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
@@ -33,14 +33,14 @@ __device__ inline void gate_watch(const ArrivalGate& g) {
       const long long target = gate_lane_target(row, lane, g.per_chunk, g.lanes);
       if (target < 0) continue;
       const long long slot = row[kGateSlot] + lane;
-      const unsigned long long v = fifo_load_tail(g.signals + slot);
+      const unsigned long long v = load_counter(g.signals + slot);
       if (v > *reinterpret_cast<volatile unsigned long long*>(g.mirror + slot)) {
         __threadfence();  // the rows the counter covers are read after the mirror: publish it as a release
         atomicMax(g.mirror + slot, v);
       }
       if (static_cast<long long>(v) >= target) continue;
       done = false;
-      if (fifo_now_ns() - start > g.timeout_ns) {
+      if (now_ns() - start > g.timeout_ns) {
         report(g.err, g.stop, kErrWaitTimeout, g.rank, int(slot), 0, g.phase, static_cast<long long>(v), target);
         return;
       }
@@ -50,11 +50,7 @@ __device__ inline void gate_watch(const ArrivalGate& g) {
       set_stop(g.stop);
       return;
     }
-#if defined(__HIPCC__)
-    __builtin_amdgcn_s_sleep(4);
-#else
-    __nanosleep(200);
-#endif
+    poll_pause();
   }
 }
 

@@ -7,7 +7,6 @@
 #include <cstdint>
 
 #include "kernels/step_failure.hpp"
-#include "uccl_ep/fifo_device.cuh"
 #include "uccl_ep/portability.cuh"
 
 namespace uccl_ep::internode {
@@ -43,6 +42,20 @@ __device__ inline void report(ErrorWord* err, StopFlag stop, int code, int rank,
   }
 }
 
+// Between two polls of a counter: a tight acquire loop over PCIe gains nothing, so poll a few times per microsecond.
+__device__ inline void poll_pause() {
+#if defined(__HIPCC__)
+  __builtin_amdgcn_s_sleep(4);
+#else
+  __nanosleep(200);
+#endif
+}
+
+// A counter's value with acquire at system scope (the proxy, a CPU thread, writes it).
+__device__ inline unsigned long long load_counter(const unsigned long long* p) {
+  return ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(p));
+}
+
 // One thread waits until counter `slot` reaches `expected`. False: it did not -- the deadline passed (reported as
 // kErrWaitTimeout with the slot, the value seen and the one waited for), or another wait of this rank failed, or the
 // host aborted the waits (its proxy failed): the stop flag is set either way and the caller must not read what the
@@ -52,11 +65,11 @@ __device__ inline void report(ErrorWord* err, StopFlag stop, int code, int rank,
 __device__ inline bool wait_counter(const unsigned long long* signals, long long slot, long long expected,
                                     unsigned long long timeout_ns, ErrorWord* err, StopFlag stop, int rank,
                                     int phase, bool watch_error_word = true) {
-  const unsigned long long start = fifo_now_ns();
+  const uint64_t start = now_ns();
   for (unsigned spins = 0;; ++spins) {
-    const long long v = static_cast<long long>(fifo_load_tail(signals + slot));
+    const long long v = static_cast<long long>(load_counter(signals + slot));
     if (v >= expected) return true;
-    if (fifo_now_ns() - start > timeout_ns) {
+    if (now_ns() - start > timeout_ns) {
       report(err, stop, kErrWaitTimeout, rank, int(slot), 0, phase, v, expected);
       return false;
     }
@@ -65,12 +78,7 @@ __device__ inline bool wait_counter(const unsigned long long* signals, long long
       set_stop(stop);
       return false;
     }
-    // A tight acquire loop over PCIe gains nothing: poll a few times per microsecond.
-#if defined(__HIPCC__)
-    __builtin_amdgcn_s_sleep(4);
-#else
-    __nanosleep(200);
-#endif
+    poll_pause();
   }
 }
 

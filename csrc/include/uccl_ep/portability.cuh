@@ -103,7 +103,7 @@ UCCL_DEVICE void st_release_sys(int* p, int v) {
 #endif
 }
 
-// 64-bit flags: a barrier epoch in the high half and a row count in the low half (copy-engine combine).
+// 64-bit flags and counters: the copy-engine combine's row flags, the proxies' signal counters.
 UCCL_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* p) {
 #if defined(UCCL_EP_CUDA)
   uint64_t v;
@@ -111,14 +111,6 @@ UCCL_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* p) {
   return v;
 #else
   return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
-#endif
-}
-
-UCCL_DEVICE void st_release_sys_u64(uint64_t* p, uint64_t v) {
-#if defined(UCCL_EP_CUDA)
-  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-#else
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 #endif
 }
 
