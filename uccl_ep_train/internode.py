@@ -602,14 +602,9 @@ class NativeInternodeBackend:
         so their device copy is made once and reused."""
         t0 = self._hop_started()
         self._push(rows, phase, per_chunk, fixed, table)
-        if waits:
-            se = []
-            for slot, count in waits:
-                self._expected[slot] += count
-                se.append([slot, self._expected[slot]])
-            t = self._upload(se)
-            self._cx.wait_signals(t.data_ptr(), len(se), self._phases[phase], self._stream())
-            self._keep_w = t
+        for slot, count in waits:
+            self._expected[slot] += count
+        self._wait_for_targets([slot for slot, _ in waits], phase)
         self._hop_ended(phase, t0)
         # Nothing else is launched while wait_signals spins (docs/internode.md, "Drains"): the host drains the
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
@@ -640,12 +635,16 @@ class NativeInternodeBackend:
         instead, so nothing is still landing when the error reaches the caller."""
         if not pending:
             return
-        se = [[slot, self._expected[slot]] for slot in pending[2]]
-        if se:
-            t = self._upload(se)
-            self._cx.wait_signals(t.data_ptr(), len(se), self._phases[phase], self._stream())
-            self._keep_w = t
+        self._wait_for_targets(pending[2], phase)
         self._gated_done(phase, pending[1], f"{phase} wait")
+
+    def _wait_for_targets(self, slots: List[int], phase: str) -> None:
+        """wait_signals on this rank's stream until each slot reaches its running target (``_expected``)."""
+        if not slots:
+            return
+        t = self._upload([[slot, self._expected[slot]] for slot in slots])
+        self._cx.wait_signals(t.data_ptr(), len(slots), self._phases[phase], self._stream())
+        self._keep_w = t
 
     def _push(self, rows: List[List[int]], phase: str, per_chunk: int, fixed: bool = False,
               table: Optional[torch.Tensor] = None) -> None:

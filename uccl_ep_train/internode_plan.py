@@ -389,9 +389,8 @@ def dispatch_waits(counts: Counts, rank: int, ranks_per_node: int, per_chunk: in
                    num_lanes: int = 1) -> List[Tuple[int, int]]:
     """(slot, records) the forwarder waits for: slot n * L + f counts the records from node n that came through the
     sender's FIFO f (the sender's hint was our node)."""
-    node = rank // ranks_per_node
-    blocks = [(n * num_lanes, c) for n, c in enumerate(recv_counts(counts, rank, ranks_per_node)) if n != node and c]
-    return lane_waits(blocks, per_chunk, node, num_lanes)
+    blocks = dispatch_gate_blocks(counts, rank, ranks_per_node, num_lanes)
+    return lane_waits([(slot, c) for _, c, slot in blocks], per_chunk, rank // ranks_per_node, num_lanes)
 
 
 #: Fixed columns of a gate-table row (csrc/kernels/arrival_gate.hpp): first row, records, lane 0's counter, FIFO
@@ -440,8 +439,13 @@ def gate_threshold(row: int, table: Sequence[Sequence[int]], per_chunk: int, num
         if first <= row < first + records:
             c = (row - first) // per_chunk
             lane = (hint + c) % num_lanes
-            return slot + lane, base[lane] + (c // num_lanes) * per_chunk + min(per_chunk, records - c * per_chunk)
+            return slot + lane, _chunk_threshold(base[lane], c, records, per_chunk, num_lanes)
     return None
+
+
+def _chunk_threshold(base: int, chunk: int, records: int, per_chunk: int, num_lanes: int) -> int:
+    """The lane counter's value once chunk ``chunk`` of a block of ``records`` has landed (see gate_threshold)."""
+    return base + (chunk // num_lanes) * per_chunk + min(per_chunk, records - chunk * per_chunk)
 
 
 def gate_lane_target(row: Sequence[int], lane: int, per_chunk: int, num_lanes: int) -> Optional[int]:
@@ -453,8 +457,7 @@ def gate_lane_target(row: Sequence[int], lane: int, per_chunk: int, num_lanes: i
     c0 = (lane - hint) % num_lanes
     if c0 >= chunks:
         return None
-    c = c0 + (chunks - 1 - c0) // num_lanes * num_lanes
-    return base[lane] + (c // num_lanes) * per_chunk + min(per_chunk, records - c * per_chunk)
+    return _chunk_threshold(base[lane], c0 + (chunks - 1 - c0) // num_lanes * num_lanes, records, per_chunk, num_lanes)
 
 
 @dataclass(frozen=True)
@@ -530,11 +533,8 @@ def combine_waits(counts: Counts, rank: int, ranks_per_node: int, per_chunk: int
                   num_lanes: int = 1) -> List[Tuple[int, int]]:
     """(slot, partial sums) the source waits for: slot (N + m) * L + f counts those from node m's forwarder that came
     through its FIFO f (the forwarder's hint was our node)."""
-    node = rank // ranks_per_node
-    num_nodes = counts.node_counts.size(1)
-    blocks = [((num_nodes + m) * num_lanes, int(c)) for m, c in enumerate(counts.node_counts[rank].tolist())
-              if m != node and c]
-    return lane_waits(blocks, per_chunk, node, num_lanes)
+    blocks = combine_gate_blocks(counts, rank, ranks_per_node, num_lanes)
+    return lane_waits([(slot, c) for _, c, slot in blocks], per_chunk, rank // ranks_per_node, num_lanes)
 
 
 def slot_meaning(slot: int, rank: int, ranks_per_node: int, num_nodes: int, num_lanes: int = 1) -> str:

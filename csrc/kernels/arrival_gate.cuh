@@ -6,16 +6,19 @@
 
 namespace uccl_ep::internode {
 
+// The lane counter's value once chunk c of the block of gate-table `row` has landed (through lane `lane`).
+__device__ inline long long chunk_threshold(const long long* row, int lane, long long c, long long per, int lanes) {
+  const long long rest = row[kGateRecords] - c * per;
+  return row[kGateBase + lane] + (c / lanes) * per + (rest < per ? rest : per);
+}
+
 // The counter value at which lane `lane` of a block has carried all its chunks (the threshold of its last chunk);
 // -1: no chunk of the block goes through that lane.
 __device__ inline long long gate_lane_target(const long long* row, int lane, long long per, int lanes) {
-  const long long records = row[kGateRecords];
-  const long long chunks = (records + per - 1) / per;
+  const long long chunks = (row[kGateRecords] + per - 1) / per;
   const long long c0 = ((lane - row[kGateHint]) % lanes + lanes) % lanes;
   if (c0 >= chunks) return -1;
-  const long long c = c0 + (chunks - 1 - c0) / lanes * lanes;
-  const long long rest = records - c * per;
-  return row[kGateBase + lane] + (c / lanes) * per + (rest < per ? rest : per);
+  return chunk_threshold(row, lane, c0 + (chunks - 1 - c0) / lanes * lanes, per, lanes);
 }
 
 // Block 0 of a gated launch: copy each (block, lane) counter into the mirror as it moves, until every lane has
@@ -68,8 +71,7 @@ __device__ inline bool gate_wait_rows(const ArrivalGate& g, long long lo, long l
     if (a > z) continue;
     for (long long c = (a - first) / per; c <= (z - first) / per; ++c) {
       const int lane = int((row[kGateHint] + c) % g.lanes);
-      const long long rest = records - c * per;
-      const long long need = row[kGateBase + lane] + (c / g.lanes) * per + (rest < per ? rest : per);
+      const long long need = chunk_threshold(row, lane, c, per, g.lanes);
       if (!wait_counter(g.mirror, row[kGateSlot] + lane, need, g.timeout_ns, g.err, g.stop, g.rank, g.phase,
                         /*watch_error_word=*/false))
         return false;
@@ -78,15 +80,20 @@ __device__ inline bool gate_wait_rows(const ArrivalGate& g, long long lo, long l
   return true;
 }
 
-// The whole thread block waits for rows [lo, hi]: thread 0 polls, the others wait at the barrier; the acquire loads of
-// thread 0 then order every thread's reads of the rows (bar.sync is cumulative). False (in every thread): do not read.
-__device__ inline bool block_gate_rows(const ArrivalGate* g, long long lo, long long hi, bool* s_ok) {
-  if (!g) return true;
-  if (threadIdx.x == 0) *s_ok = gate_wait_rows(*g, lo, hi);
+// The whole thread block waits: thread 0 runs `wait` (true: go on), the others wait at the barrier; the acquire loads
+// of thread 0 then order every thread's reads of the rows (bar.sync is cumulative). Every thread gets the answer.
+template <typename Wait>
+__device__ inline bool block_wait(bool* s_ok, const Wait& wait) {
+  if (threadIdx.x == 0) *s_ok = wait();
   __syncthreads();
   const bool ok = *s_ok;
   __syncthreads();  // s_ok is rewritten by the next call
   return ok;
+}
+
+// ... for rows [lo, hi] of the gate's row space. False: do not read.
+__device__ inline bool block_gate_rows(const ArrivalGate& g, long long lo, long long hi, bool* s_ok) {
+  return block_wait(s_ok, [&] { return gate_wait_rows(g, lo, hi); });
 }
 
 }  // namespace uccl_ep::internode

@@ -132,11 +132,11 @@ __global__ void __launch_bounds__(kSumThreads) sum_node_partials_kernel(
   const int lane = threadIdx.x % kWarpSize;
   for (long long t0 = block * kSumTile; t0 < num_tokens; t0 += grid * kSumTile) {
     if constexpr (kGated) {
-      // thread 0 waits for each node's row range of the tile (rows of one node ascend with the token)
-      if (threadIdx.x == 0) {
-        bool ok = true;
+      // wait for each node's row range of the tile (rows of one node ascend with the token); on failure the output
+      // keeps whatever it held (reported: the host raises)
+      const bool ok = block_wait(&s_ok, [&] {
         const long long t1 = t0 + kSumTile < num_tokens ? t0 + kSumTile : num_tokens;
-        for (int m = 0; ok && m < num_nodes; ++m) {
+        for (int m = 0; m < num_nodes; ++m) {
           long long lo = -1, hi = -1;
           for (long long t = t0; t < t1; ++t) {
             const int r = row_of[m * num_tokens + t];
@@ -144,14 +144,11 @@ __global__ void __launch_bounds__(kSumThreads) sum_node_partials_kernel(
             if (lo < 0 || r < lo) lo = r;
             if (r > hi) hi = r;
           }
-          if (lo >= 0) ok = gate_wait_rows(gate, lo, hi);
+          if (lo >= 0 && !gate_wait_rows(gate, lo, hi)) return false;
         }
-        s_ok = ok;
-      }
-      __syncthreads();
-      const bool ok = s_ok;
-      __syncthreads();
-      if (!ok) return;  // reported; the output keeps whatever it held (the host raises)
+        return true;
+      });
+      if (!ok) return;
     }
     const long long t = t0 + threadIdx.x / kWarpSize;
     if (t >= num_tokens) continue;

@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
   const int lane = threadIdx.x % kPackGroup;
   for (long long r0 = block * kTile; r0 < out_rows; r0 += grid * kTile) {
     if constexpr (kGated) {
-      if (r0 < n && !block_gate_rows(&gate, r0, (r0 + kTile < n ? r0 + kTile : n) - 1, &s_ok)) return;
+      if (r0 < n && !block_gate_rows(gate, r0, (r0 + kTile < n ? r0 + kTile : n) - 1, &s_ok)) return;
     }
     const long long r = r0 + threadIdx.x / kPackGroup;
     if (r >= out_rows) continue;
