@@ -151,9 +151,20 @@ def test_expert_major_handle_positions_partials_and_fp32_combine_equal_the_refer
     assert all(rows[0] > 0 and rows[1] >= rows[0] for rows in out), out
 
 
+def _timed_error(call):
+    """(seconds, message of the IntranodeError that ``call`` raised, or "no error")."""
+    from uccl_ep_train.intranode import IntranodeError
+
+    t0 = time.time()
+    try:
+        call()
+        return time.time() - t0, "no error"
+    except IntranodeError as exc:
+        return time.time() - t0, str(exc)
+
+
 def _absent_peer(rank, world):
     from uccl_ep_train.backends import DispatchArgs
-    from uccl_ep_train.intranode import IntranodeError
 
     nat, _ = _backends(rank, world)
     try:
@@ -163,12 +174,7 @@ def _absent_peer(rank, world):
         idx = torch.randint(0, 2 * world, (32, 2))
         x = torch.randn((32, 64)).to(torch.bfloat16)
         tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 2 * world)
-        t0 = time.time()
-        try:
-            nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
-            return time.time() - t0, "no error"
-        except IntranodeError as exc:
-            return time.time() - t0, str(exc)
+        return _timed_error(lambda: nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None)))
     finally:
         nat.destroy()
 
@@ -188,7 +194,6 @@ def _silent_copy_engine_peer(rank, world):
     """Rank 1 joins the copy-engine combine's barrier but copies nothing to rank 0 (its handle claims it holds no
     rows from rank 0), so rank 0's reduce waits for rows that never land."""
     from uccl_ep_train.backends import DispatchArgs
-    from uccl_ep_train.intranode import IntranodeError
 
     nat, _ = _backends(rank, world)
     try:
@@ -198,13 +203,8 @@ def _silent_copy_engine_peer(rank, world):
         res = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
         if rank == 1:  # claims rank 0 sent it nothing: it copies nothing back (its own sums are then wrong)
             res.handle.rows_from = [0] + res.handle.rows_from[1:]
-        t0 = time.time()
-        try:
-            nat.combine(res.recv_x, res.handle, None, None)
-            nat._check_error()  # the kernel reports into the error word; the host raises it
-            return time.time() - t0, "no error"
-        except IntranodeError as exc:
-            return time.time() - t0, str(exc)
+        # the kernel reports into the error word; the host raises it
+        return _timed_error(lambda: (nat.combine(res.recv_x, res.handle, None, None), nat._check_error()))
     finally:
         nat.destroy()
 
