@@ -495,12 +495,8 @@ def combine_overlaps_dispatch(areas: CombineAreas, extents: Tuple[List[int], Lis
 def sends_to_every_node(counts: Counts, ranks_per_node: int) -> bool:
     """Whether every rank sent at least one record to every other node (then every rank hears from every other node
     in each hop of the call: what lets a later call use that traffic as proof of the peers' progress)."""
-    N = counts.node_counts.size(1)
-    if N < 2:
-        return True
-    own = torch.arange(counts.node_counts.size(0)) // ranks_per_node
-    other = torch.arange(N).unsqueeze(0) != own.unsqueeze(1)
-    return bool((counts.node_counts[other] > 0).all())
+    return all(c > 0 for r, row in enumerate(counts.node_counts.tolist()) for m, c in enumerate(row)
+               if m != r // ranks_per_node)
 
 
 def dispatch_may_skip_entry_barrier(dispatch_counts: Counts, combine_counts: Counts, areas: CombineAreas,
