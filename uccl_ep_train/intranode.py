@@ -36,6 +36,12 @@ def nvl_bytes_needed(num_max_tokens_per_rank: int, num_ranks: int, hidden: int, 
     return max(dispatch, combine)
 
 
+# Below this many payload bytes a dispatch's receive copies rows with its kernel rather than the copy engine: the
+# copy engine's fork, copies and join cost more host time than a small copy takes (on H200, bench dispatch at 128 to
+# 1024 tokens), and with the whole GPU the kernel copies as fast as the engine.
+COPY_ENGINE_MIN_BYTES = 8 << 20
+
+
 class IntranodeError(RuntimeError):
     """A kernel reported a failure (timeout or a buffer too small); the message names rank, block and counters."""
 
@@ -99,6 +105,7 @@ class NativeIntranodeBackend:
         self.local_sms = int(kernel_settings.local_sms)  # 0: the whole GPU for the kernels that touch only our memory
         self.timeout_secs = float(kernel_settings.gpu_timeout_secs)
         self.combine_copy_engine = bool(kernel_settings.combine_copy_engine)
+        self.dispatch_copy_engine = bool(kernel_settings.dispatch_copy_engine)
         self.copy_chunk_bytes = int(kernel_settings.copy_chunk_bytes)
         self.copy_streams = int(kernel_settings.copy_streams)
         self._k = native.module().kernels
@@ -215,6 +222,9 @@ class NativeIntranodeBackend:
             in_rank = args.is_token_in_rank.contiguous()
             per_rank = (args.num_tokens_per_rank.to(torch.int32).contiguous() if args.num_tokens_per_rank is not None
                         else in_rank.sum(0, dtype=torch.int32))
+            # Normal mode: expert-major keeps every row in the receive area anyway; rank-major trades the
+            # self-direct store for an early send when the copy engine copies the rows out (docs/intranode.md).
+            send_early = worst == 0 and (bool(args.expert_major) or self.dispatch_copy_engine)
             rank_prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
             recv_info = torch.empty(2 + L, dtype=torch.int32, device=dev)
             send_pos = torch.empty((T, R), dtype=torch.int32, device=dev)
@@ -223,6 +233,15 @@ class NativeIntranodeBackend:
             self._cx.notify(per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), T, num_experts, cap,
                             rank_prefix.data_ptr(), recv_info.data_ptr(), send_pos.data_ptr(), stream)
             per_expert_recv = rows_from = None
+            if send_early:
+                # The send goes behind notify, before the host has the counts: the GPU sends while the host waits
+                # and sizes the outputs. The own rows wait in the receive area; the send skips on every rank when
+                # notify found an area too small or timed out.
+                own_rows = self._k.own_in_area
+                self._cx.dispatch_send(x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights),
+                                       send_pos.data_ptr(), rank_prefix.data_ptr(), recv_info.data_ptr(), T,
+                                       hidden_bytes, num_scales, K, num_experts, cap, own_rows, 0, 0, 0, num_sms,
+                                       stream)
             if worst == 0:
                 try:
                     counts = self._cx.wait_host_counts(L)
@@ -257,16 +276,21 @@ class NativeIntranodeBackend:
                     recv_topk_weights = torch.empty((out_rows, K), dtype=torch.float32, device=dev)
             recv_src_idx = torch.empty(out_rows, dtype=torch.int32, device=dev)
 
-        # Rank-major: this rank's own rows go straight into recv_x (self-direct); expert-major reads them from the
-        # receive area like every other row.
-        self_direct = recv_x is not None
-        self._cx.dispatch_send(x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights), send_pos.data_ptr(),
-                               rank_prefix.data_ptr(), recv_info.data_ptr(), T, hidden_bytes, num_scales, K,
-                               num_experts, cap, _ptr(recv_x), _ptr(recv_scales), out_rows, num_sms, stream)
+        if cached or not send_early:
+            # The output exists before the send (cached, sync-free, and normal without the copy engine, whose send
+            # waits for the host to size it): rank-major own rows go straight into it (self-direct); expert-major
+            # reads them from the receive area like every other row.
+            own_rows = self._k.own_in_area if recv_x is None else self._k.own_in_output
+            self._cx.dispatch_send(x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights),
+                                   send_pos.data_ptr(), rank_prefix.data_ptr(), recv_info.data_ptr(), T, hidden_bytes,
+                                   num_scales, K, num_experts, cap, own_rows, _ptr(recv_x), _ptr(recv_scales),
+                                   out_rows, num_sms, stream)
         self._cx.barrier(stream)
         self._cx.dispatch_recv(_ptr(recv_x), _ptr(recv_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
-                               _ptr(recv_src_idx), recv_info.data_ptr(), rank_prefix.data_ptr(), self_direct, out_rows,
-                               hidden_bytes, num_scales, K, cap, self.local_sms, stream)
+                               _ptr(recv_src_idx), recv_info.data_ptr(), rank_prefix.data_ptr(), own_rows,
+                               self._copy_engine_rows(recv_x, rows_from if not cached else h.rows_from, own_rows,
+                                                      hidden_bytes),
+                               out_rows, hidden_bytes, num_scales, K, cap, self.local_sms, stream)
 
         if cached:
             if h.expert_major:
@@ -299,6 +323,15 @@ class NativeIntranodeBackend:
                 num_scales=num_scales)
             return DispatchResult(em_x, em_scales, em_expert, em_weights, per_expert_list, handle)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
+
+    def _copy_engine_rows(self, recv_x: Optional[torch.Tensor], rows_from: Optional[List[int]], own_rows: int,
+                          hidden_bytes: int) -> List[int]:
+        """dispatch_recv's rows_from: the rows per source when the copy engine should move the payload left in the
+        receive area (rank-major, host-known counts, enough bytes), else [] (the receive kernel copies it)."""
+        if not self.dispatch_copy_engine or recv_x is None or not rows_from:
+            return []
+        in_area = sum(rows_from) - (rows_from[self.rank] if own_rows == self._k.own_in_output else 0)
+        return rows_from if in_area * hidden_bytes >= COPY_ENGINE_MIN_BYTES else []
 
     # ---------------------------------------------------------------- expert-major receive
     def _expert_major_rows(self, h: IntranodeHandle, recv_x: torch.Tensor, recv_scales, recv_topk_idx,

@@ -162,6 +162,11 @@ class KernelSettings:
         "UCCL_EP_COMBINE_COPY_ENGINE", "intranode combine moves rows between GPUs with copy engines (cudaMemcpyAsync, "
         "no SM) and sums them as they land; 0: SM stores over NVLink. Used where the row counts are on the host "
         "(handles of normal and cached dispatch); sync-free handles always use SM stores", _bool))
+    dispatch_copy_engine: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_DISPATCH_COPY_ENGINE", "intranode rank-major dispatch copies the peers' rows from its receive area "
+        "to the output with the copy engine (no SM) while a kernel copies the metadata and gathers the own rows; 0: "
+        "one kernel copies everything. Used where the row counts are on the host (normal and cached dispatch)",
+        _bool))
     copy_chunk_bytes: int = field(default=8 << 20, metadata=_meta(
         "UCCL_EP_COPY_CHUNK_BYTES", "bytes per copy-engine transfer of that combine; a flag follows each, so smaller "
         "chunks start the sum sooner, but each transfer costs ~5 us of idle engine on H200 (docs/intranode.md)", _int(16384)))

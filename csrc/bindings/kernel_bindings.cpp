@@ -17,6 +17,8 @@ void bind_kernels(py::module_& m) {
   k.attr("max_ranks") = in::kMaxRanks;
   k.attr("max_topk") = in::kMaxTopk;
   k.attr("control_bytes") = static_cast<int64_t>(in::kControlBytes);
+  k.attr("own_in_area") = static_cast<int>(in::kOwnInArea);      // dispatch's own_rows (intranode.hpp, OwnRows)
+  k.attr("own_in_output") = static_cast<int>(in::kOwnInOutput);
   k.def("dispatch_layout", &in::dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("topk"),
         py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("num_tokens_per_rank"),
         py::arg("num_tokens_per_node"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
@@ -51,11 +53,11 @@ void bind_kernels(py::module_& m) {
       .def("dispatch_send", &in::Context::dispatch_send, py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("send_pos"), py::arg("rank_prefix_matrix"), py::arg("recv_info"),
            py::arg("num_tokens"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("topk"),
-           py::arg("num_experts"), py::arg("rows_capacity"), py::arg("self_x"), py::arg("self_scales"),
+           py::arg("num_experts"), py::arg("rows_capacity"), py::arg("own_rows"), py::arg("self_x"), py::arg("self_scales"),
            py::arg("self_rows"), py::arg("num_sms"), py::arg("stream"))
       .def("dispatch_recv", &in::Context::dispatch_recv, py::arg("recv_x"), py::arg("recv_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("recv_info"),
-           py::arg("rank_prefix_matrix"), py::arg("self_direct"), py::arg("out_rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("topk"),
+           py::arg("rank_prefix_matrix"), py::arg("own_rows"), py::arg("rows_from"), py::arg("out_rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("topk"),
            py::arg("rows_capacity"), py::arg("local_sms"), py::arg("stream"))
       .def("expert_major", &in::Context::expert_major, py::arg("src_x"), py::arg("src_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_info"), py::arg("out_rows"),

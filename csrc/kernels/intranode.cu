@@ -7,6 +7,7 @@
 // (source index, own rank) of the source's combine area, a barrier, and the source sums its copies in rank order.
 // No rings and no head/tail flow control: the price is a buffer sized for the worst case.
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <atomic>
@@ -166,7 +167,9 @@ __global__ void notify_kernel(void** peers, int rank, int num_ranks, const int* 
     __syncthreads();
     if (threadIdx.x == 0) drain_stores_before_release();
     __syncthreads();
-    barrier_block(peers, rank, R, err, timeout_ns, "notify barrier");
+    // A barrier past its deadline leaves the counts below stale (the error word says so). The host may already
+    // have queued the send behind us, so the send must learn it on the device: recv_info[1] then says "skip".
+    const bool synced = barrier_block(peers, rank, R, err, timeout_ns, "notify barrier");
     __shared__ int s_overflow;
     if (threadIdx.x == 0) s_overflow = 0;
     __syncthreads();
@@ -194,7 +197,7 @@ __global__ void notify_kernel(void** peers, int rank, int num_ranks, const int* 
         host->rows_from[s] = counts[s * R + rank];
       }
       recv_info[0] = num_recv;
-      recv_info[1] = s_overflow;
+      recv_info[1] = synced ? s_overflow : INT_MAX;
       host->num_recv_tokens = num_recv;
       host->overflow_rows_needed = s_overflow;
       host->num_local_experts = L;
@@ -222,15 +225,16 @@ __global__ void notify_kernel(void** peers, int rank, int num_ranks, const int* 
 }
 
 // ---------------------------------------------------------------- dispatch
-// Each warp sends whole tokens: loads a 16-byte unit once and stores it to every destination's row. With `self_x`
-// (the caller's output exists before the send: normal and cached modes, rank-major) the rows this rank sends to
-// itself go straight to their final place in the output, so the receive kernel copies only what peers sent.
+// Each warp sends whole tokens: loads a 16-byte unit once and stores it to every destination's row. The rows this
+// rank sends to itself go where `own_rows` says (intranode.hpp, OwnRows): its own receive area, or straight into
+// the output when that already exists (self-direct: the receive then copies only what peers sent). Their metadata
+// always goes to the own area.
 template <int kUnroll>
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
     void** peers, int rank, int num_ranks, const int4* __restrict__ x, const float* __restrict__ x_scales,
     const int64_t* __restrict__ topk_idx, const float* __restrict__ topk_weights, const int* __restrict__ send_pos,
     const int* __restrict__ rank_prefix, const int* __restrict__ recv_info, int num_tokens, int hidden_bytes,
-    int num_scales, int topk, int experts_per_rank, int64_t rows_capacity, int4* __restrict__ self_x,
+    int num_scales, int topk, int experts_per_rank, int64_t rows_capacity, int own_rows, int4* __restrict__ self_x,
     float* __restrict__ self_scales, int64_t self_rows) {
   const int R = num_ranks;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -240,12 +244,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
   __shared__ int s_n[kWarps];
   for (int r = threadIdx.x; r < R; r += blockDim.x) s_base[r] = rank == 0 ? 0 : rank_prefix[(rank - 1) * R + r];
   __syncthreads();
-  if (recv_info[1] > 0) return;  // some receive area is too small: every rank skips (the host raises)
+  // Some receive area is too small, or notify's counts are stale: every rank skips (the host raises).
+  if (recv_info[1] > 0) return;
 
   const RecvArea area(rows_capacity, hidden_bytes, num_scales, topk);
   const int units = hidden_bytes / 16;
   const int total_warps = gridDim.x * kWarps;
-  auto self_direct = [&](int j) { return self_x != nullptr && s_rk[warp][j] == rank; };
+  const bool own_in_output = own_rows == kOwnInOutput && self_x != nullptr;
+  auto self_direct = [&](int j) { return own_in_output && s_rk[warp][j] == rank; };
   auto payload_row = [&](int j) -> int4* {
     const int64_t slot = s_slot[warp][j];
     if (self_direct(j)) return self_x + slot * units;
@@ -264,7 +270,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
         if (p < 0) continue;
         const int slot = s_base[r] + p;
         // Past the output's end only when num_worst_tokens is too small: the receive kernel reports that.
-        if (r == rank && self_x != nullptr && slot >= self_rows) continue;
+        if (r == rank && own_in_output && slot >= self_rows) continue;
         s_slot[warp][n] = slot;
         s_rk[warp][n] = r;
         ++n;
@@ -313,14 +319,16 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
   fence_system();  // the barrier kernel that follows publishes these stores
 }
 
-// Copies the receive area out to the output tensors. Rows in [self_begin, self_end) carry this rank's own tokens,
-// whose payload the send kernel already stored in the output (self-direct); only their metadata is copied here.
+// Copies the receive area out to the output tensors. Rows in [self_begin, self_end) carry this rank's own tokens;
+// with kOwnInOutput the send kernel already stored their payload in the output (self-direct) and only their
+// metadata is copied here. `copy_payload` false: the copy engine moves the payload and scales
+// (Context::dispatch_recv), this kernel only the metadata and the sync-free padding.
 template <int kUnroll>
 __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
     void* local, int rank, int num_ranks, int4* __restrict__ recv_x, float* __restrict__ recv_scales,
     int64_t* __restrict__ recv_topk_idx, float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx,
-    const int* __restrict__ recv_info, const int* __restrict__ rank_prefix, bool self_direct, int64_t out_rows,
-    int hidden_bytes, int num_scales, int topk, int64_t rows_capacity, ErrorWord* err) {
+    const int* __restrict__ recv_info, const int* __restrict__ rank_prefix, bool self_direct, bool copy_payload,
+    int64_t out_rows, int hidden_bytes, int num_scales, int topk, int64_t rows_capacity, ErrorWord* err) {
   const int R = num_ranks;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const RecvArea area(rows_capacity, hidden_bytes, num_scales, topk);
@@ -337,11 +345,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
   const int64_t total_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t row = blockIdx.x * kWarps + warp; row < out_rows; row += total_warps) {
     if (row < num_recv) {
-      const bool own = row >= self_begin && row < self_end;
-      if (recv_x != nullptr && !own)
+      const bool payload = copy_payload && !(row >= self_begin && row < self_end);
+      if (recv_x != nullptr && payload)
         warp_copy_v4<kUnroll>(recv_x + row * units, reinterpret_cast<const int4*>(base + area.x) + row * units, units,
                               lane);
-      for (int s = lane; recv_scales != nullptr && !own && s < num_scales; s += kWarpSize)
+      for (int s = lane; recv_scales != nullptr && payload && s < num_scales; s += kWarpSize)
         recv_scales[row * num_scales + s] = reinterpret_cast<const float*>(base + area.scales)[row * num_scales + s];
       for (int k = lane; recv_topk_idx != nullptr && k < topk; k += kWarpSize) {
         recv_topk_idx[row * topk + k] = reinterpret_cast<const int64_t*>(base + area.idx)[row * topk + k];
@@ -853,31 +861,84 @@ void Context::notify(uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_exp
 void Context::dispatch_send(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights,
                             uintptr_t send_pos, uintptr_t rank_prefix_matrix, uintptr_t recv_info, int num_tokens,
                             int hidden_bytes, int num_scales, int topk, int num_experts, int64_t rows_capacity,
-                            uintptr_t self_x, uintptr_t self_scales, int64_t self_rows, int num_sms,
+                            int own_rows, uintptr_t self_x, uintptr_t self_scales, int64_t self_rows, int num_sms,
                             uintptr_t stream) {
   if (hidden_bytes % 16) throw std::invalid_argument("dispatch: hidden bytes must be a multiple of 16");
+  if (own_rows != kOwnInArea && own_rows != kOwnInOutput) throw std::invalid_argument("dispatch_send: bad own_rows");
+  if (own_rows == kOwnInOutput && self_x == 0 && self_rows > 0)
+    throw std::invalid_argument("dispatch_send: own rows into the output need self_x");
   if (num_tokens == 0) return;
   dispatch_send_kernel<4><<<grid_of(num_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       peers_dev_, rank_, num_ranks_, reinterpret_cast<const int4*>(x), reinterpret_cast<const float*>(x_scales),
       reinterpret_cast<const int64_t*>(topk_idx), reinterpret_cast<const float*>(topk_weights),
       reinterpret_cast<const int*>(send_pos), reinterpret_cast<const int*>(rank_prefix_matrix),
       reinterpret_cast<const int*>(recv_info), num_tokens, hidden_bytes, num_scales, topk, num_experts / num_ranks_,
-      rows_capacity, reinterpret_cast<int4*>(self_x), reinterpret_cast<float*>(self_scales), self_rows);
+      rows_capacity, own_rows, reinterpret_cast<int4*>(self_x), reinterpret_cast<float*>(self_scales), self_rows);
   check(cudaGetLastError(), "dispatch_send_kernel launch");
 }
 
 void Context::dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
                             uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t recv_info,
-                            uintptr_t rank_prefix_matrix, bool self_direct, int64_t out_rows, int hidden_bytes,
-                            int num_scales, int topk, int64_t rows_capacity, int local_sms, uintptr_t stream) {
+                            uintptr_t rank_prefix_matrix, int own_rows, const std::vector<int64_t>& rows_from,
+                            int64_t out_rows, int hidden_bytes, int num_scales, int topk, int64_t rows_capacity,
+                            int local_sms, uintptr_t stream) {
+  if (own_rows != kOwnInArea && own_rows != kOwnInOutput) throw std::invalid_argument("dispatch_recv: bad own_rows");
   if (out_rows == 0) return;
-  dispatch_recv_kernel<4><<<local_grid(kLocalRecv, local_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      local_, rank_, num_ranks_, reinterpret_cast<int4*>(recv_x), reinterpret_cast<float*>(recv_scales),
-      reinterpret_cast<int64_t*>(recv_topk_idx), reinterpret_cast<float*>(recv_topk_weights),
-      reinterpret_cast<int*>(recv_src_idx), reinterpret_cast<const int*>(recv_info),
-      reinterpret_cast<const int*>(rank_prefix_matrix), self_direct, out_rows, hidden_bytes, num_scales, topk,
-      rows_capacity, error_dev_);
-  check(cudaGetLastError(), "dispatch_recv_kernel launch");
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const bool copy_engine = !rows_from.empty() && recv_x != 0;
+  int64_t num_recv = 0;
+  if (copy_engine) {
+    if (static_cast<int>(rows_from.size()) != num_ranks_)
+      throw std::invalid_argument("dispatch_recv: rows_from needs one count per rank");
+    // Rank-major rows: the area's row i is the output's row i, so the peers' rows are the (at most) two blocks
+    // around the own ones, or all of them when the own rows sit in the area too.
+    int64_t self_begin = 0;
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (rows_from[r] < 0) throw std::invalid_argument("dispatch_recv: negative rows_from");
+      if (r < rank_) self_begin += rows_from[r];
+      num_recv += rows_from[r];
+    }
+    if (num_recv > std::min(out_rows, rows_capacity))
+      throw std::invalid_argument("dispatch_recv: rows_from adds up to " + std::to_string(num_recv) +
+                                  " rows, more than the output's " + std::to_string(out_rows) + " or the area's " +
+                                  std::to_string(rows_capacity));
+    const int64_t self_end = own_rows == kOwnInArea ? self_begin : self_begin + rows_from[rank_];
+    const int64_t blocks[2][2] = {{0, own_rows == kOwnInArea ? num_recv : self_begin}, {self_end, num_recv}};
+    DeviceGuard guard(device_);
+    ensure_copy_streams();
+    auto cs = static_cast<cudaStream_t>(copy_streams_[0]);
+    auto event = [](void* e) { return static_cast<cudaEvent_t>(e); };
+    check(cudaEventRecord(event(copy_fork_), s), "cudaEventRecord");  // behind the barrier that published the rows
+    check(cudaStreamWaitEvent(cs, event(copy_fork_), 0), "cudaStreamWaitEvent");
+    const RecvArea area(rows_capacity, hidden_bytes, num_scales, topk);
+    const char* base = data_of(local_);
+    const int64_t scale_bytes = static_cast<int64_t>(num_scales) * 4;
+    for (const auto& b : blocks) {
+      if (b[1] <= b[0]) continue;
+      check(cudaMemcpyAsync(reinterpret_cast<char*>(recv_x) + b[0] * hidden_bytes, base + area.x + b[0] * hidden_bytes,
+                            (b[1] - b[0]) * hidden_bytes, cudaMemcpyDeviceToDevice, cs),
+            "cudaMemcpyAsync (received rows)");
+      if (recv_scales && scale_bytes)
+        check(cudaMemcpyAsync(reinterpret_cast<char*>(recv_scales) + b[0] * scale_bytes,
+                              base + area.scales + b[0] * scale_bytes, (b[1] - b[0]) * scale_bytes,
+                              cudaMemcpyDeviceToDevice, cs),
+              "cudaMemcpyAsync (received scales)");
+    }
+    check(cudaEventRecord(event(copy_joins_[0]), cs), "cudaEventRecord");
+  }
+  // With the copy engine on the peers' rows, a cached rank-major receive (no metadata, own rows already in place,
+  // no padding) leaves the kernel nothing to do.
+  const bool kernel_needed = !copy_engine || recv_topk_idx || recv_src_idx || out_rows > num_recv;
+  if (kernel_needed) {
+    dispatch_recv_kernel<4><<<local_grid(kLocalRecv, local_sms), kThreads, 0, s>>>(
+        local_, rank_, num_ranks_, reinterpret_cast<int4*>(recv_x), reinterpret_cast<float*>(recv_scales),
+        reinterpret_cast<int64_t*>(recv_topk_idx), reinterpret_cast<float*>(recv_topk_weights),
+        reinterpret_cast<int*>(recv_src_idx), reinterpret_cast<const int*>(recv_info),
+        reinterpret_cast<const int*>(rank_prefix_matrix), own_rows == kOwnInOutput, !copy_engine, out_rows,
+        hidden_bytes, num_scales, topk, rows_capacity, error_dev_);
+    check(cudaGetLastError(), "dispatch_recv_kernel launch");
+  }
+  if (copy_engine) check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(copy_joins_[0]), 0), "cudaStreamWaitEvent");
 }
 
 void Context::expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv_topk_idx,

@@ -28,6 +28,9 @@ struct ErrorWord {
   char what[32];      // name of the wait
 };
 
+// Where dispatch puts the rows a rank sends to itself (dispatch_send / dispatch_recv's `own_rows`).
+enum OwnRows : int { kOwnInArea = 0, kOwnInOutput = 1 };
+
 // Results of notify mirrored to host-mapped memory for the CPU sync of the normal mode.
 struct HostCounts {
   volatile int32_t ready;          // sequence number of the notify that wrote the rest
@@ -75,21 +78,28 @@ class Context {
               uintptr_t recv_info, uintptr_t send_pos, uintptr_t stream);
 
   // Sender side: write every (token, destination) to its final row of the destination's receive area. Skipped on
-  // every rank when recv_info[1] (overflow rows) > 0.
+  // every rank when recv_info[1] > 0: a receive area too small, or counts that notify could not trust (its barrier
+  // ran past the deadline). `own_rows` (OwnRows) says where the rows this rank sends to itself go:
+  //   kOwnInArea: into its own receive area, like every peer's (expert-major reads them from there; a normal
+  //     rank-major dispatch, whose send starts before the host has sized the output, copies them out after);
+  //   kOwnInOutput: their payload and scales straight into self_x / self_scales (`self_rows` long), the output that
+  //     already exists (self-direct); dispatch_recv then copies only their metadata.
   void dispatch_send(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights,
                      uintptr_t send_pos, uintptr_t rank_prefix_matrix, uintptr_t recv_info, int num_tokens,
                      int hidden_bytes, int num_scales, int topk, int num_experts, int64_t rows_capacity,
-                     uintptr_t self_x, uintptr_t self_scales, int64_t self_rows, int num_sms, uintptr_t stream);
-  // (self_x/self_scales, when non-zero: the output tensors, `self_rows` long; the rows this rank sends to itself are
-  // stored there directly and dispatch_recv must then be called with self_direct = true.)
+                     int own_rows, uintptr_t self_x, uintptr_t self_scales, int64_t self_rows, int num_sms,
+                     uintptr_t stream);
 
-  // Receiver side: copy rows [0, num_recv) of the receive area into the outputs (num_recv from recv_info on the
-  // device); rows [num_recv, out_rows) get topk_idx = -1, weights = 0, src_idx = -1 (sync-free padding). With
-  // self_direct, the payload of this rank's own rows is already in place and only their metadata is copied.
+  // Receiver side: rows [0, num_recv) of the receive area into the outputs (num_recv from recv_info on the device);
+  // rows [num_recv, out_rows) get topk_idx = -1, weights = 0, src_idx = -1 (sync-free padding). `own_rows` as the
+  // send's. `rows_from` (rows received from each source rank, as notify mirrors them to the host; empty when the
+  // host does not know them, or to have the kernel copy everything): when given, the payload and scales still in
+  // the area are copied by the copy engine (one cudaMemcpyAsync per contiguous block, on a copy stream joined
+  // before return) while the kernel copies the metadata.
   void dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
-                     uintptr_t recv_src_idx, uintptr_t recv_info, uintptr_t rank_prefix_matrix, bool self_direct,
-                     int64_t out_rows, int hidden_bytes, int num_scales, int topk, int64_t rows_capacity,
-                     int local_sms, uintptr_t stream);
+                     uintptr_t recv_src_idx, uintptr_t recv_info, uintptr_t rank_prefix_matrix, int own_rows,
+                     const std::vector<int64_t>& rows_from, int64_t out_rows, int hidden_bytes, int num_scales,
+                     int topk, int64_t rows_capacity, int local_sms, uintptr_t stream);
 
   // Expert-major expansion (reference.py's layout): every (row, local expert) pair once, grouped by expert in
   // rank-major row order, expert e's segment starting at the aligned prefix of the counts, zero padding rows, the

@@ -35,6 +35,7 @@ from tests.shared_memory_files import map_file, sweep_leftovers
 max_ranks = 128
 max_topk = 32
 control_bytes = 1 << 20
+own_in_area, own_in_output = 0, 1  # dispatch's own_rows (intranode.hpp, OwnRows)
 _EPOCH, _FLAGS = 0, 64  # ints from the buffer start (intranode.cu's control region)
 # [max_ranks] int64: end row of the last chunk each peer landed, cleared by the owner after its reduce
 _COPY_FLAGS = _FLAGS + max_ranks
@@ -315,7 +316,8 @@ class IntranodeContext:
             c[_COUNTS + me * R:_COUNTS + (me + 1) * R] = per_rank
             if L:
                 c[_EXPERT_COUNTS + me * L:_EXPERT_COUNTS + (me + 1) * L] = per_expert[dst * L:(dst + 1) * L]
-        self._barrier_block("notify barrier")  # the kernel goes on after a timeout (it does not check the result)
+        # The kernel goes on after a timeout, publishing stale counts, but tells the send to skip (recv_info[1]).
+        synced = self._barrier_block("notify barrier")
         own = self._ctrl(me)
         counts = own[_COUNTS:_COUNTS + R * R].view(R, R).clone()
         prefix = counts.cumsum(0, dtype=torch.int32)
@@ -327,7 +329,7 @@ class IntranodeContext:
                            else torch.zeros(0, dtype=torch.int32))
         info[2:] = per_expert_recv
         num_recv = int(counts[:, me].sum())
-        info[0], info[1] = num_recv, overflow
+        info[0], info[1] = num_recv, overflow if synced else 2**31 - 1
         self._host.update(num_recv=num_recv, overflow=overflow, per_expert=per_expert_recv.tolist(),
                           rows_from=counts[:, me].tolist(), ready=self._host_seq)
         if overflow > 0:
@@ -342,16 +344,20 @@ class IntranodeContext:
     # ---- dispatch
     def dispatch_send(self, x: int, x_scales: int, topk_idx: int, topk_weights: int, send_pos: int,
                       rank_prefix_matrix: int, recv_info: int, num_tokens: int, hidden_bytes: int, num_scales: int,
-                      topk: int, num_experts: int, rows_capacity: int, self_x: int, self_scales: int, self_rows: int,
-                      num_sms: int, stream: int) -> None:
+                      topk: int, num_experts: int, rows_capacity: int, own_rows: int, self_x: int, self_scales: int,
+                      self_rows: int, num_sms: int, stream: int) -> None:
         if hidden_bytes % 16:
             raise ValueError("dispatch: hidden bytes must be a multiple of 16")
+        if own_rows not in (own_in_area, own_in_output):
+            raise ValueError("dispatch_send: bad own_rows")
+        if own_rows == own_in_output and not self_x and self_rows > 0:
+            raise ValueError("dispatch_send: own rows into the output need self_x")
         if num_tokens == 0:
             return
         self._count("dispatch_send")
         R, me, T = self._num_ranks, self._rank, num_tokens
         if int(_at(recv_info, 8, torch.int32)[1]) > 0:
-            return  # some receive area is too small: every rank skips (the host raises)
+            return  # an area too small or stale counts: every rank skips (the host raises)
         prefix = _at(rank_prefix_matrix, 4 * R * R, torch.int32).view(R, R)
         base = torch.zeros(R, dtype=torch.int64) if me == 0 else prefix[me - 1].to(torch.int64)
         pos = _at(send_pos, 4 * T * R, torch.int32).view(T, R)
@@ -365,7 +371,7 @@ class IntranodeContext:
         for r in range(R):
             tokens = (pos[:, r] >= 0).nonzero().flatten()
             slots = base[r] + pos[tokens, r].to(torch.int64)
-            direct = r == me and self_x != 0
+            direct = r == me and own_rows == own_in_output
             if direct:  # past the output's end only when num_worst_tokens is too small: the receive kernel reports
                 keep = slots < self_rows
                 tokens, slots = tokens[keep], slots[keep]
@@ -393,13 +399,25 @@ class IntranodeContext:
             d[area.src:area.src + rows_capacity * 4].view(torch.int32)[slots] = tokens.to(torch.int32)
 
     def dispatch_recv(self, recv_x: int, recv_scales: int, recv_topk_idx: int, recv_topk_weights: int,
-                      recv_src_idx: int, recv_info: int, rank_prefix_matrix: int, self_direct: bool, out_rows: int,
-                      hidden_bytes: int, num_scales: int, topk: int, rows_capacity: int, local_sms: int,
-                      stream: int) -> None:
+                      recv_src_idx: int, recv_info: int, rank_prefix_matrix: int, own_rows: int, rows_from: List[int],
+                      out_rows: int, hidden_bytes: int, num_scales: int, topk: int, rows_capacity: int,
+                      local_sms: int, stream: int) -> None:
+        if own_rows not in (own_in_area, own_in_output):
+            raise ValueError("dispatch_recv: bad own_rows")
         if out_rows == 0:
             return
-        self._count("dispatch_recv")
         R, me = self._num_ranks, self._rank
+        copy_engine = bool(rows_from) and bool(recv_x)
+        if copy_engine:  # the launcher's checks; the copies themselves are the same rows the kernel would copy
+            if len(rows_from) != R:
+                raise ValueError("dispatch_recv: rows_from needs one count per rank")
+            if any(n < 0 for n in rows_from):
+                raise ValueError("dispatch_recv: negative rows_from")
+            if sum(rows_from) > min(out_rows, rows_capacity):
+                raise ValueError(f"dispatch_recv: rows_from adds up to {sum(rows_from)} rows, more than the output's "
+                                 f"{out_rows} or the area's {rows_capacity}")
+            self._count("dispatch_recv_copy_engine")
+        self._count("dispatch_recv")
         area = RecvArea(rows_capacity, hidden_bytes, num_scales, topk)
         d = self._data(me)
         num_recv = int(_at(recv_info, 4, torch.int32)[0])
@@ -407,8 +425,9 @@ class IntranodeContext:
             self._report(3, 0, me, num_recv, out_rows, "num_worst_tokens too small")
             num_recv = out_rows
         prefix = _at(rank_prefix_matrix, 4 * R * R, torch.int32).view(R, R)
-        self_begin = (0 if me == 0 else int(prefix[me - 1, me])) if self_direct else 0
-        self_end = int(prefix[me, me]) if self_direct else 0
+        direct = own_rows == own_in_output
+        self_begin = (0 if me == 0 else int(prefix[me - 1, me])) if direct else 0
+        self_end = int(prefix[me, me]) if direct else 0
         n = num_recv
         rows = torch.arange(n)
         peer_rows = rows[(rows < self_begin) | (rows >= self_end)]

@@ -68,6 +68,9 @@ def _backends(rank, world, nvl=NVL):
     from uccl_ep_train.settings import load_settings
 
     fake.install()
+    import uccl_ep_train.intranode as intranode
+
+    intranode.COPY_ENGINE_MIN_BYTES = 0  # the copy-engine receive at these small shapes too
     ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=world,
                          device=torch.device("cpu"), num_nvl_bytes=nvl, num_rdma_bytes=0, settings=load_settings())
     return NativeIntranodeBackend(ctx), ReferenceBackend(ctx)
@@ -89,13 +92,15 @@ def test_every_output_matches_reference_over_routings_fp8_worst_tokens_and_exper
                                                                                        streams):
     out = run_distributed(_cases, world, ALL, 1, timeout=120,
                           env={**ENV, "UCCL_EP_COMBINE_COPY_ENGINE": copy_engine, "UCCL_EP_COPY_CHUNK_BYTES": chunk,
-                               "UCCL_EP_COPY_STREAMS": streams})
+                               "UCCL_EP_COPY_STREAMS": streams, "UCCL_EP_DISPATCH_COPY_ENGINE": copy_engine})
     assert all(done == len(ALL) for done, _, _ in out)
     for _, launches, _ in out:  # every kernel of the backend ran through the stand-in
         assert {"notify", "dispatch_send", "dispatch_recv", "barrier", "expert_major", "expert_major_partials",
                 "combine_send", "combine_reduce"} <= set(launches), launches
         # normal and cached handles combine through the copy engine unless it is off; sync-free ones never do
         assert ("combine_copy_engine" in launches) == (copy_engine == "1"), launches
+        # and the peers' rows of normal and cached rank-major dispatches leave the receive area the same way
+        assert ("dispatch_recv_copy_engine" in launches) == (copy_engine == "1"), launches
     left = [name for _, _, name in out if os.path.exists(os.path.join("/dev/shm", name))]
     assert not left, f"shared memory left behind after destroy: {left}"
 
@@ -174,7 +179,13 @@ def _absent_peer(rank, world):
         idx = torch.randint(0, 2 * world, (32, 2))
         x = torch.randn((32, 64)).to(torch.bfloat16)
         tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 2 * world)
-        return _timed_error(lambda: nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None)))
+        area = nat._cx._data(rank)
+        area.fill_(0x5A)
+        timed = _timed_error(lambda: nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None)))
+        time.sleep(1)  # the other surviving rank has run its send (if it did) by now
+        # The send is queued behind notify before the host sees the counts; notify's stale counts make it skip, so
+        # no rank wrote a row into any receive area.
+        return timed, bool((area == 0x5A).all())
     finally:
         nat.destroy()
 
@@ -183,7 +194,8 @@ def test_a_rank_that_never_joins_makes_the_others_raise_a_timeout_naming_the_not
     env = dict(ENV, UCCL_EP_GPU_TIMEOUT_SECS="0.5")
     out = run_distributed(_absent_peer, 3, timeout=60, env=env)
     for rank in range(2):
-        elapsed, err = out[rank]
+        (elapsed, err), area_untouched = out[rank]
+        assert area_untouched, f"rank {rank}: a send behind the timed-out notify wrote into the receive area"
         # the dispatch that timed out raises itself: the notify kernel publishes (stale) counts after its barrier
         # timed out, so the host reads the error word right after the counts instead of at the next call
         assert "GPU wait timed out" in err and "notify barrier" in err and "peer 2" in err, err
@@ -283,3 +295,23 @@ def test_stand_in_layout_kernel_counts_each_token_once_per_rank_and_node_and_ski
     assert in_rank.tolist() == [[True, False, True, False], [False, False, False, True], [False, True, False, False]]
     assert per_rank.tolist() == [1, 1, 1, 1] and per_node.tolist() == [2, 2]
     assert fake.dispatch_rows_capacity(1 << 20, 256, 2, 4) * (256 + 8 + 48 + 4) <= 1 << 20
+
+
+def test_dispatch_receive_takes_the_copy_engine_only_for_host_known_rank_major_rows_of_enough_bytes():
+    from types import SimpleNamespace
+
+    from uccl_ep_train.intranode import COPY_ENGINE_MIN_BYTES, NativeIntranodeBackend
+
+    be = SimpleNamespace(dispatch_copy_engine=True, rank=1, _k=fake)
+    pick = NativeIntranodeBackend._copy_engine_rows
+    x = torch.empty(0)
+    row = 4096
+    big = COPY_ENGINE_MIN_BYTES // row  # rows from each peer that just reach the threshold
+    assert pick(be, x, [big, 5, 0], fake.own_in_output, row) == [big, 5, 0]
+    # the own rows already sit in the output: only the peers' bytes count
+    assert pick(be, x, [big - 1, 10 ** 6, 0], fake.own_in_output, row) == []
+    assert pick(be, x, [big - 1, 1, 0], fake.own_in_area, row) == [big - 1, 1, 0]
+    assert pick(be, None, [big, 0, 0], fake.own_in_area, row) == []  # expert-major: no rank-major payload
+    assert pick(be, x, None, fake.own_in_area, row) == []  # sync-free: counts never reach the host
+    be.dispatch_copy_engine = False
+    assert pick(be, x, [big, 0, 0], fake.own_in_area, row) == []

@@ -52,7 +52,11 @@ def backends(group):
                          device=torch.device("cuda", torch.cuda.current_device()), num_nvl_bytes=NVL_BYTES,
                          num_rdma_bytes=0, settings=load_settings())
     nat, ref = NativeIntranodeBackend(ctx), ReferenceBackend(ctx)
+    import uccl_ep_train.intranode as intranode
+
+    saved, intranode.COPY_ENGINE_MIN_BYTES = intranode.COPY_ENGINE_MIN_BYTES, 0  # the copy-engine receive at every shape
     yield nat, ref
+    intranode.COPY_ENGINE_MIN_BYTES = saved
     nat.destroy()
 
 
@@ -136,6 +140,16 @@ def run_case(backends, kind, T, H, K, E, *, fp8=False, worst=0, expert_major=Fal
     cn, cr = nat.dispatch(args(rn.handle, x2, s2)), ref.dispatch(args(rr.handle, x2, s2))
     same(cn.recv_x, cr.recv_x, "cached recv_x")
     same(cn.recv_x_scales, cr.recv_x_scales, "cached recv_x_scales")
+    # the other receive path (peers' rows by copy engine, or every row by the kernel), normal then cached
+    with dispatch_path(nat, not nat.dispatch_copy_engine):
+        an = nat.dispatch(args())
+        acn = nat.dispatch(args(an.handle, x2, s2))
+    for got, want, what in ((an.recv_x, rr.recv_x, "recv_x"), (an.recv_x_scales, rr.recv_x_scales, "recv_x_scales"),
+                            (an.recv_topk_idx, rr.recv_topk_idx, "recv_topk_idx"),
+                            (an.recv_topk_weights, rr.recv_topk_weights, "recv_topk_weights"),
+                            (acn.recv_x, cr.recv_x, "cached recv_x"),
+                            (acn.recv_x_scales, cr.recv_x_scales, "cached recv_x_scales")):
+        same(got, want, f"{what}, other receive path")
 
     # combine of a fresh bf16 payload in the received layout, with weights
     rows = rn.handle.num_recv_rows
@@ -156,6 +170,17 @@ def run_case(backends, kind, T, H, K, E, *, fp8=False, worst=0, expert_major=Fal
     assert own2 is None
     same(on2, on, "combine without weights")
     torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def dispatch_path(nat, copy_engine: bool):
+    """Run the backend's dispatches with the peers' rows copied out by the copy engine, or all rows by the kernel."""
+    saved = nat.dispatch_copy_engine
+    nat.dispatch_copy_engine = copy_engine
+    try:
+        yield
+    finally:
+        nat.dispatch_copy_engine = saved
 
 
 @contextlib.contextmanager
