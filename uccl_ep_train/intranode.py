@@ -356,7 +356,7 @@ class NativeIntranodeBackend:
                               _ptr(recv_topk_weights if want_weights else None), h.recv_info.data_ptr(),
                               h.num_rank_major_rows, rows, L, h.expert_alignment, hidden_bytes, num_scales,
                               h.num_topk, out_x.data_ptr(), _ptr(out_scales), em_token.data_ptr(), em_slot.data_ptr(),
-                              em_expert.data_ptr(), _ptr(em_weights), slot_of.data_ptr(), stream)
+                              em_expert.data_ptr(), _ptr(em_weights), slot_of.data_ptr(), self.local_sms, stream)
         if update_handle:
             h.expert_major_token, h.expert_major_slot, h.slot_of = em_token, em_slot, slot_of
         return out_x, out_scales, em_expert, em_weights

@@ -63,7 +63,8 @@ void bind_kernels(py::module_& m) {
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_info"), py::arg("out_rows"),
            py::arg("expert_rows"), py::arg("num_local_experts"), py::arg("alignment"), py::arg("hidden_bytes"),
            py::arg("num_scales"), py::arg("topk"), py::arg("out_x"), py::arg("out_scales"), py::arg("em_token"),
-           py::arg("em_slot"), py::arg("em_expert"), py::arg("em_weights"), py::arg("slot_of"), py::arg("stream"))
+           py::arg("em_slot"), py::arg("em_expert"), py::arg("em_weights"), py::arg("slot_of"), py::arg("local_sms"),
+           py::arg("stream"))
       .def("expert_major_partials", &in::Context::expert_major_partials, py::arg("x"), py::arg("topk_weights"),
            py::arg("slot_of"), py::arg("recv_info"), py::arg("num_rows"), py::arg("hidden"), py::arg("elem_size"),
            py::arg("topk"), py::arg("partials"), py::arg("out_topk_weights"), py::arg("local_sms"), py::arg("stream"))

@@ -576,23 +576,21 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
 }
 
 // ---------------------------------------------------------------- expert-major expansion
-// One block per local expert: scan the received rows in order, give each (row, k) with recv_topk_idx == expert the
-// next row of the expert's segment (segments start at the aligned prefix of the counts), then copy the payload
-// there straight from the receive area. Padding rows are zeroed. Blocks past the experts share the sync-free tail
-// (every row after the last segment): in sync-free mode it can be half the output (65536 worst-case rows for 32768
-// real ones at DeepSeek-V3 shape on 2 ranks), and the single block that used to clear it took 7.7 ms of a 10 ms
-// forward at one SM's store bandwidth.
-__global__ void __launch_bounds__(kThreads) expert_major_kernel(
-    const int4* __restrict__ src_x, const float* __restrict__ src_scales, const int64_t* __restrict__ recv_topk_idx,
-    const float* __restrict__ recv_topk_weights, const int* __restrict__ recv_info, int64_t out_rows,
-    int64_t expert_rows, int num_local_experts, int alignment, int hidden_bytes, int num_scales, int topk,
-    int4* __restrict__ out_x, float* __restrict__ out_scales, int64_t* __restrict__ em_token,
-    int64_t* __restrict__ em_slot, int64_t* __restrict__ em_expert, float* __restrict__ em_weights,
-    int* __restrict__ slot_of) {
+// Two kernels. The plan (one block per local expert) scans the received rows in order and gives each (row, k) with
+// recv_topk_idx == expert the next row of the expert's segment (segments start at the aligned prefix of the
+// counts): em_token / em_slot / em_expert / em_weights per expert-major row, slot_of per (row, k); -1 on padding
+// rows. Blocks past the experts share the metadata of the sync-free tail (every row after the last segment): in
+// sync-free mode it can be half the output (65536 worst-case rows for 32768 real ones at DeepSeek-V3 shape on 2
+// ranks). The copy (the whole GPU) then moves the payload: each received row is read once and stored to every
+// slot it took, and every row with em_token == -1 is zeroed. It was one kernel whose expert blocks also copied
+// their own segment: ~one block per SM, each source row read once per expert it went to; the expansion took
+// 287 us at DeepSeek-V3 shape on H200 (470 MB written).
+__global__ void __launch_bounds__(kThreads) expert_major_plan_kernel(
+    const int64_t* __restrict__ recv_topk_idx, const float* __restrict__ recv_topk_weights,
+    const int* __restrict__ recv_info, int64_t out_rows, int64_t expert_rows, int num_local_experts, int alignment,
+    int topk, int64_t* __restrict__ em_token, int64_t* __restrict__ em_slot, int64_t* __restrict__ em_expert,
+    float* __restrict__ em_weights, int* __restrict__ slot_of) {
   const int expert = blockIdx.x;
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int units = hidden_bytes / 16;
-  const int4 zero = make_int4(0, 0, 0, 0);
   __shared__ int64_t s_begin;
   __shared__ int s_sum[kThreads];
   if (threadIdx.x == 0) {  // an expert's segment start; for a tail block, the end of the last segment
@@ -604,17 +602,13 @@ __global__ void __launch_bounds__(kThreads) expert_major_kernel(
     s_begin = begin;
   }
   __syncthreads();
-  if (expert >= num_local_experts) {  // tail block t of T: rows tail + t*kWarps + warp, strided by T*kWarps
+  if (expert >= num_local_experts) {  // tail block t of T: rows tail + t*blockDim + thread, strided by T*blockDim
     const int64_t t = expert - num_local_experts, T = gridDim.x - num_local_experts;
     for (int64_t p = s_begin + t * blockDim.x + threadIdx.x; p < expert_rows; p += T * blockDim.x) {
       em_token[p] = -1;
       em_slot[p] = -1;
       em_expert[p] = -1;
       if (em_weights) em_weights[p] = 0.0f;
-    }
-    for (int64_t p = s_begin + t * kWarps + warp; p < expert_rows; p += T * kWarps) {
-      for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = zero;
-      for (int sc = lane; sc < num_scales; sc += kWarpSize) out_scales[p * num_scales + sc] = 0.0f;
     }
     return;
   }
@@ -652,16 +646,53 @@ __global__ void __launch_bounds__(kThreads) expert_major_kernel(
     em_expert[p] = -1;
     if (em_weights) em_weights[p] = 0.0f;
   }
-  __syncthreads();
-  for (int64_t p = begin + warp; p < pad_end; p += kWarps) {
-    if (p < begin + count) {
-      const int64_t row = em_token[p];
-      if (src_x) warp_copy_v4<4>(out_x + p * units, src_x + row * units, units, lane);
-      for (int s = lane; s < num_scales; s += kWarpSize) out_scales[p * num_scales + s] = src_scales[row * num_scales + s];
-    } else {
-      for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = zero;
-      for (int s = lane; s < num_scales; s += kWarpSize) out_scales[p * num_scales + s] = 0.0f;
+}
+
+// Payload of the expansion: rank-major row i goes to each of its slots slot_of[i][k] >= 0 (loaded once, stored to
+// all), then every expert-major row the plan left without a token (em_token == -1: segment padding and the sync-free
+// tail) is zeroed.
+__global__ void __launch_bounds__(kThreads) expert_major_copy_kernel(
+    const int4* __restrict__ src_x, const float* __restrict__ src_scales, const int* __restrict__ recv_info,
+    int64_t out_rows, int64_t expert_rows, int hidden_bytes, int num_scales, int topk,
+    const int* __restrict__ slot_of, const int64_t* __restrict__ em_token, int4* __restrict__ out_x,
+    float* __restrict__ out_scales) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  __shared__ int s_scratch[kWarps][kMaxTopk];
+  __shared__ int s_slots[kWarps][kMaxTopk];
+  const int units = hidden_bytes / 16;
+  const int64_t num_recv = min(static_cast<int64_t>(recv_info[0]), out_rows);
+  const int64_t total_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (int64_t i = blockIdx.x * kWarps + warp; i < num_recv; i += total_warps) {
+    const int* slots_of_row = slot_of + i * topk;
+    const int n = warp_compact(topk, lane, s_scratch[warp], s_slots[warp], [&](int k) { return slots_of_row[k]; });
+    const int* slots = s_slots[warp];
+    const int4* src = src_x + i * units;
+    int u = lane;
+    for (; u + 3 * kWarpSize < units; u += 4 * kWarpSize) {
+      int4 v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = ld_nc_v4(src + u + j * kWarpSize);
+      for (int j = 0; j < n; ++j) {
+        int4* dst = out_x + static_cast<int64_t>(slots[j]) * units;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) st_na_v4(dst + u + w * kWarpSize, v[w]);
+      }
     }
+    for (; u < units; u += kWarpSize) {
+      const int4 v = ld_nc_v4(src + u);
+      for (int j = 0; j < n; ++j) st_na_v4(out_x + static_cast<int64_t>(slots[j]) * units + u, v);
+    }
+    for (int sc = lane; src_scales != nullptr && sc < num_scales; sc += kWarpSize) {
+      const float v = src_scales[i * num_scales + sc];
+      for (int j = 0; j < n; ++j) out_scales[static_cast<int64_t>(slots[j]) * num_scales + sc] = v;
+    }
+    warp_sync();  // s_slots is reused by the next row
+  }
+  for (int64_t p = blockIdx.x * kWarps + warp; p < expert_rows; p += total_warps) {
+    if (em_token[p] >= 0) continue;
+    for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = zero;
+    for (int sc = lane; out_scales != nullptr && sc < num_scales; sc += kWarpSize) out_scales[p * num_scales + sc] = 0.0f;
   }
 }
 
@@ -730,7 +761,8 @@ Context::Context(int rank, int num_ranks, int64_t num_bytes, int device, double 
       reinterpret_cast<const void*>(expert_major_partials_kernel<false>),
       reinterpret_cast<const void*>(expert_major_partials_kernel<true>),
       reinterpret_cast<const void*>(combine_reduce_blocks_kernel<false>),
-      reinterpret_cast<const void*>(combine_reduce_blocks_kernel<true>)};
+      reinterpret_cast<const void*>(combine_reduce_blocks_kernel<true>),
+      reinterpret_cast<const void*>(expert_major_copy_kernel)};
   for (int i = 0; i < kLocalKernels; ++i) {
     int per_sm = 0;
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, local_kernels[i], kThreads, 0),
@@ -945,21 +977,29 @@ void Context::expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv
                            uintptr_t recv_topk_weights, uintptr_t recv_info, int64_t out_rows, int64_t expert_rows,
                            int num_local_experts, int alignment, int hidden_bytes, int num_scales, int topk,
                            uintptr_t out_x, uintptr_t out_scales, uintptr_t em_token, uintptr_t em_slot,
-                           uintptr_t em_expert, uintptr_t em_weights, uintptr_t slot_of, uintptr_t stream) {
+                           uintptr_t em_expert, uintptr_t em_weights, uintptr_t slot_of, int local_sms,
+                           uintptr_t stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (slot_of && out_rows > 0)
+  // The copy reads the slots of every row from slot_of (and the combine of this layout reads them too).
+  // (An empty tensor's address is 0: a rank that received nothing passes no slot_of.)
+  if (slot_of == 0 && out_rows > 0) throw std::invalid_argument("expert_major: slot_of is required");
+  if (out_rows > 0)
     check(cudaMemsetAsync(reinterpret_cast<void*>(slot_of), 0xff, sizeof(int) * out_rows * topk, s), "memset");
   if (num_local_experts == 0 || expert_rows == 0) return;
   // Blocks for the tail after the last segment, one per SM: its length is known on the device only (sync-free
   // mode: the real row count never reaches the host). Where there is no tail they return at once.
-  expert_major_kernel<<<num_local_experts + sms_, kThreads, 0, s>>>(
-      reinterpret_cast<const int4*>(src_x), reinterpret_cast<const float*>(src_scales),
+  expert_major_plan_kernel<<<num_local_experts + sms_, kThreads, 0, s>>>(
       reinterpret_cast<const int64_t*>(recv_topk_idx), reinterpret_cast<const float*>(recv_topk_weights),
-      reinterpret_cast<const int*>(recv_info), out_rows, expert_rows, num_local_experts, alignment, hidden_bytes,
-      num_scales, topk, reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_scales),
+      reinterpret_cast<const int*>(recv_info), out_rows, expert_rows, num_local_experts, alignment, topk,
       reinterpret_cast<int64_t*>(em_token), reinterpret_cast<int64_t*>(em_slot), reinterpret_cast<int64_t*>(em_expert),
       reinterpret_cast<float*>(em_weights), reinterpret_cast<int*>(slot_of));
-  check(cudaGetLastError(), "expert_major_kernel launch");
+  check(cudaGetLastError(), "expert_major_plan_kernel launch");
+  expert_major_copy_kernel<<<local_grid(kLocalExpertCopy, local_sms), kThreads, 0, s>>>(
+      reinterpret_cast<const int4*>(src_x), reinterpret_cast<const float*>(src_scales),
+      reinterpret_cast<const int*>(recv_info), out_rows, expert_rows, hidden_bytes, num_scales, topk,
+      reinterpret_cast<const int*>(slot_of), reinterpret_cast<const int64_t*>(em_token),
+      reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_scales));
+  check(cudaGetLastError(), "expert_major_copy_kernel launch");
 }
 
 void Context::expert_major_partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t recv_info,

@@ -104,12 +104,13 @@ class Context {
   // Expert-major expansion (reference.py's layout): every (row, local expert) pair once, grouped by expert in
   // rank-major row order, expert e's segment starting at the aligned prefix of the counts, zero padding rows, the
   // tail after the last segment cleared. src_x/src_scales: rank-major rows (the receive area itself works).
-  // Outputs em_token/em_slot/em_expert int64 [expert_rows], em_weights f32 (optional), slot_of int32 [rows, K].
+  // Outputs em_token/em_slot/em_expert int64 [expert_rows], em_weights f32 (optional), slot_of int32 [rows, K]
+  // (required). The payload is copied on local_sms SMs (0: the whole GPU).
   void expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
                     uintptr_t recv_info, int64_t out_rows, int64_t expert_rows, int num_local_experts, int alignment,
                     int hidden_bytes, int num_scales, int topk, uintptr_t out_x, uintptr_t out_scales,
                     uintptr_t em_token, uintptr_t em_slot, uintptr_t em_expert, uintptr_t em_weights,
-                    uintptr_t slot_of, uintptr_t stream);
+                    uintptr_t slot_of, int local_sms, uintptr_t stream);
 
   // combine of expert-major rows, local half (no communication; on local_sms SMs, 0: the whole GPU): for
   // every rank-major row i < min(num_rows, recv_info[0]), partials[i] = the sum of x[slot_of[i][k]] over the k with
@@ -158,8 +159,8 @@ class Context {
   // on `local_sms` SMs, 0 meaning the whole GPU: blocks per SM from the occupancy API, asked once in the
   // constructor because a launch may be under CUDA-graph capture.
   enum LocalKernel { kLocalRecv, kLocalReduceBf16, kLocalReduceF32, kLocalPartialsBf16, kLocalPartialsF32,
-                     kLocalReduceBlocksBf16, kLocalReduceBlocksF32, kLocalKernels };
-  int whole_gpu_grid_[kLocalKernels] = {1, 1, 1, 1, 1, 1, 1};
+                     kLocalReduceBlocksBf16, kLocalReduceBlocksF32, kLocalExpertCopy, kLocalKernels };
+  int whole_gpu_grid_[kLocalKernels] = {1, 1, 1, 1, 1, 1, 1, 1};
   // The copy-engine combine's stream and fork/join events (cudaStream_t / cudaEvent_t, kept opaque so this header
   // stays free of CUDA/HIP types), made on first use.
   std::vector<void*> copy_streams_, copy_joins_;  // kMaxCopyStreams (8) each

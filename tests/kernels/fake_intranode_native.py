@@ -456,8 +456,10 @@ class IntranodeContext:
     def expert_major(self, src_x: int, src_scales: int, recv_topk_idx: int, recv_topk_weights: int, recv_info: int,
                      out_rows: int, expert_rows: int, num_local_experts: int, alignment: int, hidden_bytes: int,
                      num_scales: int, topk: int, out_x: int, out_scales: int, em_token: int, em_slot: int,
-                     em_expert: int, em_weights: int, slot_of: int, stream: int) -> None:
-        if slot_of and out_rows > 0:
+                     em_expert: int, em_weights: int, slot_of: int, local_sms: int, stream: int) -> None:
+        if not slot_of and out_rows > 0:
+            raise ValueError("expert_major: slot_of is required")
+        if out_rows > 0:
             _at(slot_of, 4 * out_rows * topk, torch.int32).fill_(-1)  # cudaMemsetAsync(0xff)
         if num_local_experts == 0 or expert_rows == 0:
             return

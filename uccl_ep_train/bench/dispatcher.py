@@ -10,6 +10,8 @@ rank's mean. Every dispatcher sees the same hidden states and routing (seeded). 
 importable. ``uccl-sync-free`` is ``uccl`` in sync-free mode (UCCL_EP_SYNC_FREE: worst-case row counts, no host read
 of the token counts; not in the default list; ``--sync-free-rows N`` receives N rows per rank instead of the worst
 case, as UCCL_EP_NUM_WORST_TOKENS does in training). The default shape is DeepSeek-V3's: 4096 tokens per rank, hidden 7168, top-8 of 256 experts.
+The identity experts are timed alone too (``stand_in_experts``, over the rows the first dispatcher produced), so the
+dispatcher's own share of a round trip is the round trip minus that.
 """
 from __future__ import annotations
 
@@ -91,7 +93,20 @@ def _round_trip(torch, dispatcher, hidden, routing_map, probs, backward: bool):
     out = dispatcher.combine_postprocess(out)
     if backward:
         out.backward(torch.ones_like(out))
-    return out
+    return out, tokens.shape[0]
+
+
+def _stand_in(torch, rows: int, hidden: int, dtype, backward: bool, gen):
+    """The round trip's stand-in experts alone, over as many rows as the dispatcher handed them: what part of the
+    round trip is not the dispatcher's."""
+    tokens = torch.randn((rows, hidden), generator=gen, device="cuda").to(dtype).requires_grad_(backward)
+    probs = torch.rand(rows, generator=gen, device="cuda").requires_grad_(backward)
+
+    def step():
+        out = tokens * probs.unsqueeze(-1).to(tokens.dtype)
+        if backward:
+            out.backward(torch.ones_like(out))
+    return step
 
 
 def _time(torch, fn, warmup: int, iters: int) -> float:
@@ -186,6 +201,7 @@ def run(args) -> int:
             elif args.profile:
                 for _ in range(4):  # the peer's collectives must match rank 0's profiled calls
                     _round_trip(torch, dispatcher, hidden, routing_map, probs, True)
+            row["expert_rows"] = _round_trip(torch, dispatcher, hidden, routing_map, probs, False)[1]
             if name.startswith("uccl"):
                 from uccl_ep_train.megatron import dispatcher as uccl_dispatcher
 
@@ -196,11 +212,24 @@ def run(args) -> int:
         rows.append(row)
         dist.barrier()
 
+    # The stand-in experts alone, over the rows the first dispatcher that ran handed them on this rank.
+    stand_in = {}
+    expert_rows = next((r["expert_rows"] for r in rows if "expert_rows" in r), 0)
+    if expert_rows:
+        g_cuda = torch.Generator(device="cuda").manual_seed(args.seed)
+        for key, backward in (("forward_us", False), ("forward_backward_us", True)):
+            stand_in[key] = _time(torch, _stand_in(torch, expert_rows, args.hidden, dtype, backward, g_cuda),
+                                  args.warmup, args.iters)
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
+    stand_ins = [None] * world
+    dist.all_gather_object(stand_ins, stand_in)
     result = {"shape": {"tokens_per_rank": args.tokens, "hidden": args.hidden, "topk": args.topk,
                         "experts": args.experts, "ranks": world, "dtype": args.dtype},
               "iters": args.iters, "results": []}
+    if all(stand_ins):
+        # the max over ranks of the stand-in's mean, like the round trips'
+        result["stand_in_experts"] = {k: max(si[k] for si in stand_ins) for k in ("forward_us", "forward_backward_us")}
     for i, name in enumerate(names):
         per_rank = [g[i] for g in gathered]
         errors = [r["error"] for r in per_rank if "error" in r]
@@ -225,6 +254,10 @@ def run(args) -> int:
             else:
                 print(f"{e['dispatcher']:<12}{e['forward_us']:>16.0f}{e['forward_backward_us']:>16.0f}  "
                       f"{('backend ' + e['backend']) if 'backend' in e else ''}")
+        si = result.get("stand_in_experts")
+        if si:
+            print(f"{'stand-in':<12}{si['forward_us']:>16.0f}{si['forward_backward_us']:>16.0f}  the identity experts "
+                  f"alone (tokens x probs over the dispatched rows); every round trip above includes them")
         if args.json:
             text = json.dumps(result, indent=2)
             if args.json == "-":
