@@ -222,9 +222,11 @@ class NativeIntranodeBackend:
             in_rank = args.is_token_in_rank.contiguous()
             per_rank = (args.num_tokens_per_rank.to(torch.int32).contiguous() if args.num_tokens_per_rank is not None
                         else in_rank.sum(0, dtype=torch.int32))
-            # Normal mode: expert-major keeps every row in the receive area anyway; rank-major trades the
-            # self-direct store for an early send when the copy engine copies the rows out (docs/intranode.md).
-            send_early = worst == 0 and (bool(args.expert_major) or self.dispatch_copy_engine)
+            # Normal expert-major keeps every row in the receive area anyway, so its send needs nothing the host
+            # sizes and goes right behind notify. Rank-major waits and stores its own rows straight into the output:
+            # sending early into the area and copying all rows out after cost more than the host wait it hid
+            # (docs/intranode.md, "Receive").
+            send_early = worst == 0 and bool(args.expert_major)
             rank_prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
             recv_info = torch.empty(2 + L, dtype=torch.int32, device=dev)
             send_pos = torch.empty((T, R), dtype=torch.int32, device=dev)
@@ -277,9 +279,9 @@ class NativeIntranodeBackend:
             recv_src_idx = torch.empty(out_rows, dtype=torch.int32, device=dev)
 
         if cached or not send_early:
-            # The output exists before the send (cached, sync-free, and normal without the copy engine, whose send
-            # waits for the host to size it): rank-major own rows go straight into it (self-direct); expert-major
-            # reads them from the receive area like every other row.
+            # The output exists before the send (cached, sync-free, and normal rank-major, whose send waited for
+            # the host to size it): rank-major own rows go straight into it (self-direct); expert-major reads them
+            # from the receive area like every other row.
             own_rows = self._k.own_in_area if recv_x is None else self._k.own_in_output
             self._cx.dispatch_send(x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights),
                                    send_pos.data_ptr(), rank_prefix.data_ptr(), recv_info.data_ptr(), T, hidden_bytes,

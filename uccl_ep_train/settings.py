@@ -164,8 +164,9 @@ class KernelSettings:
         "(handles of normal and cached dispatch); sync-free handles always use SM stores", _bool))
     dispatch_copy_engine: bool = field(default=True, metadata=_meta(
         "UCCL_EP_DISPATCH_COPY_ENGINE", "intranode rank-major dispatch copies the peers' rows from its receive area "
-        "to the output with the copy engine (no SM) while a kernel copies the metadata and gathers the own rows; 0: "
-        "one kernel copies everything. Used where the row counts are on the host (normal and cached dispatch)",
+        "to the output with the copy engine (no SM) while its kernel copies the metadata; 0: the kernel copies "
+        "everything. Used where the row counts are on the host (normal and cached dispatch) and the rows hold at "
+        "least 8 MiB; it frees the SMs (24-SM calls gain), the whole GPU copies as fast (docs/intranode.md)",
         _bool))
     copy_chunk_bytes: int = field(default=8 << 20, metadata=_meta(
         "UCCL_EP_COPY_CHUNK_BYTES", "bytes per copy-engine transfer of that combine; a flag follows each, so smaller "
