@@ -237,8 +237,8 @@ class NativeIntranodeBackend:
             per_expert_recv = rows_from = None
             if send_early:
                 # The send goes behind notify, before the host has the counts: the GPU sends while the host waits
-                # and sizes the outputs. The own rows wait in the receive area; the send skips on every rank when
-                # notify found an area too small or timed out.
+                # and sizes the outputs. The own rows wait in the receive area. The send skips when notify found an
+                # area too small (on every rank) or timed out (on this rank, which then raises).
                 own_rows = self._k.own_in_area
                 self._cx.dispatch_send(x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights),
                                        send_pos.data_ptr(), rank_prefix.data_ptr(), recv_info.data_ptr(), T,
@@ -291,7 +291,7 @@ class NativeIntranodeBackend:
         self._cx.dispatch_recv(_ptr(recv_x), _ptr(recv_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
                                _ptr(recv_src_idx), recv_info.data_ptr(), rank_prefix.data_ptr(), own_rows,
                                self._copy_engine_rows(recv_x, rows_from if not cached else h.rows_from, own_rows,
-                                                      hidden_bytes),
+                                                      hidden_bytes, scaled=recv_scales is not None),
                                out_rows, hidden_bytes, num_scales, K, cap, self.local_sms, stream)
 
         if cached:
@@ -327,10 +327,12 @@ class NativeIntranodeBackend:
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
 
     def _copy_engine_rows(self, recv_x: Optional[torch.Tensor], rows_from: Optional[List[int]], own_rows: int,
-                          hidden_bytes: int) -> List[int]:
+                          hidden_bytes: int, scaled: bool = False) -> List[int]:
         """dispatch_recv's rows_from: the rows per source when the copy engine should move the payload left in the
-        receive area (rank-major, host-known counts, enough bytes), else [] (the receive kernel copies it)."""
-        if not self.dispatch_copy_engine or recv_x is None or not rows_from:
+        receive area (rank-major, host-known counts, enough bytes, no FP8 scales), else [] (the receive kernel
+        copies it). FP8 has half the bytes and needs a second copy per block for its scales, each costing ~5 us of
+        idle engine: measured 20 us slower through the copy engine on 24 SMs (docs/intranode.md)."""
+        if not self.dispatch_copy_engine or recv_x is None or not rows_from or scaled:
             return []
         in_area = sum(rows_from) - (rows_from[self.rank] if own_rows == self._k.own_in_output else 0)
         return rows_from if in_area * hidden_bytes >= COPY_ENGINE_MIN_BYTES else []

@@ -166,7 +166,8 @@ class KernelSettings:
         "UCCL_EP_DISPATCH_COPY_ENGINE", "intranode rank-major dispatch copies the peers' rows from its receive area "
         "to the output with the copy engine (no SM) while its kernel copies the metadata; 0: the kernel copies "
         "everything. Used where the row counts are on the host (normal and cached dispatch) and the rows hold at "
-        "least 8 MiB; it frees the SMs (24-SM calls gain), the whole GPU copies as fast (docs/intranode.md)",
+        "least 8 MiB, not for FP8; it frees the SMs (24-SM calls gain), the whole GPU copies as fast "
+        "(docs/intranode.md)",
         _bool))
     copy_chunk_bytes: int = field(default=8 << 20, metadata=_meta(
         "UCCL_EP_COPY_CHUNK_BYTES", "bytes per copy-engine transfer of that combine; a flag follows each, so smaller "

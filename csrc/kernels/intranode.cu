@@ -244,7 +244,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
   __shared__ int s_n[kWarps];
   for (int r = threadIdx.x; r < R; r += blockDim.x) s_base[r] = rank == 0 ? 0 : rank_prefix[(rank - 1) * R + r];
   __syncthreads();
-  // Some receive area is too small, or notify's counts are stale: every rank skips (the host raises).
+  // Some receive area is too small (every rank computed the same counts, so every rank skips), or this rank's
+  // notify timed out and its counts are stale (this rank skips; the host raises).
   if (recv_info[1] > 0) return;
 
   const RecvArea area(rows_capacity, hidden_bytes, num_scales, topk);
@@ -581,7 +582,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
 // counts): em_token / em_slot / em_expert / em_weights per expert-major row, slot_of per (row, k); -1 on padding
 // rows. Blocks past the experts share the metadata of the sync-free tail (every row after the last segment): in
 // sync-free mode it can be half the output (65536 worst-case rows for 32768 real ones at DeepSeek-V3 shape on 2
-// ranks). The copy (the whole GPU) then moves the payload: each received row is read once and stored to every
+// ranks). The copy (the local SMs, the whole GPU by default) then moves the payload: each received row is read once and stored to every
 // slot it took, and every row with em_token == -1 is zeroed. It was one kernel whose expert blocks also copied
 // their own segment: ~one block per SM, each source row read once per expert it went to; the expansion took
 // 287 us at DeepSeek-V3 shape on H200 (470 MB written).
@@ -934,8 +935,11 @@ void Context::dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t r
       throw std::invalid_argument("dispatch_recv: rows_from adds up to " + std::to_string(num_recv) +
                                   " rows, more than the output's " + std::to_string(out_rows) + " or the area's " +
                                   std::to_string(rows_capacity));
-    const int64_t self_end = own_rows == kOwnInArea ? self_begin : self_begin + rows_from[rank_];
-    const int64_t blocks[2][2] = {{0, own_rows == kOwnInArea ? num_recv : self_begin}, {self_end, num_recv}};
+    // (Own rows in the area: one block of every row. The first version also queued [self_begin, num_recv) there,
+    // copying rows twice, and the early-send measurement of session 11 carried that cost.)
+    const int64_t blocks[2][2] = {
+        {0, own_rows == kOwnInArea ? num_recv : self_begin},
+        {own_rows == kOwnInArea ? num_recv : self_begin + rows_from[rank_], num_recv}};
     DeviceGuard guard(device_);
     ensure_copy_streams();
     auto cs = static_cast<cudaStream_t>(copy_streams_[0]);
@@ -1161,7 +1165,7 @@ void Context::ensure_copy_streams() {
   if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
       found != cudaDriverEntryPointSuccess || fn == nullptr)
     throw std::runtime_error("uccl-ep intranode: the CUDA driver has no cuStreamWriteValue64, which the copy-engine "
-                             "combine needs: set UCCL_EP_COMBINE_COPY_ENGINE=0");
+                             "copy-engine paths need: set UCCL_EP_COMBINE_COPY_ENGINE=0 and UCCL_EP_DISPATCH_COPY_ENGINE=0");
   write_value64_ = fn;
 #endif
   cudaEvent_t e;

@@ -77,11 +77,11 @@ class Context {
               int num_tokens, int num_experts, int64_t rows_capacity, uintptr_t rank_prefix_matrix,
               uintptr_t recv_info, uintptr_t send_pos, uintptr_t stream);
 
-  // Sender side: write every (token, destination) to its final row of the destination's receive area. Skipped on
-  // every rank when recv_info[1] > 0: a receive area too small, or counts that notify could not trust (its barrier
-  // ran past the deadline). `own_rows` (OwnRows) says where the rows this rank sends to itself go:
-  //   kOwnInArea: into its own receive area, like every peer's (expert-major reads them from there; a normal
-  //     rank-major dispatch, whose send starts before the host has sized the output, copies them out after);
+  // Sender side: write every (token, destination) to its final row of the destination's receive area. Skipped when
+  // recv_info[1] > 0: on every rank when some receive area is too small (all ranks computed the same counts), on
+  // this rank when its notify barrier ran past the deadline (stale counts; the host then raises).
+  // `own_rows` (OwnRows) says where the rows this rank sends to itself go:
+  //   kOwnInArea: into its own receive area, like every peer's (expert-major reads them from there);
   //   kOwnInOutput: their payload and scales straight into self_x / self_scales (`self_rows` long), the output that
   //     already exists (self-direct); dispatch_recv then copies only their metadata.
   void dispatch_send(uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights,

@@ -357,7 +357,7 @@ class IntranodeContext:
         self._count("dispatch_send")
         R, me, T = self._num_ranks, self._rank, num_tokens
         if int(_at(recv_info, 8, torch.int32)[1]) > 0:
-            return  # an area too small or stale counts: every rank skips (the host raises)
+            return  # an area too small (every rank skips) or this rank's counts are stale (the host raises)
         prefix = _at(rank_prefix_matrix, 4 * R * R, torch.int32).view(R, R)
         base = torch.zeros(R, dtype=torch.int64) if me == 0 else prefix[me - 1].to(torch.int64)
         pos = _at(send_pos, 4 * T * R, torch.int32).view(T, R)
@@ -371,7 +371,7 @@ class IntranodeContext:
         for r in range(R):
             tokens = (pos[:, r] >= 0).nonzero().flatten()
             slots = base[r] + pos[tokens, r].to(torch.int64)
-            direct = r == me and own_rows == own_in_output
+            direct = r == me and own_rows == own_in_output and self_x != 0
             if direct:  # past the output's end only when num_worst_tokens is too small: the receive kernel reports
                 keep = slots < self_rows
                 tokens, slots = tokens[keep], slots[keep]

@@ -186,7 +186,7 @@ def _absent_peer(rank, world):
                                                                expert_major=True)))
         time.sleep(1)  # the other surviving rank has run its send (if it did) by now
         # notify's stale counts make that send skip, so no rank wrote a row into any receive area
-        return timed, bool((area == 0x5A).all())
+        return timed, bool((area == 0x5A).all()), nat._cx.launches.get("dispatch_send", 0)
     finally:
         nat.destroy()
 
@@ -195,7 +195,8 @@ def test_a_rank_that_never_joins_makes_the_others_raise_a_timeout_naming_the_not
     env = dict(ENV, UCCL_EP_GPU_TIMEOUT_SECS="0.5")
     out = run_distributed(_absent_peer, 3, timeout=60, env=env)
     for rank in range(2):
-        (elapsed, err), area_untouched = out[rank]
+        (elapsed, err), area_untouched, sends = out[rank]
+        assert sends == 1, f"rank {rank}: the send was not queued behind notify ({sends} launches)"
         assert area_untouched, f"rank {rank}: a send behind the timed-out notify wrote into the receive area"
         # the dispatch that timed out raises itself: the notify kernel publishes (stale) counts after its barrier
         # timed out, so the host reads the error word right after the counts instead of at the next call
@@ -314,5 +315,6 @@ def test_dispatch_receive_takes_the_copy_engine_only_for_host_known_rank_major_r
     assert pick(be, x, [big - 1, 1, 0], fake.own_in_area, row) == [big - 1, 1, 0]
     assert pick(be, None, [big, 0, 0], fake.own_in_area, row) == []  # expert-major: no rank-major payload
     assert pick(be, x, None, fake.own_in_area, row) == []  # sync-free: counts never reach the host
+    assert pick(be, x, [big, 5, 0], fake.own_in_output, row, scaled=True) == []  # FP8: the kernel copies it
     be.dispatch_copy_engine = False
     assert pick(be, x, [big, 0, 0], fake.own_in_area, row) == []

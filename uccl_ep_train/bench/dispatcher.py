@@ -99,11 +99,13 @@ def _round_trip(torch, dispatcher, hidden, routing_map, probs, backward: bool):
 def _stand_in(torch, rows: int, hidden: int, dtype, backward: bool, gen):
     """The round trip's stand-in experts alone, over as many rows as the dispatcher handed them: what part of the
     round trip is not the dispatcher's."""
-    tokens = torch.randn((rows, hidden), generator=gen, device="cuda").to(dtype).requires_grad_(backward)
-    probs = torch.rand(rows, generator=gen, device="cuda").requires_grad_(backward)
+    tokens = torch.randn((rows, hidden), generator=gen, device="cuda").to(dtype)
+    probs = torch.rand(rows, generator=gen, device="cuda")
 
     def step():
-        out = tokens * probs.unsqueeze(-1).to(tokens.dtype)
+        # fresh leaves per step, as _round_trip makes them: reused ones would add each step's gradients into .grad
+        t, p = tokens.detach().requires_grad_(backward), probs.detach().requires_grad_(backward)
+        out = t * p.unsqueeze(-1).to(t.dtype)
         if backward:
             out.backward(torch.ones_like(out))
     return step
