@@ -270,6 +270,16 @@ class NativeIntranodeBackend:
         recv_x = None if expert_major else torch.empty((out_rows, H), dtype=x.dtype, device=dev)
         recv_scales = (torch.empty((out_rows, num_scales), dtype=torch.float32, device=dev)
                        if scales is not None and not expert_major else None)
+        if cached or not send_early:
+            # The output exists before the send (cached, sync-free, and normal rank-major, whose send waited for
+            # the host to size it): rank-major own rows go straight into it (self-direct); expert-major reads them
+            # from the receive area like every other row. (Launched before the metadata outputs are made: in normal
+            # mode the GPU idles from notify's end until this launch.)
+            own_rows = self._k.own_in_area if recv_x is None else self._k.own_in_output
+            self._cx.dispatch_send(x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights),
+                                   send_pos.data_ptr(), rank_prefix.data_ptr(), recv_info.data_ptr(), T, hidden_bytes,
+                                   num_scales, K, num_experts, cap, own_rows, _ptr(recv_x), _ptr(recv_scales),
+                                   out_rows, num_sms, stream)
         recv_topk_idx = recv_topk_weights = recv_src_idx = None
         if not cached:
             if K > 0:
@@ -277,16 +287,6 @@ class NativeIntranodeBackend:
                 if topk_weights is not None:
                     recv_topk_weights = torch.empty((out_rows, K), dtype=torch.float32, device=dev)
             recv_src_idx = torch.empty(out_rows, dtype=torch.int32, device=dev)
-
-        if cached or not send_early:
-            # The output exists before the send (cached, sync-free, and normal rank-major, whose send waited for
-            # the host to size it): rank-major own rows go straight into it (self-direct); expert-major reads them
-            # from the receive area like every other row.
-            own_rows = self._k.own_in_area if recv_x is None else self._k.own_in_output
-            self._cx.dispatch_send(x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights),
-                                   send_pos.data_ptr(), rank_prefix.data_ptr(), recv_info.data_ptr(), T, hidden_bytes,
-                                   num_scales, K, num_experts, cap, own_rows, _ptr(recv_x), _ptr(recv_scales),
-                                   out_rows, num_sms, stream)
         self._cx.barrier(stream)
         self._cx.dispatch_recv(_ptr(recv_x), _ptr(recv_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
                                _ptr(recv_src_idx), recv_info.data_ptr(), rank_prefix.data_ptr(), own_rows,
