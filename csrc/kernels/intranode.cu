@@ -281,22 +281,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
     warp_sync();
     const int n = s_n[warp];
     // Payload: each 16-byte unit is loaded once and stored to every destination.
-    const int4* src = x + static_cast<int64_t>(t) * units;
-    int i = lane;
-    for (; i + (kUnroll - 1) * kWarpSize < units; i += kUnroll * kWarpSize) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc_v4(src + i + u * kWarpSize);
-      for (int j = 0; j < n; ++j) {
-        int4* dst = payload_row(j);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) st_na_v4(dst + i + u * kWarpSize, v[u]);
-      }
-    }
-    for (; i < units; i += kWarpSize) {
-      const int4 v = ld_nc_v4(src + i);
-      for (int j = 0; j < n; ++j) st_na_v4(payload_row(j) + i, v);
-    }
+    warp_copy_v4_to_each<kUnroll>(x + static_cast<int64_t>(t) * units, units, lane, n, payload_row);
     for (int s = lane; s < num_scales; s += kWarpSize) {
       const float v = x_scales[static_cast<int64_t>(t) * num_scales + s];
       for (int j = 0; j < n; ++j) scales_row(j)[s] = v;
@@ -668,22 +653,8 @@ __global__ void __launch_bounds__(kThreads) expert_major_copy_kernel(
     const int* slots_of_row = slot_of + i * topk;
     const int n = warp_compact(topk, lane, s_scratch[warp], s_slots[warp], [&](int k) { return slots_of_row[k]; });
     const int* slots = s_slots[warp];
-    const int4* src = src_x + i * units;
-    int u = lane;
-    for (; u + 3 * kWarpSize < units; u += 4 * kWarpSize) {
-      int4 v[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = ld_nc_v4(src + u + j * kWarpSize);
-      for (int j = 0; j < n; ++j) {
-        int4* dst = out_x + static_cast<int64_t>(slots[j]) * units;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) st_na_v4(dst + u + w * kWarpSize, v[w]);
-      }
-    }
-    for (; u < units; u += kWarpSize) {
-      const int4 v = ld_nc_v4(src + u);
-      for (int j = 0; j < n; ++j) st_na_v4(out_x + static_cast<int64_t>(slots[j]) * units + u, v);
-    }
+    warp_copy_v4_to_each<4>(src_x + i * units, units, lane, n,
+                            [&](int j) { return out_x + static_cast<int64_t>(slots[j]) * units; });
     for (int sc = lane; src_scales != nullptr && sc < num_scales; sc += kWarpSize) {
       const float v = src_scales[i * num_scales + sc];
       for (int j = 0; j < n; ++j) out_scales[static_cast<int64_t>(slots[j]) * num_scales + sc] = v;
@@ -921,10 +892,12 @@ void Context::dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t r
   const bool copy_engine = !rows_from.empty() && recv_x != 0;
   int64_t num_recv = 0;
   if (copy_engine) {
+    if (own_rows != kOwnInOutput)
+      throw std::invalid_argument("dispatch_recv: the copy engine copies the peers' rows of a self-direct receive only");
     if (static_cast<int>(rows_from.size()) != num_ranks_)
       throw std::invalid_argument("dispatch_recv: rows_from needs one count per rank");
     // Rank-major rows: the area's row i is the output's row i, so the peers' rows are the (at most) two blocks
-    // around the own ones, or all of them when the own rows sit in the area too.
+    // around the own ones, which the send already stored in the output.
     int64_t self_begin = 0;
     for (int r = 0; r < num_ranks_; ++r) {
       if (rows_from[r] < 0) throw std::invalid_argument("dispatch_recv: negative rows_from");
@@ -935,17 +908,9 @@ void Context::dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t r
       throw std::invalid_argument("dispatch_recv: rows_from adds up to " + std::to_string(num_recv) +
                                   " rows, more than the output's " + std::to_string(out_rows) + " or the area's " +
                                   std::to_string(rows_capacity));
-    // (Own rows in the area: one block of every row. The first version also queued [self_begin, num_recv) there,
-    // copying rows twice, and the early-send measurement of session 11 carried that cost.)
-    const int64_t blocks[2][2] = {
-        {0, own_rows == kOwnInArea ? num_recv : self_begin},
-        {own_rows == kOwnInArea ? num_recv : self_begin + rows_from[rank_], num_recv}};
+    const int64_t blocks[2][2] = {{0, self_begin}, {self_begin + rows_from[rank_], num_recv}};
     DeviceGuard guard(device_);
-    ensure_copy_streams();
-    auto cs = static_cast<cudaStream_t>(copy_streams_[0]);
-    auto event = [](void* e) { return static_cast<cudaEvent_t>(e); };
-    check(cudaEventRecord(event(copy_fork_), s), "cudaEventRecord");  // behind the barrier that published the rows
-    check(cudaStreamWaitEvent(cs, event(copy_fork_), 0), "cudaStreamWaitEvent");
+    auto cs = static_cast<cudaStream_t>(fork_copy_streams(s, 1)[0]);  // behind the barrier that published the rows
     const RecvArea area(rows_capacity, hidden_bytes, num_scales, topk);
     const char* base = data_of(local_);
     const int64_t scale_bytes = static_cast<int64_t>(num_scales) * 4;
@@ -960,7 +925,6 @@ void Context::dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t r
                               cudaMemcpyDeviceToDevice, cs),
               "cudaMemcpyAsync (received scales)");
     }
-    check(cudaEventRecord(event(copy_joins_[0]), cs), "cudaEventRecord");
   }
   // With the copy engine on the peers' rows, a cached rank-major receive (no metadata, own rows already in place,
   // no padding) leaves the kernel nothing to do.
@@ -974,7 +938,7 @@ void Context::dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t r
         hidden_bytes, num_scales, topk, rows_capacity, error_dev_);
     check(cudaGetLastError(), "dispatch_recv_kernel launch");
   }
-  if (copy_engine) check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(copy_joins_[0]), 0), "cudaStreamWaitEvent");
+  if (copy_engine) join_copy_streams(s, 1);
 }
 
 void Context::expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv_topk_idx,
@@ -1080,12 +1044,8 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
   const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / row_bytes);
   const int streams = std::max(1, std::min({num_streams, kMaxCopyStreams, num_ranks_ - 1}));
   if (any_copy) {
-    ensure_copy_streams();
-    std::vector<cudaStream_t> cs(streams);
-    for (int i = 0; i < streams; ++i) cs[i] = static_cast<cudaStream_t>(copy_streams_[i]);
-    auto event = [](void* e) { return static_cast<cudaEvent_t>(e); };
-    check(cudaEventRecord(event(copy_fork_), s), "cudaEventRecord");  // behind the barrier
-    for (int i = 0; i < streams; ++i) check(cudaStreamWaitEvent(cs[i], event(copy_fork_), 0), "cudaStreamWaitEvent");
+    std::vector<cudaStream_t> cs;
+    for (void* c : fork_copy_streams(s, streams)) cs.push_back(static_cast<cudaStream_t>(c));  // behind the barrier
     const int64_t my_row0 = static_cast<int64_t>(rank_) * max_src_tokens;  // our block in every peer's area
     auto stream_of = [&](int r) { return cs[copy_stream_of(rank_, r, num_ranks_, streams)]; };
     if (topk_weights) {  // ahead of the peer's first chunk on its stream: every flag then covers the weights too
@@ -1111,7 +1071,6 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
         write_value64(stream_of(r), copy_flags_of(peers_[r]) + rank_, static_cast<uint64_t>(c1));
       }
     }
-    for (int i = 0; i < streams; ++i) check(cudaEventRecord(event(copy_joins_[i]), cs[i]), "cudaEventRecord");
   }
   if (num_tokens > 0) {
     const bool f32 = elem_size == 4;
@@ -1125,13 +1084,28 @@ void Context::combine_copy_engine(uintptr_t x, uintptr_t topk_weights, const std
         error_dev_, timeout_ns_);
     check(cudaGetLastError(), "combine_reduce_blocks_kernel launch");
   }
-  if (any_copy)
-    for (int i = 0; i < streams; ++i)
-      check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(copy_joins_[i]), 0), "cudaStreamWaitEvent");
+  if (any_copy) join_copy_streams(s, streams);
   // Our reduce waited for the last value each peer writes into its flag this call (every row a peer sends is some
   // token's), so clearing the flags here, before our next barrier, leaves no stale "landed" for its next combine.
   check(cudaMemsetAsync(copy_flags_of(local_), 0, sizeof(uint64_t) * kMaxRanks, s),
         "cudaMemsetAsync (combine flags)");
+}
+
+std::vector<void*> Context::fork_copy_streams(void* stream, int n) {
+  ensure_copy_streams();
+  check(cudaEventRecord(static_cast<cudaEvent_t>(copy_fork_), static_cast<cudaStream_t>(stream)), "cudaEventRecord");
+  for (int i = 0; i < n; ++i)
+    check(cudaStreamWaitEvent(static_cast<cudaStream_t>(copy_streams_[i]), static_cast<cudaEvent_t>(copy_fork_), 0),
+          "cudaStreamWaitEvent");
+  return std::vector<void*>(copy_streams_.begin(), copy_streams_.begin() + n);
+}
+
+void Context::join_copy_streams(void* stream, int n) {
+  for (int i = 0; i < n; ++i) {
+    auto join = static_cast<cudaEvent_t>(copy_joins_[i]);
+    check(cudaEventRecord(join, static_cast<cudaStream_t>(copy_streams_[i])), "cudaEventRecord");
+    check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), join, 0), "cudaStreamWaitEvent");
+  }
 }
 
 void Context::write_value64(void* stream, uint64_t* address, uint64_t value) {

@@ -93,9 +93,9 @@ class Context {
   // Receiver side: rows [0, num_recv) of the receive area into the outputs (num_recv from recv_info on the device);
   // rows [num_recv, out_rows) get topk_idx = -1, weights = 0, src_idx = -1 (sync-free padding). `own_rows` as the
   // send's. `rows_from` (rows received from each source rank, as notify mirrors them to the host; empty when the
-  // host does not know them, or to have the kernel copy everything): when given, the payload and scales still in
-  // the area are copied by the copy engine (one cudaMemcpyAsync per contiguous block, on a copy stream joined
-  // before return) while the kernel copies the metadata.
+  // host does not know them, or to have the kernel copy everything): when given (self-direct receives only,
+  // own_rows == kOwnInOutput), the peers' payload and scales are copied by the copy engine (one cudaMemcpyAsync per
+  // contiguous block, on a copy stream joined before return) while the kernel copies the metadata.
   void dispatch_recv(uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
                      uintptr_t recv_src_idx, uintptr_t recv_info, uintptr_t rank_prefix_matrix, int own_rows,
                      const std::vector<int64_t>& rows_from, int64_t out_rows, int hidden_bytes, int num_scales,
@@ -167,6 +167,11 @@ class Context {
   void* copy_fork_ = nullptr;           // the caller's stream -> the copy streams
   void* write_value64_ = nullptr;       // cuStreamWriteValue64 (hipStreamWriteValue64): the flag after a chunk
   void ensure_copy_streams();
+  // The first n copy streams, ordered behind the work queued so far on `stream` (void*: a cudaStream_t / hipStream_t;
+  // no CUDA type crosses this header) ...
+  std::vector<void*> fork_copy_streams(void* stream, int n);
+  // ... and `stream` ordered behind everything queued on them since.
+  void join_copy_streams(void* stream, int n);
   void write_value64(void* stream, uint64_t* address, uint64_t value);
   int sms_ = 1;  // the device's SMs (blocks that clear the sync-free tail of the expert-major output)
   int local_grid(LocalKernel k, int local_sms) const;

@@ -409,6 +409,8 @@ class IntranodeContext:
         R, me = self._num_ranks, self._rank
         copy_engine = bool(rows_from) and bool(recv_x)
         if copy_engine:  # the launcher's checks; the copies themselves are the same rows the kernel would copy
+            if own_rows != own_in_output:
+                raise ValueError("dispatch_recv: the copy engine copies the peers' rows of a self-direct receive only")
             if len(rows_from) != R:
                 raise ValueError("dispatch_recv: rows_from needs one count per rank")
             if any(n < 0 for n in rows_from):

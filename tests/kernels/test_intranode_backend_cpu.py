@@ -309,12 +309,11 @@ def test_dispatch_receive_takes_the_copy_engine_only_for_host_known_rank_major_r
     x = torch.empty(0)
     row = 4096
     big = COPY_ENGINE_MIN_BYTES // row  # rows from each peer that just reach the threshold
-    assert pick(be, x, [big, 5, 0], fake.own_in_output, row) == [big, 5, 0]
+    assert pick(be, x, [big, 5, 0], row) == [big, 5, 0]
     # the own rows already sit in the output: only the peers' bytes count
-    assert pick(be, x, [big - 1, 10 ** 6, 0], fake.own_in_output, row) == []
-    assert pick(be, x, [big - 1, 1, 0], fake.own_in_area, row) == [big - 1, 1, 0]
-    assert pick(be, None, [big, 0, 0], fake.own_in_area, row) == []  # expert-major: no rank-major payload
-    assert pick(be, x, None, fake.own_in_area, row) == []  # sync-free: counts never reach the host
-    assert pick(be, x, [big, 5, 0], fake.own_in_output, row, scaled=True) == []  # FP8: the kernel copies it
+    assert pick(be, x, [big - 1, 10 ** 6, 0], row) == []
+    assert pick(be, None, [0, big, 0], row) == []  # expert-major: no rank-major payload
+    assert pick(be, x, None, row) == []  # sync-free: counts never reach the host
+    assert pick(be, x, [big, 5, 0], row, scaled=True) == []  # FP8: the kernel copies it
     be.dispatch_copy_engine = False
-    assert pick(be, x, [big, 0, 0], fake.own_in_area, row) == []
+    assert pick(be, x, [big, 5, 0], row) == []

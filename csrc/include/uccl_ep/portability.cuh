@@ -241,4 +241,24 @@ UCCL_DEVICE void warp_copy_v4(int4* __restrict__ dst, const int4* __restrict__ s
   for (; i < n; i += kWarpSize) st_na_v4(dst + i, ld_nc_v4(src + i));
 }
 
+// The same, loading each unit once and storing it to `num_dst` rows: dst_of(j) is the j-th destination row.
+template <int kUnroll = 4, typename DstOf>
+UCCL_DEVICE void warp_copy_v4_to_each(const int4* __restrict__ src, int n, int lane, int num_dst, const DstOf& dst_of) {
+  int i = lane;
+  for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+    int4 buf[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) buf[u] = ld_nc_v4(src + i + u * kWarpSize);
+    for (int j = 0; j < num_dst; ++j) {
+      int4* dst = dst_of(j);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) st_na_v4(dst + i + u * kWarpSize, buf[u]);
+    }
+  }
+  for (; i < n; i += kWarpSize) {
+    const int4 v = ld_nc_v4(src + i);
+    for (int j = 0; j < num_dst; ++j) st_na_v4(dst_of(j) + i, v);
+  }
+}
+
 }  // namespace uccl_ep
