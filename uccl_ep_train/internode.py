@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from uccl_ep_train import native
 from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
 from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are part of this module's API
     InternodeError, CMD_UNIT, CMD_MAX_RANKS, CMD_MAX_SLOTS, CMD_MAX_VALUE, CMD_MAX_BYTES, CMD_MAX_REGION, SLOT_PAGE,
@@ -271,6 +272,10 @@ class InternodeHandle:
     # to wait for, and where the arrivals sit. A cached dispatch or a combine reuses them instead of rebuilding and
     # uploading them (~30-40 us of host time per call on 2x H200, with the GPU idle behind it)
     hop_plans: dict = field(default_factory=dict, repr=False)
+    # a dispatch's rows over NVLink and over the network (its traffic report), from the counts: made once
+    dispatch_rows: Optional[Tuple[int, int]] = None
+    # combine's host-side shape of this handle, by wire row bytes (CombineShape): made and checked once
+    combine_shapes: dict = field(default_factory=dict, repr=False)
     # combine: per source local index, the arrival row of each received row (recv_arrival of rows_by_local[j])
     gather_rows: Optional[List[torch.Tensor]] = None
 
@@ -287,14 +292,24 @@ class HopPlan:
     per_chunk: int
 
 
+@dataclass
+class CombineShape:
+    """What a combine of one handle derives from its counts alone (the same in every combine of the handle with the
+    same wire row): records back from each node, where its rows go in every rank's RDMA region, and the rows it moves
+    over NVLink and the network (the traffic report). Made once: these were ~25 us of host time per combine."""
+
+    recv_by_node: List[int]
+    areas: CombineAreas
+    nvlink_rows: int
+    network_rows: int
+
+
 class NativeInternodeBackend:
     """The ``Backend`` of uccl_ep_train.backends when the group spans several (possibly emulated) nodes."""
 
     name = "native-internode"
 
     def __init__(self, ctx: BackendContext) -> None:
-        from uccl_ep_train import native
-
         self.ctx = ctx
         self.rank, self.R, self.G = ctx.rank, ctx.num_ranks, ctx.ranks_per_node
         self.N = self.R // self.G
@@ -359,7 +374,8 @@ class NativeInternodeBackend:
         self._nvl = _raw_bytes(self._cx.nvl_ptr, self.nvl_bytes, self.device)
         # The notify area (one count row per rank, at the end of the RDMA region) is the count exchange through the
         # proxies; with very many ranks it would eat the region, and notify falls back to a gloo all_gather.
-        # A row: [tokens per rank | per node | per expert | per (rank, top-k slot)]; the area holds the widest.
+        # A row: [tokens per rank | per node | per expert | per (rank, top-k slot)]; the area holds R of the widest
+        # (a call packs its rows at the width it uses).
         self._notify_row = _align(8 * notify_row_words(self.R, self.N))
         notify_bytes = self.R * self._notify_row
         self._notify_via_proxies = notify_bytes <= self.rdma_bytes // 16
@@ -401,9 +417,7 @@ class NativeInternodeBackend:
 
     # ---------------------------------------------------------------- host-side steps
     def _stream(self) -> int:
-        if self.device.type != "cuda":  # CPU stand-in: synchronous, no stream
-            return 0
-        return torch.cuda.current_stream().cuda_stream
+        return native.stream_handle(self.device)  # 0 for the CPU stand-in: synchronous, no stream
 
     def _check(self, what: str = "") -> None:
         """Raise InternodeError if a kernel of this rank recorded an error or its proxy failed. The message names
@@ -445,13 +459,12 @@ class NativeInternodeBackend:
         if self.device.type != "cuda":  # CPU stand-in: every call has completed when it returns
             self._check(what)
             return
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream())
+        self._cx.record_drain_mark(self._stream())
         t0 = time.monotonic()
         limit = 2 * self.gpu_timeout + self.cpu_timeout
         aborted = False
         spins = 0
-        while not ev.query():
+        while not self._cx.drain_mark_reached():
             spins += 1
             if spins % 16 == 0:
                 if not aborted and self._cx.proxy_error():
@@ -506,7 +519,7 @@ class NativeInternodeBackend:
         width = self.R + self.N + shape["num_experts"] + self.R * shape["num_topk"]
         tpe, topk = tokens_per_expert if carry else None, topk_idx if slots else None
         if self._notify_via_proxies:
-            own = self._notify_base + self.rank * self._notify_row
+            own = self._notify_base + self.rank * _align(8 * width)
             self._count_row(self._rdma[own:own + 8 * width].view(torch.int64), is_token_in_rank, tpe, topk)
             return self._notify_through_proxies(width, shape)
         row = torch.empty(width, dtype=torch.int64, device=self.device)
@@ -548,9 +561,9 @@ class NativeInternodeBackend:
         many records go to each node, where each node's run starts) comes from the counts."""
         T, R, G, N = is_token_in_rank.size(0), self.R, self.G, self.N
         node_send = [int(c) for c in counts.node_counts[self.rank].tolist()]
-        prefix = counts.rank_counts[:self.rank].sum(0) if self.rank else torch.zeros(R, dtype=torch.int64)
+        prefix = counts.rank_counts[:self.rank].sum(0).tolist() if self.rank else [0] * R
         node_base = [sum(node_send[:m]) for m in range(N)]
-        table = self._upload(torch.cat([prefix.to(torch.int64), torch.tensor(node_base, dtype=torch.int64)]))
+        table = self._upload(prefix + node_base)  # one upload of plain ints: each torch op here costs ~5-10 us
         S1, dev = sum(node_send), self.device
         plan = SendPlan(torch.empty(S1, dtype=torch.int64, device=dev), node_send,
                         torch.empty((S1, G), dtype=torch.int64, device=dev),
@@ -572,17 +585,20 @@ class NativeInternodeBackend:
         into row ``rank`` of every rank's notify area (one write each, through the proxies), then we wait for every
         other rank's row and copy the matrix to the host. Receiving every row also proves that every rank finished
         its earlier work on the stream (each pushes behind it), so an uncached dispatch needs no entry barrier.
-        Replaced a gloo all_gather (~1 ms with 4 processes)."""
-        R, rb, base = self.R, self._notify_row, self._notify_base
-        own = base + self.rank * rb
-        width = 8 * words
+        Replaced a gloo all_gather (~1 ms with 4 processes).
+
+        The rows sit back to back at the width this call uses (the same on every rank: same group, same number of
+        experts), not at the area's widest row, so the matrix comes back in one contiguous copy: a strided one
+        first gathered it on the device with a kernel of its own."""
+        R, base = self.R, self._notify_base
+        row_bytes = _align(8 * words)
+        own = base + self.rank * row_bytes
         self._lap("dispatch.notify_row")  # benchmarks: the count row's launches (and any wait they hide)
-        # one write of the row's used width (the same on every rank: same group, same number of experts)
-        rows = [[r, own, own, _align(width), 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
+        rows = [[r, own, own, row_bytes, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
         self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)",
                             fixed=True, drain=True)  # the host reads the rows right below
         self._lap("dispatch.notify_exchange")  # until every peer's row is here: the ranks' skew shows up here
-        mat = self._rdma[base:base + R * rb].view(R, rb)[:, :width].cpu().contiguous().view(torch.int64)
+        mat = self._rdma[base:base + R * row_bytes].cpu().view(torch.int64).view(R, row_bytes // 8)[:, :words]
         return counts_from_rows(mat, R, self.N, **shape)
 
     def _upload(self, rows: Any) -> torch.Tensor:
@@ -596,12 +612,15 @@ class NativeInternodeBackend:
 
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
-                       table: Optional[torch.Tensor] = None) -> None:
+                       table: Optional[torch.Tensor] = None, then: Optional[Callable[[], None]] = None) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
-        so their device copy is made once and reused."""
+        so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
+        launch: see "Drains") that go between the push and the wait."""
         t0 = self._hop_started()
         self._push(rows, phase, per_chunk, fixed, table)
+        if then is not None:
+            then()
         for slot, count in waits:
             self._expected[slot] += count
         self._wait_for_targets([slot for slot, _ in waits], phase)
@@ -610,7 +629,8 @@ class NativeInternodeBackend:
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
         self._settle(what or f"{phase} wait", drain)
 
-    def _push_and_gate(self, hop: HopPlan, phase: str) -> Tuple[Any, Any, List[int]]:
+    def _push_and_gate(self, hop: HopPlan, phase: str, then: Optional[Callable[[], None]] = None
+                       ) -> Tuple[Any, Any, List[int]]:
         """Push the table's chunks and return (gate, timing start, counters) instead of waiting: the kernel that reads the
         arrivals takes the gate and waits chunk by chunk (UCCL_EP_GATED_ARRIVALS), so it runs during the hop. The
         caller launches it, then calls ``_gated_done``, which drains as ``_push_and_wait`` does (the gated kernel
@@ -618,6 +638,8 @@ class NativeInternodeBackend:
         same counters as its waits, whose targets advance here."""
         t0 = self._hop_started()
         self._push(hop.rows, phase, hop.per_chunk, table=hop.table)
+        if then is not None:  # as in _push_and_wait
+            then()
         table = gate_rows(hop.gate_blocks, self.node, self.L, self._expected)
         for slot, count in hop.waits:
             self._expected[slot] += count
@@ -640,11 +662,9 @@ class NativeInternodeBackend:
 
     def _wait_for_targets(self, slots: List[int], phase: str) -> None:
         """wait_signals on this rank's stream until each slot reaches its running target (``_expected``)."""
-        if not slots:
-            return
-        t = self._upload([[slot, self._expected[slot]] for slot in slots])
-        self._cx.wait_signals(t.data_ptr(), len(slots), self._phases[phase], self._stream())
-        self._keep_w = t
+        if slots:
+            self._cx.wait_signals([(slot, self._expected[slot]) for slot in slots], self._phases[phase],
+                                  self._stream())
 
     def _push(self, rows: List[List[int]], phase: str, per_chunk: int, fixed: bool = False,
               table: Optional[torch.Tensor] = None) -> None:
@@ -745,8 +765,11 @@ class NativeInternodeBackend:
         self._last_dispatch_extents = dispatch_extents(counts, G, stride)
         recv_base = self.half_rdma
         recv_offs = block_offsets(recv_by_node, stride)
-        # own node's records never cross the network: they are packed straight into their receive block
-        self._pack(columns, plan, layout, S1, recv_base + recv_offs[self.node])
+        # The own node's records never cross the network: they are packed straight into their receive block, and
+        # after the push, so that the push waits only for the records it sends (at 2 nodes, half the packing).
+        own_block = recv_base + recv_offs[self.node]
+        sends_remote = S1 > plan.node_send[self.node]
+        self._pack(columns, plan, layout, own_block, own_only=False if sends_remote else None)
         self._lap("dispatch.pack")
         def make() -> HopPlan:
             per = self._per_chunk(stride)
@@ -757,11 +780,13 @@ class NativeInternodeBackend:
         hop = self._hop_plan(h, ("dispatch", stride), make)
         A = sum(recv_by_node)
         arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
+        own_after_push = (lambda: self._pack(columns, plan, layout, own_block, own_only=True)) if sends_remote else None
         if G == 1 and gate_ok and self.gated_arrivals:
-            pending = self._push_and_gate(hop, "dispatch_network")
+            pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push)
             self._lap("dispatch.push")
             return arrivals[:, :layout.final_bytes], layout, None, A, pending
-        self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, table=hop.table)
+        self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, table=hop.table,
+                            then=own_after_push)
         self._lap("dispatch.network")
         if G == 1:
             # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
@@ -782,18 +807,31 @@ class NativeInternodeBackend:
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
         return final, layout, fwd_dest, A, None
 
-    def _pack(self, columns: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, num_records: int,
-              own_offset: int) -> None:
-        """internode_plan.pack_records in one launch (pack_records kernel), into the send area, except the records of
-        our own node, which go to ``own_offset`` of the RDMA region (their receive block)."""
-        own_first = sum(plan.node_send[:self.node])
-        rows = [_bytes_of(c) for c in columns]  # contiguous byte rows, alive until the launch below
-        self._k.pack_records(self._cx.rdma_ptr, self._cx.rdma_ptr + own_offset, own_first,
-                             plan.node_send[self.node], layout.stride, plan.hop1_token.data_ptr(),
-                             plan.dest_rows.data_ptr(), self.G, num_records,
-                             [(r.data_ptr(), nb, off) for r, nb, off in
-                              zip(rows, layout.column_bytes, layout.column_offsets) if nb],
-                             layout.src_idx_offset, layout.dest_rows_offset, self._stream())
+    def _pack(self, columns: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, own_offset: int,
+              own_only: Optional[bool] = None) -> None:
+        """internode_plan.pack_records (pack_records kernel) into the send area, except the records of our own node,
+        which go to ``own_offset`` of the RDMA region (their receive block). ``own_only``: None packs every record
+        in one launch; False only the other nodes' (the records before and after our node's run: at most two
+        launches); True only our node's."""
+        own_first, own = sum(plan.node_send[:self.node]), plan.node_send[self.node]
+        total = sum(plan.node_send)
+        rows = [_bytes_of(c) for c in columns]  # contiguous byte rows, alive until the launches below
+        cols = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
+        if own_only is None:
+            ranges = [(0, total)]
+        elif own_only:
+            ranges = [(own_first, own_first + own)]
+        else:
+            ranges = [(0, own_first), (own_first + own, total)]
+        G, stride = self.G, layout.stride
+        for lo, hi in ranges:
+            if hi <= lo:
+                continue
+            # records [lo, hi) as a launch of their own: every table and the send area shifted to record lo
+            self._k.pack_records(self._cx.rdma_ptr + lo * stride, self._cx.rdma_ptr + own_offset, own_first - lo,
+                                 own, stride, plan.hop1_token.data_ptr() + 8 * lo,
+                                 plan.dest_rows.data_ptr() + 8 * lo * G, G, hi - lo, cols, layout.src_idx_offset,
+                                 layout.dest_rows_offset, self._stream())
 
     def _unpack(self, final: torch.Tensor, layout: RecordLayout, outs: List[torch.Tensor], out_rows: int = -1,
                 ids: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None, ids_column: int = 0,
@@ -1033,16 +1071,10 @@ class NativeInternodeBackend:
         pay = H * x.element_size()
         kw = w.size(1) if w is not None else 0
         cstride = _align(pay + 4 * kw)
-        recv_by_node = recv_counts(h.counts, self.rank, G)
+        shape = h.combine_shapes.get(cstride) or self._combine_shape(h, cstride)
+        recv_by_node, areas = shape.recv_by_node, shape.areas
         A = sum(recv_by_node)
         tot = h.counts.totals(G)
-        check_area("combine gather (NVL, per local rank)", tot.arrivals,
-                   cstride, self.gather_block, "num_nvl_bytes")
-        check_area("combine (RDMA)", tot.arrivals, cstride,
-                   self.half_rdma, "num_rdma_bytes")
-        check_area("combine (RDMA)", tot.sends, cstride,
-                   self.half_rdma, "num_rdma_bytes")
-        areas = combine_areas(h.counts, G, cstride, self.half_rdma)
         c_send, c_recv = areas.send_base[self.rank], areas.recv_base[self.rank]
         self._lap("combine.prepare")
         self._check("entry of combine")  # no drain: see dispatch
@@ -1129,10 +1161,8 @@ class NativeInternodeBackend:
         # the source adds each token's partial sums in node order, in fp32, and rounds once (one kernel)
         combined_x = torch.empty((h.num_tokens, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
-        nvlink = combine_nvlink_rows(h.counts, self.rank, G)  # host work before the gated sum, during the hop
-        network = sum(c for n, c in enumerate(recv_by_node) if n != self.node)
         eb = H * x.element_size()
-        self.last_traffic = TrafficReport(nvlink * eb, network * eb, nrecv * eb)
+        self.last_traffic = TrafficReport(shape.nvlink_rows * eb, shape.network_rows * eb, nrecv * eb)
         self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
                                   x.dtype == torch.float32, self._stream(), gate=pending[0] if pending else None)
@@ -1143,6 +1173,21 @@ class NativeInternodeBackend:
             self._settle("combine")
         self._lap("combine.finish")
         return combined_x, out_w
+
+    def _combine_shape(self, h: InternodeHandle, cstride: int) -> CombineShape:
+        """h's CombineShape for wire rows of ``cstride`` bytes, after checking that every rank's areas hold them (the
+        same answer on every rank: the counts are the same)."""
+        G = self.G
+        tot = h.counts.totals(G)
+        check_area("combine gather (NVL, per local rank)", tot.arrivals, cstride, self.gather_block, "num_nvl_bytes")
+        check_area("combine (RDMA)", tot.arrivals, cstride, self.half_rdma, "num_rdma_bytes")
+        check_area("combine (RDMA)", tot.sends, cstride, self.half_rdma, "num_rdma_bytes")
+        recv_by_node = recv_counts(h.counts, self.rank, G)
+        shape = CombineShape(recv_by_node, combine_areas(h.counts, G, cstride, self.half_rdma),
+                             combine_nvlink_rows(h.counts, self.rank, G),
+                             sum(c for n, c in enumerate(recv_by_node) if n != self.node))
+        h.combine_shapes[cstride] = shape
+        return shape
 
     def _gather_rows(self, rows: torch.Tensor, w: Optional[torch.Tensor], lo: int, hi: int, dst_off: int,
                      cstride: int) -> None:
@@ -1178,8 +1223,10 @@ class NativeInternodeBackend:
     def _traffic_forward(self, h: InternodeHandle, row_bytes: int):
         from uccl_ep_train.reference import TrafficReport
 
-        network = sum(c for m, c in enumerate(h.plan.node_send) if m != self.node)
-        nvlink = dispatch_nvlink_rows(h.counts, self.rank, self.G)
+        if h.dispatch_rows is None:  # from the counts alone: the same in every dispatch with this handle
+            h.dispatch_rows = (dispatch_nvlink_rows(h.counts, self.rank, self.G),
+                               sum(c for m, c in enumerate(h.plan.node_send) if m != self.node))
+        nvlink, network = h.dispatch_rows
         return TrafficReport(nvlink * row_bytes, network * row_bytes, h.num_recv_tokens * row_bytes)
 
     # ---------------------------------------------------------------- stats / teardown

@@ -51,9 +51,7 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 
 
 def _stream(device: Optional[torch.device] = None) -> int:
-    if device is not None and device.type != "cuda":  # CPU stand-in of the native module (tests): no stream
-        return 0
-    return torch.cuda.current_stream().cuda_stream
+    return native.stream_handle(device)
 
 
 def _align(n: int, a: int) -> int:

@@ -208,8 +208,11 @@ void bind_internode(py::module_& m) {
            "a gate for sum_node_partials / unpack_records over this call's arrivals; table: device int64 "
            "[blocks][GATE_COLUMNS + num_fifos] (first row, records, first slot, FIFO hint, counter bases), kept "
            "alive until the gated launch ran")
-      .def("wait_signals", &in::Context::wait_signals, py::arg("slot_expected"), py::arg("n"), py::arg("phase"),
-           py::arg("stream"))
+      .def("wait_signals", &in::Context::wait_signals, py::arg("targets"), py::arg("phase"), py::arg("stream"),
+           "wait on `stream` until signal[slot] >= expected for every (slot, expected) in targets")
+      .def("record_drain_mark", &in::Context::record_drain_mark, py::arg("stream"),
+           "record the context's drain event on `stream` (the end of what it holds now)")
+      .def("drain_mark_reached", &in::Context::drain_mark_reached, "whether the GPU passed the last drain mark")
       .def("error_message", &in::Context::error_message)
       .def("error_fields", [](const in::Context& c) {
         const in::ErrorWord e = c.error_fields();

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/arrival_gate.hpp"
@@ -30,6 +31,9 @@ enum PushColumn : int {
                          // so one block's chunks travel every proxy thread at once
   kPushColumns = 7,
 };
+
+// (slot, expected) pairs one wait_signals launch carries as kernel arguments (more go in further launches).
+constexpr int kWaitTargetsPerLaunch = 64;
 
 struct ProxyParams {
   int num_threads = 1;
@@ -125,9 +129,10 @@ class Context {
   // row goes to FIFO (row[kPushFifo] + c) % num_fifos and signals slot row[kPushSlot] + that FIFO; chunks hold at
   // most `chunk_records` records. `phase` only labels errors.
   void push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream);
-  // Wait until signal[slot_i] >= expected_i (device int64 [n][2] = slot, expected); deadline: the GPU timeout.
-  // A wait also ends early when the error word is set (by another kernel of this rank, or by abort_waits()).
-  void wait_signals(uintptr_t slot_expected, int n, int phase, uintptr_t stream);
+  // Wait until signal[slot] >= expected for every (slot, expected) pair; deadline: the GPU timeout. The pairs go
+  // as kernel arguments, kWaitTargetsPerLaunch per launch. A wait also ends early when the error word is set (by
+  // another kernel of this rank, or by abort_waits()).
+  void wait_signals(const std::vector<std::pair<int64_t, int64_t>>& targets, int phase, uintptr_t stream);
   // The gate for a consumer of this call's arrivals (arrival_gate.hpp): `table` (device int64 [blocks][kGateBase +
   // num_fifos]) names the blocks, `chunk_records` is the senders' chunk size; the waits get this rank's counters,
   // deadline, error word and stop flag. The table must outlive the gated launch.
@@ -140,6 +145,11 @@ class Context {
   // because the proxy failed and the data will never come, and set the stop flag. No effect on the error word when
   // an error is already recorded.
   void abort_waits();
+  // The host's drains (a wait with a deadline instead of a synchronize): mark the end of what `stream` holds now,
+  // then ask whether the GPU got there. One event of the context's, recorded on the raw handle: a torch Event and
+  // torch.cuda.current_stream() cost ~15 us of host time per drain beside busy proxy threads (session 12).
+  void record_drain_mark(uintptr_t stream);
+  bool drain_mark_reached() const;
   void destroy();  // stops the proxy, unmaps peers, frees memory (idempotent)
 
  private:
@@ -161,6 +171,7 @@ class Context {
   int32_t* stop_dev_ = nullptr;      // StopFlag::flag, device memory
   int32_t stop_generation_ = 1;
   void* abort_stream_ = nullptr;     // cudaStream_t (non-blocking): abort_waits() sets the flag while kernels spin
+  void* drain_event_ = nullptr;      // cudaEvent_t of record_drain_mark (timing disabled)
   int32_t abort_value_ = 0;          // the source of that copy, alive as long as the stream
   std::vector<void*> opened_peers_;
   bool destroyed_ = false;

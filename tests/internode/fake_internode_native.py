@@ -228,12 +228,15 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
     plan = SimpleNamespace(hop1_token=tokens, dest_rows=_at(dest_rows, 8 * n * G, torch.int64).view(n, G).clone())
     out = torch.empty((n, stride), dtype=torch.uint8)
     _pack_records(out, cols, plan, layout)
+    # as the kernel: record r is our own node's when own_first <= r < own_first + own_count, which may lie partly or
+    # wholly outside [0, n) (a launch over a range of the records), and goes to own_dst + (r - own_first) * stride
+    lo, hi = max(own_first, 0), min(own_first + own_count, n)
     keep = torch.ones(n, dtype=torch.bool)
-    keep[own_first:own_first + own_count] = False
+    keep[lo:max(lo, hi)] = False
     rows = _at(send, n * stride).view(n, stride)
     rows[keep] = out[keep]
-    if own_count:
-        _at(own_dst, own_count * stride).view(own_count, stride).copy_(out[own_first:own_first + own_count])
+    if hi > lo:
+        _at(own_dst + (lo - own_first) * stride, (hi - lo) * stride).view(hi - lo, stride).copy_(out[lo:hi])
 
 
 def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, columns: list, ids_out: int,
@@ -445,12 +448,12 @@ class InternodeContext:
                  signals_applied=t["signals_applied"] + 1, max_inflight_bytes=max(t["max_inflight_bytes"], nbytes))
         return True
 
-    def wait_signals(self, slot_expected: int, n: int, phase: int, stream: int) -> None:
-        if n <= 0:
+    def wait_signals(self, targets: list, phase: int, stream: int) -> None:
+        pairs = [(int(s), int(e)) for s, e in targets]
+        if not pairs:
             return
-        pairs = _at(slot_expected, 16 * n, torch.int64).view(n, 2).tolist()
         if any(not 0 <= s < self.num_signal_slots for s, _ in pairs):
-            raise ValueError(f"wait_signals: a slot outside 0..{self.num_signal_slots - 1}: {pairs}")
+            raise ValueError(f"wait_signals: slot outside 0..{self.num_signal_slots - 1}: {pairs}")
         self._wait_for(pairs, phase)
 
     def arrival_gate(self, table: int, blocks: int, chunk_records: int, phase: int) -> ArrivalGate:

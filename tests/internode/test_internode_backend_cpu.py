@@ -226,11 +226,11 @@ def test_stand_in_cuts_chunks_like_the_kernel_and_reports_encode_scatter_range_a
         assert torch.equal(rdma[1024:1184], rdma[:160])
         assert (cx.signal_value(7), cx.signal_value(8)) == (4, 6)
         assert [f["tail"] for f in cx.fifo_states()] == [1, 2]
-        waits = torch.tensor([[8, 6], [7, 4]], dtype=torch.int64)
-        cx.wait_signals(waits.data_ptr(), 2, 1, 0)
+        waits = [(8, 6), (7, 4)]
+        cx.wait_signals(waits, 1, 0)
         assert cx.error_fields()["code"] == 0
-        waits[1, 1] = 5
-        cx.wait_signals(waits.data_ptr(), 2, 1, 0)
+        waits[1] = (7, 5)
+        cx.wait_signals(waits, 1, 0)
         e = cx.error_fields()
         assert (e["code"], e["slot"], e["observed"], e["expected"]) == (fake.ERROR_CODES["wait_timeout"], 7, 4, 5)
         assert "slot 7 to reach 5, saw 4" in cx.error_message()
@@ -253,7 +253,7 @@ def test_stand_in_cuts_chunks_like_the_kernel_and_reports_encode_scatter_range_a
         cx.clear_error()
         cx.abort_waits()  # a wait with the error word set returns at once
         t0 = time.monotonic()
-        cx.wait_signals(waits.data_ptr(), 2, 1, 0)
+        cx.wait_signals(waits, 1, 0)
         assert time.monotonic() - t0 < 0.04 and cx.error_fields()["code"] == fake.ERROR_CODES["aborted"]
     finally:
         cx.destroy()

@@ -270,14 +270,12 @@ def _bytes_before_signal(rank, world, same_gpu):
             torch.cuda.synchronize()
             dist.barrier()
             table = torch.tensor([[1, 0, half, 16, n, 0, 0]], dtype=torch.int64, device=dev)
-            ack = torch.tensor([[1, 1]], dtype=torch.int64, device=dev)  # slot 1 >= 1: rank 1 has looked
             cx.push_chunks(table.data_ptr(), 1, n, 1, s)
-            cx.wait_signals(ack.data_ptr(), 1, 1, s)
+            cx.wait_signals([(1, 1)], 1, s)  # slot 1 >= 1: rank 1 has looked
             torch.cuda.synchronize()
         else:
             dist.barrier()
-            want = torch.tensor([[0, n]], dtype=torch.int64, device=dev)
-            cx.wait_signals(want.data_ptr(), 1, 1, s)
+            cx.wait_signals([(0, n)], 1, s)
             got = rdma[half:half + n * 16].clone()  # stream-ordered right behind the wait
             table = torch.tensor([[0, 0, RB - 16, 16, 1, 1, 0]], dtype=torch.int64, device=dev)
             cx.push_chunks(table.data_ptr(), 1, 1, 1, s)
@@ -350,5 +348,27 @@ def test_a_rank_whose_wait_failed_pushes_no_command_and_scatters_no_row():
     try:
         check_a_failed_rank_sends_and_forwards_nothing(cx, native.module().internode.scatter_rows,
                                                        torch.device("cuda", 0))
+    finally:
+        cx.destroy()
+
+
+def test_a_wait_on_more_counters_than_one_launch_carries_waits_for_each_and_names_a_late_one_in_the_last_launch():
+    """wait_signals passes its (slot, expected) pairs as kernel arguments, 64 per launch: 130 pairs take three
+    launches, every one is waited for, and a counter short of its target in the last launch times out, named."""
+    k = native.module().internode
+    cx = _one_rank_context(gpu_timeout_secs=0.5)
+    try:
+        s = torch.cuda.current_stream().cuda_stream
+        cx.wait_signals([(slot, 0) for slot in range(130)], 1, s)  # every counter is 0: each wait is met
+        torch.cuda.synchronize()
+        assert cx.error_fields()["code"] == 0, cx.error_message()
+        cx.wait_signals([(slot, 0) for slot in range(129)] + [(129, 1)], 1, s)
+        torch.cuda.synchronize()
+        e = cx.error_fields()
+        assert (e["code"], e["slot"], e["observed"], e["expected"]) == (dict(k.ERROR_CODES)["wait_timeout"], 129, 0,
+                                                                        1), cx.error_message()
+        cx.clear_error()
+        with pytest.raises(ValueError, match="slot 512 outside"):
+            cx.wait_signals([(512, 0)], 1, s)
     finally:
         cx.destroy()
