@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# A/B of the internode path in one GPU call: another revision's library built beside this tree's, both timed by this
+# tree's `bench internode`, runs alternated so both see the same machine state (runs on different hosts, or far apart
+# on one, differ by more than most changes). Results: $OUT/ab-all.json (every run's JSON) and $OUT/ab-table.txt.
+#
+# Here:   git archive --format=tar --prefix=old/ <rev> > ab-old.tar
+# Device: bash scripts/ab_internode.sh ab-old.tar      (carry ab-old.tar and .whl)
+# Settings: RUNS (default 3) capped pairs at UCCL_EP_LOOPBACK_BW_GBPS=${CAP:-50}, then one uncapped pair; ITERS
+# (default 20) calls per timed loop. The other revision needs `bench internode` to accept this tree's options.
+set -uo pipefail
+tarball=${1:?usage: scripts/ab_internode.sh OLD.tar (made with git archive --prefix=old/)}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/.gpu-out}
+mkdir -p "$OUT"
+work=$(mktemp -d)
+bash scripts/gpu-check.sh none >/dev/null 2>&1  # builds this tree in place (and installs the carried wheels)
+tar -xf "$tarball" -C "$work" && cp uccl_ep_train/bench/internode.py "$work/old/uccl_ep_train/bench/internode.py" &&
+  (cd "$work/old" && UCCL_EP_PYTHON=$(command -v python3) UCCL_EP_WITH_GPU=CUDA UCCL_EP_SETUP_LOG="$work/build-old.log" \
+     bash scripts/setup.sh >/dev/null) || { echo "building the other revision failed" | tee -a "$OUT/summary.txt"; exit 1; }
+
+bench() {  # bench TAG DIR CAP
+  (cd "$2" && UCCL_EP_LOOPBACK_BW_GBPS=$3 PYTHONPATH="/tmp/site:$2" timeout 150 torchrun --standalone \
+     --nproc-per-node 2 -m uccl_ep_train bench internode --emulate-nodes 2 --iters "${ITERS:-20}" \
+     --json "$work/$1.json" >"$work/$1.log" 2>&1; echo "$1 rc=$?" >>"$OUT/summary.txt")
+}
+for i in $(seq "${RUNS:-3}"); do
+  bench "old-capped-$i" "$work/old" "${CAP:-50}"
+  bench "new-capped-$i" "$PWD" "${CAP:-50}"
+done
+bench old-uncapped "$work/old" 0
+bench new-uncapped "$PWD" 0
+python3 - "$work" "$OUT" <<'PY'
+import glob, json, os, sys
+
+work, out = sys.argv[1:]
+keys = ["dispatch_us", "cached_dispatch_us", "combine_us", "step_dispatch_us", "step_combine_us",
+        "backward_cached_dispatch_us", "backward_combine_us", "dispatch_network_hop_us", "combine_network_hop_us",
+        "raw_copy_us", "dispatch_network_GBps", "cached_dispatch_network_GBps", "combine_network_GBps"]
+runs = {}
+for f in sorted(glob.glob(f"{work}/*.json")):
+    d = json.load(open(f))
+    runs[os.path.basename(f)[:-5]] = d[0] if isinstance(d, list) else d
+json.dump(runs, open(f"{out}/ab-all.json", "w"), indent=1)
+with open(f"{out}/ab-table.txt", "w") as fh:
+    fh.write("| metric | " + " | ".join(runs) + " |\n")
+    for k in keys:
+        fh.write(f"| {k} | " + " | ".join(f"{r.get(k, float('nan')):.1f}" for r in runs.values()) + " |\n")
+    for tag, r in runs.items():
+        fh.write(f"{tag} host steps (rank 0) {r['host_step_us_by_rank'][0]}\n")
+print(open(f"{out}/ab-table.txt").read())
+PY
