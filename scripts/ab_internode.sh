@@ -34,8 +34,17 @@ import glob, json, os, sys
 
 work, out = sys.argv[1:]
 keys = ["dispatch_us", "cached_dispatch_us", "combine_us", "step_dispatch_us", "step_combine_us",
-        "backward_cached_dispatch_us", "backward_combine_us", "dispatch_network_hop_us", "combine_network_hop_us",
-        "raw_copy_us", "dispatch_network_GBps", "cached_dispatch_network_GBps", "combine_network_GBps"]
+        "backward_cached_dispatch_us", "backward_combine_us", "median_us.dispatch", "median_us.cached_dispatch",
+        "median_us.combine", "median_us.step_combine", "median_us.backward_cached_dispatch",
+        "dispatch_network_hop_us", "combine_network_hop_us", "raw_copy_us", "dispatch_network_GBps",
+        "cached_dispatch_network_GBps", "combine_network_GBps"]
+
+
+def get(run, key):  # "a.b": run["a"]["b"]; nan where a run (an older bench) lacks it
+    for part in key.split("."):
+        run = run.get(part, {}) if isinstance(run, dict) else {}
+    return run if isinstance(run, (int, float)) else float("nan")
+
 runs = {}
 for f in sorted(glob.glob(f"{work}/*.json")):
     d = json.load(open(f))
@@ -44,7 +53,7 @@ json.dump(runs, open(f"{out}/ab-all.json", "w"), indent=1)
 with open(f"{out}/ab-table.txt", "w") as fh:
     fh.write("| metric | " + " | ".join(runs) + " |\n")
     for k in keys:
-        fh.write(f"| {k} | " + " | ".join(f"{r.get(k, float('nan')):.1f}" for r in runs.values()) + " |\n")
+        fh.write(f"| {k} | " + " | ".join(f"{get(r, k):.1f}" for r in runs.values()) + " |\n")
     for tag, r in runs.items():
         fh.write(f"{tag} host steps (rank 0) {r['host_step_us_by_rank'][0]}\n")
 print(open(f"{out}/ab-table.txt").read())

@@ -105,8 +105,8 @@ def _wall(fn, iters: int, warmup: int) -> float:
 
 
 def _wall_pair(first, second, iters: int, warmup: int):
-    """Mean wall time of each of two calls made in turn (as a training step makes them), each timed to the end of
-    its GPU work (a synchronize after each call, so neither absorbs the other's tail)."""
+    """Wall times (seconds, one per call) of each of two calls made in turn (as a training step makes them), each
+    timed to the end of its GPU work (a synchronize after each call, so neither absorbs the other's tail)."""
     import torch
     import torch.distributed as dist
 
@@ -115,7 +115,7 @@ def _wall_pair(first, second, iters: int, warmup: int):
         second()
     torch.cuda.synchronize()
     dist.barrier()
-    a = b = 0.0
+    a, b = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         first()
@@ -123,8 +123,28 @@ def _wall_pair(first, second, iters: int, warmup: int):
         t1 = time.perf_counter()
         second()
         torch.cuda.synchronize()
-        a, b = a + t1 - t0, b + time.perf_counter() - t1
-    return a / iters, b / iters
+        a.append(t1 - t0)
+        b.append(time.perf_counter() - t1)
+    return a, b
+
+
+def _per_call(fn, iters: int, warmup: int):
+    """Wall time (seconds) of each call, timed to the end of its GPU work: for medians, which one slow call (a host
+    hiccup: the lent machines showed calls twice as slow as their neighbours) moves less than a mean."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
 
 
 def _cpu() -> float:
@@ -222,10 +242,17 @@ def run(args) -> int:
     def fwd_dispatch():
         fwd["h"] = nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)).handle
 
-    t_fd, t_fc = _wall_pair(fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None), args.iters, args.warmup)
+    calls = {}  # seconds per call, by what was timed
+    calls["step_dispatch"], calls["step_combine"] = _wall_pair(
+        fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None), args.iters, args.warmup)
     skipped0, dskipped0 = nat.combine_barriers_skipped, nat.dispatch_barriers_skipped
-    t_bd, t_bc = _wall_pair(cached, combine, args.iters, args.warmup)
+    calls["backward_cached_dispatch"], calls["backward_combine"] = _wall_pair(cached, combine, args.iters,
+                                                                                args.warmup)
     back_skips = (nat.dispatch_barriers_skipped - dskipped0, nat.combine_barriers_skipped - skipped0)
+    for name, fn in (("dispatch", dispatch), ("cached_dispatch", cached), ("combine", combine)):
+        calls[name] = _per_call(fn, args.iters, args.warmup)
+    t_fd, t_fc, t_bd, t_bc = (statistics.mean(calls[k]) for k in
+                              ("step_dispatch", "step_combine", "backward_cached_dispatch", "backward_combine"))
 
     if args.profile:
         _profile(args.profile, dispatch, cached, combine)
@@ -299,6 +326,11 @@ def run(args) -> int:
         "backward_barriers_skipped": {"dispatch": back_skips[0], "combine": back_skips[1],
                                       "calls_each": args.iters + args.warmup},
     }
+    # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
+    row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}
+    row["median_network_GBps"] = {
+        k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
+        for k, us in row["median_us"].items()}
     row["combine_after_dispatch_us"] = row["dispatch_then_combine_us"] - row["dispatch_us"]
     row["dispatch_network_GBps"] = row["dispatch_network_bytes"] / (row["dispatch_us"] * 1e3)
     row["cached_dispatch_network_GBps"] = row["dispatch_network_bytes"] / (row["cached_dispatch_us"] * 1e3)
