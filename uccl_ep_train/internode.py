@@ -631,8 +631,8 @@ class NativeInternodeBackend:
 
     def _push_and_gate(self, hop: HopPlan, phase: str, then: Optional[Callable[[], None]] = None
                        ) -> Tuple[Any, Any, List[int]]:
-        """Push the table's chunks and return (gate, timing start, counters) instead of waiting: the kernel that reads the
-        arrivals takes the gate and waits chunk by chunk (UCCL_EP_GATED_ARRIVALS), so it runs during the hop. The
+        """Push the table's chunks and return (gate, timing start, counters) instead of waiting: the kernel that reads
+        the arrivals takes the gate and waits chunk by chunk (UCCL_EP_GATED_ARRIVALS), so it runs during the hop. The
         caller launches it, then calls ``_gated_done``, which drains as ``_push_and_wait`` does (the gated kernel
         spins as wait_signals did). The hop's gate blocks (dispatch_gate_blocks / combine_gate_blocks) name the
         same counters as its waits, whose targets advance here."""
@@ -743,7 +743,8 @@ class NativeInternodeBackend:
 
     # ---------------------------------------------------------------- dispatch
     def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan, gate_ok: bool = False,
-              h: Optional[InternodeHandle] = None) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
+              h: Optional[InternodeHandle] = None
+              ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
         forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
         caller reads every final row with one gated unpack next; then, with one GPU per node (the final rows are the
@@ -769,7 +770,7 @@ class NativeInternodeBackend:
         # after the push, so that the push waits only for the records it sends (at 2 nodes, half the packing).
         own_block = recv_base + recv_offs[self.node]
         sends_remote = S1 > plan.node_send[self.node]
-        self._pack(columns, plan, layout, own_block, own_only=False if sends_remote else None)
+        self._pack(columns, plan, layout, own_block, "others" if sends_remote else "all")
         self._lap("dispatch.pack")
         def make() -> HopPlan:
             per = self._per_chunk(stride)
@@ -780,7 +781,7 @@ class NativeInternodeBackend:
         hop = self._hop_plan(h, ("dispatch", stride), make)
         A = sum(recv_by_node)
         arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
-        own_after_push = (lambda: self._pack(columns, plan, layout, own_block, own_only=True)) if sends_remote else None
+        own_after_push = (lambda: self._pack(columns, plan, layout, own_block, "own")) if sends_remote else None
         if G == 1 and gate_ok and self.gated_arrivals:
             pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push)
             self._lap("dispatch.push")
@@ -808,21 +809,17 @@ class NativeInternodeBackend:
         return final, layout, fwd_dest, A, None
 
     def _pack(self, columns: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, own_offset: int,
-              own_only: Optional[bool] = None) -> None:
+              which: str = "all") -> None:
         """internode_plan.pack_records (pack_records kernel) into the send area, except the records of our own node,
-        which go to ``own_offset`` of the RDMA region (their receive block). ``own_only``: None packs every record
-        in one launch; False only the other nodes' (the records before and after our node's run: at most two
-        launches); True only our node's."""
+        which go to ``own_offset`` of the RDMA region (their receive block). ``which``: "all" packs every record in
+        one launch; "others" the other nodes' (the records before and after our node's run: at most two launches);
+        "own" our node's."""
         own_first, own = sum(plan.node_send[:self.node]), plan.node_send[self.node]
         total = sum(plan.node_send)
         rows = [_bytes_of(c) for c in columns]  # contiguous byte rows, alive until the launches below
         cols = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
-        if own_only is None:
-            ranges = [(0, total)]
-        elif own_only:
-            ranges = [(own_first, own_first + own)]
-        else:
-            ranges = [(0, own_first), (own_first + own, total)]
+        ranges = {"all": [(0, total)], "own": [(own_first, own_first + own)],
+                  "others": [(0, own_first), (own_first + own, total)]}[which]
         G, stride = self.G, layout.stride
         for lo, hi in ranges:
             if hi <= lo:

@@ -495,8 +495,11 @@ def combine_overlaps_dispatch(areas: CombineAreas, extents: Tuple[List[int], Lis
 def sends_to_every_node(counts: Counts, ranks_per_node: int) -> bool:
     """Whether every rank sent at least one record to every other node (then every rank hears from every other node
     in each hop of the call: what lets a later call use that traffic as proof of the peers' progress)."""
-    return all(c > 0 for r, row in enumerate(counts.node_counts.tolist()) for m, c in enumerate(row)
-               if m != r // ranks_per_node)
+    key = ("sends_to_every_node", ranks_per_node)  # asked by every cached dispatch after a combine: made once
+    if key not in counts._derived:
+        counts._derived[key] = all(c > 0 for r, row in enumerate(counts.node_counts.tolist()) for m, c in enumerate(row)
+                                   if m != r // ranks_per_node)
+    return counts._derived[key]
 
 
 def dispatch_may_skip_entry_barrier(dispatch_counts: Counts, combine_counts: Counts, areas: CombineAreas,

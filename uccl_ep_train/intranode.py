@@ -331,8 +331,9 @@ class NativeIntranodeBackend:
                           scaled: bool = False) -> List[int]:
         """dispatch_recv's rows_from: the rows per source when the copy engine should move the peers' payload out of
         the receive area (rank-major, whose own rows the send stored in the output; host-known counts; enough bytes;
-        no FP8 scales), else [] (the receive kernel copies it). FP8 has half the bytes and needs a second copy per block for its scales, each costing ~5 us of
-        idle engine: measured 20 us slower through the copy engine on 24 SMs (docs/intranode.md)."""
+        no FP8 scales), else [] (the receive kernel copies it). FP8 has half the bytes and needs a second copy per
+        block for its scales, each costing ~5 us of idle engine: measured 20 us slower through the copy engine on 24
+        SMs (docs/intranode.md)."""
         if not self.dispatch_copy_engine or recv_x is None or not rows_from or scaled:
             return []
         from_peers = sum(rows_from) - rows_from[self.rank]

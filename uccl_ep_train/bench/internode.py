@@ -104,46 +104,26 @@ def _wall(fn, iters: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def _wall_pair(first, second, iters: int, warmup: int):
-    """Wall times (seconds, one per call) of each of two calls made in turn (as a training step makes them), each
-    timed to the end of its GPU work (a synchronize after each call, so neither absorbs the other's tail)."""
+def _per_call(fns, iters: int, warmup: int):
+    """Wall time (seconds) of each call of each function, the functions called in turn (as a training step calls
+    them: dispatch, then combine), each call timed to the end of its GPU work (a synchronize after each, so none
+    absorbs another's tail). One list per function. For means and for medians, which one slow call (a host hiccup:
+    the lent machines showed calls twice as slow as their neighbours) moves less."""
     import torch
     import torch.distributed as dist
 
     for _ in range(warmup):
-        first()
-        second()
+        for fn in fns:
+            fn()
     torch.cuda.synchronize()
     dist.barrier()
-    a, b = [], []
+    out = [[] for _ in fns]
     for _ in range(iters):
-        t0 = time.perf_counter()
-        first()
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        second()
-        torch.cuda.synchronize()
-        a.append(t1 - t0)
-        b.append(time.perf_counter() - t1)
-    return a, b
-
-
-def _per_call(fn, iters: int, warmup: int):
-    """Wall time (seconds) of each call, timed to the end of its GPU work: for medians, which one slow call (a host
-    hiccup: the lent machines showed calls twice as slow as their neighbours) moves less than a mean."""
-    import torch
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
+        for fn, times in zip(fns, out):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
     return out
 
 
@@ -243,14 +223,14 @@ def run(args) -> int:
         fwd["h"] = nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)).handle
 
     calls = {}  # seconds per call, by what was timed
-    calls["step_dispatch"], calls["step_combine"] = _wall_pair(
-        fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None), args.iters, args.warmup)
+    calls["step_dispatch"], calls["step_combine"] = _per_call(
+        (fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None)), args.iters, args.warmup)
     skipped0, dskipped0 = nat.combine_barriers_skipped, nat.dispatch_barriers_skipped
-    calls["backward_cached_dispatch"], calls["backward_combine"] = _wall_pair(cached, combine, args.iters,
-                                                                                args.warmup)
+    calls["backward_cached_dispatch"], calls["backward_combine"] = _per_call((cached, combine), args.iters,
+                                                                              args.warmup)
     back_skips = (nat.dispatch_barriers_skipped - dskipped0, nat.combine_barriers_skipped - skipped0)
     for name, fn in (("dispatch", dispatch), ("cached_dispatch", cached), ("combine", combine)):
-        calls[name] = _per_call(fn, args.iters, args.warmup)
+        calls[name], = _per_call((fn,), args.iters, args.warmup)
     t_fd, t_fc, t_bd, t_bc = (statistics.mean(calls[k]) for k in
                               ("step_dispatch", "step_combine", "backward_cached_dispatch", "backward_combine"))
 
