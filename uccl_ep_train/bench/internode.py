@@ -127,6 +127,33 @@ def _per_call(fns, iters: int, warmup: int):
     return out
 
 
+def _in_turn(fns, iters: int, warmup: int):
+    """Wall time (seconds) of each call, the functions called back to back in turn with nothing between them -- no
+    synchronize, as a training step calls them -- each call's time running from the previous call's return to its
+    own. A call returns once its network hop and the kernel reading the arrivals are done (it drains after them:
+    docs/internode.md, "Drains"), so the work it leaves on the stream is its short tail, which the next call's launches
+    overlap as they would in training; the last call's tail is added to it. One list per function."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    out = [[] for _ in fns]
+    t = time.perf_counter()
+    for _ in range(iters):
+        for fn, times in zip(fns, out):
+            fn()
+            now = time.perf_counter()
+            times.append(now - t)
+            t = now
+    torch.cuda.synchronize()
+    out[-1][-1] += time.perf_counter() - t
+    return out
+
+
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -231,6 +258,19 @@ def run(args) -> int:
     back_skips = (nat.dispatch_barriers_skipped - dskipped0, nat.combine_barriers_skipped - skipped0)
     for name, fn in (("dispatch", dispatch), ("cached_dispatch", cached), ("combine", combine)):
         calls[name], = _per_call((fn,), args.iters, args.warmup)
+    # ... and back to back in training order, no synchronize between the calls: a forward pass's pairs (dispatch,
+    # combine) and a backward pass's (cached dispatch, combine), with the host steps of each loop
+    in_turn, in_turn_steps = {}, {}
+    for name, fns in (("forward", (fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None))),
+                      ("backward", (cached, combine))):
+        nat.host_timing = {}
+        first, second = _in_turn(fns, args.iters, args.warmup)
+        in_turn[f"{name}_{'dispatch' if name == 'forward' else 'cached_dispatch'}"] = first
+        in_turn[f"{name}_combine"] = second
+        in_turn_steps[name] = {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}
+        nat.host_timing = None
+    in_turn_steps_by_rank = [None] * world
+    dist.all_gather_object(in_turn_steps_by_rank, in_turn_steps)
     t_fd, t_fc, t_bd, t_bc = (statistics.mean(calls[k]) for k in
                               ("step_dispatch", "step_combine", "backward_cached_dispatch", "backward_combine"))
 
@@ -311,6 +351,18 @@ def run(args) -> int:
     row["median_network_GBps"] = {
         k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
         for k, us in row["median_us"].items()}
+    # Training order, back to back (_in_turn): mean and median per call, max over ranks; network GB/s of the means,
+    # and of each pair as a whole (both calls' network bytes over the pair's time)
+    row["in_turn_us"] = {k: mx(statistics.mean(v)) * 1e6 for k, v in in_turn.items()}
+    row["in_turn_median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in in_turn.items()}
+    row["in_turn_network_GBps"] = {
+        k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
+        for k, us in row["in_turn_us"].items()}
+    pair_bytes = row["dispatch_network_bytes"] + row["combine_network_bytes"]
+    for name in ("forward", "backward"):
+        pair = [a + b for a, b in zip(*(v for k, v in in_turn.items() if k.startswith(name)))]
+        row["in_turn_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
+    row["in_turn_host_step_us_by_rank"] = in_turn_steps_by_rank
     # A difference of two loops' means: it can read above the NIC cap (the dispatch's tail overlaps the combine's
     # host steps, and each loop has its own noise: 57.6 GB/s under a 50 GB/s cap in session 12). step_combine_us and
     # median_us["step_combine"] time the same combine call by call.
