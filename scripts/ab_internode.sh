@@ -6,7 +6,8 @@
 # Here:   git archive --format=tar --prefix=old/ <rev> > ab-old.tar
 # Device: bash scripts/ab_internode.sh ab-old.tar      (carry ab-old.tar and .whl)
 # Settings: RUNS (default 3) capped pairs at UCCL_EP_LOOPBACK_BW_GBPS=${CAP:-50}, then one uncapped pair; ITERS
-# (default 20) calls per timed loop. The other revision needs `bench internode` to accept this tree's options.
+# (default 20) calls per timed loop; VARIANT="NAME=VALUE ..." adds a third run per round: this tree with those
+# settings (e.g. VARIANT=UCCL_EP_PUSH_HEAD=0). The other revision needs `bench internode` to accept this tree's options.
 set -uo pipefail
 tarball=${1:?usage: scripts/ab_internode.sh OLD.tar (made with git archive --prefix=old/)}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -18,14 +19,16 @@ tar -xf "$tarball" -C "$work" && cp uccl_ep_train/bench/internode.py "$work/old/
   (cd "$work/old" && UCCL_EP_PYTHON=$(command -v python3) UCCL_EP_WITH_GPU=CUDA UCCL_EP_SETUP_LOG="$work/build-old.log" \
      bash scripts/setup.sh >/dev/null) || { echo "building the other revision failed" | tee -a "$OUT/summary.txt"; exit 1; }
 
-bench() {  # bench TAG DIR CAP
-  (cd "$2" && UCCL_EP_LOOPBACK_BW_GBPS=$3 PYTHONPATH="/tmp/site:$2" timeout 150 torchrun --standalone \
+bench() {  # bench TAG DIR CAP [NAME=VALUE ...]
+  local tag=$1 dir=$2 cap=$3; shift 3
+  (cd "$dir" && env "$@" UCCL_EP_LOOPBACK_BW_GBPS=$cap PYTHONPATH="/tmp/site:$dir" timeout 150 torchrun --standalone \
      --nproc-per-node 2 -m uccl_ep_train bench internode --emulate-nodes 2 --iters "${ITERS:-20}" \
-     --json "$work/$1.json" >"$work/$1.log" 2>&1; echo "$1 rc=$?" >>"$OUT/summary.txt")
+     --json "$work/$tag.json" >"$work/$tag.log" 2>&1; echo "$tag rc=$?" >>"$OUT/summary.txt")
 }
 for i in $(seq "${RUNS:-3}"); do
   bench "old-capped-$i" "$work/old" "${CAP:-50}"
   bench "new-capped-$i" "$PWD" "${CAP:-50}"
+  [[ -z ${VARIANT:-} ]] || bench "var-capped-$i" "$PWD" "${CAP:-50}" $VARIANT
 done
 bench old-uncapped "$work/old" 0
 bench new-uncapped "$PWD" 0
@@ -37,7 +40,9 @@ keys = ["dispatch_us", "cached_dispatch_us", "combine_us", "step_dispatch_us", "
         "backward_cached_dispatch_us", "backward_combine_us", "median_us.dispatch", "median_us.cached_dispatch",
         "median_us.combine", "median_us.step_combine", "median_us.backward_cached_dispatch",
         "dispatch_network_hop_us", "combine_network_hop_us", "raw_copy_us", "dispatch_network_GBps",
-        "cached_dispatch_network_GBps", "combine_network_GBps"]
+        "cached_dispatch_network_GBps", "combine_network_GBps", "in_turn_network_GBps.forward_pair",
+        "in_turn_network_GBps.backward_pair", "in_turn_us.forward_dispatch", "in_turn_us.forward_combine",
+        "in_turn_us.backward_cached_dispatch", "in_turn_us.backward_combine"]
 
 
 def get(run, key):  # "a.b": run["a"]["b"]; nan where a run (an older bench) lacks it
@@ -56,5 +61,7 @@ with open(f"{out}/ab-table.txt", "w") as fh:
         fh.write(f"| {k} | " + " | ".join(f"{get(r, k):.1f}" for r in runs.values()) + " |\n")
     for tag, r in runs.items():
         fh.write(f"{tag} host steps (rank 0) {r['host_step_us_by_rank'][0]}\n")
+        for name, steps in (r.get("in_turn_host_step_us_by_rank") or [{}])[0].items():
+            fh.write(f"{tag} in-turn {name} host steps (rank 0) {steps}\n")
 print(open(f"{out}/ab-table.txt").read())
 PY

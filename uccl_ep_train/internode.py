@@ -12,6 +12,8 @@ transport choice, regions, proxy bootstrap, the push/wait/scatter kernels, and t
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 import socket
 import sys
 import time
@@ -34,7 +36,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
-    dispatch_may_skip_entry_barrier)
+    dispatch_may_skip_entry_barrier, split_push_head)
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
@@ -276,6 +278,11 @@ class InternodeHandle:
     dispatch_rows: Optional[Tuple[int, int]] = None
     # combine's host-side shape of this handle, by wire row bytes (CombineShape): made and checked once
     combine_shapes: dict = field(default_factory=dict, repr=False)
+    # a cached dispatch's, by record layout (DispatchShape)
+    dispatch_shapes: dict = field(default_factory=dict, repr=False)
+    # the last entry-barrier decision of a cached dispatch right after a combine: (that combine's counts and areas,
+    # record stride, whether it may skip) -- a backward pass asks the same question of every layer's pair
+    skip_decision: Optional[tuple] = field(default=None, repr=False)
     # combine: per source local index, the arrival row of each received row (recv_arrival of rows_by_local[j])
     gather_rows: Optional[List[torch.Tensor]] = None
 
@@ -290,6 +297,38 @@ class HopPlan:
     waits: List[Tuple[int, int]]
     gate_blocks: List[Tuple[int, int, int]]
     per_chunk: int
+    # the same writes cut into a head and a tail (split_push_head): the wire starts once the head's records are
+    # written, and the rest is written while it moves; head_records = 0: not cut
+    head_first: int = 0
+    head_records: int = 0
+    head_rows: List[List[int]] = field(default_factory=list)
+    tail_rows: List[List[int]] = field(default_factory=list)
+    head_table: Optional[torch.Tensor] = None
+    tail_table: Optional[torch.Tensor] = None
+
+    def rest_of(self, ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+        """``ranges`` of records without the head's."""
+        lo, hi = self.head_first, self.head_first + self.head_records
+        out = []
+        for a, b in ranges:
+            out += [r for r in ((a, min(b, lo)), (max(a, hi), b)) if r[1] > r[0]]
+        return out
+
+
+@dataclass
+class DispatchShape:
+    """What a dispatch derives from its counts and record layout alone (the same in every cached dispatch of a handle
+    with the same columns): the arrivals per source node and where their blocks start, the own node's receive block,
+    whether any record crosses the network, the areas it fills (for the next combine's barrier decision), and the
+    arrival rows as a view of the receive half. Made and checked once per handle: every step of it sat between a
+    cached dispatch's entry and its push, while the GPU idled."""
+
+    layout: RecordLayout
+    recv_by_node: List[int]
+    own_block: int  # byte offset in the RDMA region of our own node's receive block
+    sends_remote: bool
+    extents: Tuple[List[int], List[int]]
+    arrivals: torch.Tensor  # uint8 [A, stride] view of the receive half
 
 
 @dataclass
@@ -393,6 +432,7 @@ class NativeInternodeBackend:
         self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(s.kernel.drain_after_waits)
         self.gated_arrivals = bool(s.kernel.gated_arrivals)  # docs/internode.md, "Gated arrivals"
         self.skip_dispatch_barrier = bool(s.kernel.skip_dispatch_barrier)
+        self.push_head = bool(s.kernel.push_head)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
         # (notify or barrier) since the last combine and its rows stay clear of what the last dispatch filled, whose
@@ -612,13 +652,18 @@ class NativeInternodeBackend:
 
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
-                       table: Optional[torch.Tensor] = None, then: Optional[Callable[[], None]] = None) -> None:
+                       table: Optional[torch.Tensor] = None, then: Optional[Callable[[], None]] = None,
+                       hop: Optional[HopPlan] = None, rest: Optional[Callable[[], None]] = None) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
-        launch: see "Drains") that go between the push and the wait."""
+        launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` and ``table`` are its
+        own) and ``rest``: see _push_hop."""
         t0 = self._hop_started()
-        self._push(rows, phase, per_chunk, fixed, table)
+        if hop is not None:
+            self._push_hop(hop, phase, rest)
+        else:
+            self._push(rows, phase, per_chunk, fixed, table)
         if then is not None:
             then()
         for slot, count in waits:
@@ -629,15 +674,15 @@ class NativeInternodeBackend:
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
         self._settle(what or f"{phase} wait", drain)
 
-    def _push_and_gate(self, hop: HopPlan, phase: str, then: Optional[Callable[[], None]] = None
-                       ) -> Tuple[Any, Any, List[int]]:
+    def _push_and_gate(self, hop: HopPlan, phase: str, then: Optional[Callable[[], None]] = None,
+                       rest: Optional[Callable[[], None]] = None) -> Tuple[Any, Any, List[int]]:
         """Push the table's chunks and return (gate, timing start, counters) instead of waiting: the kernel that reads
         the arrivals takes the gate and waits chunk by chunk (UCCL_EP_GATED_ARRIVALS), so it runs during the hop. The
         caller launches it, then calls ``_gated_done``, which drains as ``_push_and_wait`` does (the gated kernel
         spins as wait_signals did). The hop's gate blocks (dispatch_gate_blocks / combine_gate_blocks) name the
         same counters as its waits, whose targets advance here."""
         t0 = self._hop_started()
-        self._push(hop.rows, phase, hop.per_chunk, table=hop.table)
+        self._push_hop(hop, phase, rest)
         if then is not None:  # as in _push_and_wait
             then()
         table = gate_rows(hop.gate_blocks, self.node, self.L, self._expected)
@@ -681,6 +726,20 @@ class NativeInternodeBackend:
         self._cx.push_chunks(table.data_ptr(), len(rows), per_chunk, self._phases[phase], self._stream())
         self._keep = table
 
+    def _push_hop(self, hop: HopPlan, phase: str, rest: Optional[Callable[[], None]]) -> None:
+        """Push a hop's writes. With ``rest`` (the launches that write the records after the head's) and a hop cut
+        in two: the head, then ``rest``, then the tail -- the caller wrote only the head's records before; else the
+        whole table (the caller wrote every record it sends)."""
+        if rest is not None and hop.head_records:
+            self._push(hop.head_rows, phase, hop.per_chunk, table=hop.head_table)
+            rest()
+            self._push(hop.tail_rows, phase, hop.per_chunk, table=hop.tail_table)
+            self._keep = (hop.head_table, hop.tail_table)
+        else:
+            if rest is not None:
+                rest()
+            self._push(hop.rows, phase, hop.per_chunk, table=hop.table)
+
     def _push_table(self, rows: List[List[int]]) -> Optional[torch.Tensor]:
         if not rows:
             return None
@@ -689,12 +748,20 @@ class NativeInternodeBackend:
                                  f"{self._k.PUSH_COLUMNS} (rebuild _C)")
         return self._upload(rows)
 
-    def _hop_plan(self, h: Optional[InternodeHandle], key: Tuple[str, int], make: Callable[[], HopPlan]) -> HopPlan:
-        """The handle's plan for this hop (made once per handle and record size), or a fresh one without a handle."""
+    def _hop_plan(self, h: Optional[InternodeHandle], key: Tuple[str, int], make: Callable[[], HopPlan],
+                  local_base: Optional[int] = None) -> HopPlan:
+        """The handle's plan for this hop (made once per handle and record size), or a fresh one without a handle.
+        ``local_base``: where the sent records start in our RDMA region; given, the plan is also cut into a head and
+        a tail (split_push_head) unless UCCL_EP_PUSH_HEAD=0."""
         plan = h.hop_plans.get(key) if h is not None else None
         if plan is None:
             plan = make()
             plan.table = self._push_table(plan.rows)
+            if local_base is not None and self.push_head:
+                first, n, head, tail = split_push_head(plan.rows, local_base, plan.per_chunk)
+                if n:
+                    plan.head_first, plan.head_records, plan.head_rows, plan.tail_rows = first, n, head, tail
+                    plan.head_table, plan.tail_table = self._push_table(head), self._push_table(tail)
             if h is not None:
                 h.hop_plans[key] = plan
         return plan
@@ -752,42 +819,47 @@ class NativeInternodeBackend:
         ``_gated_done``; otherwise pending is None and the rows are in. ``h``: the handle of a cached dispatch,
         which keeps the hop's plan."""
         G = self.G
-        layout = record_layout([_bytes_of(c).size(1) for c in columns], G)
+        rows = [_bytes_of(c) for c in columns]  # contiguous byte rows, alive until the pack launches below
+        layout = _record_layout(tuple(r.size(1) for r in rows), G)
         stride = layout.stride
-        S1 = int(plan.hop1_token.numel())
-        recv_by_node = recv_counts(counts, self.rank, G)
-        tot = counts.totals(G)
-        check_area("dispatch send (RDMA)", tot.sends, stride,
-                   self.half_rdma, "num_rdma_bytes")
-        check_area("dispatch receive (RDMA)", tot.arrivals, stride,
-                   self.half_rdma, "num_rdma_bytes")
-        check_area("dispatch final rows (NVL)", tot.final_rows, layout.final_bytes,
-                   self.half_nvl, "num_nvl_bytes")
-        self._last_dispatch_extents = dispatch_extents(counts, G, stride)
+        shape = h.dispatch_shapes.get(layout) if h is not None else None
+        if shape is None:
+            shape = self._dispatch_shape(counts, plan, layout)
+            if h is not None:
+                h.dispatch_shapes[layout] = shape
+        self._last_dispatch_extents = shape.extents
         recv_base = self.half_rdma
-        recv_offs = block_offsets(recv_by_node, stride)
         # The own node's records never cross the network: they are packed straight into their receive block, and
         # after the push, so that the push waits only for the records it sends (at 2 nodes, half the packing).
-        own_block = recv_base + recv_offs[self.node]
-        sends_remote = S1 > plan.node_send[self.node]
-        self._pack(columns, plan, layout, own_block, "others" if sends_remote else "all")
-        self._lap("dispatch.pack")
+        own_block = shape.own_block
+
         def make() -> HopPlan:
             per = self._per_chunk(stride)
             return HopPlan(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base, self.L), None,
                            dispatch_waits(counts, self.rank, G, per, self.L),
                            dispatch_gate_blocks(counts, self.rank, G, self.L), per)
 
-        hop = self._hop_plan(h, ("dispatch", stride), make)
-        A = sum(recv_by_node)
-        arrivals = self._rdma[recv_base:recv_base + A * stride].view(A, stride)
-        own_after_push = (lambda: self._pack(columns, plan, layout, own_block, "own")) if sends_remote else None
+        hop = self._hop_plan(h, ("dispatch", stride), make, local_base=0)
+        others, own_range = self._record_ranges(plan)
+        pack = lambda ranges: self._pack(rows, plan, layout, own_block, ranges)  # noqa: E731
+        # the records the push sends first: the head's (the rest is packed while it moves), or every other node's
+        if not shape.sends_remote:
+            pack([own_range])  # every record is our own node's
+        elif hop.head_records:
+            pack([(hop.head_first, hop.head_first + hop.head_records)])
+        else:
+            pack(others)
+        self._lap("dispatch.pack")
+        rest = (lambda: pack(hop.rest_of(others))) if shape.sends_remote and hop.head_records else None
+        own_after_push = (lambda: pack([own_range])) if shape.sends_remote else None
+        arrivals = shape.arrivals
+        A = arrivals.size(0)
         if G == 1 and gate_ok and self.gated_arrivals:
-            pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push)
+            pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest)
             self._lap("dispatch.push")
             return arrivals[:, :layout.final_bytes], layout, None, A, pending
         self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, table=hop.table,
-                            then=own_after_push)
+                            then=own_after_push, hop=hop, rest=rest)
         self._lap("dispatch.network")
         if G == 1:
             # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
@@ -808,18 +880,35 @@ class NativeInternodeBackend:
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
         return final, layout, fwd_dest, A, None
 
-    def _pack(self, columns: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, own_offset: int,
-              which: str = "all") -> None:
-        """internode_plan.pack_records (pack_records kernel) into the send area, except the records of our own node,
-        which go to ``own_offset`` of the RDMA region (their receive block). ``which``: "all" packs every record in
-        one launch; "others" the other nodes' (the records before and after our node's run: at most two launches);
-        "own" our node's."""
+    def _dispatch_shape(self, counts: Counts, plan: SendPlan, layout: RecordLayout) -> DispatchShape:
+        """The DispatchShape of these counts and layout, after checking that every rank's areas hold the dispatch
+        (the same answer on every rank: the counts are the same)."""
+        G, stride = self.G, layout.stride
+        tot = counts.totals(G)
+        check_area("dispatch send (RDMA)", tot.sends, stride, self.half_rdma, "num_rdma_bytes")
+        check_area("dispatch receive (RDMA)", tot.arrivals, stride, self.half_rdma, "num_rdma_bytes")
+        check_area("dispatch final rows (NVL)", tot.final_rows, layout.final_bytes, self.half_nvl, "num_nvl_bytes")
+        recv_by_node = recv_counts(counts, self.rank, G)
+        recv_base, A = self.half_rdma, sum(recv_by_node)
+        return DispatchShape(layout, recv_by_node, recv_base + block_offsets(recv_by_node, stride)[self.node],
+                             int(plan.hop1_token.numel()) > plan.node_send[self.node],
+                             dispatch_extents(counts, G, stride),
+                             self._rdma[recv_base:recv_base + A * stride].view(A, stride))
+
+    def _record_ranges(self, plan: SendPlan) -> Tuple[List[Tuple[int, int]], Tuple[int, int]]:
+        """(the other nodes' records, our own node's) as ranges of the record list, which runs by node."""
         own_first, own = sum(plan.node_send[:self.node]), plan.node_send[self.node]
         total = sum(plan.node_send)
-        rows = [_bytes_of(c) for c in columns]  # contiguous byte rows, alive until the launches below
+        others = [r for r in ((0, own_first), (own_first + own, total)) if r[1] > r[0]]
+        return others, (own_first, own_first + own)
+
+    def _pack(self, rows: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, own_offset: int,
+              ranges: List[Tuple[int, int]]) -> None:
+        """internode_plan.pack_records (pack_records kernel) into the send area, except the records of our own node,
+        which go to ``own_offset`` of the RDMA region (their receive block). ``rows``: the columns as contiguous
+        byte rows (_bytes_of). ``ranges``: which records of the list (by node, see _record_ranges), a launch each."""
+        own_first, own = sum(plan.node_send[:self.node]), plan.node_send[self.node]
         cols = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
-        ranges = {"all": [(0, total)], "own": [(own_first, own_first + own)],
-                  "others": [(0, own_first), (own_first + own, total)]}[which]
         G, stride = self.G, layout.stride
         for lo, hi in ranges:
             if hi <= lo:
@@ -866,7 +955,6 @@ class NativeInternodeBackend:
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         from uccl_ep_train.reference import _payload_bytes
 
-        self._check()
         self._lap(None)
         x, scales = args.x, args.x_scales
         if args.handle is None and args.num_tokens_per_expert is None:  # before any traffic: peers would hang
@@ -1033,7 +1121,7 @@ class NativeInternodeBackend:
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         from uccl_ep_train.reference import TrafficReport
 
-        self._check()
+        self._check("entry of combine")  # no drain: see dispatch
         self._lap(None)
         h = handle
         G, dev = self.G, self.device
@@ -1074,7 +1162,6 @@ class NativeInternodeBackend:
         tot = h.counts.totals(G)
         c_send, c_recv = areas.send_base[self.rank], areas.recv_base[self.rank]
         self._lap("combine.prepare")
-        self._check("entry of combine")  # no drain: see dispatch
         if self._combine_needs_barrier(areas):
             self._barrier("entry of combine")  # every rank finished its previous use of the areas
         else:
@@ -1096,12 +1183,32 @@ class NativeInternodeBackend:
         back_offs = block_offsets(h.plan.node_send, cstride)  # at the source: records per node, in node order
         own_first = sum(recv_by_node[:self.node])
         own = recv_by_node[self.node]
+
+        def make() -> HopPlan:
+            per = self._per_chunk(cstride)
+            return HopPlan(combine_push_rows(h.counts, self.rank, G, cstride, areas, self.L), None,
+                           combine_waits(h.counts, self.rank, G, per, self.L),
+                           combine_gate_blocks(h.counts, self.rank, G, self.L), per)
+
+        # with one GPU per node the rows pushed are written by one copy each, so the push may start with a head
+        hop = self._hop_plan(h, ("combine", cstride), make, local_base=c_send if G == 1 else None)
+        rest = None
         if G == 1:
             # One GPU per node: the rows are the partial sums already, in arrival order (row = arrival). The other
-            # nodes' go to their records in the send area and are pushed first; our own node's go afterwards straight
-            # to where the sum reads them (their block of the receive area), during the hop and without a copy.
-            self._gather_rows(rows, w, 0, own_first, c_send, cstride)
-            self._gather_rows(rows, w, own_first + own, A, c_send + (own_first + own) * cstride, cstride)
+            # nodes' go to their records in the send area and are pushed first (the head's, then the rest while the
+            # head moves); our own node's go afterwards straight to where the sum reads them (their block of the
+            # receive area), during the hop and without a copy.
+            others = [r for r in ((0, own_first), (own_first + own, A)) if r[1] > r[0]]
+
+            def gather(ranges: List[Tuple[int, int]]) -> None:
+                for lo, hi in ranges:
+                    self._gather_rows(rows, w, lo, hi, c_send + lo * cstride, cstride)
+
+            if hop.head_records:
+                gather([(hop.head_first, hop.head_first + hop.head_records)])
+                rest = lambda: gather(hop.rest_of(others))  # noqa: E731
+            else:
+                gather(others)
             self._lap("combine.gather")
         else:
             if h.rows_by_local is None:
@@ -1138,19 +1245,13 @@ class NativeInternodeBackend:
                 self._rdma[dst:dst + own * cstride].copy_(self._rdma[src:src + own * cstride])
             self._lap("combine.node_sum")
 
-        def make() -> HopPlan:
-            per = self._per_chunk(cstride)
-            return HopPlan(combine_push_rows(h.counts, self.rank, G, cstride, areas, self.L), None,
-                           combine_waits(h.counts, self.rank, G, per, self.L),
-                           combine_gate_blocks(h.counts, self.rank, G, self.L), per)
-
-        hop = self._hop_plan(h, ("combine", cstride), make)
         pending = None
         if self.gated_arrivals:  # the sum below reads each token's partial sums as their chunks land
-            pending = self._push_and_gate(hop, "combine_network")
+            pending = self._push_and_gate(hop, "combine_network", rest=rest)
             self._lap("combine.push")
         else:
-            self._push_and_wait(hop.rows, hop.waits, "combine_network", hop.per_chunk, table=hop.table)
+            self._push_and_wait(hop.rows, hop.waits, "combine_network", hop.per_chunk, table=hop.table, hop=hop,
+                                rest=rest)
             self._lap("combine.network")
         if G == 1 and own:
             self._gather_rows(rows, w, own_first, own_first + own, c_recv + back_offs[self.node], cstride)
@@ -1201,12 +1302,19 @@ class NativeInternodeBackend:
 
     def _cached_dispatch_needs_barrier(self, h: InternodeHandle, cols: List[torch.Tensor]) -> bool:
         """Unless the last call was a combine whose traffic proves what the barrier would (docs/internode.md, "Areas
-        and entry barriers"). UCCL_EP_SKIP_DISPATCH_BARRIER=0 keeps the barrier always."""
+        and entry barriers"). UCCL_EP_SKIP_DISPATCH_BARRIER=0 keeps the barrier always. The answer for the same
+        combine (the same counts and areas objects, held by the memo so that they stay the same) and record size is
+        kept on the handle."""
         if self._last_combine is None or not self.skip_dispatch_barrier:
             return True
-        stride = record_layout([_bytes_of(c).size(1) for c in cols], self.G).stride
+        stride = _record_layout(tuple(_row_bytes(c) for c in cols), self.G).stride
         counts, areas = self._last_combine
-        return not dispatch_may_skip_entry_barrier(h.counts, counts, areas, self.G, stride, self.half_rdma)
+        memo = h.skip_decision
+        if memo is not None and memo[0] is counts and memo[1] is areas and memo[2] == stride:
+            return not memo[3]
+        skip = dispatch_may_skip_entry_barrier(h.counts, counts, areas, self.G, stride, self.half_rdma)
+        h.skip_decision = (counts, areas, stride, skip)
+        return not skip
 
     def _combine_needs_barrier(self, areas: CombineAreas) -> bool:
         """Whether a rank may still use what this combine writes. Without a group sync since the last combine (two
@@ -1252,6 +1360,17 @@ class NativeInternodeBackend:
             print(f"uccl-ep: rank {self.rank}: destroy found an error: {exc}", file=sys.stderr)
         finally:
             self._cx.destroy()
+
+
+@functools.lru_cache(maxsize=64)
+def _record_layout(column_bytes: Tuple[int, ...], ranks_per_node: int) -> RecordLayout:
+    """record_layout, kept: every cached dispatch asks it for the same few column widths."""
+    return record_layout(column_bytes, ranks_per_node)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """The bytes of one row of ``t`` as _bytes_of lays it out, without making the view."""
+    return t.element_size() * math.prod(t.shape[1:])
 
 
 def _empty_rows(like: torch.Tensor, rows: int) -> torch.Tensor:

@@ -367,6 +367,40 @@ def push_rows(node_send_or_recv: Sequence[int], rank: int, ranks_per_node: int, 
     return rows
 
 
+def split_push_head(rows: List[List[int]], local_base: int, per_chunk: int, head_fraction: int = 16
+                    ) -> Tuple[int, int, List[List[int]], List[List[int]]]:
+    """Cut a push table so that the wire starts before the rest of the records is written: the head is the first
+    ``1/head_fraction`` of the first block's chunks (at least one), the tail the rest of that block and every other
+    block. Returns (first record of the head, records in it, head rows, tail rows), the records counted in the send
+    area from ``local_base``; (0, 0, [], rows) when the first block has a single chunk. Pushed head first, the two
+    tables make exactly the writes of ``rows`` -- the same chunks, each through the same lane, in the same order on
+    every lane -- because the head is a whole number of chunks and the tail's first row starts its lanes where the
+    head stopped (hint advanced by the head's chunks): receivers wait and gate exactly as for ``rows``."""
+    if not rows:
+        return 0, 0, [], rows
+    dst, local, remote, stride, records, slot, hint = rows[0]
+    chunks = -(-records // per_chunk)
+    head_chunks = max(1, chunks // head_fraction)
+    if chunks <= head_chunks:
+        return 0, 0, [], rows
+    n = head_chunks * per_chunk
+    head = [[dst, local, remote, stride, n, slot, hint]]
+    tail = [[dst, local + n * stride, remote + n * stride, stride, records - n, slot, hint + head_chunks]] + rows[1:]
+    return (local - local_base) // stride, n, head, tail
+
+
+def push_writes(rows: Sequence[Sequence[int]], per_chunk: int, num_lanes: int) -> List[Tuple[int, ...]]:
+    """The writes the push_chunks kernel makes of a table, in push order: (lane, dst, bytes, local offset, remote
+    offset, slot, records) -- the kernel's loop, for tests and tools."""
+    out = []
+    for dst, local, remote, stride, records, slot, hint in rows:
+        for c, first in enumerate(range(0, records, per_chunk)):
+            lane = (hint + c) % num_lanes
+            n = min(per_chunk, records - first)
+            out.append((lane, dst, n * stride, local + first * stride, remote + first * stride, slot + lane, n))
+    return out
+
+
 def dispatch_push_rows(counts: Counts, plan: SendPlan, rank: int, ranks_per_node: int, stride: int,
                        recv_base: int, num_lanes: int = 1) -> List[List[int]]:
     """Hop 1 of dispatch: our block for node m goes to rank m*G + local, into the block of our node there."""

@@ -187,6 +187,10 @@ class KernelSettings:
         "UCCL_EP_SKIP_DISPATCH_BARRIER", "internode: a cached dispatch right after a combine skips its entry barrier "
         "when that combine's traffic proves every rank is done with the areas (docs/internode.md, Areas and entry "
         "barriers); 0: always keep it", _bool))
+    push_head: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_PUSH_HEAD", "internode: a hop's sender writes the first 1/16 of its first block's chunks, pushes "
+        "them, then writes and pushes the rest, so the network starts before every record is written "
+        "(docs/internode.md, Push head); 0: write every record, then push", _bool))
     drain_after_waits: str = field(default="always", metadata=_meta(
         "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
         "never: launch on while the wait spins; it stalled and corrupted cached dispatches on the loopback transport "

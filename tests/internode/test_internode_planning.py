@@ -595,3 +595,26 @@ def test_a_cached_dispatch_after_a_combine_skips_its_barrier_only_with_traffic_b
                                                 tight)
     assert not plan.dispatch_may_skip_entry_barrier(full, full, inn.combine_areas(full, G, cstride, tight - 16), G,
                                                     stride, tight - 16)
+
+
+@pytest.mark.parametrize("records,per,lanes", [(4096, 35, 32), (300, 7, 4), (64, 8, 3), (5, 8, 4), (33, 8, 32)])
+def test_a_push_table_cut_into_a_head_and_a_tail_makes_the_same_writes_through_the_same_lanes_in_lane_order(
+        records, per, lanes):
+    stride, base = 48, 1 << 20
+    rows = [[1, base + 10 * stride, 7 * stride, stride, records, 64, 1],
+            [3, base + (10 + records) * stride, 0, stride, records // 2 + 1, 64, 3]]
+    first, n, head, tail = plan.split_push_head(rows, base, per)
+    whole = plan.push_writes(rows, per, lanes)
+    pieces = plan.push_writes(head, per, lanes) + plan.push_writes(tail, per, lanes)
+    assert sorted(pieces) == sorted(whole)
+    by_lane = lambda writes, lane: [w for w in writes if w[0] == lane]  # noqa: E731
+    for lane in range(lanes):  # each lane's counter moves in the same order: receivers gate exactly as before
+        assert by_lane(pieces, lane) == by_lane(whole, lane)
+    chunks = -(-records // per)
+    if chunks == 1:
+        assert (first, n, head, tail) == (0, 0, [], rows)
+    else:
+        # the head is a whole number of chunks of the first block, from its first record, and leaves a tail
+        assert first == 10 and n % per == 0 and 0 < n < records
+        assert n // per == max(1, chunks // 16)
+        assert head[0][4] == n and tail[0][4] == records - n and tail[1:] == rows[1:]

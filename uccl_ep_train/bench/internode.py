@@ -104,11 +104,8 @@ def _wall(fn, iters: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def _per_call(fns, iters: int, warmup: int):
-    """Wall time (seconds) of each call of each function, the functions called in turn (as a training step calls
-    them: dispatch, then combine), each call timed to the end of its GPU work (a synchronize after each, so none
-    absorbs another's tail). One list per function. For means and for medians, which one slow call (a host hiccup:
-    the lent machines showed calls twice as slow as their neighbours) moves less."""
+def _warm(fns, warmup: int) -> None:
+    """``warmup`` rounds of the functions in turn, then every rank synchronized and lined up."""
     import torch
     import torch.distributed as dist
 
@@ -117,6 +114,16 @@ def _per_call(fns, iters: int, warmup: int):
             fn()
     torch.cuda.synchronize()
     dist.barrier()
+
+
+def _per_call(fns, iters: int, warmup: int):
+    """Wall time (seconds) of each call of each function, the functions called in turn (as a training step calls
+    them: dispatch, then combine), each call timed to the end of its GPU work (a synchronize after each, so none
+    absorbs another's tail). One list per function. For means and for medians, which one slow call (a host hiccup:
+    the lent machines showed calls twice as slow as their neighbours) moves less."""
+    import torch
+
+    _warm(fns, warmup)
     out = [[] for _ in fns]
     for _ in range(iters):
         for fn, times in zip(fns, out):
@@ -134,13 +141,8 @@ def _in_turn(fns, iters: int, warmup: int):
     docs/internode.md, "Drains"), so the work it leaves on the stream is its short tail, which the next call's launches
     overlap as they would in training; the last call's tail is added to it. One list per function."""
     import torch
-    import torch.distributed as dist
 
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    torch.cuda.synchronize()
-    dist.barrier()
+    _warm(fns, warmup)
     out = [[] for _ in fns]
     t = time.perf_counter()
     for _ in range(iters):
