@@ -756,12 +756,17 @@ class NativeInternodeBackend:
         plan = h.hop_plans.get(key) if h is not None else None
         if plan is None:
             plan = make()
-            plan.table = self._push_table(plan.rows)
             if local_base is not None and self.push_head:
                 first, n, head, tail = split_push_head(plan.rows, local_base, plan.per_chunk)
                 if n:
                     plan.head_first, plan.head_records, plan.head_rows, plan.tail_rows = first, n, head, tail
-                    plan.head_table, plan.tail_table = self._push_table(head), self._push_table(tail)
+            # the whole table and its head and tail in one upload (each upload ~10-18 us of host time)
+            a, b = len(plan.rows), len(plan.rows) + len(plan.head_rows)
+            table = self._push_table(plan.rows + plan.head_rows + plan.tail_rows)
+            if table is not None:
+                plan.table = table[:a]
+                if plan.head_records:
+                    plan.head_table, plan.tail_table = table[a:b], table[b:]
             if h is not None:
                 h.hop_plans[key] = plan
         return plan
