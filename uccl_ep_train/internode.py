@@ -421,6 +421,10 @@ class NativeInternodeBackend:
         usable = self.rdma_bytes - (notify_bytes if self._notify_via_proxies else 0)
         self.half_rdma = usable // 2 // CMD_UNIT * CMD_UNIT
         self._notify_base = 2 * self.half_rdma
+        # where the matrix lands on the host: copied on the stream behind the notify wait, so the drain that follows
+        # the wait also brings it home (a read-back after the drain was one more synchronous copy per dispatch)
+        self._notify_host = (torch.empty(notify_bytes, dtype=torch.uint8, pin_memory=True)
+                             if self._notify_via_proxies and self.device.type == "cuda" else None)
         self.half_nvl = self.nvl_bytes // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         if self._cx.num_fifos != self.L:
@@ -635,10 +639,14 @@ class NativeInternodeBackend:
         own = base + self.rank * row_bytes
         self._lap("dispatch.notify_row")  # benchmarks: the count row's launches (and any wait they hide)
         rows = [[r, own, own, row_bytes, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
+        area = self._rdma[base:base + R * row_bytes]
+        host = self._notify_host[:R * row_bytes] if self._notify_host is not None else None
         self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)",
-                            fixed=True, drain=True)  # the host reads the rows right below
+                            fixed=True, drain=True,  # the host reads the rows right below
+                            after_wait=(lambda: host.copy_(area, non_blocking=True)) if host is not None else None)
         self._lap("dispatch.notify_exchange")  # until every peer's row is here: the ranks' skew shows up here
-        mat = self._rdma[base:base + R * row_bytes].cpu().view(torch.int64).view(R, row_bytes // 8)[:, :words]
+        # a copy of the pinned rows: the next notify overwrites them, and the counts live on in the handle
+        mat = (host.clone() if host is not None else area.cpu()).view(torch.int64).view(R, row_bytes // 8)[:, :words]
         return counts_from_rows(mat, R, self.N, **shape)
 
     def _upload(self, rows: Any) -> torch.Tensor:
@@ -653,12 +661,14 @@ class NativeInternodeBackend:
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
                        table: Optional[torch.Tensor] = None, then: Optional[Callable[[], None]] = None,
-                       hop: Optional[HopPlan] = None, rest: Optional[Callable[[], None]] = None) -> None:
+                       hop: Optional[HopPlan] = None, rest: Optional[Callable[[], None]] = None,
+                       after_wait: Optional[Callable[[], None]] = None) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
         launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` and ``table`` are its
-        own) and ``rest``: see _push_hop."""
+        own) and ``rest``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when
+        the drain returns."""
         t0 = self._hop_started()
         if hop is not None:
             self._push_hop(hop, phase, rest)
@@ -669,6 +679,8 @@ class NativeInternodeBackend:
         for slot, count in waits:
             self._expected[slot] += count
         self._wait_for_targets([slot for slot, _ in waits], phase)
+        if after_wait is not None:
+            after_wait()
         self._hop_ended(phase, t0)
         # Nothing else is launched while wait_signals spins (docs/internode.md, "Drains"): the host drains the
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
