@@ -336,10 +336,9 @@ def chunk_lanes(records: int, per_chunk: int, hint: int, num_lanes: int) -> List
     """Records each lane (proxy FIFO) carries when a block of ``records`` is cut into chunks of ``per_chunk`` and chunk
     c goes to FIFO ``(hint + c) % num_lanes`` -- what the push_chunks kernel does. Sender and receiver both derive it
     from the counts, so the receiver knows what to wait for on every lane's counter without being told."""
-    out = [0] * num_lanes
     full, rest = divmod(int(records), per_chunk)
-    for c in range(full):
-        out[(hint + c) % num_lanes] += per_chunk
+    rounds, extra = divmod(full, num_lanes)  # every lane carries `rounds` whole chunks, the first `extra` one more
+    out = [(rounds + ((lane - hint) % num_lanes < extra)) * per_chunk for lane in range(num_lanes)]
     if rest:
         out[(hint + full) % num_lanes] += rest
     return out

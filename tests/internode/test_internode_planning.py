@@ -618,3 +618,13 @@ def test_a_push_table_cut_into_a_head_and_a_tail_makes_the_same_writes_through_t
         assert first == 10 and n % per == 0 and 0 < n < records
         assert n // per == max(1, chunks // 16)
         assert head[0][4] == n and tail[0][4] == records - n and tail[1:] == rows[1:]
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 32])
+def test_chunk_lanes_counts_the_records_the_push_kernel_sends_through_each_lane(lanes):
+    for records in (0, 1, 34, 35, 36, 4000, 4096):
+        for per, hint in ((35, 0), (35, 5), (1, 31), (512, 2)):
+            sent = [0] * lanes
+            for lane, *_, n in plan.push_writes([[1, 0, 0, 16, records, 0, hint]], per, lanes):
+                sent[lane] += n
+            assert plan.chunk_lanes(records, per, hint, lanes) == sent, (records, per, hint)
