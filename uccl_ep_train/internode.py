@@ -437,6 +437,7 @@ class NativeInternodeBackend:
         self.gated_arrivals = bool(s.kernel.gated_arrivals)  # docs/internode.md, "Gated arrivals"
         self.skip_dispatch_barrier = bool(s.kernel.skip_dispatch_barrier)
         self.push_head = bool(s.kernel.push_head)
+        self.pack_during_notify = bool(s.kernel.pack_during_notify)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
         # (notify or barrier) since the last combine and its rows stay clear of what the last dispatch filled, whose
@@ -447,6 +448,12 @@ class NativeInternodeBackend:
         # ... and a cached dispatch right after a combine may skip its own (dispatch_may_skip_entry_barrier): the
         # counts and areas of the last call when it was a combine
         self._last_combine: Optional[Tuple[Counts, CombineAreas]] = None
+        # the handle of the last dispatch that completed, and -- while the last call was a combine of that handle that
+        # completed -- where that combine's partial sums start in our send half: what lets the next uncached dispatch
+        # pack its records while notify is still exchanging the counts (_pack_during_notify)
+        self._last_dispatch_handle: Optional[InternodeHandle] = None
+        self._combined_send_base: Optional[int] = None
+        self.packs_during_notify = 0  # uncached dispatches that did (tests, benchmarks)
         self.dispatch_barriers_skipped = 0
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
@@ -551,11 +558,13 @@ class NativeInternodeBackend:
         self._push_and_wait(rows, [(self._barrier_slot, self.R - 1)], "barrier", 1, what, fixed=True)
 
     def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
-                topk_idx: Optional[torch.Tensor] = None) -> Counts:
+                topk_idx: Optional[torch.Tensor] = None, then: Optional[Callable[[torch.Tensor], None]] = None
+                ) -> Counts:
         """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) and per (rank,
         slot) (up to NOTIFY_MAX_SLOT_COUNTS) in the rows, a receiver knows its per-expert and per-slot counts from
         notify alone, and neither dispatch nor combine reads anything else back. Every rank makes the same choice:
-        the same group, experts and top-k."""
+        the same group, experts and top-k. ``then(row)``: work for while the rows are exchanged, given our own count
+        row on the device (through the proxies only)."""
         carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
         slots = carry and topk_idx is not None and self.R * topk_idx.size(1) <= NOTIFY_MAX_SLOT_COUNTS
         shape = dict(num_experts=tokens_per_expert.numel() if carry else 0,
@@ -564,8 +573,9 @@ class NativeInternodeBackend:
         tpe, topk = tokens_per_expert if carry else None, topk_idx if slots else None
         if self._notify_via_proxies:
             own = self._notify_base + self.rank * _align(8 * width)
-            self._count_row(self._rdma[own:own + 8 * width].view(torch.int64), is_token_in_rank, tpe, topk)
-            return self._notify_through_proxies(width, shape)
+            row = self._rdma[own:own + 8 * width].view(torch.int64)
+            self._count_row(row, is_token_in_rank, tpe, topk)
+            return self._notify_through_proxies(width, shape, (lambda: then(row)) if then is not None else None)
         row = torch.empty(width, dtype=torch.int64, device=self.device)
         self._count_row(row, is_token_in_rank, tpe, topk)
         self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
@@ -603,9 +613,15 @@ class NativeInternodeBackend:
     def _send_plan(self, is_token_in_rank: torch.Tensor, counts: Counts) -> SendPlan:
         """internode_plan.send_plan with its device tables made by one launch (send_plan kernel); the host part (how
         many records go to each node, where each node's run starts) comes from the counts."""
-        T, R, G, N = is_token_in_rank.size(0), self.R, self.G, self.N
         node_send = [int(c) for c in counts.node_counts[self.rank].tolist()]
-        prefix = counts.rank_counts[:self.rank].sum(0).tolist() if self.rank else [0] * R
+        prefix = counts.rank_counts[:self.rank].sum(0).tolist() if self.rank else [0] * self.R
+        return self._plan_tables(is_token_in_rank, node_send, prefix)
+
+    def _plan_tables(self, is_token_in_rank: torch.Tensor, node_send: List[int], prefix: List[int]) -> SendPlan:
+        """The send_plan kernel's tables for our records per node ``node_send``; ``prefix``: every destination's rows
+        from the ranks before us (zeros: the tables that need no other rank's counts are right, the final rows
+        counted from our first token for each destination)."""
+        T, R, G, N = is_token_in_rank.size(0), self.R, self.G, self.N
         node_base = [sum(node_send[:m]) for m in range(N)]
         table = self._upload(prefix + node_base)  # one upload of plain ints: each torch op here costs ~5-10 us
         S1, dev = sum(node_send), self.device
@@ -624,7 +640,7 @@ class NativeInternodeBackend:
         write limit), so receivers know the lanes."""
         return chunk_records(stride, min(chunk_bytes(self.inflight_bytes), self.max_write_bytes))
 
-    def _notify_through_proxies(self, words: int, shape: dict) -> Counts:
+    def _notify_through_proxies(self, words: int, shape: dict, then: Optional[Callable[[], None]] = None) -> Counts:
         """Count exchange in stream order: our row (``words`` int64, already in row ``rank`` of our notify area) goes
         into row ``rank`` of every rank's notify area (one write each, through the proxies), then we wait for every
         other rank's row and copy the matrix to the host. Receiving every row also proves that every rank finished
@@ -633,7 +649,8 @@ class NativeInternodeBackend:
 
         The rows sit back to back at the width this call uses (the same on every rank: same group, same number of
         experts), not at the area's widest row, so the matrix comes back in one contiguous copy: a strided one
-        first gathered it on the device with a kernel of its own."""
+        first gathered it on the device with a kernel of its own. ``then``: launched between our row's push and the
+        wait for the others'."""
         R, base = self.R, self._notify_base
         row_bytes = _align(8 * words)
         own = base + self.rank * row_bytes
@@ -642,7 +659,7 @@ class NativeInternodeBackend:
         area = self._rdma[base:base + R * row_bytes]
         host = self._notify_host[:R * row_bytes] if self._notify_host is not None else None
         self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)",
-                            fixed=True, drain=True,  # the host reads the rows right below
+                            fixed=True, drain=True, then=then,  # the host reads the rows right below
                             after_wait=(lambda: host.copy_(area, non_blocking=True)) if host is not None else None)
         self._lap("dispatch.notify_exchange")  # until every peer's row is here: the ranks' skew shows up here
         # a copy of the pinned rows: the next notify overwrites them, and the counts live on in the handle
@@ -827,16 +844,18 @@ class NativeInternodeBackend:
 
     # ---------------------------------------------------------------- dispatch
     def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan, gate_ok: bool = False,
-              h: Optional[InternodeHandle] = None
+              h: Optional[InternodeHandle] = None, packed: Optional[List[torch.Tensor]] = None
               ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
         forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
         caller reads every final row with one gated unpack next; then, with one GPU per node (the final rows are the
         arrivals), the hop is not awaited here and ``pending`` is (gate, timing start) for ``_unpack`` and
         ``_gated_done``; otherwise pending is None and the rows are in. ``h``: the handle of a cached dispatch,
-        which keeps the hop's plan."""
+        which keeps the hop's plan. ``packed``: the columns' byte rows, whose records for the other nodes are packed
+        already (_pack_during_notify)."""
         G = self.G
-        rows = [_bytes_of(c) for c in columns]  # contiguous byte rows, alive until the pack launches below
+        # contiguous byte rows, alive until the pack launches below
+        rows = packed if packed is not None else [_bytes_of(c) for c in columns]
         layout = _record_layout(tuple(r.size(1) for r in rows), G)
         stride = layout.stride
         shape = h.dispatch_shapes.get(layout) if h is not None else None
@@ -860,14 +879,17 @@ class NativeInternodeBackend:
         others, own_range = self._record_ranges(plan)
         pack = lambda ranges: self._pack(rows, plan, layout, own_block, ranges)  # noqa: E731
         # the records the push sends first: the head's (the rest is packed while it moves), or every other node's
+        early = packed is not None and shape.sends_remote
         if not shape.sends_remote:
             pack([own_range])  # every record is our own node's
+        elif early:
+            pass
         elif hop.head_records:
             pack([(hop.head_first, hop.head_first + hop.head_records)])
         else:
             pack(others)
         self._lap("dispatch.pack")
-        rest = (lambda: pack(hop.rest_of(others))) if shape.sends_remote and hop.head_records else None
+        rest = (lambda: pack(hop.rest_of(others))) if shape.sends_remote and hop.head_records and not early else None
         own_after_push = (lambda: pack([own_range])) if shape.sends_remote else None
         arrivals = shape.arrivals
         A = arrivals.size(0)
@@ -911,6 +933,37 @@ class NativeInternodeBackend:
                              int(plan.hop1_token.numel()) > plan.node_send[self.node],
                              dispatch_extents(counts, G, stride),
                              self._rdma[recv_base:recv_base + A * stride].view(A, stride))
+
+    def _pack_during_notify(self, row: torch.Tensor, itr: torch.Tensor, cols: List[torch.Tensor], send_top: int,
+                            early: dict) -> None:
+        """Pack the records for the other nodes while notify exchanges the counts, where it is safe: the last call
+        was a combine of the last dispatch's handle (the caller checks) and our records stay below ``send_top``,
+        where that combine's partial sums start in our send half. Why that is enough: every node we sent that
+        dispatch's records to sent us partial sums back for them in the combine, and pushed them only after its
+        dispatch had received all of them; so nothing of ours below the partial sums is still on the wire (what
+        notify would otherwise prove, docs/internode.md "Packing during notify"). Only our own tokens per node are
+        needed (read from our count row); the tables are made with the other ranks' rows still unknown, so the
+        records' final rows count from our first token (right where G = 1, nobody reading them; rewritten after
+        notify otherwise, _write_dest_rows). Fills ``early`` (node_send, plan, layout, rows) when it packed."""
+        node_send = [int(c) for c in row[self.R:self.R + self.N].tolist()]  # waits for count_row only
+        rows = [_bytes_of(c) for c in cols]
+        layout = _record_layout(tuple(r.size(1) for r in rows), self.G)
+        if sum(node_send) * layout.stride > send_top:
+            return
+        plan = self._plan_tables(itr, node_send, [0] * self.R)
+        others, _ = self._record_ranges(plan)
+        self._pack(rows, plan, layout, 0, others)  # own node's records: after notify (their block needs the counts)
+        early.update(node_send=node_send, plan=plan, layout=layout, rows=rows)
+        self.packs_during_notify += 1
+        self._lap("dispatch.pack_during_notify")
+
+    def _write_dest_rows(self, plan: SendPlan, layout: RecordLayout) -> None:
+        """The final rows of the records packed during notify (counted from our first token) replaced by the plan's,
+        which count from the destination's first row: several GPUs per node forward by them."""
+        stride, off, G = layout.stride, layout.dest_rows_offset, self.G
+        for lo, hi in self._record_ranges(plan)[0]:
+            recs = self._rdma[lo * stride:hi * stride].view(hi - lo, stride)
+            recs[:, off:off + 4 * G].view(torch.int32).copy_(plan.dest_rows[lo:hi])
 
     def _record_ranges(self, plan: SendPlan) -> Tuple[List[Tuple[int, int]], Tuple[int, int]]:
         """(the other nodes' records, our own node's) as ranges of the record list, which runs by node."""
@@ -980,6 +1033,7 @@ class NativeInternodeBackend:
         # it queued after its last wait (unpack, the partial sums) may still run while this call's first launches
         # queue behind it; a drain cost ~100 us per call on 2x H200 (session 8).
         self._check("entry of dispatch")
+        combined_send_base, self._combined_send_base = self._combined_send_base, None
         if args.handle is not None:  # every rank finished its previous use of the areas ...
             if self._cached_dispatch_needs_barrier(args.handle, [x] + ([scales] if scales is not None else [])):
                 self._barrier("entry of dispatch")
@@ -1000,6 +1054,7 @@ class NativeInternodeBackend:
             else:
                 parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
                 self._unpack(final, layout, parts, h.num_recv_rows, pending=pending)
+            self._last_dispatch_handle = h
             self._lap("dispatch.finish")
             return DispatchResult(parts[0], parts[1] if scales is not None else None, None, None, None, h,
                                   self.last_traffic)
@@ -1008,17 +1063,29 @@ class NativeInternodeBackend:
         topk_idx, weights = args.topk_idx, args.topk_weights
         if itr is None:
             itr = self.get_dispatch_layout(topk_idx, args.num_tokens_per_expert.numel())[3]
-        counts = self._notify(itr, args.num_tokens_per_expert, topk_idx)
-        self._lap("dispatch.notify")
-        plan = self._send_plan(itr, counts)
-        self._lap("dispatch.plan")
         T = x.size(0)
         cols = [x] + ([scales] if scales is not None else [])
         if topk_idx is not None:
             cols.append(topk_idx.to(torch.int64))
             cols.append(weights.float() if weights is not None else
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
-        final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True)
+        early: dict = {}
+        during = None
+        if combined_send_base is not None and self.pack_during_notify:
+            during = lambda row: self._pack_during_notify(row, itr, cols, combined_send_base, early)  # noqa: E731
+        counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during)
+        self._lap("dispatch.notify")
+        if early and early["node_send"] != [int(c) for c in counts.node_counts[self.rank].tolist()]:
+            raise InternodeError(f"rank {self.rank}: notify returned other counts for our own row than we read from "
+                                 f"it while it was exchanged ({early['node_send']}): the count row changed in flight")
+        if early and self.G == 1:
+            plan = early["plan"]  # with one GPU per node nobody reads the records' final rows: the tables stand
+        else:
+            plan = self._send_plan(itr, counts)
+            if early:
+                self._write_dest_rows(plan, early["layout"])
+        self._lap("dispatch.plan")
+        final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=early.get("rows"))
         nrecv = final.size(0)
         worst = args.num_worst_tokens
         rows = nrecv
@@ -1086,6 +1153,7 @@ class NativeInternodeBackend:
             h.num_recv_rows = rows
         if weights is None:
             recv_w = None
+        self._last_dispatch_handle = h
         self._lap("dispatch.finish")
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_w, [] if worst else aligned, h,
                               self.last_traffic)
@@ -1139,6 +1207,7 @@ class NativeInternodeBackend:
         from uccl_ep_train.reference import TrafficReport
 
         self._check("entry of combine")  # no drain: see dispatch
+        self._combined_send_base = None
         self._lap(None)
         h = handle
         G, dev = self.G, self.device
@@ -1286,6 +1355,8 @@ class NativeInternodeBackend:
             self._lap("combine.network")
         else:
             self._settle("combine")
+        if h is self._last_dispatch_handle:  # the next uncached dispatch may pack during notify
+            self._combined_send_base = areas.send_base[self.rank]
         self._lap("combine.finish")
         return combined_x, out_w
 

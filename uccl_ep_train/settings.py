@@ -191,6 +191,10 @@ class KernelSettings:
         "UCCL_EP_PUSH_HEAD", "internode: a hop's sender writes the first 1/16 of its first block's chunks, pushes "
         "them, then writes and pushes the rest, so the network starts before every record is written "
         "(docs/internode.md, Push head); 0: write every record, then push", _bool))
+    pack_during_notify: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_PACK_DURING_NOTIFY", "internode: an uncached dispatch right after a combine of the last dispatch's "
+        "handle packs its records for the other nodes while notify exchanges the counts (docs/internode.md, Packing "
+        "during notify); 0: after notify", _bool))
     drain_after_waits: str = field(default="always", metadata=_meta(
         "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
         "never: launch on while the wait spins; it stalled and corrupted cached dispatches on the loopback transport "

@@ -152,6 +152,40 @@ def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, 
     assert not left, f"shared memory left behind after destroy: {left}"
 
 
+def _packs_during_notify(rank, world, G, cases):
+    """compare_cases, then an uncached dispatch right after another: (pairs compared, dispatches that packed during
+    notify after compare_cases, and after the dispatch that followed a dispatch)."""
+    from uccl_ep_train.backends import DispatchArgs
+
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
+        packed = nat.packs_during_notify
+        idx = torch.randint(0, 4 * world, (64, 2), generator=torch.Generator().manual_seed(rank))
+        x = torch.randn((64, 128)).to(torch.bfloat16)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 4 * world)
+        for _ in range(2):  # the first follows compare_cases' last combine; the second follows a dispatch
+            nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
+        return done, packed, nat.packs_during_notify - packed
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
+def test_an_uncached_dispatch_right_after_a_combine_of_the_last_dispatch_packs_during_notify_and_still_matches(world,
+                                                                                                            G):
+    """Every case after the first starts right after the previous case's combine of its last dispatch's handle: its
+    records for the other nodes are packed while notify runs (with several GPUs per node their final rows are
+    rewritten after notify), and every output still equals the reference; a dispatch right after a dispatch packs
+    after notify, as does every dispatch with UCCL_EP_PACK_DURING_NOTIFY=0."""
+    cases = ALL[:4]
+    out = run_distributed(_packs_during_notify, world, G, cases, timeout=120, env=ENV)
+    assert out == [(len(cases), len(cases) - 1, 1)] * world
+    out = run_distributed(_packs_during_notify, world, G, cases, timeout=120,
+                          env=dict(ENV, UCCL_EP_PACK_DURING_NOTIFY="0"))
+    assert out == [(len(cases), 0, 0)] * world
+
+
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_outputs_also_match_when_arrivals_are_read_only_after_the_whole_hop(world, G):
     """UCCL_EP_GATED_ARRIVALS=0 keeps the wait for every counter before the readers run (the other tests run the
