@@ -42,7 +42,7 @@ keys = ["dispatch_us", "cached_dispatch_us", "combine_us", "step_dispatch_us", "
         "dispatch_network_hop_us", "combine_network_hop_us", "raw_copy_us", "dispatch_network_GBps",
         "cached_dispatch_network_GBps", "combine_network_GBps", "in_turn_network_GBps.forward_pair",
         "in_turn_network_GBps.backward_pair", "in_turn_us.forward_dispatch", "in_turn_us.forward_combine",
-        "in_turn_us.backward_cached_dispatch", "in_turn_us.backward_combine"]
+        "in_turn_us.backward_cached_dispatch", "in_turn_us.backward_combine", "packs_during_notify"]
 
 
 def get(run, key):  # "a.b": run["a"]["b"]; nan where a run (an older bench) lacks it

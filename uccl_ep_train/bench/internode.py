@@ -347,6 +347,8 @@ def run(args) -> int:
         "backward_cached_dispatch_us": mx(t_bd) * 1e6, "backward_combine_us": mx(t_bc) * 1e6,
         "backward_barriers_skipped": {"dispatch": back_skips[0], "combine": back_skips[1],
                                       "calls_each": args.iters + args.warmup},
+        # uncached dispatches (of every loop) that packed their records during notify, right after a combine (rank 0)
+        "packs_during_notify": nat.packs_during_notify,
     }
     # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
     row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}
