@@ -348,7 +348,7 @@ def run(args) -> int:
         "backward_barriers_skipped": {"dispatch": back_skips[0], "combine": back_skips[1],
                                       "calls_each": args.iters + args.warmup},
         # uncached dispatches (of every loop) that packed their records during notify, right after a combine (rank 0)
-        "packs_during_notify": nat.packs_during_notify,
+        "packs_during_notify": getattr(nat, "packs_during_notify", None),  # (older revisions in A/B runs lack it)
     }
     # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
     row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}
