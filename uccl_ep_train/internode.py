@@ -878,18 +878,18 @@ class NativeInternodeBackend:
         hop = self._hop_plan(h, ("dispatch", stride), make, local_base=0)
         others, own_range = self._record_ranges(plan)
         pack = lambda ranges: self._pack(rows, plan, layout, own_block, ranges)  # noqa: E731
-        # the records the push sends first: the head's (the rest is packed while it moves), or every other node's
-        early = packed is not None and shape.sends_remote
+        # What the push needs written before it starts: nothing when the records were packed during notify; the
+        # head's records when the plan has a head (the rest is packed while the head moves: `rest`); else every
+        # other node's.
+        rest = None
         if not shape.sends_remote:
-            pack([own_range])  # every record is our own node's
-        elif early:
-            pass
-        elif hop.head_records:
+            pack([own_range])  # every record is our own node's: nothing crosses the network
+        elif packed is None and hop.head_records:
             pack([(hop.head_first, hop.head_first + hop.head_records)])
-        else:
+            rest = lambda: pack(hop.rest_of(others))  # noqa: E731
+        elif packed is None:
             pack(others)
         self._lap("dispatch.pack")
-        rest = (lambda: pack(hop.rest_of(others))) if shape.sends_remote and hop.head_records and not early else None
         own_after_push = (lambda: pack([own_range])) if shape.sends_remote else None
         arrivals = shape.arrivals
         A = arrivals.size(0)
