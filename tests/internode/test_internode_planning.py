@@ -628,3 +628,12 @@ def test_chunk_lanes_counts_the_records_the_push_kernel_sends_through_each_lane(
             for lane, *_, n in plan.push_writes([[1, 0, 0, 16, records, 0, hint]], per, lanes):
                 sent[lane] += n
             assert plan.chunk_lanes(records, per, hint, lanes) == sent, (records, per, hint)
+
+
+def test_the_rest_of_a_hop_is_every_record_range_without_the_heads_records():
+    hop = inn.HopPlan([], None, [], [], 8, head_first=10, head_records=16)
+    # the head inside one range, at its start, across none, and ranges left empty by it are dropped
+    assert hop.rest_of([(0, 5), (10, 40)]) == [(0, 5), (26, 40)]
+    assert hop.rest_of([(10, 26)]) == []
+    assert hop.rest_of([(0, 12), (20, 30)]) == [(0, 10), (26, 30)]
+    assert hop.rest_of([(30, 50)]) == [(30, 50)]
