@@ -318,13 +318,10 @@ class HopPlan:
 @dataclass
 class DispatchShape:
     """What a dispatch derives from its counts and record layout alone (the same in every cached dispatch of a handle
-    with the same columns): the arrivals per source node and where their blocks start, the own node's receive block,
-    whether any record crosses the network, the areas it fills (for the next combine's barrier decision), and the
+    with the same columns): the own node's receive block, whether any record crosses the network, the areas it fills (for the next combine's barrier decision), and the
     arrival rows as a view of the receive half. Made and checked once per handle: every step of it sat between a
     cached dispatch's entry and its push, while the GPU idled."""
 
-    layout: RecordLayout
-    recv_by_node: List[int]
     own_block: int  # byte offset in the RDMA region of our own node's receive block
     sends_remote: bool
     extents: Tuple[List[int], List[int]]
@@ -756,18 +753,15 @@ class NativeInternodeBackend:
         self._keep = table
 
     def _push_hop(self, hop: HopPlan, phase: str, rest: Optional[Callable[[], None]]) -> None:
-        """Push a hop's writes. With ``rest`` (the launches that write the records after the head's) and a hop cut
-        in two: the head, then ``rest``, then the tail -- the caller wrote only the head's records before; else the
-        whole table (the caller wrote every record it sends)."""
-        if rest is not None and hop.head_records:
-            self._push(hop.head_rows, phase, hop.per_chunk, table=hop.head_table)
-            rest()
-            self._push(hop.tail_rows, phase, hop.per_chunk, table=hop.tail_table)
-            self._keep = (hop.head_table, hop.tail_table)
-        else:
-            if rest is not None:
-                rest()
+        """Push a hop's writes: the whole table (the caller wrote every record it sends), or, with ``rest`` (given
+        only for a hop cut in two: the launches that write the records after the head's), the head, then ``rest``,
+        then the tail."""
+        if rest is None:
             self._push(hop.rows, phase, hop.per_chunk, table=hop.table)
+            return
+        self._push(hop.head_rows, phase, hop.per_chunk, table=hop.head_table)
+        rest()
+        self._push(hop.tail_rows, phase, hop.per_chunk, table=hop.tail_table)
 
     def _push_table(self, rows: List[List[int]]) -> Optional[torch.Tensor]:
         if not rows:
@@ -929,7 +923,7 @@ class NativeInternodeBackend:
         check_area("dispatch final rows (NVL)", tot.final_rows, layout.final_bytes, self.half_nvl, "num_nvl_bytes")
         recv_by_node = recv_counts(counts, self.rank, G)
         recv_base, A = self.half_rdma, sum(recv_by_node)
-        return DispatchShape(layout, recv_by_node, recv_base + block_offsets(recv_by_node, stride)[self.node],
+        return DispatchShape(recv_base + block_offsets(recv_by_node, stride)[self.node],
                              int(plan.hop1_token.numel()) > plan.node_send[self.node],
                              dispatch_extents(counts, G, stride),
                              self._rdma[recv_base:recv_base + A * stride].view(A, stride))
@@ -968,9 +962,7 @@ class NativeInternodeBackend:
     def _record_ranges(self, plan: SendPlan) -> Tuple[List[Tuple[int, int]], Tuple[int, int]]:
         """(the other nodes' records, our own node's) as ranges of the record list, which runs by node."""
         own_first, own = sum(plan.node_send[:self.node]), plan.node_send[self.node]
-        total = sum(plan.node_send)
-        others = [r for r in ((0, own_first), (own_first + own, total)) if r[1] > r[0]]
-        return others, (own_first, own_first + own)
+        return _ranges_around(own_first, own, sum(plan.node_send)), (own_first, own_first + own)
 
     def _pack(self, rows: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, own_offset: int,
               ranges: List[Tuple[int, int]]) -> None:
@@ -1284,7 +1276,7 @@ class NativeInternodeBackend:
             # nodes' go to their records in the send area and are pushed first (the head's, then the rest while the
             # head moves); our own node's go afterwards straight to where the sum reads them (their block of the
             # receive area), during the hop and without a copy.
-            others = [r for r in ((0, own_first), (own_first + own, A)) if r[1] > r[0]]
+            others = _ranges_around(own_first, own, A)
 
             def gather(ranges: List[Tuple[int, int]]) -> None:
                 for lo, hi in ranges:
@@ -1454,6 +1446,12 @@ class NativeInternodeBackend:
 def _record_layout(column_bytes: Tuple[int, ...], ranks_per_node: int) -> RecordLayout:
     """record_layout, kept: every cached dispatch asks it for the same few column widths."""
     return record_layout(column_bytes, ranks_per_node)
+
+
+def _ranges_around(first: int, count: int, total: int) -> List[Tuple[int, int]]:
+    """The non-empty ranges of [0, total) before and after [first, first + count): the other nodes' rows around our
+    own node's block, in a list that runs by node."""
+    return [r for r in ((0, first), (first + count, total)) if r[1] > r[0]]
 
 
 def _row_bytes(t: torch.Tensor) -> int:

@@ -156,6 +156,11 @@ def _in_turn(fns, iters: int, warmup: int):
     return out
 
 
+def _host_steps(nat) -> dict:
+    """The backend's host wall time per call and step so far (us), from its host_timing laps."""
+    return {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}
+
+
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -221,7 +226,7 @@ def run(args) -> int:
     t_cached = _wall(cached, args.iters, args.warmup)
     t_comb = _wall(combine, args.iters, args.warmup)
     cpu_frac = (_cpu() - cpu0) / (time.perf_counter() - wall0)
-    host_steps = {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}  # us per call
+    host_steps = _host_steps(nat)
     nat.host_timing = None
     # The network hop alone (push -> last signal), CUDA events, in calls of their own: the two timing events per hop
     # cost host time (~25 us per hop beside busy proxy threads), which the wall times above do not carry.
@@ -269,7 +274,7 @@ def run(args) -> int:
         first, second = _in_turn(fns, args.iters, args.warmup)
         in_turn[f"{name}_{'dispatch' if name == 'forward' else 'cached_dispatch'}"] = first
         in_turn[f"{name}_combine"] = second
-        in_turn_steps[name] = {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}
+        in_turn_steps[name] = _host_steps(nat)
         nat.host_timing = None
     in_turn_steps_by_rank = [None] * world
     dist.all_gather_object(in_turn_steps_by_rank, in_turn_steps)
