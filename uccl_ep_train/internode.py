@@ -939,7 +939,10 @@ class NativeInternodeBackend:
         needed (read from our count row); the tables are made with the other ranks' rows still unknown, so the
         records' final rows count from our first token (right where G = 1, nobody reading them; rewritten after
         notify otherwise, _write_dest_rows). Fills ``early`` (node_send, plan, layout, rows) when it packed."""
-        node_send = [int(c) for c in row[self.R:self.R + self.N].tolist()]  # waits for count_row only
+        # our row is in once the count row kernel and our row's push ran: a bounded drain (the push spins while a
+        # FIFO is full), never a bare synchronizing read
+        self._drain("count row read during notify")
+        node_send = [int(c) for c in row[self.R:self.R + self.N].tolist()]
         rows = [_bytes_of(c) for c in cols]
         layout = _record_layout(tuple(r.size(1) for r in rows), self.G)
         if sum(node_send) * layout.stride > send_top:
