@@ -42,7 +42,10 @@ keys = ["dispatch_us", "cached_dispatch_us", "combine_us", "step_dispatch_us", "
         "dispatch_network_hop_us", "combine_network_hop_us", "raw_copy_us", "dispatch_network_GBps",
         "cached_dispatch_network_GBps", "combine_network_GBps", "in_turn_network_GBps.forward_pair",
         "in_turn_network_GBps.backward_pair", "in_turn_us.forward_dispatch", "in_turn_us.forward_combine",
-        "in_turn_us.backward_cached_dispatch", "in_turn_us.backward_combine", "packs_during_notify"]
+        "in_turn_us.backward_cached_dispatch", "in_turn_us.backward_combine", "packs_during_notify",
+        "training_step_network_GBps.forward_pair", "training_step_network_GBps.backward_pair",
+        "training_step_us.forward_dispatch", "training_step_us.forward_combine",
+        "training_step_us.backward_cached_dispatch", "training_step_us.backward_combine", "plans_made_ahead"]
 
 
 def get(run, key):  # "a.b": run["a"]["b"]; nan where a run (an older bench) lacks it
@@ -63,5 +66,6 @@ with open(f"{out}/ab-table.txt", "w") as fh:
         fh.write(f"{tag} host steps (rank 0) {r['host_step_us_by_rank'][0]}\n")
         for name, steps in (r.get("in_turn_host_step_us_by_rank") or [{}])[0].items():
             fh.write(f"{tag} in-turn {name} host steps (rank 0) {steps}\n")
+        fh.write(f"{tag} training-step host steps (rank 0) {(r.get('training_step_host_step_us_by_rank') or [{}])[0]}\n")
 print(open(f"{out}/ab-table.txt").read())
 PY

@@ -329,6 +329,16 @@ class DispatchShape:
 
 
 @dataclass
+class PlannedAhead:
+    """What an uncached dispatch makes for its handle's next calls while its records land (_plan_ahead): the shapes
+    and hop plans those calls would make at their first use, keyed as on the handle, the plans without their tables."""
+
+    dispatch_shapes: dict = field(default_factory=dict)
+    combine_shapes: dict = field(default_factory=dict)
+    hop_plans: dict = field(default_factory=dict)
+
+
+@dataclass
 class CombineShape:
     """What a combine of one handle derives from its counts alone (the same in every combine of the handle with the
     same wire row): records back from each node, where its rows go in every rank's RDMA region, and the rows it moves
@@ -435,6 +445,8 @@ class NativeInternodeBackend:
         self.skip_dispatch_barrier = bool(s.kernel.skip_dispatch_barrier)
         self.push_head = bool(s.kernel.push_head)
         self.pack_during_notify = bool(s.kernel.pack_during_notify)
+        self.plan_ahead = bool(s.kernel.plan_ahead)
+        self.plans_made_ahead = 0  # hop plans an uncached dispatch made for its handle's next calls (tests, benchmarks)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
         # (notify or barrier) since the last combine and its rows stay clear of what the last dispatch filled, whose
@@ -676,13 +688,14 @@ class NativeInternodeBackend:
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
                        table: Optional[torch.Tensor] = None, then: Optional[Callable[[], None]] = None,
                        hop: Optional[HopPlan] = None, rest: Optional[Callable[[], None]] = None,
-                       after_wait: Optional[Callable[[], None]] = None) -> None:
+                       after_wait: Optional[Callable[[], None]] = None,
+                       meanwhile: Optional[Callable[[], None]] = None) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
         launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` and ``table`` are its
         own) and ``rest``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when
-        the drain returns."""
+        the drain returns. ``meanwhile``: host work only (no launch, no copy), done while the wait spins."""
         t0 = self._hop_started()
         if hop is not None:
             self._push_hop(hop, phase, rest)
@@ -696,6 +709,8 @@ class NativeInternodeBackend:
         if after_wait is not None:
             after_wait()
         self._hop_ended(phase, t0)
+        if meanwhile is not None:
+            meanwhile()
         # Nothing else is launched while wait_signals spins (docs/internode.md, "Drains"): the host drains the
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
         self._settle(what or f"{phase} wait", drain)
@@ -773,26 +788,43 @@ class NativeInternodeBackend:
 
     def _hop_plan(self, h: Optional[InternodeHandle], key: Tuple[str, int], make: Callable[[], HopPlan],
                   local_base: Optional[int] = None) -> HopPlan:
-        """The handle's plan for this hop (made once per handle and record size), or a fresh one without a handle.
-        ``local_base``: where the sent records start in our RDMA region; given, the plan is also cut into a head and
-        a tail (split_push_head) unless UCCL_EP_PUSH_HEAD=0."""
+        """The handle's plan for this hop (made once per handle and record size, or ahead: _plan_ahead), or a fresh
+        one without a handle. ``local_base``: where the sent records start in our RDMA region; given, the plan is also
+        cut into a head and a tail (split_push_head) unless UCCL_EP_PUSH_HEAD=0."""
         plan = h.hop_plans.get(key) if h is not None else None
         if plan is None:
-            plan = make()
-            if local_base is not None and self.push_head:
-                first, n, head, tail = split_push_head(plan.rows, local_base, plan.per_chunk)
-                if n:
-                    plan.head_first, plan.head_records, plan.head_rows, plan.tail_rows = first, n, head, tail
-            # the whole table and its head and tail in one upload (each upload ~10-18 us of host time)
-            a, b = len(plan.rows), len(plan.rows) + len(plan.head_rows)
-            table = self._push_table(plan.rows + plan.head_rows + plan.tail_rows)
-            if table is not None:
-                plan.table = table[:a]
-                if plan.head_records:
-                    plan.head_table, plan.tail_table = table[a:b], table[b:]
+            plan = self._cut_hop_plan(make(), local_base)
             if h is not None:
                 h.hop_plans[key] = plan
+        if plan.table is None and plan.rows:  # made ahead without its upload (one made ahead is uploaded there)
+            self._upload_hop_plans([plan])
         return plan
+
+    def _cut_hop_plan(self, plan: HopPlan, local_base: Optional[int]) -> HopPlan:
+        """``plan`` cut into a head and a tail where ``local_base`` is given (see _hop_plan); host work only."""
+        if local_base is not None and self.push_head:
+            first, n, head, tail = split_push_head(plan.rows, local_base, plan.per_chunk)
+            if n:
+                plan.head_first, plan.head_records, plan.head_rows, plan.tail_rows = first, n, head, tail
+        return plan
+
+    def _upload_hop_plans(self, plans: List[HopPlan]) -> None:
+        """The plans' tables (each whole, and its head and tail) to the device in one upload: each upload costs ~10-18
+        us of host time."""
+        rows: List[List[int]] = []
+        for p in plans:
+            rows += p.rows + p.head_rows + p.tail_rows
+        table = self._push_table(rows)
+        at = 0
+        for p in plans:
+            a = at + len(p.rows)
+            b = a + len(p.head_rows)
+            c = b + len(p.tail_rows)
+            if p.rows:
+                p.table = table[at:a]
+                if p.head_records:
+                    p.head_table, p.tail_table = table[a:b], table[b:c]
+            at = c
 
     def _hop_started(self) -> Any:
         """Benchmarks: a CUDA event at the push (None when not timing, and on the CPU stand-in)."""
@@ -838,7 +870,8 @@ class NativeInternodeBackend:
 
     # ---------------------------------------------------------------- dispatch
     def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan, gate_ok: bool = False,
-              h: Optional[InternodeHandle] = None, packed: Optional[List[torch.Tensor]] = None
+              h: Optional[InternodeHandle] = None, packed: Optional[List[torch.Tensor]] = None,
+              meanwhile: Optional[Callable[[], None]] = None
               ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
         forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
@@ -846,7 +879,8 @@ class NativeInternodeBackend:
         arrivals), the hop is not awaited here and ``pending`` is (gate, timing start) for ``_unpack`` and
         ``_gated_done``; otherwise pending is None and the rows are in. ``h``: the handle of a cached dispatch,
         which keeps the hop's plan. ``packed``: the columns' byte rows, whose records for the other nodes are packed
-        already (_pack_during_notify)."""
+        already (_pack_during_notify). ``meanwhile``: host work for while the hop is awaited here (not when pending is
+        returned: the caller runs it while its gated reader spins)."""
         G = self.G
         # contiguous byte rows, alive until the pack launches below
         rows = packed if packed is not None else [_bytes_of(c) for c in columns]
@@ -863,13 +897,7 @@ class NativeInternodeBackend:
         # after the push, so that the push waits only for the records it sends (at 2 nodes, half the packing).
         own_block = shape.own_block
 
-        def make() -> HopPlan:
-            per = self._per_chunk(stride)
-            return HopPlan(dispatch_push_rows(counts, plan, self.rank, G, stride, recv_base, self.L), None,
-                           dispatch_waits(counts, self.rank, G, per, self.L),
-                           dispatch_gate_blocks(counts, self.rank, G, self.L), per)
-
-        hop = self._hop_plan(h, ("dispatch", stride), make, local_base=0)
+        hop = self._hop_plan(h, ("dispatch", stride), lambda: self._dispatch_hop(counts, plan, stride), local_base=0)
         others, own_range = self._record_ranges(plan)
         pack = lambda ranges: self._pack(rows, plan, layout, own_block, ranges)  # noqa: E731
         # What the push needs written before it starts: nothing when the records were packed during notify; the
@@ -892,7 +920,7 @@ class NativeInternodeBackend:
             self._lap("dispatch.push")
             return arrivals[:, :layout.final_bytes], layout, None, A, pending
         self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, table=hop.table,
-                            then=own_after_push, hop=hop, rest=rest)
+                            then=own_after_push, hop=hop, rest=rest, meanwhile=meanwhile)
         self._lap("dispatch.network")
         if G == 1:
             # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
@@ -912,6 +940,60 @@ class NativeInternodeBackend:
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
         return final, layout, fwd_dest, A, None
+
+    def _dispatch_hop(self, counts: Counts, plan: SendPlan, stride: int) -> HopPlan:
+        """The network hop of a dispatch of records of ``stride`` bytes (no device table yet: _hop_plan)."""
+        per = self._per_chunk(stride)
+        return HopPlan(dispatch_push_rows(counts, plan, self.rank, self.G, stride, self.half_rdma, self.L), None,
+                       dispatch_waits(counts, self.rank, self.G, per, self.L),
+                       dispatch_gate_blocks(counts, self.rank, self.G, self.L), per)
+
+    def _combine_hop(self, counts: Counts, cstride: int, areas: CombineAreas) -> HopPlan:
+        """The network hop of a combine of wire rows of ``cstride`` bytes (no device table yet)."""
+        per = self._per_chunk(cstride)
+        return HopPlan(combine_push_rows(counts, self.rank, self.G, cstride, areas, self.L), None,
+                       combine_waits(counts, self.rank, self.G, per, self.L),
+                       combine_gate_blocks(counts, self.rank, self.G, self.L), per)
+
+    def _plan_ahead(self, counts: Counts, plan: SendPlan, payload_bytes: Tuple[int, ...], hidden: int, num_topk: int,
+                    ahead: PlannedAhead) -> None:
+        """Plan the calls that usually follow an uncached dispatch with its handle, while its records land: the host
+        only polls then, and each of those calls made this at its first use with the GPU idle behind it (~100-200 us
+        of a forward combine's host steps on 2x H200). The guesses:
+        - a cached dispatch of the same payload columns (x and its scales), and of one bf16 column of the same hidden
+          size (a backward pass's gradient);
+        - a combine of bf16 rows without weights (the forward's) and with the top-k weights (the backward's).
+        Host work only: nothing is launched or uploaded while the reader of the arrivals spins ("Drains"); the tables
+        go up in one upload once the hop is drained (_adopt_plans). A guess whose areas do not fit is left to the call
+        itself, which raises the error where it belongs."""
+        G = self.G
+        for cols in dict.fromkeys((payload_bytes, (2 * hidden,))):
+            layout = _record_layout(cols, G)
+            try:
+                ahead.dispatch_shapes[layout] = self._dispatch_shape(counts, plan, layout)
+            except InternodeError:
+                continue
+            key = ("dispatch", layout.stride)
+            if key not in ahead.hop_plans:
+                ahead.hop_plans[key] = self._cut_hop_plan(self._dispatch_hop(counts, plan, layout.stride), 0)
+        for kw in dict.fromkeys((0, num_topk)):
+            cstride = _align(2 * hidden + 4 * kw)
+            try:
+                shape = self._combine_shape(counts, cstride)
+            except InternodeError:
+                continue
+            ahead.combine_shapes[cstride] = shape
+            ahead.hop_plans[("combine", cstride)] = self._cut_hop_plan(
+                self._combine_hop(counts, cstride, shape.areas), shape.areas.send_base[self.rank] if G == 1 else None)
+        self._lap("dispatch.plan_ahead")
+
+    def _adopt_plans(self, h: InternodeHandle, ahead: PlannedAhead) -> None:
+        """The plans made ahead onto the new handle, their tables in one upload (the hop is drained: nothing spins)."""
+        h.dispatch_shapes.update(ahead.dispatch_shapes)
+        h.combine_shapes.update(ahead.combine_shapes)
+        self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows])
+        h.hop_plans.update(ahead.hop_plans)
+        self.plans_made_ahead += len(ahead.hop_plans)
 
     def _dispatch_shape(self, counts: Counts, plan: SendPlan, layout: RecordLayout) -> DispatchShape:
         """The DispatchShape of these counts and layout, after checking that every rank's areas hold the dispatch
@@ -987,12 +1069,14 @@ class NativeInternodeBackend:
     def _unpack(self, final: torch.Tensor, layout: RecordLayout, outs: List[torch.Tensor], out_rows: int = -1,
                 ids: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None, ids_column: int = 0,
                 expert_lo: int = 0, experts_per_rank: int = 0, src_idx: Optional[torch.Tensor] = None,
-                arrival: Optional[torch.Tensor] = None, pending: Any = None) -> None:
+                arrival: Optional[torch.Tensor] = None, pending: Any = None,
+                meanwhile: Optional[Callable[[], None]] = None) -> None:
         """The final rows' columns into ``outs`` (column i into outs[i], padded with zero rows to ``out_rows``) in
         one launch (unpack_records kernel); with ``ids`` / ``weights``, column ``ids_column`` (global expert ids) and
         the next (weights) become local ids (-1 elsewhere and in padding rows) and the weights of local ids (0
         elsewhere); the src_idx and arrival fields into ``src_idx`` / ``arrival``. ``pending`` (from ``_move``): the
-        rows are still landing; the unpack is gated on them and the hop is closed after it."""
+        rows are still landing; the unpack is gated on them and the hop is closed after it, ``meanwhile`` (host work
+        only) done while it spins."""
         n = final.size(0)
         if out_rows < 0:
             out_rows = n
@@ -1006,6 +1090,9 @@ class NativeInternodeBackend:
             layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
             self._stream(), gate=pending[0] if pending else None)
         if pending:
+            self._lap("dispatch.unpack_launch")
+            if meanwhile is not None:
+                meanwhile()
             self._gated_done("dispatch_network", pending[1], "dispatch_network wait")
             self._lap("dispatch.network")
 
@@ -1080,7 +1167,14 @@ class NativeInternodeBackend:
             if early:
                 self._write_dest_rows(plan, early["layout"])
         self._lap("dispatch.plan")
-        final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=early.get("rows"))
+        ahead = plan_ahead = None
+        if self.plan_ahead:
+            ahead = PlannedAhead()
+            plan_ahead = lambda: self._plan_ahead(  # noqa: E731
+                counts, plan, tuple(_row_bytes(c) for c in cols[:2 if scales is not None else 1]), x.size(1),
+                topk_idx.size(1) if topk_idx is not None else 0, ahead)
+        final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=early.get("rows"),
+                                                         meanwhile=plan_ahead)
         nrecv = final.size(0)
         worst = args.num_worst_tokens
         rows = nrecv
@@ -1115,7 +1209,9 @@ class NativeInternodeBackend:
                             expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
         self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
         self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
-                     arrival, pending)
+                     arrival, pending, meanwhile=plan_ahead if pending else None)
+        if ahead is not None:
+            self._adopt_plans(h, ahead)
         if args.expert_major:
             outs = [self._column_view(final, layout, i, c) for i, c in enumerate(payload)]
         recv_x = outs[0]
@@ -1237,7 +1333,9 @@ class NativeInternodeBackend:
         pay = H * x.element_size()
         kw = w.size(1) if w is not None else 0
         cstride = _align(pay + 4 * kw)
-        shape = h.combine_shapes.get(cstride) or self._combine_shape(h, cstride)
+        shape = h.combine_shapes.get(cstride)
+        if shape is None:
+            shape = h.combine_shapes[cstride] = self._combine_shape(h.counts, cstride)
         recv_by_node, areas = shape.recv_by_node, shape.areas
         A = sum(recv_by_node)
         tot = h.counts.totals(G)
@@ -1265,14 +1363,9 @@ class NativeInternodeBackend:
         own_first = sum(recv_by_node[:self.node])
         own = recv_by_node[self.node]
 
-        def make() -> HopPlan:
-            per = self._per_chunk(cstride)
-            return HopPlan(combine_push_rows(h.counts, self.rank, G, cstride, areas, self.L), None,
-                           combine_waits(h.counts, self.rank, G, per, self.L),
-                           combine_gate_blocks(h.counts, self.rank, G, self.L), per)
-
         # with one GPU per node the rows pushed are written by one copy each, so the push may start with a head
-        hop = self._hop_plan(h, ("combine", cstride), make, local_base=c_send if G == 1 else None)
+        hop = self._hop_plan(h, ("combine", cstride), lambda: self._combine_hop(h.counts, cstride, areas),
+                             local_base=c_send if G == 1 else None)
         rest = None
         if G == 1:
             # One GPU per node: the rows are the partial sums already, in arrival order (row = arrival). The other
@@ -1355,20 +1448,18 @@ class NativeInternodeBackend:
         self._lap("combine.finish")
         return combined_x, out_w
 
-    def _combine_shape(self, h: InternodeHandle, cstride: int) -> CombineShape:
-        """h's CombineShape for wire rows of ``cstride`` bytes, after checking that every rank's areas hold them (the
-        same answer on every rank: the counts are the same)."""
+    def _combine_shape(self, counts: Counts, cstride: int) -> CombineShape:
+        """The CombineShape of a handle with these counts for wire rows of ``cstride`` bytes, after checking that
+        every rank's areas hold them (the same answer on every rank: the counts are the same)."""
         G = self.G
-        tot = h.counts.totals(G)
+        tot = counts.totals(G)
         check_area("combine gather (NVL, per local rank)", tot.arrivals, cstride, self.gather_block, "num_nvl_bytes")
         check_area("combine (RDMA)", tot.arrivals, cstride, self.half_rdma, "num_rdma_bytes")
         check_area("combine (RDMA)", tot.sends, cstride, self.half_rdma, "num_rdma_bytes")
-        recv_by_node = recv_counts(h.counts, self.rank, G)
-        shape = CombineShape(recv_by_node, combine_areas(h.counts, G, cstride, self.half_rdma),
-                             combine_nvlink_rows(h.counts, self.rank, G),
-                             sum(c for n, c in enumerate(recv_by_node) if n != self.node))
-        h.combine_shapes[cstride] = shape
-        return shape
+        recv_by_node = recv_counts(counts, self.rank, G)
+        return CombineShape(recv_by_node, combine_areas(counts, G, cstride, self.half_rdma),
+                            combine_nvlink_rows(counts, self.rank, G),
+                            sum(c for n, c in enumerate(recv_by_node) if n != self.node))
 
     def _gather_rows(self, rows: torch.Tensor, w: Optional[torch.Tensor], lo: int, hi: int, dst_off: int,
                      cstride: int) -> None:

@@ -42,3 +42,35 @@ def test_calls_in_turn_are_each_timed_from_the_previous_return_and_the_last_carr
     assert a == [3.0, 4.0, 5.0]
     assert b == [30.0, 40.0, 50.5]
     assert len(syncs) == 2  # once before the timed loop, once after it: never between calls
+
+
+def test_training_steps_give_every_layer_a_fresh_handle_and_take_the_backward_in_reverse_with_weights(monkeypatch):
+    """Each layer's forward dispatch makes its own handle, its combine uses it without weights; the backward pass
+    takes the layers in reverse, a cached dispatch then a weighted combine of the same layer's handle; each call is
+    timed as _in_turn times it and filed under its kind."""
+    clock = _Clock()
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
+    made, log = [], []
+
+    def dispatch():
+        clock.now += 1.0
+        made.append(object())
+        return made[-1]
+
+    def combine(result, weighted):
+        clock.now += 2.0 if weighted else 3.0
+        log.append(("combine", made.index(result), weighted))
+
+    def cached(result):
+        clock.now += 4.0
+        log.append(("cached", made.index(result)))
+
+    out = bench._training_steps(dispatch, combine, cached, layers=3, iters=2, warmup=1)
+    assert out == {"forward_dispatch": [1.0] * 6, "forward_combine": [3.0] * 6,
+                   "backward_cached_dispatch": [4.0] * 6, "backward_combine": [2.0] * 6}
+    assert len(made) == 9  # three steps (one warm-up) of three fresh handles
+    assert log[-9:] == [("combine", 6, False), ("combine", 7, False), ("combine", 8, False),  # the last step
+                        ("cached", 8), ("combine", 8, True), ("cached", 7), ("combine", 7, True),
+                        ("cached", 6), ("combine", 6, True)]

@@ -186,6 +186,71 @@ def test_an_uncached_dispatch_right_after_a_combine_of_the_last_dispatch_packs_d
     assert out == [(len(cases), 0, 0)] * world
 
 
+def _hop_fields(p):
+    return (p.rows, p.waits, p.gate_blocks, p.per_chunk, p.head_first, p.head_records, p.head_rows, p.tail_rows)
+
+
+def _plans_made_ahead(rank, world, G):
+    """An uncached dispatch (bf16 with top-k weights): the hop plans its handle holds when it returns, whether each
+    equals the plan its call would make at first use and has its device table, and whether a planning guess whose
+    areas do not fit is skipped without an error."""
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.internode import PlannedAhead, _align
+
+    nat, _ = _backends(rank, world, G)
+    try:
+        E, K, T, H = 4 * world, 2, 64, 128
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
+        x, w = torch.randn((T, H), generator=g).to(torch.bfloat16), torch.rand((T, K), generator=g)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        h = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w)).handle
+        same = True
+        for (kind, stride), p in h.hop_plans.items():
+            if kind == "combine":
+                areas = nat._combine_shape(h.counts, stride).areas
+                fresh = nat._cut_hop_plan(nat._combine_hop(h.counts, stride, areas),
+                                          areas.send_base[rank] if G == 1 else None)
+            else:
+                fresh = nat._cut_hop_plan(nat._dispatch_hop(h.counts, h.plan, stride), 0)
+            same &= _hop_fields(p) == _hop_fields(fresh) and (p.table is not None or not p.rows)
+        too_big = PlannedAhead()
+        nat._plan_ahead(h.counts, h.plan, (1 << 30,), 1 << 30, K, too_big)  # rows of a GiB fit no area
+        keys = sorted(h.hop_plans)
+        expected = sorted([("combine", _align(2 * H)), ("combine", _align(2 * H + 4 * K)),
+                           ("dispatch", _stride_of(nat, (2 * H,)))])
+        return keys == expected, same, nat.plans_made_ahead, (too_big.hop_plans, too_big.combine_shapes,
+                                                              too_big.dispatch_shapes)
+    finally:
+        nat.destroy()
+
+
+def _stride_of(nat, column_bytes):
+    from uccl_ep_train.internode import _record_layout
+
+    return _record_layout(column_bytes, nat.G).stride
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_an_uncached_dispatch_plans_its_handles_next_combines_and_cached_dispatch_as_their_first_use_would(world, G):
+    """While its records land, an uncached dispatch plans a combine of bf16 rows with and without the top-k weights
+    and a cached dispatch of its bf16 payload: the handle returns holding those three hop plans, each equal to the one
+    the call would make itself and already on the device; a guess whose rows fit no area is skipped, not raised
+    (the call that needs it raises). UCCL_EP_PLAN_AHEAD=0 plans nothing ahead. The outputs of the calls that use
+    the plans are compared with the reference by every other test here (planning ahead is on by default)."""
+    out = run_distributed(_plans_made_ahead, world, G, timeout=120, env=ENV)
+    assert out == [(True, True, 3, ({}, {}, {}))] * world
+    out = run_distributed(_plans_made_ahead, world, G, timeout=120, env=dict(ENV, UCCL_EP_PLAN_AHEAD="0"))
+    assert [(same, made) for _, same, made, _ in out] == [(True, 0)] * world
+
+
+@pytest.mark.parametrize("world,G", [(2, 1)], ids=["2x1"])
+def test_outputs_match_without_planning_ahead(world, G):
+    """UCCL_EP_PLAN_AHEAD=0: every call makes its own plans at first use, and the outputs still equal the reference."""
+    out = run_distributed(_cases, world, G, ALL[:4], 1, timeout=120, env=dict(ENV, UCCL_EP_PLAN_AHEAD="0"))
+    assert all(done == 4 for done, _, _ in out)
+
+
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_outputs_also_match_when_arrivals_are_read_only_after_the_whole_hop(world, G):
     """UCCL_EP_GATED_ARRIVALS=0 keeps the wait for every counter before the readers run (the other tests run the

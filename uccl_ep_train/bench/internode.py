@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rdma-bytes", type=int, default=2 << 30)
     p.add_argument("--nvl-bytes", type=int, default=2 << 30)
+    p.add_argument("--layers", type=int, default=4,
+                   help="MoE layers of the training steps timed in turn (training_step_* in the JSON): each layer's "
+                        "handle is fresh, so every call pays what its first use of a handle costs")
     p.add_argument("--json", type=str, default="")
     p.add_argument("--profile", metavar="PATH", default="",
                    help="after timing, profile 5 dispatches, 5 cached dispatches and 5 combines on every rank and "
@@ -153,6 +156,31 @@ def _in_turn(fns, iters: int, warmup: int):
             t = now
     torch.cuda.synchronize()
     out[-1][-1] += time.perf_counter() - t
+    return out
+
+
+def _training_steps(dispatch, combine, cached, layers: int, iters: int, warmup: int) -> dict:
+    """Seconds per call of ``iters`` training steps of ``layers`` MoE layers, timed as _in_turn times its calls (back
+    to back, no synchronize): the forward pass makes each layer's dispatch (a fresh handle: every layer routes on its
+    own) then its combine; the backward pass takes the layers in reverse, each a cached dispatch with the layer's
+    handle (the combine's backward) then a combine with the top-k weights (the dispatch's backward). Unlike the
+    in-turn loops, which reuse one handle, every call here is the first of its kind on its handle, as in training.
+    ``dispatch()`` returns a DispatchResult; ``combine(result, weighted)``; ``cached(result)``. One list per kind."""
+    results = [None] * layers
+    fns, kinds = [], []
+
+    def keep(i):
+        results[i] = dispatch()
+
+    for i in range(layers):
+        fns += [lambda i=i: keep(i), lambda i=i: combine(results[i], False)]
+        kinds += ["forward_dispatch", "forward_combine"]
+    for i in reversed(range(layers)):
+        fns += [lambda i=i: cached(results[i]), lambda i=i: combine(results[i], True)]
+        kinds += ["backward_cached_dispatch", "backward_combine"]
+    out = {k: [] for k in kinds}
+    for kind, times in zip(kinds, _in_turn(fns, iters, warmup)):
+        out[kind] += times
     return out
 
 
@@ -278,6 +306,20 @@ def run(args) -> int:
         nat.host_timing = None
     in_turn_steps_by_rank = [None] * world
     dist.all_gather_object(in_turn_steps_by_rank, in_turn_steps)
+    # training steps over several layers: a fresh handle per layer, a backward of bf16 gradients
+    grad = x if x.dtype == torch.bfloat16 else torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
+    nat.host_timing = {}
+    ahead0 = getattr(nat, "plans_made_ahead", 0)  # (older revisions in A/B runs lack it)
+    training = _training_steps(
+        lambda: nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)),
+        lambda r, weighted: nat.combine(y, r.handle, r.recv_topk_weights if weighted else None, None),
+        lambda r: nat.dispatch(DispatchArgs(grad, None, r.handle, None, None, None, None, None, None)),
+        args.layers, args.iters, args.warmup)
+    training_steps = _host_steps(nat)
+    nat.host_timing = None
+    plans_ahead = getattr(nat, "plans_made_ahead", 0) - ahead0
+    training_steps_by_rank = [None] * world
+    dist.all_gather_object(training_steps_by_rank, training_steps)
     t_fd, t_fc, t_bd, t_bc = (statistics.mean(calls[k]) for k in
                               ("step_dispatch", "step_combine", "backward_cached_dispatch", "backward_combine"))
 
@@ -372,6 +414,19 @@ def run(args) -> int:
         pair = [a + b for a, b in zip(*(v for k, v in in_turn.items() if k.startswith(name)))]
         row["in_turn_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
     row["in_turn_host_step_us_by_rank"] = in_turn_steps_by_rank
+    # Training steps of --layers layers, fresh handles (_training_steps): the same figures; the backward's cached
+    # dispatch moves a bf16 gradient (with --fp8 more bytes than the forward's dispatch: its GB/s reads low)
+    row["layers"] = args.layers
+    row["training_step_us"] = {k: mx(statistics.mean(v)) * 1e6 for k, v in training.items()}
+    row["training_step_median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in training.items()}
+    row["training_step_network_GBps"] = {
+        k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
+        for k, us in row["training_step_us"].items()}
+    for name in ("forward", "backward"):
+        pair = [a + b for a, b in zip(*(v for k, v in training.items() if k.startswith(name)))]
+        row["training_step_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
+    row["training_step_host_step_us_by_rank"] = training_steps_by_rank
+    row["plans_made_ahead"] = plans_ahead  # hop plans the steps' uncached dispatches made for their handles (rank 0)
     # A difference of two loops' means: it can read above the NIC cap (the dispatch's tail overlaps the combine's
     # host steps, and each loop has its own noise: 57.6 GB/s under a 50 GB/s cap in session 12). step_combine_us and
     # median_us["step_combine"] time the same combine call by call.
