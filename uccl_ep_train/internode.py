@@ -285,6 +285,8 @@ class InternodeHandle:
     skip_decision: Optional[tuple] = field(default=None, repr=False)
     # combine: per source local index, the arrival row of each received row (recv_arrival of rows_by_local[j])
     gather_rows: Optional[List[torch.Tensor]] = None
+    # what the handle's first combine plans for the backward pass while its partial sums land (_guesses)
+    later_guesses: Optional[list] = None
 
 
 @dataclass
@@ -293,6 +295,8 @@ class HopPlan:
     arrivals' blocks for a gated reader, and the records per chunk. Depends only on the counts and the record size."""
 
     rows: List[List[int]]
+    # the device copy: ``rows``, then ``head_rows``, then ``tail_rows`` (one upload, possibly shared with other
+    # plans), held here; the launches take the addresses below (a slice of a device tensor costs ~5 us of host time)
     table: Optional[torch.Tensor]
     waits: List[Tuple[int, int]]
     gate_blocks: List[Tuple[int, int, int]]
@@ -303,8 +307,9 @@ class HopPlan:
     head_records: int = 0
     head_rows: List[List[int]] = field(default_factory=list)
     tail_rows: List[List[int]] = field(default_factory=list)
-    head_table: Optional[torch.Tensor] = None
-    tail_table: Optional[torch.Tensor] = None
+    rows_at: int = 0  # device addresses of rows, head_rows and tail_rows in ``table`` (0: not uploaded)
+    head_at: int = 0
+    tail_at: int = 0
 
     def rest_of(self, ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
         """``ranges`` of records without the head's."""
@@ -686,21 +691,20 @@ class NativeInternodeBackend:
 
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
-                       table: Optional[torch.Tensor] = None, then: Optional[Callable[[], None]] = None,
-                       hop: Optional[HopPlan] = None, rest: Optional[Callable[[], None]] = None,
+                       then: Optional[Callable[[], None]] = None, hop: Optional[HopPlan] = None, rest: Optional[Callable[[], None]] = None,
                        after_wait: Optional[Callable[[], None]] = None,
                        meanwhile: Optional[Callable[[], None]] = None) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
-        launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` and ``table`` are its
-        own) and ``rest``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when
+        launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` are its own) and
+        ``rest``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when
         the drain returns. ``meanwhile``: host work only (no launch, no copy), done while the wait spins."""
         t0 = self._hop_started()
         if hop is not None:
             self._push_hop(hop, phase, rest)
         else:
-            self._push(rows, phase, per_chunk, fixed, table)
+            self._push(rows, phase, per_chunk, fixed)
         if then is not None:
             then()
         for slot, count in waits:
@@ -752,31 +756,33 @@ class NativeInternodeBackend:
             self._cx.wait_signals([(slot, self._expected[slot]) for slot in slots], self._phases[phase],
                                   self._stream())
 
-    def _push(self, rows: List[List[int]], phase: str, per_chunk: int, fixed: bool = False,
-              table: Optional[torch.Tensor] = None) -> None:
-        """push_chunks over ``rows``; ``table``: their device copy when the caller has one (a HopPlan)."""
+    def _push(self, rows: List[List[int]], phase: str, per_chunk: int, fixed: bool = False, at: int = 0) -> None:
+        """push_chunks over ``rows``; ``at``: the device address of their copy when the caller has one (a HopPlan,
+        which holds it)."""
         if not rows:
             return
-        if table is None:
+        if not at:
             key = (phase, rows[0][3])  # notify rows change width with the number of experts
             table = self._fixed_tables.get(key) if fixed else None
             if table is None:
                 table = self._push_table(rows)
                 if fixed:
                     self._fixed_tables[key] = table
-        self._cx.push_chunks(table.data_ptr(), len(rows), per_chunk, self._phases[phase], self._stream())
-        self._keep = table
+            self._keep = table
+            at = table.data_ptr()
+        self._cx.push_chunks(at, len(rows), per_chunk, self._phases[phase], self._stream())
 
     def _push_hop(self, hop: HopPlan, phase: str, rest: Optional[Callable[[], None]]) -> None:
         """Push a hop's writes: the whole table (the caller wrote every record it sends), or, with ``rest`` (given
         only for a hop cut in two: the launches that write the records after the head's), the head, then ``rest``,
         then the tail."""
+        self._keep = hop.table  # a plan made without a handle lives until the call has drained
         if rest is None:
-            self._push(hop.rows, phase, hop.per_chunk, table=hop.table)
+            self._push(hop.rows, phase, hop.per_chunk, at=hop.rows_at)
             return
-        self._push(hop.head_rows, phase, hop.per_chunk, table=hop.head_table)
+        self._push(hop.head_rows, phase, hop.per_chunk, at=hop.head_at)
         rest()
-        self._push(hop.tail_rows, phase, hop.per_chunk, table=hop.tail_table)
+        self._push(hop.tail_rows, phase, hop.per_chunk, at=hop.tail_at)
 
     def _push_table(self, rows: List[List[int]]) -> Optional[torch.Tensor]:
         if not rows:
@@ -815,16 +821,15 @@ class NativeInternodeBackend:
         for p in plans:
             rows += p.rows + p.head_rows + p.tail_rows
         table = self._push_table(rows)
-        at = 0
+        if table is None:
+            return
+        row_bytes, at = 8 * self._k.PUSH_COLUMNS, table.data_ptr()
         for p in plans:
-            a = at + len(p.rows)
-            b = a + len(p.head_rows)
-            c = b + len(p.tail_rows)
-            if p.rows:
-                p.table = table[at:a]
-                if p.head_records:
-                    p.head_table, p.tail_table = table[a:b], table[b:c]
-            at = c
+            p.table = table
+            p.rows_at = at
+            p.head_at = at + row_bytes * len(p.rows)
+            p.tail_at = p.head_at + row_bytes * len(p.head_rows)
+            at = p.tail_at + row_bytes * len(p.tail_rows)
 
     def _hop_started(self) -> Any:
         """Benchmarks: a CUDA event at the push (None when not timing, and on the CPU stand-in)."""
@@ -919,8 +924,8 @@ class NativeInternodeBackend:
             pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest)
             self._lap("dispatch.push")
             return arrivals[:, :layout.final_bytes], layout, None, A, pending
-        self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, table=hop.table,
-                            then=own_after_push, hop=hop, rest=rest, meanwhile=meanwhile)
+        self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, then=own_after_push, hop=hop,
+                            rest=rest, meanwhile=meanwhile)
         self._lap("dispatch.network")
         if G == 1:
             # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
@@ -955,37 +960,45 @@ class NativeInternodeBackend:
                        combine_waits(counts, self.rank, self.G, per, self.L),
                        combine_gate_blocks(counts, self.rank, self.G, self.L), per)
 
-    def _plan_ahead(self, counts: Counts, plan: SendPlan, payload_bytes: Tuple[int, ...], hidden: int, num_topk: int,
-                    ahead: PlannedAhead) -> None:
-        """Plan the calls that usually follow an uncached dispatch with its handle, while its records land: the host
-        only polls then, and each of those calls made this at its first use with the GPU idle behind it (~100-200 us
-        of a forward combine's host steps on 2x H200). The guesses:
-        - a cached dispatch of the same payload columns (x and its scales), and of one bf16 column of the same hidden
-          size (a backward pass's gradient);
-        - a combine of bf16 rows without weights (the forward's) and with the top-k weights (the backward's).
-        Host work only: nothing is launched or uploaded while the reader of the arrivals spins ("Drains"); the tables
-        go up in one upload once the hop is drained (_adopt_plans). A guess whose areas do not fit is left to the call
-        itself, which raises the error where it belongs."""
+    @staticmethod
+    def _guesses(payload_bytes: Tuple[int, ...], hidden: int, num_topk: int) -> Tuple[list, list]:
+        """What an uncached dispatch's handle is likely used for next, as (kind, record bytes) guesses: (the next
+        call's, the backward pass's). Next, a combine of bf16 rows without weights (the forward's); in the backward,
+        a cached dispatch of the same payload columns (x and its scales) and of one bf16 column of the same hidden
+        size (the gradient), and a combine of bf16 rows with the top-k weights."""
+        later = [("dispatch", cols) for cols in dict.fromkeys((payload_bytes, (2 * hidden,)))]
+        later += [("combine", _align(2 * hidden + 4 * num_topk))] if num_topk else []
+        return [("combine", _align(2 * hidden))], later
+
+    def _plan_ahead(self, counts: Counts, plan: SendPlan, guesses: list, ahead: PlannedAhead, step: str,
+                    have: Any = ()) -> None:
+        """Make the shapes and hop plans of the ``guesses`` (see _guesses; none whose hop key is in ``have``) while a
+        hop's arrivals land: the host only polls then, and each call made them at its first use with the GPU idle
+        behind it (~100-200 us of a forward combine's host steps on 2x H200). An uncached dispatch plans its
+        handle's next call; the first combine of the handle the backward's. Host work only: nothing is launched or
+        uploaded while the reader of the arrivals spins ("Drains"); the tables go up in one upload once the hop is
+        drained (_adopt_plans). A guess whose areas do not fit is skipped: the call that needs it raises the error."""
         G = self.G
-        for cols in dict.fromkeys((payload_bytes, (2 * hidden,))):
-            layout = _record_layout(cols, G)
+        for kind, size in guesses:
             try:
-                ahead.dispatch_shapes[layout] = self._dispatch_shape(counts, plan, layout)
+                if kind == "dispatch":
+                    layout = _record_layout(size, G)
+                    key = ("dispatch", layout.stride)
+                    if key in have:
+                        continue
+                    ahead.dispatch_shapes[layout] = self._dispatch_shape(counts, plan, layout)
+                    hop = self._dispatch_hop(counts, plan, layout.stride)
+                    ahead.hop_plans.setdefault(key, self._cut_hop_plan(hop, 0))
+                else:
+                    key = ("combine", size)
+                    if key in have:
+                        continue
+                    shape = ahead.combine_shapes[size] = self._combine_shape(counts, size)
+                    ahead.hop_plans[key] = self._cut_hop_plan(self._combine_hop(counts, size, shape.areas),
+                                                              shape.areas.send_base[self.rank] if G == 1 else None)
             except InternodeError:
                 continue
-            key = ("dispatch", layout.stride)
-            if key not in ahead.hop_plans:
-                ahead.hop_plans[key] = self._cut_hop_plan(self._dispatch_hop(counts, plan, layout.stride), 0)
-        for kw in dict.fromkeys((0, num_topk)):
-            cstride = _align(2 * hidden + 4 * kw)
-            try:
-                shape = self._combine_shape(counts, cstride)
-            except InternodeError:
-                continue
-            ahead.combine_shapes[cstride] = shape
-            ahead.hop_plans[("combine", cstride)] = self._cut_hop_plan(
-                self._combine_hop(counts, cstride, shape.areas), shape.areas.send_base[self.rank] if G == 1 else None)
-        self._lap("dispatch.plan_ahead")
+        self._lap(step)
 
     def _adopt_plans(self, h: InternodeHandle, ahead: PlannedAhead) -> None:
         """The plans made ahead onto the new handle, their tables in one upload (the hop is drained: nothing spins)."""
@@ -1167,12 +1180,12 @@ class NativeInternodeBackend:
             if early:
                 self._write_dest_rows(plan, early["layout"])
         self._lap("dispatch.plan")
-        ahead = plan_ahead = None
+        ahead = plan_ahead = later = None
         if self.plan_ahead:
             ahead = PlannedAhead()
-            plan_ahead = lambda: self._plan_ahead(  # noqa: E731
-                counts, plan, tuple(_row_bytes(c) for c in cols[:2 if scales is not None else 1]), x.size(1),
-                topk_idx.size(1) if topk_idx is not None else 0, ahead)
+            now, later = self._guesses(tuple(_row_bytes(c) for c in cols[:2 if scales is not None else 1]),
+                                       x.size(1), topk_idx.size(1) if topk_idx is not None else 0)
+            plan_ahead = lambda: self._plan_ahead(counts, plan, now, ahead, "dispatch.plan_ahead")  # noqa: E731
         final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=early.get("rows"),
                                                          meanwhile=plan_ahead)
         nrecv = final.size(0)
@@ -1212,6 +1225,7 @@ class NativeInternodeBackend:
                      arrival, pending, meanwhile=plan_ahead if pending else None)
         if ahead is not None:
             self._adopt_plans(h, ahead)
+            h.later_guesses = later
         if args.expert_major:
             outs = [self._column_view(final, layout, i, c) for i, c in enumerate(payload)]
         recv_x = outs[0]
@@ -1419,13 +1433,17 @@ class NativeInternodeBackend:
                 self._rdma[dst:dst + own * cstride].copy_(self._rdma[src:src + own * cstride])
             self._lap("combine.node_sum")
 
-        pending = None
+        pending = ahead = plan_ahead = None
+        if h.later_guesses:  # the backward's plans, made while this hop runs
+            ahead, later, h.later_guesses = PlannedAhead(), h.later_guesses, None
+            plan_ahead = lambda: self._plan_ahead(h.counts, h.plan, later, ahead, "combine.plan_ahead",  # noqa: E731
+                                                  h.hop_plans)
         if self.gated_arrivals:  # the sum below reads each token's partial sums as their chunks land
             pending = self._push_and_gate(hop, "combine_network", rest=rest)
             self._lap("combine.push")
         else:
-            self._push_and_wait(hop.rows, hop.waits, "combine_network", hop.per_chunk, table=hop.table, hop=hop,
-                                rest=rest)
+            self._push_and_wait(hop.rows, hop.waits, "combine_network", hop.per_chunk, hop=hop, rest=rest,
+                                meanwhile=plan_ahead)
             self._lap("combine.network")
         if G == 1 and own:
             self._gather_rows(rows, w, own_first, own_first + own, c_recv + back_offs[self.node], cstride)
@@ -1439,10 +1457,15 @@ class NativeInternodeBackend:
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
                                   x.dtype == torch.float32, self._stream(), gate=pending[0] if pending else None)
         if pending:
+            self._lap("combine.sum_launch")
+            if plan_ahead is not None:
+                plan_ahead()
             self._gated_done("combine_network", pending[1], "combine_network wait")
             self._lap("combine.network")
         else:
             self._settle("combine")
+        if ahead is not None:
+            self._adopt_plans(h, ahead)
         if h is self._last_dispatch_handle:  # the next uncached dispatch may pack during notify
             self._combined_send_base = areas.send_base[self.rank]
         self._lap("combine.finish")

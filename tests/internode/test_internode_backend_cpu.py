@@ -191,11 +191,11 @@ def _hop_fields(p):
 
 
 def _plans_made_ahead(rank, world, G):
-    """An uncached dispatch (bf16 with top-k weights): the hop plans its handle holds when it returns, whether each
-    equals the plan its call would make at first use and has its device table, and whether a planning guess whose
-    areas do not fit is skipped without an error."""
+    """An uncached dispatch (bf16 with top-k weights), then a combine of its handle: the hop plans the handle holds
+    after each, whether every plan equals the one its call would make at first use and has its device table, the
+    plans made ahead in all, and what a planning guess whose areas do not fit leaves behind."""
     from uccl_ep_train.backends import DispatchArgs
-    from uccl_ep_train.internode import PlannedAhead, _align
+    from uccl_ep_train.internode import PlannedAhead, _align, _record_layout
 
     nat, _ = _backends(rank, world, G)
     try:
@@ -204,7 +204,11 @@ def _plans_made_ahead(rank, world, G):
         idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
         x, w = torch.randn((T, H), generator=g).to(torch.bfloat16), torch.rand((T, K), generator=g)
         tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
-        h = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w)).handle
+        res = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
+        h = res.handle
+        after_dispatch = sorted(h.hop_plans)
+        nat.combine(res.recv_x, h, None, None)
+        after_combine = sorted(h.hop_plans)
         same = True
         for (kind, stride), p in h.hop_plans.items():
             if kind == "combine":
@@ -214,30 +218,26 @@ def _plans_made_ahead(rank, world, G):
             else:
                 fresh = nat._cut_hop_plan(nat._dispatch_hop(h.counts, h.plan, stride), 0)
             same &= _hop_fields(p) == _hop_fields(fresh) and (p.table is not None or not p.rows)
-        too_big = PlannedAhead()
-        nat._plan_ahead(h.counts, h.plan, (1 << 30,), 1 << 30, K, too_big)  # rows of a GiB fit no area
-        keys = sorted(h.hop_plans)
-        expected = sorted([("combine", _align(2 * H)), ("combine", _align(2 * H + 4 * K)),
-                           ("dispatch", _stride_of(nat, (2 * H,)))])
-        return keys == expected, same, nat.plans_made_ahead, (too_big.hop_plans, too_big.combine_shapes,
-                                                              too_big.dispatch_shapes)
+        too_big = PlannedAhead()  # rows of a GiB fit no area
+        nat._plan_ahead(h.counts, h.plan, [("dispatch", (1 << 30,)), ("combine", 1 << 30)], too_big, "test")
+        bf16 = ("dispatch", _record_layout((2 * H,), G).stride)
+        expected = ([("combine", _align(2 * H))],
+                    sorted([("combine", _align(2 * H)), ("combine", _align(2 * H + 4 * K)), bf16]))
+        return ((after_dispatch, after_combine) == expected, same, nat.plans_made_ahead,
+                (too_big.hop_plans, too_big.combine_shapes, too_big.dispatch_shapes))
     finally:
         nat.destroy()
 
 
-def _stride_of(nat, column_bytes):
-    from uccl_ep_train.internode import _record_layout
-
-    return _record_layout(column_bytes, nat.G).stride
-
-
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
-def test_an_uncached_dispatch_plans_its_handles_next_combines_and_cached_dispatch_as_their_first_use_would(world, G):
-    """While its records land, an uncached dispatch plans a combine of bf16 rows with and without the top-k weights
-    and a cached dispatch of its bf16 payload: the handle returns holding those three hop plans, each equal to the one
-    the call would make itself and already on the device; a guess whose rows fit no area is skipped, not raised
-    (the call that needs it raises). UCCL_EP_PLAN_AHEAD=0 plans nothing ahead. The outputs of the calls that use
-    the plans are compared with the reference by every other test here (planning ahead is on by default)."""
+def test_a_dispatch_plans_its_handles_next_combine_and_that_combine_the_backward_calls_as_their_first_use_would(
+        world, G):
+    """While its records land, an uncached dispatch plans its handle's combine of bf16 rows without weights; while
+    that combine's partial sums land, it plans the backward's calls: a cached dispatch of the bf16 payload and a
+    combine with the top-k weights. Each plan equals the one the call would make itself and is on the device; a guess
+    whose rows fit no area is skipped, not raised (the call that needs it raises). UCCL_EP_PLAN_AHEAD=0 plans nothing
+    ahead. The outputs of the calls that use the plans are compared with the reference by every other test here
+    (planning ahead is on by default)."""
     out = run_distributed(_plans_made_ahead, world, G, timeout=120, env=ENV)
     assert out == [(True, True, 3, ({}, {}, {}))] * world
     out = run_distributed(_plans_made_ahead, world, G, timeout=120, env=dict(ENV, UCCL_EP_PLAN_AHEAD="0"))
