@@ -692,14 +692,13 @@ class NativeInternodeBackend:
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
                        then: Optional[Callable[[], None]] = None, hop: Optional[HopPlan] = None, rest: Optional[Callable[[], None]] = None,
-                       after_wait: Optional[Callable[[], None]] = None,
-                       meanwhile: Optional[Callable[[], None]] = None) -> None:
+                       after_wait: Optional[Callable[[], None]] = None) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
         launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` are its own) and
         ``rest``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when
-        the drain returns. ``meanwhile``: host work only (no launch, no copy), done while the wait spins."""
+        the drain returns."""
         t0 = self._hop_started()
         if hop is not None:
             self._push_hop(hop, phase, rest)
@@ -713,8 +712,6 @@ class NativeInternodeBackend:
         if after_wait is not None:
             after_wait()
         self._hop_ended(phase, t0)
-        if meanwhile is not None:
-            meanwhile()
         # Nothing else is launched while wait_signals spins (docs/internode.md, "Drains"): the host drains the
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
         self._settle(what or f"{phase} wait", drain)
@@ -876,7 +873,7 @@ class NativeInternodeBackend:
     # ---------------------------------------------------------------- dispatch
     def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan, gate_ok: bool = False,
               h: Optional[InternodeHandle] = None, packed: Optional[List[torch.Tensor]] = None,
-              meanwhile: Optional[Callable[[], None]] = None
+              plan_ahead: Optional[Callable[[], None]] = None
               ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
         forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
@@ -884,8 +881,8 @@ class NativeInternodeBackend:
         arrivals), the hop is not awaited here and ``pending`` is (gate, timing start) for ``_unpack`` and
         ``_gated_done``; otherwise pending is None and the rows are in. ``h``: the handle of a cached dispatch,
         which keeps the hop's plan. ``packed``: the columns' byte rows, whose records for the other nodes are packed
-        already (_pack_during_notify). ``meanwhile``: host work for while the hop is awaited here (not when pending is
-        returned: the caller runs it while its gated reader spins)."""
+        already (_pack_during_notify). ``plan_ahead``: host work and uploads for between the push and the wait when the
+        hop is awaited here (when pending is returned, the caller runs it before it launches the gated reader)."""
         G = self.G
         # contiguous byte rows, alive until the pack launches below
         rows = packed if packed is not None else [_bytes_of(c) for c in columns]
@@ -924,8 +921,8 @@ class NativeInternodeBackend:
             pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest)
             self._lap("dispatch.push")
             return arrivals[:, :layout.final_bytes], layout, None, A, pending
-        self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, then=own_after_push, hop=hop,
-                            rest=rest, meanwhile=meanwhile)
+        self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, hop=hop, rest=rest,
+                            then=_chain(own_after_push, plan_ahead))
         self._lap("dispatch.network")
         if G == 1:
             # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
@@ -972,12 +969,12 @@ class NativeInternodeBackend:
 
     def _plan_ahead(self, counts: Counts, plan: SendPlan, guesses: list, ahead: PlannedAhead, step: str,
                     have: Any = ()) -> None:
-        """Make the shapes and hop plans of the ``guesses`` (see _guesses; none whose hop key is in ``have``) while a
-        hop's arrivals land: the host only polls then, and each call made them at its first use with the GPU idle
-        behind it (~100-200 us of a forward combine's host steps on 2x H200). An uncached dispatch plans its
-        handle's next call; the first combine of the handle the backward's. Host work only: nothing is launched or
-        uploaded while the reader of the arrivals spins ("Drains"); the tables go up in one upload once the hop is
-        drained (_adopt_plans). A guess whose areas do not fit is skipped: the call that needs it raises the error."""
+        """Make the shapes and hop plans of the ``guesses`` (see _guesses; none whose hop key is in ``have``) and
+        upload their tables, between a hop's push and the launch of what waits for it: the wire is busy then, while
+        each of those calls made them at its first use with the GPU idle behind it (~100-200 us of a forward
+        combine's host steps on 2x H200). An uncached dispatch plans its handle's next call; the handle's first
+        combine the backward's. Before the reader or wait spins, as the call's other uploads there: nothing may be
+        launched after it ("Drains"). A guess whose areas do not fit is skipped: the call that needs it raises."""
         G = self.G
         for kind, size in guesses:
             try:
@@ -998,13 +995,13 @@ class NativeInternodeBackend:
                                                               shape.areas.send_base[self.rank] if G == 1 else None)
             except InternodeError:
                 continue
+        self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows])
         self._lap(step)
 
     def _adopt_plans(self, h: InternodeHandle, ahead: PlannedAhead) -> None:
-        """The plans made ahead onto the new handle, their tables in one upload (the hop is drained: nothing spins)."""
+        """The plans made ahead onto the handle."""
         h.dispatch_shapes.update(ahead.dispatch_shapes)
         h.combine_shapes.update(ahead.combine_shapes)
-        self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows])
         h.hop_plans.update(ahead.hop_plans)
         self.plans_made_ahead += len(ahead.hop_plans)
 
@@ -1083,13 +1080,16 @@ class NativeInternodeBackend:
                 ids: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None, ids_column: int = 0,
                 expert_lo: int = 0, experts_per_rank: int = 0, src_idx: Optional[torch.Tensor] = None,
                 arrival: Optional[torch.Tensor] = None, pending: Any = None,
-                meanwhile: Optional[Callable[[], None]] = None) -> None:
+                plan_ahead: Optional[Callable[[], None]] = None) -> None:
         """The final rows' columns into ``outs`` (column i into outs[i], padded with zero rows to ``out_rows``) in
         one launch (unpack_records kernel); with ``ids`` / ``weights``, column ``ids_column`` (global expert ids) and
         the next (weights) become local ids (-1 elsewhere and in padding rows) and the weights of local ids (0
         elsewhere); the src_idx and arrival fields into ``src_idx`` / ``arrival``. ``pending`` (from ``_move``): the
-        rows are still landing; the unpack is gated on them and the hop is closed after it, ``meanwhile`` (host work
-        only) done while it spins."""
+        rows are still landing; the unpack is gated on them and the hop is closed after it, ``plan_ahead`` (host work
+        and uploads) done before its launch."""
+        if pending and plan_ahead is not None:  # before the reader spins: launches after it are not allowed
+            self._lap("dispatch.outputs")
+            plan_ahead()
         n = final.size(0)
         if out_rows < 0:
             out_rows = n
@@ -1103,9 +1103,6 @@ class NativeInternodeBackend:
             layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
             self._stream(), gate=pending[0] if pending else None)
         if pending:
-            self._lap("dispatch.unpack_launch")
-            if meanwhile is not None:
-                meanwhile()
             self._gated_done("dispatch_network", pending[1], "dispatch_network wait")
             self._lap("dispatch.network")
 
@@ -1187,7 +1184,7 @@ class NativeInternodeBackend:
                                        x.size(1), topk_idx.size(1) if topk_idx is not None else 0)
             plan_ahead = lambda: self._plan_ahead(counts, plan, now, ahead, "dispatch.plan_ahead")  # noqa: E731
         final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=early.get("rows"),
-                                                         meanwhile=plan_ahead)
+                                                         plan_ahead=plan_ahead)
         nrecv = final.size(0)
         worst = args.num_worst_tokens
         rows = nrecv
@@ -1222,7 +1219,7 @@ class NativeInternodeBackend:
                             expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
         self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
         self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
-                     arrival, pending, meanwhile=plan_ahead if pending else None)
+                     arrival, pending, plan_ahead=plan_ahead if pending else None)
         if ahead is not None:
             self._adopt_plans(h, ahead)
             h.later_guesses = later
@@ -1443,7 +1440,7 @@ class NativeInternodeBackend:
             self._lap("combine.push")
         else:
             self._push_and_wait(hop.rows, hop.waits, "combine_network", hop.per_chunk, hop=hop, rest=rest,
-                                meanwhile=plan_ahead)
+                                then=plan_ahead)
             self._lap("combine.network")
         if G == 1 and own:
             self._gather_rows(rows, w, own_first, own_first + own, c_recv + back_offs[self.node], cstride)
@@ -1453,13 +1450,12 @@ class NativeInternodeBackend:
         out_w = torch.empty((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
         eb = H * x.element_size()
         self.last_traffic = TrafficReport(shape.nvlink_rows * eb, shape.network_rows * eb, nrecv * eb)
+        if pending and plan_ahead is not None:  # before the gated sum spins
+            plan_ahead()
         self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
                                   x.dtype == torch.float32, self._stream(), gate=pending[0] if pending else None)
         if pending:
-            self._lap("combine.sum_launch")
-            if plan_ahead is not None:
-                plan_ahead()
             self._gated_done("combine_network", pending[1], "combine_network wait")
             self._lap("combine.network")
         else:
@@ -1563,6 +1559,17 @@ class NativeInternodeBackend:
 def _record_layout(column_bytes: Tuple[int, ...], ranks_per_node: int) -> RecordLayout:
     """record_layout, kept: every cached dispatch asks it for the same few column widths."""
     return record_layout(column_bytes, ranks_per_node)
+
+
+def _chain(*steps: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+    """The steps given (not None), one after the other, as one step; None when none is given."""
+    given = [s for s in steps if s is not None]
+
+    def run() -> None:
+        for step in given:
+            step()
+
+    return run if given else None
 
 
 def _ranges_around(first: int, count: int, total: int) -> List[Tuple[int, int]]:

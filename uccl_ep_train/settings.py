@@ -196,10 +196,10 @@ class KernelSettings:
         "handle packs its records for the other nodes while notify exchanges the counts (docs/internode.md, Packing "
         "during notify); 0: after notify", _bool))
     plan_ahead: bool = field(default=True, metadata=_meta(
-        "UCCL_EP_PLAN_AHEAD", "internode: while an uncached dispatch's records land, the host plans its handle's "
-        "likely next calls (a combine of bf16 rows with and without weights, a cached dispatch of the same columns "
-        "and of one bf16 column) instead of only polling (docs/internode.md, Planning ahead); 0: each call plans at "
-        "its first use", _bool))
+        "UCCL_EP_PLAN_AHEAD", "internode: during its network hop an uncached dispatch plans its handle's combine, "
+        "and that combine the backward pass's calls (a cached dispatch of a bf16 gradient and of the same columns, a "
+        "combine with the top-k weights), so that each starts sooner (docs/internode.md, Planning ahead); 0: each "
+        "call plans at its first use", _bool))
     drain_after_waits: str = field(default="always", metadata=_meta(
         "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
         "never: launch on while the wait spins; it stalled and corrupted cached dispatches on the loopback transport "
