@@ -323,9 +323,9 @@ class HopPlan:
 @dataclass
 class DispatchShape:
     """What a dispatch derives from its counts and record layout alone (the same in every cached dispatch of a handle
-    with the same columns): the own node's receive block, whether any record crosses the network, the areas it fills (for the next combine's barrier decision), and the
-    arrival rows as a view of the receive half. Made and checked once per handle: every step of it sat between a
-    cached dispatch's entry and its push, while the GPU idled."""
+    with the same columns): the own node's receive block, whether any record crosses the network, the areas it fills
+    (for the next combine's barrier decision), and the arrival rows as a view of the receive half. Made and checked
+    once per handle: every step of it sat between a cached dispatch's entry and its push, while the GPU idled."""
 
     own_block: int  # byte offset in the RDMA region of our own node's receive block
     sends_remote: bool
@@ -335,8 +335,9 @@ class DispatchShape:
 
 @dataclass
 class PlannedAhead:
-    """What an uncached dispatch makes for its handle's next calls while its records land (_plan_ahead): the shapes
-    and hop plans those calls would make at their first use, keyed as on the handle, the plans without their tables."""
+    """The shapes and hop plans a call makes for its handle's next calls during its own hop (_plan_ahead), keyed as
+    on the handle: what those calls would make at their first use. The caller puts them on the handle once its hop
+    is drained (_adopt_plans)."""
 
     dispatch_shapes: dict = field(default_factory=dict)
     combine_shapes: dict = field(default_factory=dict)
@@ -451,7 +452,7 @@ class NativeInternodeBackend:
         self.push_head = bool(s.kernel.push_head)
         self.pack_during_notify = bool(s.kernel.pack_during_notify)
         self.plan_ahead = bool(s.kernel.plan_ahead)
-        self.plans_made_ahead = 0  # hop plans an uncached dispatch made for its handle's next calls (tests, benchmarks)
+        self.plans_made_ahead = 0  # hop plans made for a handle's next calls (_plan_ahead; tests, benchmarks)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
         # (notify or barrier) since the last combine and its rows stay clear of what the last dispatch filled, whose
@@ -691,7 +692,8 @@ class NativeInternodeBackend:
 
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
-                       then: Optional[Callable[[], None]] = None, hop: Optional[HopPlan] = None, rest: Optional[Callable[[], None]] = None,
+                       then: Optional[Callable[[], None]] = None, hop: Optional[HopPlan] = None,
+                       rest: Optional[Callable[[], None]] = None,
                        after_wait: Optional[Callable[[], None]] = None) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
