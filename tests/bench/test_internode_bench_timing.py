@@ -74,3 +74,11 @@ def test_training_steps_give_every_layer_a_fresh_handle_and_take_the_backward_in
     assert log[-9:] == [("combine", 6, False), ("combine", 7, False), ("combine", 8, False),  # the last step
                         ("cached", 8), ("combine", 8, True), ("cached", 7), ("combine", 7, True),
                         ("cached", 6), ("combine", 6, True)]
+
+
+def test_the_quoted_pairs_are_also_given_as_a_fraction_of_the_ceiling():
+    row = {"in_turn_network_GBps": {"forward_pair": 30.0, "backward_pair": 45.0, "forward_dispatch": 1.0},
+           "training_step_network_GBps": {"forward_pair": 20.0, "backward_pair": 40.0}}
+    assert bench._pairs_vs_ceiling(row, 50.0) == {
+        "in_turn_pairs_vs_ceiling": {"forward_pair": 0.6, "backward_pair": 0.9},
+        "training_step_pairs_vs_ceiling": {"forward_pair": 0.4, "backward_pair": 0.8}}

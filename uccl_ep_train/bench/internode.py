@@ -184,6 +184,14 @@ def _training_steps(dispatch, combine, cached, layers: int, iters: int, warmup: 
     return out
 
 
+def _pairs_vs_ceiling(row: dict, ceiling: float) -> dict:
+    """The training-order pairs' network GB/s (the figures to quote) over the ceiling (the NIC cap, or uncapped the
+    raw copy): {"in_turn_pairs_vs_ceiling": {"forward_pair": ..., "backward_pair": ...}, "training_step_...": ...}."""
+    return {f"{loop}_pairs_vs_ceiling": {f"{p}_pair": row[f"{loop}_network_GBps"][f"{p}_pair"] / ceiling
+                                         for p in ("forward", "backward")}
+            for loop in ("in_turn", "training_step")}
+
+
 def _host_steps(nat) -> dict:
     """The backend's host wall time per call and step so far (us), from its host_timing laps."""
     return {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}
@@ -450,6 +458,7 @@ def run(args) -> int:
     row["combine_network_vs_ceiling"] = row["combine_network_GBps"] / ceiling
     row["dispatch_network_hop_vs_ceiling"] = row["dispatch_network_hop_GBps"] / ceiling
     row["combine_network_hop_vs_ceiling"] = row["combine_network_hop_GBps"] / ceiling
+    row.update(_pairs_vs_ceiling(row, ceiling))
     if rank == 0:
         print(json.dumps(row, indent=1))
         if args.json:
