@@ -434,7 +434,7 @@ def run(args) -> int:
         pair = [a + b for a, b in zip(*(v for k, v in training.items() if k.startswith(name)))]
         row["training_step_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
     row["training_step_host_step_us_by_rank"] = training_steps_by_rank
-    row["plans_made_ahead"] = plans_ahead  # hop plans the steps' uncached dispatches made for their handles (rank 0)
+    row["plans_made_ahead"] = plans_ahead  # hop plans the steps' calls made for their handles' next calls (rank 0)
     # A difference of two loops' means: it can read above the NIC cap (the dispatch's tail overlaps the combine's
     # host steps, and each loop has its own noise: 57.6 GB/s under a 50 GB/s cap in session 12). step_combine_us and
     # median_us["step_combine"] time the same combine call by call.
