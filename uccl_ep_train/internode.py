@@ -791,22 +791,20 @@ class NativeInternodeBackend:
                                  f"{self._k.PUSH_COLUMNS} (rebuild _C)")
         return self._upload(rows)
 
-    def _hop_plan(self, h: Optional[InternodeHandle], key: Tuple[str, int], make: Callable[[], HopPlan],
-                  local_base: Optional[int] = None) -> HopPlan:
+    def _hop_plan(self, h: Optional[InternodeHandle], key: Tuple[str, int], make: Callable[[], HopPlan]) -> HopPlan:
         """The handle's plan for this hop (made once per handle and record size, or ahead: _plan_ahead), or a fresh
-        one without a handle. ``local_base``: where the sent records start in our RDMA region; given, the plan is also
-        cut into a head and a tail (split_push_head) unless UCCL_EP_PUSH_HEAD=0."""
+        one without a handle; on the device either way."""
         plan = h.hop_plans.get(key) if h is not None else None
         if plan is None:
-            plan = self._cut_hop_plan(make(), local_base)
+            plan = make()
+            self._upload_hop_plans([plan])
             if h is not None:
                 h.hop_plans[key] = plan
-        if plan.table is None and plan.rows:  # made ahead without its upload (one made ahead is uploaded there)
-            self._upload_hop_plans([plan])
         return plan
 
     def _cut_hop_plan(self, plan: HopPlan, local_base: Optional[int]) -> HopPlan:
-        """``plan`` cut into a head and a tail where ``local_base`` is given (see _hop_plan); host work only."""
+        """``plan`` cut into a head and a tail (split_push_head) where ``local_base`` -- where the sent records start in
+        our RDMA region -- is given, unless UCCL_EP_PUSH_HEAD=0; host work only."""
         if local_base is not None and self.push_head:
             first, n, head, tail = split_push_head(plan.rows, local_base, plan.per_chunk)
             if n:
@@ -901,7 +899,7 @@ class NativeInternodeBackend:
         # after the push, so that the push waits only for the records it sends (at 2 nodes, half the packing).
         own_block = shape.own_block
 
-        hop = self._hop_plan(h, ("dispatch", stride), lambda: self._dispatch_hop(counts, plan, stride), local_base=0)
+        hop = self._hop_plan(h, ("dispatch", stride), lambda: self._dispatch_hop(counts, plan, stride))
         others, own_range = self._record_ranges(plan)
         pack = lambda ranges: self._pack(rows, plan, layout, own_block, ranges)  # noqa: E731
         # What the push needs written before it starts: nothing when the records were packed during notify; the
@@ -946,18 +944,24 @@ class NativeInternodeBackend:
         return final, layout, fwd_dest, A, None
 
     def _dispatch_hop(self, counts: Counts, plan: SendPlan, stride: int) -> HopPlan:
-        """The network hop of a dispatch of records of ``stride`` bytes (no device table yet: _hop_plan)."""
+        """The network hop of a dispatch of records of ``stride`` bytes, cut into a head and a tail (the records are
+        packed at the start of the send half); no device table yet (_upload_hop_plans)."""
         per = self._per_chunk(stride)
-        return HopPlan(dispatch_push_rows(counts, plan, self.rank, self.G, stride, self.half_rdma, self.L), None,
-                       dispatch_waits(counts, self.rank, self.G, per, self.L),
-                       dispatch_gate_blocks(counts, self.rank, self.G, self.L), per)
+        return self._cut_hop_plan(
+            HopPlan(dispatch_push_rows(counts, plan, self.rank, self.G, stride, self.half_rdma, self.L), None,
+                    dispatch_waits(counts, self.rank, self.G, per, self.L),
+                    dispatch_gate_blocks(counts, self.rank, self.G, self.L), per), 0)
 
     def _combine_hop(self, counts: Counts, cstride: int, areas: CombineAreas) -> HopPlan:
-        """The network hop of a combine of wire rows of ``cstride`` bytes (no device table yet)."""
+        """The network hop of a combine of wire rows of ``cstride`` bytes; no device table yet. Cut into a head and a
+        tail with one GPU per node only: then each row pushed is written by one copy (with several, by the forwarder's
+        node sum after a barrier)."""
         per = self._per_chunk(cstride)
-        return HopPlan(combine_push_rows(counts, self.rank, self.G, cstride, areas, self.L), None,
-                       combine_waits(counts, self.rank, self.G, per, self.L),
-                       combine_gate_blocks(counts, self.rank, self.G, self.L), per)
+        return self._cut_hop_plan(
+            HopPlan(combine_push_rows(counts, self.rank, self.G, cstride, areas, self.L), None,
+                    combine_waits(counts, self.rank, self.G, per, self.L),
+                    combine_gate_blocks(counts, self.rank, self.G, self.L), per),
+            areas.send_base[self.rank] if self.G == 1 else None)
 
     @staticmethod
     def _guesses(payload_bytes: Tuple[int, ...], hidden: int, num_topk: int) -> Tuple[list, list]:
@@ -986,15 +990,14 @@ class NativeInternodeBackend:
                     if key in have:
                         continue
                     ahead.dispatch_shapes[layout] = self._dispatch_shape(counts, plan, layout)
-                    hop = self._dispatch_hop(counts, plan, layout.stride)
-                    ahead.hop_plans.setdefault(key, self._cut_hop_plan(hop, 0))
+                    if key not in ahead.hop_plans:  # another guess's layout may share the record size
+                        ahead.hop_plans[key] = self._dispatch_hop(counts, plan, layout.stride)
                 else:
                     key = ("combine", size)
                     if key in have:
                         continue
                     shape = ahead.combine_shapes[size] = self._combine_shape(counts, size)
-                    ahead.hop_plans[key] = self._cut_hop_plan(self._combine_hop(counts, size, shape.areas),
-                                                              shape.areas.send_base[self.rank] if G == 1 else None)
+                    ahead.hop_plans[key] = self._combine_hop(counts, size, shape.areas)
             except InternodeError:
                 continue
         self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows])
@@ -1376,9 +1379,7 @@ class NativeInternodeBackend:
         own_first = sum(recv_by_node[:self.node])
         own = recv_by_node[self.node]
 
-        # with one GPU per node the rows pushed are written by one copy each, so the push may start with a head
-        hop = self._hop_plan(h, ("combine", cstride), lambda: self._combine_hop(h.counts, cstride, areas),
-                             local_base=c_send if G == 1 else None)
+        hop = self._hop_plan(h, ("combine", cstride), lambda: self._combine_hop(h.counts, cstride, areas))
         rest = None
         if G == 1:
             # One GPU per node: the rows are the partial sums already, in arrival order (row = arrival). The other

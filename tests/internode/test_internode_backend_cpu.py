@@ -212,11 +212,9 @@ def _plans_made_ahead(rank, world, G):
         same = True
         for (kind, stride), p in h.hop_plans.items():
             if kind == "combine":
-                areas = nat._combine_shape(h.counts, stride).areas
-                fresh = nat._cut_hop_plan(nat._combine_hop(h.counts, stride, areas),
-                                          areas.send_base[rank] if G == 1 else None)
+                fresh = nat._combine_hop(h.counts, stride, nat._combine_shape(h.counts, stride).areas)
             else:
-                fresh = nat._cut_hop_plan(nat._dispatch_hop(h.counts, h.plan, stride), 0)
+                fresh = nat._dispatch_hop(h.counts, h.plan, stride)
             same &= _hop_fields(p) == _hop_fields(fresh) and (p.table is not None or not p.rows)
         too_big = PlannedAhead()  # rows of a GiB fit no area
         nat._plan_ahead(h.counts, h.plan, [("dispatch", (1 << 30,)), ("combine", 1 << 30)], too_big, "test")
