@@ -450,6 +450,10 @@ class NativeInternodeBackend:
         self.gated_arrivals = bool(s.kernel.gated_arrivals)  # docs/internode.md, "Gated arrivals"
         self.skip_dispatch_barrier = bool(s.kernel.skip_dispatch_barrier)
         self.push_head = bool(s.kernel.push_head)
+        self.pack_and_push = bool(s.kernel.pack_and_push)
+        # hops whose records were written and pushed in one launch, by phase (tests, benchmarks)
+        self.packs_and_pushes = {"dispatch_network": 0, "combine_network": 0}
+        self._chunk_ready: Optional[torch.Tensor] = None  # pack_and_push's per-chunk counters, zero between launches
         self.pack_during_notify = bool(s.kernel.pack_during_notify)
         self.plan_ahead = bool(s.kernel.plan_ahead)
         self.plans_made_ahead = 0  # hop plans made for a handle's next calls (_plan_ahead; tests, benchmarks)
@@ -516,6 +520,7 @@ class NativeInternodeBackend:
         except Exception:  # noqa: BLE001 - diagnostics only
             pass
         self._cx.clear_error()
+        self._chunk_ready = None  # a failed pack_and_push may have left counts behind: the next one starts afresh
         raise InternodeError("; ".join(parts) + (f" (during {what})" if what else "") + "\n" + _timeout_hint())
 
     def _drain(self, what: str) -> None:
@@ -694,15 +699,19 @@ class NativeInternodeBackend:
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
                        then: Optional[Callable[[], None]] = None, hop: Optional[HopPlan] = None,
                        rest: Optional[Callable[[], None]] = None,
-                       after_wait: Optional[Callable[[], None]] = None) -> None:
+                       after_wait: Optional[Callable[[], None]] = None,
+                       push: Optional[Callable[[], None]] = None) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
         launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` are its own) and
         ``rest``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when
-        the drain returns."""
+        the drain returns. ``push``: the launch that writes the hop's records and pushes them (_pack_and_push), instead
+        of pushing ``rows`` or ``hop``."""
         t0 = self._hop_started()
-        if hop is not None:
+        if push is not None:
+            push()
+        elif hop is not None:
             self._push_hop(hop, phase, rest)
         else:
             self._push(rows, phase, per_chunk, fixed)
@@ -719,14 +728,18 @@ class NativeInternodeBackend:
         self._settle(what or f"{phase} wait", drain)
 
     def _push_and_gate(self, hop: HopPlan, phase: str, then: Optional[Callable[[], None]] = None,
-                       rest: Optional[Callable[[], None]] = None) -> Tuple[Any, Any, List[int]]:
+                       rest: Optional[Callable[[], None]] = None, push: Optional[Callable[[], None]] = None
+                       ) -> Tuple[Any, Any, List[int]]:
         """Push the table's chunks and return (gate, timing start, counters) instead of waiting: the kernel that reads
         the arrivals takes the gate and waits chunk by chunk (UCCL_EP_GATED_ARRIVALS), so it runs during the hop. The
         caller launches it, then calls ``_gated_done``, which drains as ``_push_and_wait`` does (the gated kernel
         spins as wait_signals did). The hop's gate blocks (dispatch_gate_blocks / combine_gate_blocks) name the
-        same counters as its waits, whose targets advance here."""
+        same counters as its waits, whose targets advance here. ``push``: as in _push_and_wait."""
         t0 = self._hop_started()
-        self._push_hop(hop, phase, rest)
+        if push is not None:
+            push()
+        else:
+            self._push_hop(hop, phase, rest)
         if then is not None:  # as in _push_and_wait
             then()
         table = gate_rows(hop.gate_blocks, self.node, self.L, self._expected)
@@ -790,6 +803,28 @@ class NativeInternodeBackend:
             raise InternodeError(f"push table has {len(rows[0])} columns, the module expects "
                                  f"{self._k.PUSH_COLUMNS} (rebuild _C)")
         return self._upload(rows)
+
+    def _packs_and_pushes(self, hop: HopPlan) -> bool:
+        """Whether the hop's records are written and pushed in one launch (_pack_and_push): the setting, and a table
+        the kernel takes."""
+        return self.pack_and_push and 0 < len(hop.rows) <= self._k.PACK_PUSH_MAX_ROWS
+
+    def _pack_and_push(self, hop: HopPlan, phase: str, send: int, stride: int, num_records: int,
+                       columns: List[Tuple[int, int, int]], own: Tuple[int, int, int], hop1_token: int = 0,
+                       dest_rows: int = 0, G: int = 0, src_idx_offset: int = -1, dest_rows_offset: int = 0) -> None:
+        """The pack_and_push kernel (docs/internode.md, "Pack and push"): the records -- record r at ``send`` + r x
+        ``stride``, carrying row ``hop1_token[r]`` (0: row r) of every column (address, row bytes, offset in the
+        record), our own node's (``own`` = (first record, records, where they go)) elsewhere -- written, and each of
+        the hop's chunks pushed once its records are."""
+        chunks = sum(-(-row[4] // hop.per_chunk) for row in hop.rows if row[4] > 0)
+        if self._chunk_ready is None or self._chunk_ready.numel() < chunks:
+            self._chunk_ready = torch.zeros(max(chunks, 1024), dtype=torch.int32, device=self.device)
+        self._keep = hop.table
+        own_first, own_count, own_dst = own
+        self._cx.pack_and_push(hop.rows_at, len(hop.rows), hop.per_chunk, send, own_dst, own_first, own_count, stride,
+                               hop1_token, dest_rows, G, num_records, columns, src_idx_offset, dest_rows_offset,
+                               self._chunk_ready.data_ptr(), self._phases[phase], self._stream())
+        self.packs_and_pushes[phase] += 1
 
     def _hop_plan(self, h: Optional[InternodeHandle], key: Tuple[str, int], make: Callable[[], HopPlan]) -> HopPlan:
         """The handle's plan for this hop (made once per handle and record size, or ahead: _plan_ahead), or a fresh
@@ -902,11 +937,19 @@ class NativeInternodeBackend:
         hop = self._hop_plan(h, ("dispatch", stride), lambda: self._dispatch_hop(counts, plan, stride))
         others, own_range = self._record_ranges(plan)
         pack = lambda ranges: self._pack(rows, plan, layout, own_block, ranges)  # noqa: E731
-        # What the push needs written before it starts: nothing when the records were packed during notify; the
-        # head's records when the plan has a head (the rest is packed while the head moves: `rest`); else every
-        # other node's.
-        rest = None
-        if not shape.sends_remote:
+        # What the push needs written before it starts: nothing when one launch writes the records and pushes them
+        # (`fused`), or when they were packed during notify; the head's records when the plan has a head (the rest
+        # is packed while the head moves: `rest`); else every other node's.
+        rest = fused = None
+        if packed is None and shape.sends_remote and self._packs_and_pushes(hop):
+            cols = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets)
+                    if nb]
+            own_first, own_end = own_range
+            fused = lambda: self._pack_and_push(  # noqa: E731
+                hop, "dispatch_network", self._cx.rdma_ptr, stride, int(sum(plan.node_send)), cols,
+                (own_first, own_end - own_first, self._cx.rdma_ptr + own_block), plan.hop1_token.data_ptr(),
+                plan.dest_rows.data_ptr(), G, layout.src_idx_offset, layout.dest_rows_offset)
+        elif not shape.sends_remote:
             pack([own_range])  # every record is our own node's: nothing crosses the network
         elif packed is None and hop.head_records:
             pack([(hop.head_first, hop.head_first + hop.head_records)])
@@ -914,15 +957,15 @@ class NativeInternodeBackend:
         elif packed is None:
             pack(others)
         self._lap("dispatch.pack")
-        own_after_push = (lambda: pack([own_range])) if shape.sends_remote else None
+        own_after_push = (lambda: pack([own_range])) if shape.sends_remote and fused is None else None
         arrivals = shape.arrivals
         A = arrivals.size(0)
         if G == 1 and gate_ok and self.gated_arrivals:
-            pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest)
+            pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=fused)
             self._lap("dispatch.push")
             return arrivals[:, :layout.final_bytes], layout, None, A, pending
         self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, hop=hop, rest=rest,
-                            then=_chain(own_after_push, plan_ahead))
+                            then=_chain(own_after_push, plan_ahead), push=fused)
         self._lap("dispatch.network")
         if G == 1:
             # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
@@ -1380,8 +1423,16 @@ class NativeInternodeBackend:
         own = recv_by_node[self.node]
 
         hop = self._hop_plan(h, ("combine", cstride), lambda: self._combine_hop(h.counts, cstride, areas))
-        rest = None
-        if G == 1:
+        rest = fused = None
+        if G == 1 and self._packs_and_pushes(hop):
+            # one launch writes the rows for the other nodes as records and pushes each chunk once it is written,
+            # then writes our own node's rows where the sum reads them
+            cols = [(rows.data_ptr(), pay, 0)] + ([(w.data_ptr(), 4 * kw, pay)] if kw else [])
+            fused = lambda: self._pack_and_push(  # noqa: E731
+                hop, "combine_network", self._cx.rdma_ptr + c_send, cstride, A, cols,
+                (own_first, own, self._cx.rdma_ptr + c_recv + back_offs[self.node]))
+            self._lap("combine.gather")
+        elif G == 1:
             # One GPU per node: the rows are the partial sums already, in arrival order (row = arrival). The other
             # nodes' go to their records in the send area and are pushed first (the head's, then the rest while the
             # head moves); our own node's go afterwards straight to where the sum reads them (their block of the
@@ -1439,13 +1490,13 @@ class NativeInternodeBackend:
             plan_ahead = lambda: self._plan_ahead(h.counts, h.plan, later, ahead, "combine.plan_ahead",  # noqa: E731
                                                   h.hop_plans)
         if self.gated_arrivals:  # the sum below reads each token's partial sums as their chunks land
-            pending = self._push_and_gate(hop, "combine_network", rest=rest)
+            pending = self._push_and_gate(hop, "combine_network", rest=rest, push=fused)
             self._lap("combine.push")
         else:
             self._push_and_wait(hop.rows, hop.waits, "combine_network", hop.per_chunk, hop=hop, rest=rest,
-                                then=plan_ahead)
+                                then=plan_ahead, push=fused)
             self._lap("combine.network")
-        if G == 1 and own:
+        if G == 1 and own and fused is None:
             self._gather_rows(rows, w, own_first, own_first + own, c_recv + back_offs[self.node], cstride)
             self._lap("combine.node_sum")
         # the source adds each token's partial sums in node order, in fp32, and rounds once (one kernel)

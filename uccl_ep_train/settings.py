@@ -191,6 +191,10 @@ class KernelSettings:
         "UCCL_EP_PUSH_HEAD", "internode: a hop's sender writes the first 1/16 of its first block's chunks, pushes "
         "them, then writes and pushes the rest, so the network starts before every record is written "
         "(docs/internode.md, Push head); 0: write every record, then push", _bool))
+    pack_and_push: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_PACK_AND_PUSH", "internode: a hop's sender writes its records and pushes their chunks in one "
+        "launch, each chunk as soon as its records are written (docs/internode.md, Pack and push); 0: separate "
+        "launches (the push head, UCCL_EP_PUSH_HEAD, then applies)", _bool))
     pack_during_notify: bool = field(default=True, metadata=_meta(
         "UCCL_EP_PACK_DURING_NOTIFY", "internode: an uncached dispatch right after a combine of the last dispatch's "
         "handle packs its records for the other nodes while notify exchanges the counts (docs/internode.md, Packing "

@@ -23,6 +23,7 @@ void bind_internode(py::module_& m) {
   namespace in = uccl_ep::internode;
   auto k = m.def_submodule("internode", "internode (hierarchical) dispatch/combine: regions, proxy, kernels");
   k.attr("PUSH_COLUMNS") = int(in::kPushColumns);
+  k.attr("PACK_PUSH_MAX_ROWS") = int(in::kPackPushMaxRows);
   py::dict phases;
   phases["dispatch_network"] = int(in::kPhaseDispatchNetwork);
   phases["combine_network"] = int(in::kPhaseCombineNetwork);
@@ -37,6 +38,7 @@ void bind_internode(py::module_& m) {
   codes["encode"] = int(in::kErrEncode);
   codes["scatter_range"] = int(in::kErrScatterRange);
   codes["aborted"] = int(in::kErrAborted);
+  codes["records_unwritten"] = int(in::kErrRecordsUnwritten);
   k.attr("ERROR_CODES") = codes;
   k.def("phase_name", [](int p) { return std::string(in::phase_name(p)); }, py::arg("phase"));
   k.def("scatter_rows", &in::scatter_rows, py::arg("dst"), py::arg("dst_stride"), py::arg("dst_idx"), py::arg("src"),
@@ -203,6 +205,35 @@ void bind_internode(py::module_& m) {
       .def_property_readonly("stop_generation", &in::Context::stop_generation)
       .def("push_chunks", &in::Context::push_chunks, py::arg("table"), py::arg("n"), py::arg("chunk_records"),
            py::arg("phase"), py::arg("stream"))
+      .def(
+          "pack_and_push",
+          [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, uintptr_t send, uintptr_t own_dst,
+             int64_t own_first, int64_t own_count, int64_t stride, uintptr_t hop1_token, uintptr_t dest_rows,
+             int ranks_per_node, int64_t num_records,
+             const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& columns, int64_t src_idx_offset,
+             int64_t dest_rows_offset, uintptr_t ready, int phase, uintptr_t stream) {
+            in::RecordJob job;
+            job.send = send;
+            job.own_dst = own_dst;
+            job.own_first = own_first;
+            job.own_count = own_count;
+            job.stride = stride;
+            job.num_records = num_records;
+            job.hop1_token = hop1_token;
+            job.dest_rows = dest_rows;
+            job.ranks_per_node = ranks_per_node;
+            for (const auto& [src, bytes, offset] : columns) job.columns.push_back(in::PackColumn{src, bytes, offset});
+            job.src_idx_offset = src_idx_offset;
+            job.dest_rows_offset = dest_rows_offset;
+            cx.pack_and_push(table, n, chunk_records, job, ready, phase, stream);
+          },
+          py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("send"), py::arg("own_dst"),
+          py::arg("own_first"), py::arg("own_count"), py::arg("stride"), py::arg("hop1_token"), py::arg("dest_rows"),
+          py::arg("ranks_per_node"), py::arg("num_records"), py::arg("columns"), py::arg("src_idx_offset"),
+          py::arg("dest_rows_offset"), py::arg("ready"), py::arg("phase"), py::arg("stream"),
+          "pack_records and push_chunks in one launch: each chunk pushed once its records are written; "
+          "hop1_token 0: record r carries row r; src_idx_offset < 0: no index fields; ready: int32 zeros, one per "
+          "chunk, left zero")
       .def("arrival_gate", &in::Context::arrival_gate, py::arg("table"), py::arg("blocks"),
            py::arg("chunk_records"), py::arg("phase"),
            "a gate for sum_node_partials / unpack_records over this call's arrivals; table: device int64 "

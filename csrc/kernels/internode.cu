@@ -20,6 +20,7 @@
 
 #include "kernels/arrival_gate.cuh"
 #include "kernels/gpu_wait.cuh"
+#include "kernels/record_copy.cuh"
 
 #include "proxy/errors.hpp"
 #include "proxy/proxy.hpp"
@@ -72,6 +73,119 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const
     if (fifo_push(f, c, timeout_ns) == kFifoPushTimedOut) {
       report(err, stop, kErrPushTimeout, rank, f.fifo_id, int(row[kPushDstRank]), phase, first, records);
       return;
+    }
+  }
+}
+
+// Records and their commands in one launch (docs/internode.md, "Pack and push"): blocks 1.. write the records
+// as pack_records does, and count each record they write into its chunk's `ready` counter; block 0 pushes the
+// chunks as push_chunks does (thread i: row i of the table, chunk by chunk, so every lane still gets a row's chunks
+// in order), each as soon as its counter says every record of it is written. The wire starts after the first chunk
+// is written instead of after a launch per part, and the records of later chunks are written while earlier ones
+// move. The records of our own node (own_first.. own_first + own_count, which cross no network) are written last.
+// The pusher resets each counter it used to zero: nothing adds to it again in this launch, and the next launch on
+// the stream starts from zeros (after a failure the host drops the counters instead).
+struct PackPushJob {
+  char* send;             // record r at send + r * stride (send_offset bytes into our RDMA region) ...
+  char* own_dst;          // ... except our own node's, at own_dst + (r - own_first) * stride
+  long long send_offset;
+  long long own_first, own_count, stride, num_records;
+  const long long* hop1_token;  // row of every record; nullptr: record r carries row r
+  const long long* dest_rows;   // [num_records, G] final rows (G = 0: none)
+  int G;
+  long long src_idx_offset;     // < 0: no source index field
+  long long dest_rows_offset;
+  PackArgs args;
+};
+
+__global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
+    const DeviceFifo* fifos, int num_fifos, const long long* table, int n_rows, long long chunk_records,
+    PackPushJob job, int* ready, int rank, int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop) {
+  if (blockIdx.x == 0) {  // the pusher
+    for (int i = threadIdx.x; i < n_rows; i += blockDim.x) {
+      long long first_chunk = 0;  // chunks of the rows before this one: where its counters start
+      for (int j = 0; j < i; ++j) {
+        const long long rj = table[j * kPushColumns + kPushRecords];
+        if (rj > 0) first_chunk += (rj + chunk_records - 1) / chunk_records;
+      }
+      const long long* row = table + i * kPushColumns;
+      const long long records = row[kPushRecords];
+      const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
+      const long long stride = row[kPushStride];
+      long long chunk = 0;
+      for (long long first = 0; first < records; first += chunk_records, ++chunk) {
+        const long long count = min(chunk_records, records - first);
+        int* counter = ready + first_chunk + chunk;
+        const uint64_t start = now_ns();
+        for (unsigned spins = 0;; ++spins) {
+          const int seen = ld_acquire_sys(counter);
+          if (seen >= count) break;
+          if (now_ns() - start > timeout_ns) {
+            report(err, stop, kErrRecordsUnwritten, rank, int(first_chunk + chunk), int(row[kPushDstRank]), phase,
+                   seen, count);
+            return;
+          }
+          if ((spins & 63) == 0 && stopped(stop)) return;
+        }
+        *counter = 0;
+        const int lane = int((hint + chunk) % num_fifos);
+        Command c;
+        const int e = encode_write_signal(&c, uint32_t(row[kPushDstRank]), uint64_t(count * stride),
+                                          uint64_t(row[kPushLocalOffset] + first * stride),
+                                          uint64_t(row[kPushRemoteOffset] + first * stride),
+                                          uint32_t(row[kPushSlot] + lane), uint32_t(count));
+        if (e != kCmdOk) {
+          report(err, stop, kErrEncode, rank, int(row[kPushDstRank]), e, phase, first, records);
+          return;
+        }
+        if (fifo_push(fifos[lane], c, timeout_ns) == kFifoPushTimedOut) {  // releases the records it observed
+          report(err, stop, kErrPushTimeout, rank, fifos[lane].fifo_id, int(row[kPushDstRank]), phase, first,
+                 records);
+          return;
+        }
+      }
+    }
+    return;
+  }
+  // the packers: each record's chunk is found from the table's rows (their byte ranges in our region), kept in
+  // shared memory; rows past kPackPushMaxRows are refused by the host
+  __shared__ long long s_lo[kPackPushMaxRows], s_hi[kPackPushMaxRows], s_chunk0[kPackPushMaxRows];
+  __shared__ bool s_stopped;
+  if (threadIdx.x == 0) {
+    long long chunks = 0;
+    for (int i = 0; i < n_rows; ++i) {
+      const long long* row = table + i * kPushColumns;
+      const long long records = row[kPushRecords] > 0 ? row[kPushRecords] : 0;
+      s_lo[i] = row[kPushLocalOffset];
+      s_hi[i] = row[kPushLocalOffset] + records * row[kPushStride];
+      s_chunk0[i] = chunks;
+      chunks += (records + chunk_records - 1) / chunk_records;
+    }
+    s_stopped = stopped(stop);
+  }
+  __syncthreads();
+  if (s_stopped) return;
+  const int lane = threadIdx.x % kPackGroup;
+  const long long per_block = kPackThreads / kPackGroup;
+  const long long n = job.num_records, own_end = job.own_first + job.own_count, sent = n - job.own_count;
+  for (long long w = (blockIdx.x - 1) * per_block + threadIdx.x / kPackGroup; w < n;
+       w += static_cast<long long>(gridDim.x - 1) * per_block) {
+    // the records that are sent first, in order (so the first chunks fill first), our own node's last
+    const long long r = w < job.own_first ? w : (w < sent ? w + job.own_count : job.own_first + (w - sent));
+    const bool own = r >= job.own_first && r < own_end;
+    char* rec = own ? job.own_dst + (r - job.own_first) * job.stride : job.send + r * job.stride;
+    write_record(rec, job.hop1_token ? job.hop1_token[r] : r, job.args, job.src_idx_offset,
+                 job.dest_rows + r * job.G, job.G, job.dest_rows_offset, lane);
+    if (own) continue;
+    __threadfence();  // every lane's stores of the record, device-wide, before lane 0 counts it
+    warp_sync();
+    if (lane == 0) {
+      const long long at = job.send_offset + r * job.stride;
+      for (int i = 0; i < n_rows; ++i)
+        if (at >= s_lo[i] && at < s_hi[i]) {
+          atomicAdd(ready + s_chunk0[i] + (at - s_lo[i]) / (chunk_records * job.stride), 1);
+          break;
+        }
     }
   }
 }
@@ -516,6 +630,58 @@ void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int pha
   check(cudaGetLastError(), "push_chunks launch");
 }
 
+void Context::pack_and_push(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job, uintptr_t ready,
+                            int phase, uintptr_t stream) {
+  if (job.num_records <= 0) return;
+  if (n <= 0 || n > kPackPushMaxRows)
+    throw std::invalid_argument("pack_and_push: 1.." + std::to_string(kPackPushMaxRows) + " push table rows, got " +
+                                std::to_string(n) + " (use pack_records and push_chunks)");
+  if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
+    throw std::invalid_argument("pack_and_push: chunk_records must be 1.." + std::to_string(cmd::kMaxValue) +
+                                " (18-bit signal value)");
+  if (!ready) throw std::invalid_argument("pack_and_push: no chunk counters");
+  if (job.columns.size() > size_t(kMaxPackColumns))
+    throw std::invalid_argument("pack_and_push: at most " + std::to_string(kMaxPackColumns) + " columns");
+  if (job.stride % 16 || (job.src_idx_offset >= 0 && job.src_idx_offset % 4) || job.dest_rows_offset % 4)
+    throw std::invalid_argument("pack_and_push: misaligned record layout");
+  if (job.own_first < 0 || job.own_count < 0 || job.own_first + job.own_count > job.num_records)
+    throw std::invalid_argument("pack_and_push: our own node's records must lie within the records");
+  if (job.own_count > 0 && !job.own_dst) throw std::invalid_argument("pack_and_push: own records without a destination");
+  if (job.ranks_per_node > 0 && !job.dest_rows) throw std::invalid_argument("pack_and_push: no final rows");
+  const int64_t send_offset = int64_t(job.send) - int64_t(reinterpret_cast<uintptr_t>(rdma_));
+  if (send_offset < 0 || send_offset + job.num_records * job.stride > rdma_bytes_)
+    throw std::invalid_argument("pack_and_push: the records do not lie in this rank's RDMA region");
+  PackPushJob j{};
+  j.send = reinterpret_cast<char*>(job.send);
+  j.own_dst = reinterpret_cast<char*>(job.own_dst);
+  j.send_offset = send_offset;
+  j.own_first = job.own_first;
+  j.own_count = job.own_count;
+  j.stride = job.stride;
+  j.num_records = job.num_records;
+  j.hop1_token = reinterpret_cast<const long long*>(job.hop1_token);
+  j.dest_rows = reinterpret_cast<const long long*>(job.dest_rows);
+  j.G = job.ranks_per_node;
+  j.src_idx_offset = job.src_idx_offset;
+  j.dest_rows_offset = job.dest_rows_offset;
+  j.args.num_columns = int(job.columns.size());
+  for (size_t i = 0; i < job.columns.size(); ++i) {
+    const PackColumn& c = job.columns[i];
+    const int64_t end = job.src_idx_offset >= 0 ? job.src_idx_offset : job.stride;
+    if (c.offset < 0 || c.offset + c.bytes > end)
+      throw std::invalid_argument("pack_and_push: column " + std::to_string(i) + " overlaps the record's index "
+                                  "fields or its end");
+    j.args.columns[i] = c;
+  }
+  const int64_t per_block = kPackThreads / kPackGroup;
+  const int blocks = 1 + int(std::min<int64_t>((job.num_records + per_block - 1) / per_block, 1024));
+  pack_and_push_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
+      chunk_records, j, reinterpret_cast<int*>(ready), rank_, phase, timeout_ns_, error_dev_,
+      StopFlag{stop_dev_, stop_generation_});
+  check(cudaGetLastError(), "pack_and_push launch");
+}
+
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>& targets, int phase, uintptr_t stream) {
   for (const auto& [slot, expected] : targets)
     if (slot < 0 || uint64_t(slot) >= num_slots_)
@@ -587,6 +753,10 @@ std::string Context::error_message() const {
              "or was read before its bytes landed)";
     case kErrAborted:
       return who + "GPU waits aborted by the host (the proxy failed)";
+    case kErrRecordsUnwritten:
+      return who + "pack_and_push: the records of chunk " + std::to_string(e.slot) + " (for rank " +
+             std::to_string(e.aux) + ") were not all written within " + std::to_string(secs) + " s: " +
+             std::to_string(e.observed) + " of " + std::to_string(e.expected) + " (a packer block never ran?)";
     default:
       return who + "unknown GPU error code " + std::to_string(e.code);
   }
@@ -668,6 +838,7 @@ int64_t Context::signal_value(uint32_t) const { return 0; }
 std::vector<Context::FifoState> Context::fifo_states() const { return {}; }
 std::string Context::proxy_counters() const { return ""; }
 void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
+void Context::pack_and_push(uintptr_t, int, int64_t, const RecordJob&, uintptr_t, int, uintptr_t) {}
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>&, int, uintptr_t) {}
 ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) const { return ArrivalGate{}; }
 std::string Context::error_message() const { return ""; }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/arrival_gate.hpp"
+#include "kernels/internode_plan.hpp"  // PackColumn
 #include "kernels/step_failure.hpp"
 #include "proxy/proxy.hpp"  // Proxy, ProxyThreadStats (host-only header)
 
@@ -30,6 +31,23 @@ enum PushColumn : int {
   kPushFifo = 6,         // FIFO hint (the destination node): chunk c of the row goes to FIFO (hint + c) % num_fifos,
                          // so one block's chunks travel every proxy thread at once
   kPushColumns = 7,
+};
+
+// The most push table rows (destination blocks) pack_and_push takes: its packers keep the rows in shared memory.
+constexpr int kPackPushMaxRows = 256;
+
+// The records pack_and_push writes: those of pack_records (internode_plan.hpp) -- record r of num_records at
+// send + r * stride, our own node's [own_first, own_first + own_count) at own_dst instead -- with two more cases for
+// combine's rows: hop1_token 0 (record r carries row r of every column) and src_idx_offset < 0 (no index fields;
+// ranks_per_node 0: no final rows either). `send` must lie in this rank's RDMA region: the push table's offsets
+// name the records by their place there.
+struct RecordJob {
+  uintptr_t send = 0, own_dst = 0;
+  int64_t own_first = 0, own_count = 0, stride = 0, num_records = 0;
+  uintptr_t hop1_token = 0, dest_rows = 0;
+  int ranks_per_node = 0;
+  std::vector<PackColumn> columns;
+  int64_t src_idx_offset = -1, dest_rows_offset = 0;
 };
 
 // (slot, expected) pairs one wait_signals launch carries as kernel arguments (more go in further launches).
@@ -129,6 +147,11 @@ class Context {
   // row goes to FIFO (row[kPushFifo] + c) % num_fifos and signals slot row[kPushSlot] + that FIFO; chunks hold at
   // most `chunk_records` records. `phase` only labels errors.
   void push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream);
+  // pack_records and push_chunks in one launch: every record of `job` written, and each chunk of the table pushed
+  // as soon as its records are (docs/internode.md, "Pack and push"). `ready`: device int32 counters, one per chunk
+  // of the table (rows in order, chunks of a row in order), zero at launch and left zero.
+  void pack_and_push(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job, uintptr_t ready, int phase,
+                     uintptr_t stream);
   // Wait until signal[slot] >= expected for every (slot, expected) pair; deadline: the GPU timeout. The pairs go
   // as kernel arguments, kWaitTargetsPerLaunch per launch. A wait also ends early when the error word is set (by
   // another kernel of this rank, or by abort_waits()).

@@ -11,13 +11,12 @@
 #include "uccl_ep/portability.cuh"
 
 #include "kernels/arrival_gate.cuh"
+#include "kernels/record_copy.cuh"
 
 namespace uccl_ep::internode {
 namespace {
 
 constexpr int kPlanThreads = 1024;
-constexpr int kPackThreads = 256;
-constexpr int kPackGroup = 32;  // threads per record (a group, not a hardware warp: the code uses no warp intrinsics)
 
 void check_launch(const char* what) {
   const cudaError_t e = cudaGetLastError();
@@ -112,35 +111,6 @@ __global__ void __launch_bounds__(kPlanThreads) send_plan_kernel(
   }
 }
 
-struct PackArgs {
-  PackColumn columns[kMaxPackColumns];
-  int num_columns;
-};
-
-// kCoherent: the source may be landing while the kernel runs (gated reads of arrivals): L2 loads, so that a line
-// cached with the unlanded head of a later row is never served (ld_cg_v4).
-template <bool kCoherent, typename V>
-__device__ V load_word(const V* p) {
-  if constexpr (kCoherent) return ld_cg(p); else return *p;
-}
-
-template <typename V, bool kCoherent>
-__device__ void copy_bytes(char* dst, const char* src, long long bytes, int lane) {
-  for (long long w = lane; w < bytes / static_cast<long long>(sizeof(V)); w += kPackGroup)
-    reinterpret_cast<V*>(dst)[w] = load_word<kCoherent>(reinterpret_cast<const V*>(src) + w);
-}
-
-// One row of a column by a group of 32 threads, in the widest words its alignment allows (payload rows: 16 bytes).
-template <bool kCoherent = false>
-__device__ void copy_row(char* dst, const char* src, long long bytes, int lane) {
-  const unsigned long long align = reinterpret_cast<unsigned long long>(src) |
-                                   reinterpret_cast<unsigned long long>(dst) | static_cast<unsigned long long>(bytes);
-  if (align % 16 == 0) copy_bytes<int4, kCoherent>(dst, src, bytes, lane);
-  else if (align % 8 == 0) copy_bytes<long long, kCoherent>(dst, src, bytes, lane);
-  else if (align % 4 == 0) copy_bytes<int, kCoherent>(dst, src, bytes, lane);
-  else copy_bytes<char, kCoherent>(dst, src, bytes, lane);
-}
-
 // A group of 32 threads per record.
 __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
     char* __restrict__ send, char* __restrict__ own_dst, long long own_first, long long own_count, long long stride,
@@ -151,14 +121,7 @@ __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
   for (long long r = blockIdx.x * (blockDim.x / kPackGroup) + threadIdx.x / kPackGroup; r < n; r += groups) {
     const bool own = r >= own_first && r < own_first + own_count;
     char* rec = own ? own_dst + (r - own_first) * stride : send + r * stride;
-    const long long t = hop1_token[r];
-    for (int c = 0; c < args.num_columns; ++c) {
-      const PackColumn& col = args.columns[c];
-      copy_row(rec + col.offset, reinterpret_cast<const char*>(col.rows) + t * col.bytes, col.bytes, lane);
-    }
-    if (lane == 0) *reinterpret_cast<int*>(rec + src_idx_offset) = int(t);
-    for (int g = lane; g < G; g += kPackGroup)
-      reinterpret_cast<int*>(rec + dest_rows_offset)[g] = int(dest_rows[r * G + g]);
+    write_record(rec, hop1_token[r], args, src_idx_offset, dest_rows + r * G, G, dest_rows_offset, lane);
   }
 }
 

@@ -17,6 +17,8 @@ enum ErrorCode : int32_t {
   kErrScatterRange = 4,   // scatter_rows: a destination row outside the area; slot = target (local GPU), aux = list
                           // position, observed = row, expected = rows the area holds
   kErrAborted = 5,        // the host aborted the GPU waits (its proxy failed; the host names the proxy error)
+  kErrRecordsUnwritten = 6,  // pack_and_push: a chunk's records not all written past the deadline; slot = chunk,
+                             // aux = destination rank, observed = records counted, expected = records of the chunk
 };
 
 // Which step was running (ErrorWord::phase); passed by the host with each launch.

@@ -46,7 +46,9 @@ GATE_COLUMNS = GATE_FIXED_COLUMNS
 COUNT_ROW_MAX_BINS = 12288
 PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "combine_gather": 4, "barrier": 5,
           "notify": 6}
-ERROR_CODES = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5}
+ERROR_CODES = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5,
+               "records_unwritten": 6}
+PACK_PUSH_MAX_ROWS = 256
 _PHASE_NAMES = {1: "dispatch network hop (push_chunks / wait_signals)",
                 2: "combine network hop (push_chunks / wait_signals)",
                 3: "dispatch forward over NVLink (scatter_rows)", 4: "combine gather over NVLink (scatter_rows)",
@@ -423,6 +425,46 @@ class InternodeContext:
                 if not self._write(*cmd):
                     return
                 self._lane_cmds[lane] += 1
+
+    def pack_and_push(self, table: int, n: int, chunk_records: int, send: int, own_dst: int, own_first: int,
+                      own_count: int, stride: int, hop1_token: int, dest_rows: int, ranks_per_node: int,
+                      num_records: int, columns: list, src_idx_offset: int, dest_rows_offset: int, ready: int,
+                      phase: int, stream: int) -> None:
+        """pack_and_push_kernel: the records written (record r carries row hop1_token[r], or r when hop1_token is 0;
+        index fields only where src_idx_offset >= 0; our own node's at own_dst), then push_chunks over the table --
+        every write the kernel makes, in an order it may make them (a chunk leaves only once its records are in). The
+        kernel's chunk counters must be zero at launch and are left zero: checked here."""
+        if num_records <= 0:
+            return
+        if not 0 < n <= PACK_PUSH_MAX_ROWS:
+            raise ValueError(f"pack_and_push: 1..{PACK_PUSH_MAX_ROWS} push table rows, got {n}")
+        if not 0 <= own_first <= own_first + own_count <= num_records:
+            raise ValueError("pack_and_push: our own node's records must lie within the records")
+        if not 0 <= send - self.rdma_ptr <= self.rdma_bytes - num_records * stride:
+            raise ValueError("pack_and_push: the records do not lie in this rank's RDMA region")
+        rows = _at(table, 8 * PUSH_COLUMNS * n, torch.int64).view(n, PUSH_COLUMNS)
+        chunks = int(sum(-(-r // chunk_records) for r in rows[:, 4].tolist() if r > 0))
+        if int(_at(ready, 4 * chunks, torch.int32).count_nonzero()):
+            raise RuntimeError("pack_and_push: chunk counters not zero at launch (the kernel would push early)")
+        if _stopped(self.stop_flag_ptr, self._generation):
+            return
+        R, G = num_records, ranks_per_node
+        tokens = _at(hop1_token, 8 * R, torch.int64).clone() if hop1_token else torch.arange(R)
+        out = torch.zeros((R, stride), dtype=torch.uint8)
+        T = int(tokens.max()) + 1
+        for src, nb, off in columns:
+            out[:, off:off + nb] = _at(src, T * nb).view(T, nb)[tokens]
+        if src_idx_offset >= 0:
+            out[:, src_idx_offset:src_idx_offset + 4] = tokens.to(torch.int32).view(-1, 1).view(torch.uint8)
+        if G > 0:
+            out[:, dest_rows_offset:dest_rows_offset + 4 * G] = \
+                _at(dest_rows, 8 * R * G, torch.int64).view(R, G).to(torch.int32).view(torch.uint8)
+        keep = torch.ones(R, dtype=torch.bool)
+        keep[own_first:own_first + own_count] = False
+        _at(send, R * stride).view(R, stride)[keep] = out[keep]
+        if own_count:
+            _at(own_dst, own_count * stride).view(own_count, stride).copy_(out[own_first:own_first + own_count])
+        self.push_chunks(table, n, chunk_records, phase, stream)
 
     def _write(self, dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> bool:
         """What the proxy and transport do with one WRITE_SIGNAL: the bytes land, then the counter moves."""

@@ -134,6 +134,56 @@ def check_a_failed_rank_sends_and_forwards_nothing(cx, scatter_rows, dev):
     assert torch.equal(rdma[2048:2064], rdma[:16]) and torch.equal(rdma[2080:2096], rdma[16:32])
 
 
+def check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks(cx, pack_records, rdma, dev):
+    """pack_and_push on one rank that writes to itself: 11 records (80 bytes: a 64-byte column, the source index,
+    two final rows) of tokens in random order, the last two our own node's (written to their own place, never
+    pushed), the other 9 pushed in chunks of 2 through two lanes. What lands, and what sits in the send area and the
+    own block, must be exactly what pack_records writes; each lane's counter must move by its chunks' records; the
+    chunk counters must be left zero (the next launch reuses them). A launch with every record our own node's (combine
+    rows, no index fields) pushes nothing. ``rdma``: a uint8 view of cx's RDMA region on ``dev``."""
+    stride, n, own, per, hint, slot = 80, 11, 2, 2, 1, 7
+    send, own_at, recv, T, cb = 0, 2048, 4096, 16, 64
+    g = torch.Generator().manual_seed(9)
+    x = torch.randint(0, 256, (T, cb), generator=g, dtype=torch.uint8).to(dev)
+    tokens = torch.randperm(T, generator=g)[:n].to(torch.int64).to(dev)
+    dest = torch.randint(-1, 50, (n, 2), generator=g, dtype=torch.int64).to(dev)
+    cuda = dev.type == "cuda"
+    stream = torch.cuda.current_stream().cuda_stream if cuda else 0
+    rdma[:8192] = 0xAB
+    expect = torch.zeros((n, stride), dtype=torch.uint8, device=dev)
+    pack_records(expect.data_ptr(), 0, 0, 0, stride, tokens.data_ptr(), dest.data_ptr(), 2, n,
+                 [(x.data_ptr(), cb, 0)], 64, 68, stream)
+    base = [cx.signal_value(slot + f) for f in range(2)]
+    table = torch.tensor([[0, send, recv, stride, n - own, slot, hint]], dtype=torch.int64, device=dev)
+    ready = torch.zeros(8, dtype=torch.int32, device=dev)
+    cx.pack_and_push(table.data_ptr(), 1, per, cx.rdma_ptr + send, cx.rdma_ptr + own_at, n - own, own, stride,
+                     tokens.data_ptr(), dest.data_ptr(), 2, n, [(x.data_ptr(), cb, 0)], 64, 68, ready.data_ptr(), 1,
+                     stream)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    # chunks 0..4 (records 2, 2, 2, 2, 1) through lanes (1 + c) % 2: lane 1 carries chunks 0, 2, 4, lane 0 chunks 1, 3
+    want = [base[0] + 4, base[1] + 5]
+    deadline = time.monotonic() + 10
+    while [cx.signal_value(slot + f) for f in range(2)] != want:
+        assert time.monotonic() < deadline, f"counters {[cx.signal_value(slot + f) for f in range(2)]} != {want}"
+        time.sleep(0.001)
+    assert cx.error_fields()["code"] == 0, cx.error_message()
+    sent, used = n - own, 64 + 4 + 2 * 4  # the record's last 4 bytes are padding, which neither kernel writes
+    assert torch.equal(rdma[send:send + sent * stride].view(sent, stride)[:, :used], expect[:sent, :used]), "send area"
+    assert torch.equal(rdma[recv:recv + sent * stride].view(sent, stride)[:, :used], expect[:sent, :used]), "landed"
+    assert torch.equal(rdma[own_at:own_at + own * stride].view(own, stride)[:, :used], expect[sent:, :used]), "own"
+    assert int(ready.count_nonzero()) == 0, "pack_and_push left chunk counters behind"
+    # every record our own node's, identity rows, no index fields (combine's rows): written where they go, no push
+    rows = torch.randint(0, 256, (3, 48), generator=g, dtype=torch.uint8).to(dev)
+    empty = torch.tensor([[0, send, recv, 64, 0, slot, hint]], dtype=torch.int64, device=dev)
+    cx.pack_and_push(empty.data_ptr(), 1, per, cx.rdma_ptr + send, cx.rdma_ptr + own_at, 0, 3, 64, 0, 0, 0, 3,
+                     [(rows.data_ptr(), 48, 0)], -1, 0, ready.data_ptr(), 2, stream)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    assert torch.equal(rdma[own_at:own_at + 3 * 64].view(3, 64)[:, :48], rows)
+    assert [cx.signal_value(slot + f) for f in range(2)] == want, "a launch with nothing to send pushed"
+
+
 def check_a_gated_unpack_reads_rows_only_after_their_chunks_land(cx, unpack_records, rdma, dev, codes):
     """The arrival gate on one rank that writes to itself: ten 64-byte records in chunks of 3 through two lanes
     (chunk c through lane (1 + c) % 2, counters 7 and 8) land over stale bytes in the receive area, and an unpack gated

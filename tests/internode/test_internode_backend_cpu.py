@@ -19,7 +19,9 @@ from tests.distributed import run_distributed
 
 import fake_internode_native as fake
 from internode_cases import (ALL, check_a_failed_rank_sends_and_forwards_nothing,
-                             check_a_gated_unpack_reads_rows_only_after_their_chunks_land, compare_cases)
+                             check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
+                             check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
+                             compare_cases)
 
 RDMA = 16 << 20
 NVL = 16 << 20
@@ -249,6 +251,29 @@ def test_outputs_match_without_planning_ahead(world, G):
     assert all(done == 4 for done, _, _ in out)
 
 
+def _packs_and_pushes(rank, world, G, cases, iters):
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, iters, unweighted=True)
+        return done, dict(nat.packs_and_pushes)
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_a_hops_records_are_written_and_pushed_in_one_launch_unless_turned_off_and_outputs_match_either_way(world, G):
+    """UCCL_EP_PACK_AND_PUSH (default on): dispatches that pack after notify, and with one GPU per node combines too,
+    write their records and push them in one launch (pack_and_push); with 0, none does. Every output equals the
+    reference both ways (the stand-in checks that the chunk counters are zero at every launch)."""
+    cases = ALL[:4]
+    on = run_distributed(_packs_and_pushes, world, G, cases, 1, timeout=120, env=ENV)
+    off = run_distributed(_packs_and_pushes, world, G, cases, 1, timeout=120, env=dict(ENV, UCCL_EP_PACK_AND_PUSH="0"))
+    assert all(done == len(cases) for done, _ in on + off)
+    assert all(n["dispatch_network"] > 0 for _, n in on)
+    assert all((n["combine_network"] > 0) == (G == 1) for _, n in on)
+    assert all(n == {"dispatch_network": 0, "combine_network": 0} for _, n in off)
+
+
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_outputs_also_match_when_arrivals_are_read_only_after_the_whole_hop(world, G):
     """UCCL_EP_GATED_ARRIVALS=0 keeps the wait for every counter before the readers run (the other tests run the
@@ -301,6 +326,15 @@ def _context(world=1, **kw):
     cx.proxy_connect([[cx.proxy_local_info(0)]])
     cx.proxy_start()
     return cx
+
+
+def test_stand_in_pack_and_push_writes_what_pack_records_writes_and_pushes_every_chunk():
+    cx = _context()
+    try:
+        check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks(
+            cx, fake.pack_records, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"))
+    finally:
+        cx.destroy()
 
 
 def test_stand_in_gated_unpack_reads_landed_rows_and_times_out_naming_the_lane_of_a_missing_chunk():

@@ -33,7 +33,9 @@ if not (native.available() and hasattr(native.module(), "internode")):
 from tests.distributed import run_distributed  # noqa: E402
 
 from internode_cases import (ALL, check_a_failed_rank_sends_and_forwards_nothing,  # noqa: E402  (shared with
-                             check_a_gated_unpack_reads_rows_only_after_their_chunks_land, compare_cases)  # the CPU tests)
+                             check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
+                             check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
+                             compare_cases)
 
 RDMA = 64 << 20
 NVL = 64 << 20
@@ -338,6 +340,29 @@ def test_a_gated_unpack_waits_for_each_chunk_and_a_missing_chunk_times_out_namin
             dict(k.ERROR_CODES))
     finally:
         cx.destroy()
+
+
+def test_pack_and_push_writes_what_pack_records_writes_and_pushes_every_chunk_once_written():
+    """The fused kernel (docs/internode.md, "Pack and push") against pack_records and push_chunks' chunking, on one
+    rank whose proxy writes to itself."""
+    k = native.module().internode
+    cx = _one_rank_context()
+    try:
+        dev = torch.device("cuda", 0)
+        check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks(
+            cx, k.pack_records, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev)
+    finally:
+        cx.destroy()
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_outputs_also_match_with_records_packed_and_pushed_in_separate_launches(world, G):
+    """UCCL_EP_PACK_AND_PUSH=0: the pack launches and push launches of before (with the push head); every other test
+    here writes and pushes a hop's records in one launch."""
+    _need(world)
+    env = {"UCCL_EP_PACK_AND_PUSH": "0", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_cases, world, G, ALL[:5], 1, timeout=420, env=env)
+    assert all(done == 5 for done, _ in out)
 
 
 def test_a_rank_whose_wait_failed_pushes_no_command_and_scatters_no_row():

@@ -404,6 +404,8 @@ def run(args) -> int:
                                       "calls_each": args.iters + args.warmup},
         # uncached dispatches (of every loop) that packed their records during notify, right after a combine (rank 0)
         "packs_during_notify": getattr(nat, "packs_during_notify", None),  # (older revisions in A/B runs lack it)
+        # hops whose records were written and pushed in one launch, by phase (rank 0, the whole run)
+        "packs_and_pushes": getattr(nat, "packs_and_pushes", None),
     }
     # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
     row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}

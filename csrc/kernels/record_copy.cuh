@@ -1,0 +1,59 @@
+// Device code shared by the kernels that write wire records (internode_plan.cu: pack_records, unpack_records;
+// internode.cu: pack_and_push): a record's columns copied by a group of 32 threads, in the widest words the
+// alignment allows. One definition, so the fused pack_and_push writes exactly the bytes pack_records does.
+#pragma once
+
+#include "uccl_ep/portability.cuh"
+
+#include "kernels/arrival_gate.cuh"
+#include "kernels/internode_plan.hpp"
+
+namespace uccl_ep::internode {
+
+constexpr int kPackThreads = 256;
+constexpr int kPackGroup = 32;  // threads per record: one hardware warp (pack_and_push syncs it before counting)
+
+struct PackArgs {
+  PackColumn columns[kMaxPackColumns];
+  int num_columns;
+};
+
+// kCoherent: the source may be landing while the kernel runs (gated reads of arrivals): L2 loads, so that a line
+// cached with the unlanded head of a later row is never served (ld_cg_v4).
+template <bool kCoherent, typename V>
+__device__ __forceinline__ V load_word(const V* p) {
+  if constexpr (kCoherent) return ld_cg(p); else return *p;
+}
+
+template <typename V, bool kCoherent>
+__device__ __forceinline__ void copy_bytes(char* dst, const char* src, long long bytes, int lane) {
+  for (long long w = lane; w < bytes / static_cast<long long>(sizeof(V)); w += kPackGroup)
+    reinterpret_cast<V*>(dst)[w] = load_word<kCoherent>(reinterpret_cast<const V*>(src) + w);
+}
+
+// One row of a column by a group of 32 threads, in the widest words its alignment allows (payload rows: 16 bytes).
+template <bool kCoherent = false>
+__device__ __forceinline__ void copy_row(char* dst, const char* src, long long bytes, int lane) {
+  const unsigned long long align = reinterpret_cast<unsigned long long>(src) |
+                                   reinterpret_cast<unsigned long long>(dst) | static_cast<unsigned long long>(bytes);
+  if (align % 16 == 0) copy_bytes<int4, kCoherent>(dst, src, bytes, lane);
+  else if (align % 8 == 0) copy_bytes<long long, kCoherent>(dst, src, bytes, lane);
+  else if (align % 4 == 0) copy_bytes<int, kCoherent>(dst, src, bytes, lane);
+  else copy_bytes<char, kCoherent>(dst, src, bytes, lane);
+}
+
+// Record `rec` carries row `t` of every column, then (src_idx_offset >= 0) t as int32 at src_idx_offset and
+// (G > 0) the record's G final rows as int32 at dest_rows_offset. By the 32 threads of a group (`lane`).
+__device__ __forceinline__ void write_record(char* rec, long long t, const PackArgs& args,
+                                             long long src_idx_offset, const long long* dest_rows_of_record,
+                                             int G, long long dest_rows_offset, int lane) {
+  for (int c = 0; c < args.num_columns; ++c) {
+    const PackColumn& col = args.columns[c];
+    copy_row(rec + col.offset, reinterpret_cast<const char*>(col.rows) + t * col.bytes, col.bytes, lane);
+  }
+  if (src_idx_offset >= 0 && lane == 0) *reinterpret_cast<int*>(rec + src_idx_offset) = int(t);
+  for (int g = lane; g < G; g += kPackGroup)
+    reinterpret_cast<int*>(rec + dest_rows_offset)[g] = int(dest_rows_of_record[g]);
+}
+
+}  // namespace uccl_ep::internode
