@@ -78,7 +78,7 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const
 }
 
 // Records and their commands in one launch (docs/internode.md, "Pack and push"): blocks 1.. write the records
-// as pack_records does, and count each record they write into its chunk's `ready` counter; block 0 pushes the
+// as pack_records does (a block per record), and count each record they write into its chunk's `ready` counter; block 0 pushes the
 // chunks as push_chunks does (thread i: row i of the table, chunk by chunk, so every lane still gets a row's chunks
 // in order), each as soon as its counter says every record of it is written. The wire starts after the first chunk
 // is written instead of after a launch per part, and the records of later chunks are written while earlier ones
@@ -165,21 +165,22 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
   }
   __syncthreads();
   if (s_stopped) return;
-  const int lane = threadIdx.x % kPackGroup;
-  const long long per_block = kPackThreads / kPackGroup;
+  // A block per record, the records in order: the blocks resident at once (about a thousand on an H100/H200) write
+  // the first ones together, so the first chunks are complete after a fraction of the whole copy and the wire starts
+  // then. (A group of 32 threads per record, as in pack_records, has every record of a call in flight at once: each
+  // finishes near the end of the copy, and the first push waited for ~all of it.)
   const long long n = job.num_records, own_end = job.own_first + job.own_count, sent = n - job.own_count;
-  for (long long w = (blockIdx.x - 1) * per_block + threadIdx.x / kPackGroup; w < n;
-       w += static_cast<long long>(gridDim.x - 1) * per_block) {
+  for (long long w = blockIdx.x - 1; w < n; w += gridDim.x - 1) {
     // the records that are sent first, in order (so the first chunks fill first), our own node's last
     const long long r = w < job.own_first ? w : (w < sent ? w + job.own_count : job.own_first + (w - sent));
     const bool own = r >= job.own_first && r < own_end;
     char* rec = own ? job.own_dst + (r - job.own_first) * job.stride : job.send + r * job.stride;
     write_record(rec, job.hop1_token ? job.hop1_token[r] : r, job.args, job.src_idx_offset,
-                 job.dest_rows + r * job.G, job.G, job.dest_rows_offset, lane);
+                 job.dest_rows + r * job.G, job.G, job.dest_rows_offset, threadIdx.x, blockDim.x);
     if (own) continue;
-    __threadfence();  // every lane's stores of the record, device-wide, before lane 0 counts it
-    warp_sync();
-    if (lane == 0) {
+    __threadfence();  // every thread's stores of the record, device-wide, before thread 0 counts it
+    __syncthreads();
+    if (threadIdx.x == 0) {
       const long long at = job.send_offset + r * job.stride;
       for (int i = 0; i < n_rows; ++i)
         if (at >= s_lo[i] && at < s_hi[i]) {
@@ -673,8 +674,7 @@ void Context::pack_and_push(uintptr_t table, int n, int64_t chunk_records, const
                                   "fields or its end");
     j.args.columns[i] = c;
   }
-  const int64_t per_block = kPackThreads / kPackGroup;
-  const int blocks = 1 + int(std::min<int64_t>((job.num_records + per_block - 1) / per_block, 1024));
+  const int blocks = 1 + int(std::min<int64_t>(job.num_records, 1024));
   pack_and_push_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
       chunk_records, j, reinterpret_cast<int*>(ready), rank_, phase, timeout_ns_, error_dev_,

@@ -11,7 +11,7 @@
 namespace uccl_ep::internode {
 
 constexpr int kPackThreads = 256;
-constexpr int kPackGroup = 32;  // threads per record: one hardware warp (pack_and_push syncs it before counting)
+constexpr int kPackGroup = 32;  // threads per record in pack_records and unpack_records (pack_and_push: a block)
 
 struct PackArgs {
   PackColumn columns[kMaxPackColumns];
@@ -26,33 +26,35 @@ __device__ __forceinline__ V load_word(const V* p) {
 }
 
 template <typename V, bool kCoherent>
-__device__ __forceinline__ void copy_bytes(char* dst, const char* src, long long bytes, int lane) {
-  for (long long w = lane; w < bytes / static_cast<long long>(sizeof(V)); w += kPackGroup)
+__device__ __forceinline__ void copy_bytes(char* dst, const char* src, long long bytes, int lane, int width) {
+  for (long long w = lane; w < bytes / static_cast<long long>(sizeof(V)); w += width)
     reinterpret_cast<V*>(dst)[w] = load_word<kCoherent>(reinterpret_cast<const V*>(src) + w);
 }
 
-// One row of a column by a group of 32 threads, in the widest words its alignment allows (payload rows: 16 bytes).
+// One row of a column by `width` threads (a group of 32 unless said), in the widest words its alignment allows
+// (payload rows: 16 bytes).
 template <bool kCoherent = false>
-__device__ __forceinline__ void copy_row(char* dst, const char* src, long long bytes, int lane) {
+__device__ __forceinline__ void copy_row(char* dst, const char* src, long long bytes, int lane,
+                                         int width = kPackGroup) {
   const unsigned long long align = reinterpret_cast<unsigned long long>(src) |
                                    reinterpret_cast<unsigned long long>(dst) | static_cast<unsigned long long>(bytes);
-  if (align % 16 == 0) copy_bytes<int4, kCoherent>(dst, src, bytes, lane);
-  else if (align % 8 == 0) copy_bytes<long long, kCoherent>(dst, src, bytes, lane);
-  else if (align % 4 == 0) copy_bytes<int, kCoherent>(dst, src, bytes, lane);
-  else copy_bytes<char, kCoherent>(dst, src, bytes, lane);
+  if (align % 16 == 0) copy_bytes<int4, kCoherent>(dst, src, bytes, lane, width);
+  else if (align % 8 == 0) copy_bytes<long long, kCoherent>(dst, src, bytes, lane, width);
+  else if (align % 4 == 0) copy_bytes<int, kCoherent>(dst, src, bytes, lane, width);
+  else copy_bytes<char, kCoherent>(dst, src, bytes, lane, width);
 }
 
 // Record `rec` carries row `t` of every column, then (src_idx_offset >= 0) t as int32 at src_idx_offset and
-// (G > 0) the record's G final rows as int32 at dest_rows_offset. By the 32 threads of a group (`lane`).
+// (G > 0) the record's G final rows as int32 at dest_rows_offset. By `width` threads (`lane`: 0.. width - 1).
 __device__ __forceinline__ void write_record(char* rec, long long t, const PackArgs& args,
                                              long long src_idx_offset, const long long* dest_rows_of_record,
-                                             int G, long long dest_rows_offset, int lane) {
+                                             int G, long long dest_rows_offset, int lane, int width = kPackGroup) {
   for (int c = 0; c < args.num_columns; ++c) {
     const PackColumn& col = args.columns[c];
-    copy_row(rec + col.offset, reinterpret_cast<const char*>(col.rows) + t * col.bytes, col.bytes, lane);
+    copy_row(rec + col.offset, reinterpret_cast<const char*>(col.rows) + t * col.bytes, col.bytes, lane, width);
   }
   if (src_idx_offset >= 0 && lane == 0) *reinterpret_cast<int*>(rec + src_idx_offset) = int(t);
-  for (int g = lane; g < G; g += kPackGroup)
+  for (int g = lane; g < G; g += width)
     reinterpret_cast<int*>(rec + dest_rows_offset)[g] = int(dest_rows_of_record[g]);
 }
 
