@@ -600,7 +600,7 @@ def describe_gpu_error(fields: dict, rank: int, ranks_per_node: int, num_nodes: 
     if code == codes.get("scatter_range"):
         node = rank // ranks_per_node
         return f" [target local GPU {fields['slot']} is rank {node * ranks_per_node + int(fields['slot'])}]"
-    if code == codes.get("push_timeout"):
+    if code in (codes.get("push_timeout"), codes.get("records_unwritten")):
         return f" [destination rank {fields['aux']} is node {int(fields['aux']) // ranks_per_node}]"
     return ""
 

@@ -433,7 +433,9 @@ class InternodeContext:
         """pack_and_push_kernel: the records written (record r carries row hop1_token[r], or r when hop1_token is 0;
         index fields only where src_idx_offset >= 0; our own node's at own_dst), then push_chunks over the table --
         every write the kernel makes, in an order it may make them (a chunk leaves only once its records are in). The
-        kernel's chunk counters must be zero at launch and are left zero: checked here."""
+        kernel's chunk counters must be zero at launch and are left zero: checked here. A chunk some of whose records
+        no packer writes fails as the kernel's pusher does at the GPU deadline (``records_unwritten``); here nothing
+        is pushed then, while the kernel has pushed the chunks before it."""
         if num_records <= 0:
             return
         if not 0 < n <= PACK_PUSH_MAX_ROWS:
@@ -464,6 +466,21 @@ class InternodeContext:
         _at(send, R * stride).view(R, stride)[keep] = out[keep]
         if own_count:
             _at(own_dst, own_count * stride).view(own_count, stride).copy_(out[own_first:own_first + own_count])
+        # the pusher's wait, chunk by chunk: the records the packers count into each chunk (by their place in the
+        # region, as the kernel finds it); a chunk some of whose records no packer writes times out
+        at = [send - self.rdma_ptr + r * stride for r in range(R) if keep[r]]
+        first_chunk = 0
+        for i, (dst, loff, _, rstride, records, _, _) in enumerate(rows.tolist()):
+            for c, first in enumerate(range(0, max(records, 0), chunk_records)):
+                count = min(chunk_records, records - first)
+                lo = loff + first * rstride
+                seen = sum(lo <= a < lo + count * rstride for a in at)
+                if seen < count:
+                    time.sleep(self._timeout)
+                    _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["records_unwritten"], self.rank,
+                            first_chunk + c, dst, phase, seen, count)
+                    return
+            first_chunk += -(-max(records, 0) // chunk_records)
         self.push_chunks(table, n, chunk_records, phase, stream)
 
     def _write(self, dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> bool:
@@ -545,7 +562,9 @@ class InternodeContext:
             4: f"scatter_rows: destination row {e.observed} (list position {e.aux}, target local GPU {e.slot}) is "
                f"outside the {e.expected} rows of the area; the row was not written (a record arrived corrupt, or "
                "was read before its bytes landed)",
-            5: "GPU waits aborted by the host (the proxy failed)"}.get(e.code, f"unknown GPU error code {e.code}")
+            5: "GPU waits aborted by the host (the proxy failed)",
+            6: f"pack_and_push: the records of chunk {e.slot} (for rank {e.aux}) were not all written within {secs} s: "
+               f"{e.observed} of {e.expected} (a packer block never ran?)"}.get(e.code, f"unknown GPU error code {e.code}")
 
     def _stop_now(self) -> tuple:
         return self.stop_flag_ptr, self._generation

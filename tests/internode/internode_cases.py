@@ -184,6 +184,28 @@ def check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_pus
     assert [cx.signal_value(slot + f) for f in range(2)] == want, "a launch with nothing to send pushed"
 
 
+def check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it(cx, dev, codes):
+    """A push table whose block holds 6 records while the launch writes 4 (a planning bug): the pusher must not wait
+    forever for chunk 2 (records 4 and 5, chunks of 2) nor push it, but fail at the GPU deadline naming the chunk,
+    the destination, the records counted and the records it waited for. ``cx``: a one-rank context with a short GPU
+    deadline; ``codes``: the module's ERROR_CODES."""
+    rows = torch.randint(0, 256, (4, 48), dtype=torch.uint8).to(dev)
+    table = torch.tensor([[0, 0, 4096, 64, 6, 7, 1]], dtype=torch.int64, device=dev)
+    ready = torch.zeros(8, dtype=torch.int32, device=dev)
+    stream = torch.cuda.current_stream().cuda_stream if dev.type == "cuda" else 0
+    t0 = time.monotonic()
+    cx.pack_and_push(table.data_ptr(), 1, 2, cx.rdma_ptr, 0, 4, 0, 64, 0, 0, 0, 4, [(rows.data_ptr(), 48, 0)], -1, 0,
+                     ready.data_ptr(), 1, stream)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    assert time.monotonic() - t0 < 30, "the pusher waited far past its deadline"
+    e = cx.error_fields()
+    assert (e["code"], e["slot"], e["aux"], e["observed"], e["expected"]) == (codes["records_unwritten"], 2, 0, 0, 2), e
+    msg = cx.error_message()
+    assert "pack_and_push" in msg and "chunk 2" in msg and "0 of 2" in msg, msg
+    cx.clear_error()
+
+
 def check_a_gated_unpack_reads_rows_only_after_their_chunks_land(cx, unpack_records, rdma, dev, codes):
     """The arrival gate on one rank that writes to itself: ten 64-byte records in chunks of 3 through two lanes
     (chunk c through lane (1 + c) % 2, counters 7 and 8) land over stale bytes in the receive area, and an unpack gated

@@ -20,6 +20,7 @@ from tests.distributed import run_distributed
 import fake_internode_native as fake
 from internode_cases import (ALL, check_a_failed_rank_sends_and_forwards_nothing,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
+                             check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
                              compare_cases)
 
@@ -333,6 +334,15 @@ def test_stand_in_pack_and_push_writes_what_pack_records_writes_and_pushes_every
     try:
         check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks(
             cx, fake.pack_records, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"))
+    finally:
+        cx.destroy()
+
+
+def test_stand_in_pack_and_push_fails_naming_a_chunk_whose_records_are_never_written():
+    cx = _context()
+    try:
+        check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it(
+            cx, torch.device("cpu"), fake.ERROR_CODES)
     finally:
         cx.destroy()
 

@@ -34,6 +34,7 @@ from tests.distributed import run_distributed  # noqa: E402
 
 from internode_cases import (ALL, check_a_failed_rank_sends_and_forwards_nothing,  # noqa: E402  (shared with
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
+                             check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
                              compare_cases)
 
@@ -351,6 +352,15 @@ def test_pack_and_push_writes_what_pack_records_writes_and_pushes_every_chunk_on
         dev = torch.device("cuda", 0)
         check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks(
             cx, k.pack_records, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev)
+    finally:
+        cx.destroy()
+
+
+def test_pack_and_push_fails_at_the_deadline_naming_a_chunk_whose_records_are_never_written():
+    cx = _one_rank_context(gpu_timeout_secs=1.0)
+    try:
+        check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it(
+            cx, torch.device("cuda", 0), dict(native.module().internode.ERROR_CODES))
     finally:
         cx.destroy()
 

@@ -266,7 +266,8 @@ def test_push_rows_route_each_destination_through_its_own_fifo_hint_in_every_cal
 
 
 def test_gpu_error_context_names_the_counter_its_feeder_and_the_target_rank():
-    codes = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5}
+    codes = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5,
+             "records_unwritten": 6}
     # the failure of issue 5: rank 3 (node 1, local 1 of 2x2) waited on slot 0
     msg = inn.describe_gpu_error({"code": 1, "slot": 0, "aux": 0}, 3, 2, 2, codes)
     assert "dispatch records from node 0" in msg and "rank 1's proxy" in msg and "forwarder rank 3" in msg
@@ -279,6 +280,7 @@ def test_gpu_error_context_names_the_counter_its_feeder_and_the_target_rank():
     assert "barrier" in inn.slot_meaning(16, 0, 2, 2, 4)  # the one slot after the 2 x N x L data counters
     assert "rank 3" in inn.describe_gpu_error({"code": 4, "slot": 1, "aux": 5}, 2, 2, 2, codes)
     assert "node 1" in inn.describe_gpu_error({"code": 2, "slot": 0, "aux": 2}, 0, 2, 2, codes)
+    assert "destination rank 2 is node 1" in inn.describe_gpu_error({"code": 6, "slot": 5, "aux": 2}, 0, 2, 2, codes)
     assert inn.describe_gpu_error({"code": 0}, 0, 2, 2, codes) == ""
 
 
