@@ -77,14 +77,16 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const
   }
 }
 
-// Records and their commands in one launch (docs/internode.md, "Pack and push"): blocks 1.. write the records
-// as pack_records does (a block per record), and count each record they write into its chunk's `ready` counter; block 0 pushes the
-// chunks as push_chunks does (thread i: row i of the table, chunk by chunk, so every lane still gets a row's chunks
-// in order), each as soon as its counter says every record of it is written. The wire starts after the first chunk
-// is written instead of after a launch per part, and the records of later chunks are written while earlier ones
-// move. The records of our own node (own_first.. own_first + own_count, which cross no network) are written last.
-// The pusher resets each counter it used to zero: nothing adds to it again in this launch, and the next launch on
-// the stream starts from zeros (after a failure the host drops the counters instead).
+// Records and their commands in one launch (docs/internode.md, "Pack and push"): blocks 1.. write the records as
+// pack_records does (a block per record), and count each record they write into its chunk's `ready` counter; block 0
+// pushes the chunks with the commands push_chunks makes, each as soon as its counter says every record of it is
+// written. A pusher thread per (row, lane) keeps each lane's chunks of a row in order (what the receivers' waits and
+// gates rely on) and lets the lanes push side by side (one thread per row paid a system fence per command in turn,
+// ~2 us, slower than an uncapped wire takes a chunk). The wire starts after the first chunks are written instead of
+// after a launch per part, and later records are written while earlier chunks move. The records of our own node
+// (own_first.. own_first + own_count, which cross no network) are written last. The pusher resets each counter it
+// used to zero: nothing adds to it again in this launch, and the next launch on the stream starts from zeros (after
+// a failure the host drops the counters instead).
 struct PackPushJob {
   char* send;             // record r at send + r * stride (send_offset bytes into our RDMA region) ...
   char* own_dst;          // ... except our own node's, at own_dst + (r - own_first) * stride
@@ -101,8 +103,9 @@ struct PackPushJob {
 __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
     const DeviceFifo* fifos, int num_fifos, const long long* table, int n_rows, long long chunk_records,
     PackPushJob job, int* ready, int rank, int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop) {
-  if (blockIdx.x == 0) {  // the pusher
-    for (int i = threadIdx.x; i < n_rows; i += blockDim.x) {
+  if (blockIdx.x == 0) {  // the pusher: a thread per (row, lane), each pushing that lane's chunks of the row in order
+    for (int p = threadIdx.x; p < n_rows * num_fifos; p += blockDim.x) {
+      const int i = p / num_fifos, lane = p % num_fifos;
       long long first_chunk = 0;  // chunks of the rows before this one: where its counters start
       for (int j = 0; j < i; ++j) {
         const long long rj = table[j * kPushColumns + kPushRecords];
@@ -112,9 +115,10 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
       const long long records = row[kPushRecords];
       const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
       const long long stride = row[kPushStride];
-      long long chunk = 0;
-      for (long long first = 0; first < records; first += chunk_records, ++chunk) {
-        const long long count = min(chunk_records, records - first);
+      // chunk c goes through lane (hint + c) % num_fifos: this lane's first chunk, then every num_fifos-th
+      for (long long chunk = ((lane - hint) % num_fifos + num_fifos) % num_fifos; chunk * chunk_records < records;
+           chunk += num_fifos) {
+        const long long first = chunk * chunk_records, count = min(chunk_records, records - first);
         int* counter = ready + first_chunk + chunk;
         const uint64_t start = now_ns();
         for (unsigned spins = 0;; ++spins) {
@@ -128,7 +132,6 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
           if ((spins & 63) == 0 && stopped(stop)) return;
         }
         *counter = 0;
-        const int lane = int((hint + chunk) % num_fifos);
         Command c;
         const int e = encode_write_signal(&c, uint32_t(row[kPushDstRank]), uint64_t(count * stride),
                                           uint64_t(row[kPushLocalOffset] + first * stride),
