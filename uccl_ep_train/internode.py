@@ -543,6 +543,7 @@ class NativeInternodeBackend:
                     aborted = True
                 waited = time.monotonic() - t0
                 if waited > limit:
+                    self._chunk_ready = None  # a pack_and_push that never ended may have left counts behind
                     raise InternodeError(
                         f"rank {self.rank}: the GPU stream did not drain within {limit:.0f} s after {what} "
                         f"(2 x UCCL_EP_GPU_TIMEOUT_SECS + UCCL_EP_CPU_TIMEOUT_SECS); GPU error word "
@@ -816,7 +817,7 @@ class NativeInternodeBackend:
         ``stride``, carrying row ``hop1_token[r]`` (0: row r) of every column (address, row bytes, offset in the
         record), our own node's (``own`` = (first record, records, where they go)) elsewhere -- written, and each of
         the hop's chunks pushed once its records are."""
-        chunks = sum(-(-row[4] // hop.per_chunk) for row in hop.rows if row[4] > 0)
+        chunks = sum(-(-records // hop.per_chunk) for _, _, _, _, records, _, _ in hop.rows if records > 0)
         if self._chunk_ready is None or self._chunk_ready.numel() < chunks:
             self._chunk_ready = torch.zeros(max(chunks, 1024), dtype=torch.int32, device=self.device)
         self._keep = hop.table
