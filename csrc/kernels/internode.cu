@@ -46,6 +46,28 @@ void check(cudaError_t e, const std::string& what) {
 // wrong rows without an error of their own. Skipping instead leaves the peers' waits to time out naming this rank.
 // Every failure sets the stop flag: report() does, a wait that sees the host's abort does, and abort_waits() does.
 
+// Records [first, first + count) of a push table row as one WRITE_SIGNAL through FIFO `lane` (its slot: the row's
+// first slot + lane). False, after reporting, when the command does not encode or the FIFO stays full past the
+// deadline. fifo_push releases at system scope, so the records this thread wrote or observed go out before it.
+__device__ bool push_chunk(const DeviceFifo& f, const long long* row, int lane, long long first, long long count,
+                           int rank, int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop) {
+  const long long stride = row[kPushStride];
+  Command c;
+  const int e = encode_write_signal(&c, uint32_t(row[kPushDstRank]), uint64_t(count * stride),
+                                    uint64_t(row[kPushLocalOffset] + first * stride),
+                                    uint64_t(row[kPushRemoteOffset] + first * stride),
+                                    uint32_t(row[kPushSlot] + lane), uint32_t(count));
+  if (e != kCmdOk) {
+    report(err, stop, kErrEncode, rank, int(row[kPushDstRank]), e, phase, first, row[kPushRecords]);
+    return false;
+  }
+  if (fifo_push(f, c, timeout_ns) == kFifoPushTimedOut) {
+    report(err, stop, kErrPushTimeout, rank, f.fifo_id, int(row[kPushDstRank]), phase, first, row[kPushRecords]);
+    return false;
+  }
+  return true;
+}
+
 __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const long long* table, int n,
                                    long long chunk_records, int rank, int phase, unsigned long long timeout_ns,
                                    ErrorWord* err, StopFlag stop) {
@@ -55,25 +77,12 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const
   const long long records = row[kPushRecords];
   if (records <= 0) return;
   const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
-  const long long stride = row[kPushStride];
   long long chunk = 0;
   for (long long first = 0; first < records; first += chunk_records, ++chunk) {
     const int lane = int((hint + chunk) % num_fifos);
-    const DeviceFifo& f = fifos[lane];
-    const long long count = min(chunk_records, records - first);
-    Command c;
-    const int e = encode_write_signal(&c, uint32_t(row[kPushDstRank]), uint64_t(count * stride),
-                                      uint64_t(row[kPushLocalOffset] + first * stride),
-                                      uint64_t(row[kPushRemoteOffset] + first * stride),
-                                      uint32_t(row[kPushSlot] + lane), uint32_t(count));
-    if (e != kCmdOk) {
-      report(err, stop, kErrEncode, rank, int(row[kPushDstRank]), e, phase, first, records);
+    if (!push_chunk(fifos[lane], row, lane, first, min(chunk_records, records - first), rank, phase, timeout_ns, err,
+                    stop))
       return;
-    }
-    if (fifo_push(f, c, timeout_ns) == kFifoPushTimedOut) {
-      report(err, stop, kErrPushTimeout, rank, f.fifo_id, int(row[kPushDstRank]), phase, first, records);
-      return;
-    }
   }
 }
 
@@ -114,7 +123,6 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
       const long long* row = table + i * kPushColumns;
       const long long records = row[kPushRecords];
       const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
-      const long long stride = row[kPushStride];
       // chunk c goes through lane (hint + c) % num_fifos: this lane's first chunk, then every num_fifos-th
       for (long long chunk = ((lane - hint) % num_fifos + num_fifos) % num_fifos; chunk * chunk_records < records;
            chunk += num_fifos) {
@@ -132,20 +140,7 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
           if ((spins & 63) == 0 && stopped(stop)) return;
         }
         *counter = 0;
-        Command c;
-        const int e = encode_write_signal(&c, uint32_t(row[kPushDstRank]), uint64_t(count * stride),
-                                          uint64_t(row[kPushLocalOffset] + first * stride),
-                                          uint64_t(row[kPushRemoteOffset] + first * stride),
-                                          uint32_t(row[kPushSlot] + lane), uint32_t(count));
-        if (e != kCmdOk) {
-          report(err, stop, kErrEncode, rank, int(row[kPushDstRank]), e, phase, first, records);
-          return;
-        }
-        if (fifo_push(fifos[lane], c, timeout_ns) == kFifoPushTimedOut) {  // releases the records it observed
-          report(err, stop, kErrPushTimeout, rank, fifos[lane].fifo_id, int(row[kPushDstRank]), phase, first,
-                 records);
-          return;
-        }
+        if (!push_chunk(fifos[lane], row, lane, first, count, rank, phase, timeout_ns, err, stop)) return;
       }
     }
     return;
