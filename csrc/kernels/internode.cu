@@ -71,15 +71,19 @@ __device__ bool push_chunk(const DeviceFifo& f, const long long* row, int lane, 
 __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const long long* table, int n,
                                    long long chunk_records, int rank, int phase, unsigned long long timeout_ns,
                                    ErrorWord* err, StopFlag stop) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n || stopped(stop)) return;
+  // a thread per (row, lane): that lane's chunks of the row in order (what the receivers rely on), the lanes side by
+  // side (each command pays a system-scope fence, ~2 us, so one thread per row pushed slower than an uncapped wire
+  // takes the chunks)
+  const long long p = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p >= static_cast<long long>(n) * num_fifos || stopped(stop)) return;
+  const int i = int(p / num_fifos), lane = int(p % num_fifos);
   const long long* row = table + i * kPushColumns;
   const long long records = row[kPushRecords];
-  if (records <= 0) return;
   const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
-  long long chunk = 0;
-  for (long long first = 0; first < records; first += chunk_records, ++chunk) {
-    const int lane = int((hint + chunk) % num_fifos);
+  // chunk c goes through lane (hint + c) % num_fifos: this lane's first chunk, then every num_fifos-th
+  for (long long chunk = ((lane - hint) % num_fifos + num_fifos) % num_fifos; chunk * chunk_records < records;
+       chunk += num_fifos) {
+    const long long first = chunk * chunk_records;
     if (!push_chunk(fifos[lane], row, lane, first, min(chunk_records, records - first), rank, phase, timeout_ns, err,
                     stop))
       return;
@@ -622,8 +626,9 @@ void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int pha
   if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
     throw std::invalid_argument("push_chunks: chunk_records must be 1.." + std::to_string(cmd::kMaxValue) +
                                 " (18-bit signal value)");
-  const int threads = 64, blocks = (n + threads - 1) / threads;
-  push_chunks_kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  const int threads = 64;
+  const int64_t blocks = (int64_t(n) * proxy_->num_fifos() + threads - 1) / threads;
+  push_chunks_kernel<<<unsigned(blocks), threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
       chunk_records, rank_, phase, timeout_ns_, error_dev_, StopFlag{stop_dev_, stop_generation_});
   check(cudaGetLastError(), "push_chunks launch");
