@@ -705,15 +705,12 @@ class NativeInternodeBackend:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
-        launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` are its own) and
-        ``rest``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when
-        the drain returns. ``push``: the launch that writes the hop's records and pushes them (_pack_and_push), instead
-        of pushing ``rows`` or ``hop``."""
+        launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` are its own), ``rest``
+        and ``push``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when the
+        drain returns."""
         t0 = self._hop_started()
-        if push is not None:
-            push()
-        elif hop is not None:
-            self._push_hop(hop, phase, rest)
+        if hop is not None:
+            self._push_hop(hop, phase, rest, push)
         else:
             self._push(rows, phase, per_chunk, fixed)
         if then is not None:
@@ -735,12 +732,9 @@ class NativeInternodeBackend:
         the arrivals takes the gate and waits chunk by chunk (UCCL_EP_GATED_ARRIVALS), so it runs during the hop. The
         caller launches it, then calls ``_gated_done``, which drains as ``_push_and_wait`` does (the gated kernel
         spins as wait_signals did). The hop's gate blocks (dispatch_gate_blocks / combine_gate_blocks) name the
-        same counters as its waits, whose targets advance here. ``push``: as in _push_and_wait."""
+        same counters as its waits, whose targets advance here. ``rest``, ``push``: see _push_hop."""
         t0 = self._hop_started()
-        if push is not None:
-            push()
-        else:
-            self._push_hop(hop, phase, rest)
+        self._push_hop(hop, phase, rest, push)
         if then is not None:  # as in _push_and_wait
             then()
         table = gate_rows(hop.gate_blocks, self.node, self.L, self._expected)
@@ -785,11 +779,15 @@ class NativeInternodeBackend:
             at = table.data_ptr()
         self._cx.push_chunks(at, len(rows), per_chunk, self._phases[phase], self._stream())
 
-    def _push_hop(self, hop: HopPlan, phase: str, rest: Optional[Callable[[], None]]) -> None:
-        """Push a hop's writes: the whole table (the caller wrote every record it sends), or, with ``rest`` (given
-        only for a hop cut in two: the launches that write the records after the head's), the head, then ``rest``,
-        then the tail."""
+    def _push_hop(self, hop: HopPlan, phase: str, rest: Optional[Callable[[], None]],
+                  push: Optional[Callable[[], None]] = None) -> None:
+        """Push a hop's writes: with ``push`` (the one launch that writes the records and pushes them, _pack_and_push)
+        that; else the whole table (the caller wrote every record it sends), or, with ``rest`` (given only for a hop
+        cut in two: the launches that write the records after the head's), the head, then ``rest``, then the tail."""
         self._keep = hop.table  # a plan made without a handle lives until the call has drained
+        if push is not None:
+            push()
+            return
         if rest is None:
             self._push(hop.rows, phase, hop.per_chunk, at=hop.rows_at)
             return
@@ -820,7 +818,6 @@ class NativeInternodeBackend:
         chunks = sum(-(-records // hop.per_chunk) for _, _, _, _, records, _, _ in hop.rows if records > 0)
         if self._chunk_ready is None or self._chunk_ready.numel() < chunks:
             self._chunk_ready = torch.zeros(max(chunks, 1024), dtype=torch.int32, device=self.device)
-        self._keep = hop.table
         own_first, own_count, own_dst = own
         self._cx.pack_and_push(hop.rows_at, len(hop.rows), hop.per_chunk, send, own_dst, own_first, own_count, stride,
                                hop1_token, dest_rows, G, num_records, columns, src_idx_offset, dest_rows_offset,
