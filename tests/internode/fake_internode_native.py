@@ -468,19 +468,20 @@ class InternodeContext:
             _at(own_dst, own_count * stride).view(own_count, stride).copy_(out[own_first:own_first + own_count])
         # the pusher's wait, chunk by chunk: the records the packers count into each chunk (by their place in the
         # region, as the kernel finds it); a chunk some of whose records no packer writes times out
-        at = [send - self.rdma_ptr + r * stride for r in range(R) if keep[r]]
+        at = send - self.rdma_ptr + torch.arange(R)[keep] * stride
         first_chunk = 0
-        for i, (dst, loff, _, rstride, records, _, _) in enumerate(rows.tolist()):
-            for c, first in enumerate(range(0, max(records, 0), chunk_records)):
-                count = min(chunk_records, records - first)
-                lo = loff + first * rstride
-                seen = sum(lo <= a < lo + count * rstride for a in at)
-                if seen < count:
+        for dst, loff, _, rstride, records, _, _ in rows.tolist():
+            chunks = -(-max(records, 0) // chunk_records)
+            inside = at[(at >= loff) & (at < loff + max(records, 0) * rstride)]
+            seen = torch.bincount((inside - loff) // (chunk_records * rstride), minlength=chunks).tolist()
+            for c in range(chunks):
+                count = min(chunk_records, records - c * chunk_records)
+                if seen[c] < count:
                     time.sleep(self._timeout)
                     _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["records_unwritten"], self.rank,
-                            first_chunk + c, dst, phase, seen, count)
+                            first_chunk + c, dst, phase, seen[c], count)
                     return
-            first_chunk += -(-max(records, 0) // chunk_records)
+            first_chunk += chunks
         self.push_chunks(table, n, chunk_records, phase, stream)
 
     def _write(self, dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> bool:
