@@ -36,7 +36,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
-    dispatch_may_skip_entry_barrier, split_push_head)
+    dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks)
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
@@ -344,6 +344,17 @@ class PlannedAhead:
     hop_plans: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class CountRows:
+    """Where notify's count rows land on this rank, and what proves they did: for a kernel that waits for them on the
+    GPU (push_after_counts, "Push during notify")."""
+
+    slot: int
+    target: int  # signal[slot] >= target: every other rank's row is in
+    ptr: int  # device address of rank 0's row; rank r's at ptr + 8 * r * row_words
+    row_words: int
+
+
 @dataclass
 class CombineShape:
     """What a combine of one handle derives from its counts alone (the same in every combine of the handle with the
@@ -455,6 +466,7 @@ class NativeInternodeBackend:
         self.packs_and_pushes = {"dispatch_network": 0, "combine_network": 0}
         self._chunk_ready: Optional[torch.Tensor] = None  # pack_and_push's per-chunk counters, zero between launches
         self.pack_during_notify = bool(s.kernel.pack_during_notify)
+        self.push_during_notify = bool(s.kernel.push_during_notify)
         self.plan_ahead = bool(s.kernel.plan_ahead)
         self.plans_made_ahead = 0  # hop plans made for a handle's next calls (_plan_ahead; tests, benchmarks)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
@@ -473,6 +485,7 @@ class NativeInternodeBackend:
         self._last_dispatch_handle: Optional[InternodeHandle] = None
         self._combined_send_base: Optional[int] = None
         self.packs_during_notify = 0  # uncached dispatches that did (tests, benchmarks)
+        self.pushes_during_notify = 0  # ... and that pushed them during notify too
         self.dispatch_barriers_skipped = 0
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
@@ -579,13 +592,13 @@ class NativeInternodeBackend:
         self._push_and_wait(rows, [(self._barrier_slot, self.R - 1)], "barrier", 1, what, fixed=True)
 
     def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
-                topk_idx: Optional[torch.Tensor] = None, then: Optional[Callable[[torch.Tensor], None]] = None
-                ) -> Counts:
+                topk_idx: Optional[torch.Tensor] = None,
+                then: Optional[Callable[[torch.Tensor, CountRows], None]] = None) -> Counts:
         """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) and per (rank,
         slot) (up to NOTIFY_MAX_SLOT_COUNTS) in the rows, a receiver knows its per-expert and per-slot counts from
         notify alone, and neither dispatch nor combine reads anything else back. Every rank makes the same choice:
-        the same group, experts and top-k. ``then(row)``: work for while the rows are exchanged, given our own count
-        row on the device (through the proxies only)."""
+        the same group, experts and top-k. ``then(row, rows)``: work for while the rows are exchanged, given our own
+        count row on the device and where every row lands (through the proxies only)."""
         carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
         slots = carry and topk_idx is not None and self.R * topk_idx.size(1) <= NOTIFY_MAX_SLOT_COUNTS
         shape = dict(num_experts=tokens_per_expert.numel() if carry else 0,
@@ -596,7 +609,8 @@ class NativeInternodeBackend:
             own = self._notify_base + self.rank * _align(8 * width)
             row = self._rdma[own:own + 8 * width].view(torch.int64)
             self._count_row(row, is_token_in_rank, tpe, topk)
-            return self._notify_through_proxies(width, shape, (lambda: then(row)) if then is not None else None)
+            return self._notify_through_proxies(width, shape,
+                                                (lambda rows: then(row, rows)) if then is not None else None)
         row = torch.empty(width, dtype=torch.int64, device=self.device)
         self._count_row(row, is_token_in_rank, tpe, topk)
         self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
@@ -661,7 +675,8 @@ class NativeInternodeBackend:
         write limit), so receivers know the lanes."""
         return chunk_records(stride, min(chunk_bytes(self.inflight_bytes), self.max_write_bytes))
 
-    def _notify_through_proxies(self, words: int, shape: dict, then: Optional[Callable[[], None]] = None) -> Counts:
+    def _notify_through_proxies(self, words: int, shape: dict, then: Optional[Callable[[CountRows], None]] = None
+                                ) -> Counts:
         """Count exchange in stream order: our row (``words`` int64, already in row ``rank`` of our notify area) goes
         into row ``rank`` of every rank's notify area (one write each, through the proxies), then we wait for every
         other rank's row and copy the matrix to the host. Receiving every row also proves that every rank finished
@@ -670,8 +685,8 @@ class NativeInternodeBackend:
 
         The rows sit back to back at the width this call uses (the same on every rank: same group, same number of
         experts), not at the area's widest row, so the matrix comes back in one contiguous copy: a strided one
-        first gathered it on the device with a kernel of its own. ``then``: launched between our row's push and the
-        wait for the others'."""
+        first gathered it on the device with a kernel of its own. ``then(rows)``: launched between our row's push and
+        the wait for the others', told where the rows land and which counter value proves they did."""
         R, base = self.R, self._notify_base
         row_bytes = _align(8 * words)
         own = base + self.rank * row_bytes
@@ -679,8 +694,12 @@ class NativeInternodeBackend:
         rows = [[r, own, own, row_bytes, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
         area = self._rdma[base:base + R * row_bytes]
         host = self._notify_host[:R * row_bytes] if self._notify_host is not None else None
+        # the wait below adds the R - 1 rows to the counter's target after `then`
+        landing = CountRows(self._notify_slot, self._expected[self._notify_slot] + R - 1, self._cx.rdma_ptr + base,
+                            row_bytes // 8)
         self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)",
-                            fixed=True, drain=True, then=then,  # the host reads the rows right below
+                            fixed=True, drain=True,  # the host reads the rows right below
+                            then=(lambda: then(landing)) if then is not None else None,
                             after_wait=(lambda: host.copy_(area, non_blocking=True)) if host is not None else None)
         self._lap("dispatch.notify_exchange")  # until every peer's row is here: the ranks' skew shows up here
         # a copy of the pinned rows: the next notify overwrites them, and the counts live on in the handle
@@ -906,7 +925,7 @@ class NativeInternodeBackend:
     # ---------------------------------------------------------------- dispatch
     def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan, gate_ok: bool = False,
               h: Optional[InternodeHandle] = None, packed: Optional[List[torch.Tensor]] = None,
-              plan_ahead: Optional[Callable[[], None]] = None
+              pushed: bool = False, plan_ahead: Optional[Callable[[], None]] = None
               ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
         forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
@@ -914,8 +933,9 @@ class NativeInternodeBackend:
         arrivals), the hop is not awaited here and ``pending`` is (gate, timing start) for ``_unpack`` and
         ``_gated_done``; otherwise pending is None and the rows are in. ``h``: the handle of a cached dispatch,
         which keeps the hop's plan. ``packed``: the columns' byte rows, whose records for the other nodes are packed
-        already (_pack_during_notify). ``plan_ahead``: host work and uploads for between the push and the wait when the
-        hop is awaited here (when pending is returned, the caller runs it before it launches the gated reader)."""
+        already (_pack_during_notify); ``pushed``: and pushed too (_push_during_notify). ``plan_ahead``: host work
+        and uploads for between the push and the wait when the hop is awaited here (when pending is returned, the
+        caller runs it before it launches the gated reader)."""
         G = self.G
         # contiguous byte rows, alive until the pack launches below
         rows = packed if packed is not None else [_bytes_of(c) for c in columns]
@@ -923,7 +943,12 @@ class NativeInternodeBackend:
         stride = layout.stride
         shape = h.dispatch_shapes.get(layout) if h is not None else None
         if shape is None:
-            shape = self._dispatch_shape(counts, plan, layout)
+            try:
+                shape = self._dispatch_shape(counts, plan, layout)
+            except InternodeError:
+                if pushed:
+                    self._await_pushed_during_notify(counts, stride)
+                raise
             if h is not None:
                 h.dispatch_shapes[layout] = shape
         self._last_dispatch_extents = shape.extents
@@ -956,14 +981,15 @@ class NativeInternodeBackend:
             pack(others)
         self._lap("dispatch.pack")
         own_after_push = (lambda: pack([own_range])) if shape.sends_remote and fused is None else None
+        push = (lambda: None) if pushed else fused  # pushed during notify: only the waits and gates are left
         arrivals = shape.arrivals
         A = arrivals.size(0)
         if G == 1 and gate_ok and self.gated_arrivals:
-            pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=fused)
+            pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=push)
             self._lap("dispatch.push")
             return arrivals[:, :layout.final_bytes], layout, None, A, pending
         self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, hop=hop, rest=rest,
-                            then=_chain(own_after_push, plan_ahead), push=fused)
+                            then=_chain(own_after_push, plan_ahead), push=push)
         self._lap("dispatch.network")
         if G == 1:
             # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
@@ -1067,7 +1093,7 @@ class NativeInternodeBackend:
                              self._rdma[recv_base:recv_base + A * stride].view(A, stride))
 
     def _pack_during_notify(self, row: torch.Tensor, itr: torch.Tensor, cols: List[torch.Tensor], send_top: int,
-                            early: dict) -> None:
+                            early: dict, landing: CountRows) -> None:
         """Pack the records for the other nodes while notify exchanges the counts, where it is safe: the last call
         was a combine of the last dispatch's handle (the caller checks) and our records stay below ``send_top``,
         where that combine's partial sums start in our send half. Why that is enough: every node we sent that
@@ -1076,7 +1102,9 @@ class NativeInternodeBackend:
         notify would otherwise prove, docs/internode.md "Packing during notify"). Only our own tokens per node are
         needed (read from our count row); the tables are made with the other ranks' rows still unknown, so the
         records' final rows count from our first token (right where G = 1, nobody reading them; rewritten after
-        notify otherwise, _write_dest_rows). Fills ``early`` (node_send, plan, layout, rows) when it packed."""
+        notify otherwise, _write_dest_rows). Fills ``early`` (node_send, plan, layout, rows) when it packed, and with
+        one GPU per node pushes them too (_push_during_notify; ``landing``: where the count rows land), adding
+        ``pushed``."""
         # our row is in once the count row kernel and our row's push ran: a bounded drain (the push spins while a
         # FIFO is full), never a bare synchronizing read
         self._drain("count row read during notify")
@@ -1091,6 +1119,39 @@ class NativeInternodeBackend:
         early.update(node_send=node_send, plan=plan, layout=layout, rows=rows)
         self.packs_during_notify += 1
         self._lap("dispatch.pack_during_notify")
+        # several GPUs per node: the records' final rows are rewritten after notify, so they cannot leave before
+        if self.push_during_notify and self.G == 1:
+            early["pushed"] = self._push_during_notify(node_send, layout.stride, landing)
+
+    def _push_during_notify(self, node_send: List[int], stride: int, landing: CountRows) -> bool:
+        """Push the records packed during notify at once, by a kernel that waits on the GPU for every count row
+        (``landing``) and places each block from them (push_after_counts; docs/internode.md, "Push during notify"):
+        the wire starts when the last row lands instead of after the host read the matrix and planned the hop. The
+        destination's row also proves that its earlier calls are done with its receive area, as notify does for the
+        push after it. The writes are those of the hop plan made after notify (place_blocks = dispatch_push_rows),
+        whose waits and gates the receivers use as before. False when nothing crosses the network."""
+        rows = dispatch_push_rows_before_counts(node_send, self.rank, self.G, stride, self.half_rdma, self.L)
+        if not rows:
+            return False
+        table = self._upload(rows)
+        self._keep_early = table  # alive until the notify drain, which waits for this kernel too
+        self._cx.push_after_counts(table.data_ptr(), len(rows), self._per_chunk(stride), landing.slot, landing.target,
+                                   landing.ptr, landing.row_words, self.G, self.half_rdma,
+                                   self._phases["dispatch_network"], self._stream())
+        self.pushes_during_notify += 1
+        self._lap("dispatch.push_during_notify")
+        return True
+
+    def _await_pushed_during_notify(self, counts: Counts, stride: int) -> None:
+        """A dispatch whose records were pushed during notify fails a check of the counts: before the error goes up,
+        wait for the records the others pushed to us, so that none lands after it and the counters stay in step with
+        their targets. push_after_counts sent them iff our arrivals fit our receive half (place_blocks)."""
+        if sum(recv_counts(counts, self.rank, self.G)) * stride <= self.half_rdma:
+            waits = dispatch_waits(counts, self.rank, self.G, self._per_chunk(stride), self.L)
+            for slot, count in waits:
+                self._expected[slot] += count
+            self._wait_for_targets([slot for slot, _ in waits], "dispatch_network")
+        self._drain("dispatch_network wait for the records pushed during notify")
 
     def _write_dest_rows(self, plan: SendPlan, layout: RecordLayout) -> None:
         """The final rows of the records packed during notify (counted from our first token) replaced by the plan's,
@@ -1210,7 +1271,8 @@ class NativeInternodeBackend:
         early: dict = {}
         during = None
         if combined_send_base is not None and self.pack_during_notify:
-            during = lambda row: self._pack_during_notify(row, itr, cols, combined_send_base, early)  # noqa: E731
+            during = lambda row, landing: self._pack_during_notify(  # noqa: E731
+                row, itr, cols, combined_send_base, early, landing)
         counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during)
         self._lap("dispatch.notify")
         if early and early["node_send"] != [int(c) for c in counts.node_counts[self.rank].tolist()]:
@@ -1230,7 +1292,7 @@ class NativeInternodeBackend:
                                        x.size(1), topk_idx.size(1) if topk_idx is not None else 0)
             plan_ahead = lambda: self._plan_ahead(counts, plan, now, ahead, "dispatch.plan_ahead")  # noqa: E731
         final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=early.get("rows"),
-                                                         plan_ahead=plan_ahead)
+                                                         pushed=early.get("pushed", False), plan_ahead=plan_ahead)
         nrecv = final.size(0)
         worst = args.num_worst_tokens
         rows = nrecv

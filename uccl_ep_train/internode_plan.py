@@ -409,6 +409,34 @@ def dispatch_push_rows(counts: Counts, plan: SendPlan, rank: int, ranks_per_node
                      num_lanes)
 
 
+def dispatch_push_rows_before_counts(node_send: Sequence[int], rank: int, ranks_per_node: int, stride: int,
+                                     recv_base: int, num_lanes: int = 1) -> List[List[int]]:
+    """The rows of dispatch_push_rows made before the counts are known (our own tokens per node, ``node_send``, are):
+    every block aimed at the start of the receive area. push_after_counts moves each to its place (place_blocks)."""
+    return push_rows(node_send, rank, ranks_per_node, 0, lambda d: recv_base, stride, 0, num_lanes)
+
+
+def place_blocks(count_rows: torch.Tensor, rows: List[List[int]], rank: int, ranks_per_node: int,
+                 receive_bytes: int) -> List[List[int]]:
+    """What push_after_counts pushes, once every rank's count row (``count_rows`` [R, >= R + N]: column R + m of rank
+    n * G + local holds node n's tokens for node m) is in: each row of dispatch_push_rows_before_counts with its
+    remote offset moved past the records the source nodes before ours send its destination -- dispatch_push_rows'
+    offsets. A destination whose arrivals (every source node's records for it) exceed ``receive_bytes`` is left out:
+    every rank raises from the same counts after notify (the dispatch's area check), and no write overruns the area."""
+    G = ranks_per_node
+    R = count_rows.size(0)
+    node = rank // G
+    out = []
+    for row in rows:
+        dst, stride = int(row[0]), int(row[3])
+        m, local = divmod(dst, G)
+        per_source = [int(count_rows[n * G + local, R + m]) for n in range(R // G)]
+        if sum(per_source) * stride > receive_bytes:
+            continue
+        out.append([row[0], row[1], row[2] + sum(per_source[:node]) * stride] + list(row[3:]))
+    return out
+
+
 def lane_waits(blocks: Sequence[Tuple[int, int]], per_chunk: int, hint: int, num_lanes: int
                ) -> List[Tuple[int, int]]:
     """(slot, records) per lane for blocks given as (first slot, records) that were pushed with FIFO hint ``hint``."""

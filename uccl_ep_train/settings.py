@@ -199,6 +199,10 @@ class KernelSettings:
         "UCCL_EP_PACK_DURING_NOTIFY", "internode: an uncached dispatch right after a combine of the last dispatch's "
         "handle packs its records for the other nodes while notify exchanges the counts (docs/internode.md, Packing "
         "during notify); 0: after notify", _bool))
+    push_during_notify: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_PUSH_DURING_NOTIFY", "internode, one GPU per node: the records packed during notify are pushed "
+        "then too, by a kernel that waits on the GPU for every count row and places each block from them "
+        "(docs/internode.md, Push during notify); 0: the push waits for the host's plan after notify", _bool))
     plan_ahead: bool = field(default=True, metadata=_meta(
         "UCCL_EP_PLAN_AHEAD", "internode: during its network hop an uncached dispatch plans its handle's combine, "
         "and that combine the backward pass's calls (a cached dispatch of a bf16 gradient and of the same columns, a "

@@ -206,6 +206,26 @@ void bind_internode(py::module_& m) {
       .def("push_chunks", &in::Context::push_chunks, py::arg("table"), py::arg("n"), py::arg("chunk_records"),
            py::arg("phase"), py::arg("stream"))
       .def(
+          "push_after_counts",
+          [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, int64_t slot, int64_t expected,
+             uintptr_t count_rows, int64_t row_words, int ranks_per_node, int64_t receive_bytes, int phase,
+             uintptr_t stream) {
+            in::CountRowOffsets at;
+            at.slot = slot;
+            at.expected = expected;
+            at.rows = count_rows;
+            at.row_words = row_words;
+            at.ranks_per_node = ranks_per_node;
+            at.receive_bytes = receive_bytes;
+            cx.push_after_counts(table, n, chunk_records, at, phase, stream);
+          },
+          py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("slot"), py::arg("expected"),
+          py::arg("count_rows"), py::arg("row_words"), py::arg("ranks_per_node"), py::arg("receive_bytes"),
+          py::arg("phase"), py::arg("stream"),
+          "push_chunks once signal[slot] >= expected (every count row in), each row's remote offset moved past the "
+          "records the source nodes before ours send its destination (read from the count rows at count_rows, "
+          "row_words int64 each); a destination whose arrivals exceed receive_bytes gets nothing")
+      .def(
           "pack_and_push",
           [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, uintptr_t send, uintptr_t own_dst,
              int64_t own_first, int64_t own_count, int64_t stride, uintptr_t hop1_token, uintptr_t dest_rows,

@@ -47,15 +47,17 @@ void check(cudaError_t e, const std::string& what) {
 // Every failure sets the stop flag: report() does, a wait that sees the host's abort does, and abort_waits() does.
 
 // Records [first, first + count) of a push table row as one WRITE_SIGNAL through FIFO `lane` (its slot: the row's
-// first slot + lane). False, after reporting, when the command does not encode or the FIFO stays full past the
-// deadline. fifo_push releases at system scope, so the records this thread wrote or observed go out before it.
+// first slot + lane), `remote_shift` bytes past the row's remote offset. False, after reporting, when the command does
+// not encode or the FIFO stays full past the deadline. fifo_push releases at system scope, so the records this thread
+// wrote or observed go out before it.
 __device__ bool push_chunk(const DeviceFifo& f, const long long* row, int lane, long long first, long long count,
-                           int rank, int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop) {
+                           long long remote_shift, int rank, int phase, unsigned long long timeout_ns, ErrorWord* err,
+                           StopFlag stop) {
   const long long stride = row[kPushStride];
   Command c;
   const int e = encode_write_signal(&c, uint32_t(row[kPushDstRank]), uint64_t(count * stride),
                                     uint64_t(row[kPushLocalOffset] + first * stride),
-                                    uint64_t(row[kPushRemoteOffset] + first * stride),
+                                    uint64_t(row[kPushRemoteOffset] + remote_shift + first * stride),
                                     uint32_t(row[kPushSlot] + lane), uint32_t(count));
   if (e != kCmdOk) {
     report(err, stop, kErrEncode, rank, int(row[kPushDstRank]), e, phase, first, row[kPushRecords]);
@@ -68,26 +70,88 @@ __device__ bool push_chunk(const DeviceFifo& f, const long long* row, int lane, 
   return true;
 }
 
+// Lane `lane`'s chunks of push-table row i, in order (what the receivers' waits and gates rely on): chunk c goes
+// through lane (hint + c) % num_fifos, so this lane takes its first chunk, then every num_fifos-th. One thread per
+// (row, lane) lets the lanes push side by side: each command pays a system-scope fence (~2 us), and one thread per
+// row pushed slower than an uncapped wire takes the chunks. With `ready` (pack_and_push), chunk c is pushed once
+// its counter ready[first_chunk + c] holds its record count, and the counter is set back to zero.
+__device__ bool push_lane(const DeviceFifo* fifos, int num_fifos, const long long* row, int i, int lane,
+                          long long chunk_records, long long remote_shift, int* ready, long long first_chunk, int rank,
+                          int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop) {
+  const long long records = row[kPushRecords];
+  const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
+  for (long long chunk = ((lane - hint) % num_fifos + num_fifos) % num_fifos; chunk * chunk_records < records;
+       chunk += num_fifos) {
+    const long long first = chunk * chunk_records, count = min(chunk_records, records - first);
+    if (ready) {
+      int* counter = ready + first_chunk + chunk;
+      const uint64_t start = now_ns();
+      for (unsigned spins = 0;; ++spins) {
+        const int seen = ld_acquire_sys(counter);
+        if (seen >= count) break;
+        if (now_ns() - start > timeout_ns) {
+          report(err, stop, kErrRecordsUnwritten, rank, int(first_chunk + chunk), int(row[kPushDstRank]), phase,
+                 seen, count);
+          return false;
+        }
+        if ((spins & 63) == 0 && stopped(stop)) return false;
+      }
+      *counter = 0;
+    }
+    if (!push_chunk(fifos[lane], row, lane, first, count, remote_shift, rank, phase, timeout_ns, err, stop))
+      return false;
+  }
+  return true;
+}
+
+// CountRowOffsets on the device. rows == nullptr: the table's offsets are final.
+struct CountRowShift {
+  const unsigned long long* signals;
+  long long slot, expected;
+  const long long* rows;
+  long long row_words;
+  int num_ranks, ranks_per_node;
+  long long receive_bytes;
+};
+
+// Where row `row`'s block goes in its destination's receive area, past the row's remote offset (bytes), once the
+// count rows are in; -1: the destination's arrivals exceed the area, so nothing goes (the host raises after notify,
+// on every rank alike, from the same counts). The caller has acquired the counter that proves the rows landed.
+__device__ long long block_shift(const CountRowShift& at, const long long* row, int rank) {
+  const int G = at.ranks_per_node, dst = int(row[kPushDstRank]);
+  const int m = dst / G, local = dst % G, node = rank / G;
+  long long before = 0, total = 0;
+  for (int n = 0; n < at.num_ranks / G; ++n) {
+    // written by the peers' proxies into our memory: read past the L1, after the acquire
+    const long long c = *reinterpret_cast<const volatile long long*>(at.rows + (n * G + local) * at.row_words +
+                                                                     at.num_ranks + m);
+    total += c;
+    if (n < node) before += c;
+  }
+  return total * row[kPushStride] > at.receive_bytes ? -1 : before * row[kPushStride];
+}
+
 __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const long long* table, int n,
-                                   long long chunk_records, int rank, int phase, unsigned long long timeout_ns,
-                                   ErrorWord* err, StopFlag stop) {
-  // a thread per (row, lane): that lane's chunks of the row in order (what the receivers rely on), the lanes side by
-  // side (each command pays a system-scope fence, ~2 us, so one thread per row pushed slower than an uncapped wire
-  // takes the chunks)
+                                   long long chunk_records, CountRowShift at, int rank, int phase,
+                                   unsigned long long timeout_ns, ErrorWord* err, StopFlag stop) {
   const long long p = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (at.rows) {  // pushed during notify: one thread of the block waits for every count row, the others with it
+    __shared__ bool s_rows_in;
+    if (threadIdx.x == 0)
+      s_rows_in = !stopped(stop) && wait_counter(at.signals, at.slot, at.expected, timeout_ns, err, stop, rank, phase);
+    __syncthreads();
+    if (!s_rows_in) return;
+  }
   if (p >= static_cast<long long>(n) * num_fifos || stopped(stop)) return;
   const int i = int(p / num_fifos), lane = int(p % num_fifos);
   const long long* row = table + i * kPushColumns;
-  const long long records = row[kPushRecords];
-  const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
-  // chunk c goes through lane (hint + c) % num_fifos: this lane's first chunk, then every num_fifos-th
-  for (long long chunk = ((lane - hint) % num_fifos + num_fifos) % num_fifos; chunk * chunk_records < records;
-       chunk += num_fifos) {
-    const long long first = chunk * chunk_records;
-    if (!push_chunk(fifos[lane], row, lane, first, min(chunk_records, records - first), rank, phase, timeout_ns, err,
-                    stop))
-      return;
+  long long shift = 0;
+  if (at.rows) {
+    (void)load_counter(at.signals + at.slot);  // this thread's own acquire: the rows it reads next landed before it
+    shift = block_shift(at, row, rank);
+    if (shift < 0) return;
   }
+  push_lane(fifos, num_fifos, row, i, lane, chunk_records, shift, nullptr, 0, rank, phase, timeout_ns, err, stop);
 }
 
 // Records and their commands in one launch (docs/internode.md, "Pack and push"): blocks 1.. write the records as
@@ -124,28 +188,9 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
         const long long rj = table[j * kPushColumns + kPushRecords];
         if (rj > 0) first_chunk += (rj + chunk_records - 1) / chunk_records;
       }
-      const long long* row = table + i * kPushColumns;
-      const long long records = row[kPushRecords];
-      const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
-      // chunk c goes through lane (hint + c) % num_fifos: this lane's first chunk, then every num_fifos-th
-      for (long long chunk = ((lane - hint) % num_fifos + num_fifos) % num_fifos; chunk * chunk_records < records;
-           chunk += num_fifos) {
-        const long long first = chunk * chunk_records, count = min(chunk_records, records - first);
-        int* counter = ready + first_chunk + chunk;
-        const uint64_t start = now_ns();
-        for (unsigned spins = 0;; ++spins) {
-          const int seen = ld_acquire_sys(counter);
-          if (seen >= count) break;
-          if (now_ns() - start > timeout_ns) {
-            report(err, stop, kErrRecordsUnwritten, rank, int(first_chunk + chunk), int(row[kPushDstRank]), phase,
-                   seen, count);
-            return;
-          }
-          if ((spins & 63) == 0 && stopped(stop)) return;
-        }
-        *counter = 0;
-        if (!push_chunk(fifos[lane], row, lane, first, count, rank, phase, timeout_ns, err, stop)) return;
-      }
+      if (!push_lane(fifos, num_fifos, table + i * kPushColumns, i, lane, chunk_records, 0, ready, first_chunk, rank,
+                     phase, timeout_ns, err, stop))
+        return;
     }
     return;
   }
@@ -622,15 +667,48 @@ std::string Context::proxy_counters() const {
 }
 
 void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream) {
+  launch_push(table, n, chunk_records, nullptr, phase, stream);
+}
+
+void Context::push_after_counts(uintptr_t table, int n, int64_t chunk_records, const CountRowOffsets& at, int phase,
+                                uintptr_t stream) {
+  if (at.slot < 0 || uint64_t(at.slot) >= num_slots_)
+    throw std::invalid_argument("push_after_counts: slot " + std::to_string(at.slot) + " outside 0.." +
+                                std::to_string(num_slots_ - 1));
+  if (at.ranks_per_node < 1 || world_ % at.ranks_per_node)
+    throw std::invalid_argument("push_after_counts: ranks_per_node must divide the " + std::to_string(world_) +
+                                " ranks");
+  if (at.row_words < world_ + world_ / at.ranks_per_node)
+    throw std::invalid_argument("push_after_counts: a count row has at least ranks + nodes words");
+  const int64_t rows_offset = int64_t(at.rows) - int64_t(reinterpret_cast<uintptr_t>(rdma_));
+  if (!at.rows || rows_offset < 0 || rows_offset % 8 || rows_offset + 8 * world_ * at.row_words > rdma_bytes_)
+    throw std::invalid_argument("push_after_counts: the count rows must lie in this rank's RDMA region");
+  if (at.receive_bytes < 0) throw std::invalid_argument("push_after_counts: negative receive_bytes");
+  launch_push(table, n, chunk_records, &at, phase, stream);
+}
+
+void Context::launch_push(uintptr_t table, int n, int64_t chunk_records, const CountRowOffsets* at, int phase,
+                          uintptr_t stream) {
   if (n <= 0) return;
   if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
     throw std::invalid_argument("push_chunks: chunk_records must be 1.." + std::to_string(cmd::kMaxValue) +
                                 " (18-bit signal value)");
+  CountRowShift shift{};
+  if (at) {
+    shift.signals = static_cast<const unsigned long long*>(signals_dev_);
+    shift.slot = at->slot;
+    shift.expected = at->expected;
+    shift.rows = reinterpret_cast<const long long*>(at->rows);
+    shift.row_words = at->row_words;
+    shift.num_ranks = world_;
+    shift.ranks_per_node = at->ranks_per_node;
+    shift.receive_bytes = at->receive_bytes;
+  }
   const int threads = 64;
   const int64_t blocks = (int64_t(n) * proxy_->num_fifos() + threads - 1) / threads;
   push_chunks_kernel<<<unsigned(blocks), threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
-      chunk_records, rank_, phase, timeout_ns_, error_dev_, StopFlag{stop_dev_, stop_generation_});
+      chunk_records, shift, rank_, phase, timeout_ns_, error_dev_, StopFlag{stop_dev_, stop_generation_});
   check(cudaGetLastError(), "push_chunks launch");
 }
 
@@ -841,6 +919,8 @@ int64_t Context::signal_value(uint32_t) const { return 0; }
 std::vector<Context::FifoState> Context::fifo_states() const { return {}; }
 std::string Context::proxy_counters() const { return ""; }
 void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
+void Context::push_after_counts(uintptr_t, int, int64_t, const CountRowOffsets&, int, uintptr_t) {}
+void Context::launch_push(uintptr_t, int, int64_t, const CountRowOffsets*, int, uintptr_t) {}
 void Context::pack_and_push(uintptr_t, int, int64_t, const RecordJob&, uintptr_t, int, uintptr_t) {}
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>&, int, uintptr_t) {}
 ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) const { return ArrivalGate{}; }

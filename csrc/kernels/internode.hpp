@@ -50,6 +50,19 @@ struct RecordJob {
   int64_t src_idx_offset = -1, dest_rows_offset = 0;
 };
 
+// A push made before the host knows the counts (docs/internode.md, "Push during notify"): the kernel waits until
+// every rank's count row is in our notify area (signal[slot] >= expected), then adds to each push-table row's remote
+// offset the records that the source nodes before ours send to that destination (its block's place there), read
+// from the rows: columns num_ranks + m of rank n * G + local hold node n's tokens for node m. A destination whose
+// arrivals would exceed `receive_bytes` gets nothing: every rank raises from the same counts after notify.
+struct CountRowOffsets {
+  int64_t slot = 0, expected = 0;
+  uintptr_t rows = 0;      // the notify area (device): rank r's row at rows + 8 * r * row_words
+  int64_t row_words = 0;
+  int ranks_per_node = 1;
+  int64_t receive_bytes = 0;
+};
+
 // (slot, expected) pairs one wait_signals launch carries as kernel arguments (more go in further launches).
 constexpr int kWaitTargetsPerLaunch = 64;
 
@@ -147,6 +160,9 @@ class Context {
   // row goes to FIFO (row[kPushFifo] + c) % num_fifos and signals slot row[kPushSlot] + that FIFO; chunks hold at
   // most `chunk_records` records. `phase` only labels errors.
   void push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream);
+  // push_chunks once the count rows are in, each row's remote offset moved to its block's place (CountRowOffsets).
+  void push_after_counts(uintptr_t table, int n, int64_t chunk_records, const CountRowOffsets& at, int phase,
+                         uintptr_t stream);
   // pack_records and push_chunks in one launch: every record of `job` written, and each chunk of the table pushed
   // as soon as its records are (docs/internode.md, "Pack and push"). `ready`: device int32 counters, one per chunk
   // of the table (rows in order, chunks of a row in order), zero at launch and left zero.
@@ -176,6 +192,10 @@ class Context {
   void destroy();  // stops the proxy, unmaps peers, frees memory (idempotent)
 
  private:
+  // push_chunks' kernel, with the count rows' offsets when `at` is given (push_after_counts)
+  void launch_push(uintptr_t table, int n, int64_t chunk_records, const CountRowOffsets* at, int phase,
+                   uintptr_t stream);
+
   int rank_, world_, device_;
   int64_t rdma_bytes_, nvl_bytes_;
   uint64_t timeout_ns_;

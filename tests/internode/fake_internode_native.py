@@ -38,7 +38,7 @@ from tests.shared_memory_files import map_file, sweep_leftovers
 from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
                                           CMD_UNIT, GATE_FIXED_COLUMNS, SLOT_PAGE, Counts, RecordLayout,
                                           gate_lane_target, gate_threshold, local_count_row,
-                                          pack_records as _pack_records,
+                                          pack_records as _pack_records, place_blocks,
                                           send_plan as _send_plan)
 
 PUSH_COLUMNS = 7
@@ -404,14 +404,44 @@ class InternodeContext:
     def push_chunks(self, table: int, n: int, chunk_records: int, phase: int, stream: int) -> None:
         if n <= 0:
             return
+        self._check_push(chunk_records)
+        if _stopped(self.stop_flag_ptr, self._generation):
+            return
+        self._push_rows(_at(table, 8 * PUSH_COLUMNS * n, torch.int64).view(n, PUSH_COLUMNS).tolist(), chunk_records,
+                        phase)
+
+    def push_after_counts(self, table: int, n: int, chunk_records: int, slot: int, expected: int, count_rows: int,
+                          row_words: int, ranks_per_node: int, receive_bytes: int, phase: int, stream: int) -> None:
+        """push_chunks_kernel with CountRowShift: wait (as wait_counter, with the GPU deadline) until every count row is
+        in, then push each row where place_blocks puts it (a destination whose arrivals exceed receive_bytes gets
+        nothing)."""
+        if not 0 <= slot < self.num_signal_slots:
+            raise ValueError(f"push_after_counts: slot {slot} outside 0..{self.num_signal_slots - 1}")
+        if ranks_per_node < 1 or self.world % ranks_per_node:
+            raise ValueError(f"push_after_counts: ranks_per_node must divide the {self.world} ranks")
+        if row_words < self.world + self.world // ranks_per_node:
+            raise ValueError("push_after_counts: a count row has at least ranks + nodes words")
+        off = count_rows - self.rdma_ptr
+        if not count_rows or off < 0 or off % 8 or off + 8 * self.world * row_words > self.rdma_bytes:
+            raise ValueError("push_after_counts: the count rows must lie in this rank's RDMA region")
+        if n <= 0:
+            return
+        self._check_push(chunk_records)
+        if _stopped(self.stop_flag_ptr, self._generation) or not self._wait_for([(slot, expected)], phase):
+            return
+        rows = _at(table, 8 * PUSH_COLUMNS * n, torch.int64).view(n, PUSH_COLUMNS).tolist()
+        counts = _at(count_rows, 8 * self.world * row_words, torch.int64).view(self.world, row_words)
+        self._push_rows(place_blocks(counts, rows, self.rank, ranks_per_node, receive_bytes), chunk_records, phase)
+
+    def _check_push(self, chunk_records: int) -> None:
         if chunk_records < 1 or chunk_records > CMD_MAX_VALUE:
             raise ValueError(f"push_chunks: chunk_records must be 1..{CMD_MAX_VALUE} (18-bit signal value)")
         if not self._started:
             raise RuntimeError("push_chunks before proxy_start (the fake has no FIFO to queue into)")
-        if _stopped(self.stop_flag_ptr, self._generation):
-            return
-        for i, (dst, loff, roff, stride, records, slot, fifo) in enumerate(
-                _at(table, 8 * PUSH_COLUMNS * n, torch.int64).view(n, PUSH_COLUMNS).tolist()):
+
+    def _push_rows(self, rows: list, chunk_records: int, phase: int) -> None:
+        """push_lane for every (row, lane): chunk c of row i through lane (hint + c) % num_fifos."""
+        for i, (dst, loff, roff, stride, records, slot, fifo) in enumerate(rows):
             hint = i if fifo < 0 else fifo
             for c, first in enumerate(range(0, records, chunk_records)):  # records <= 0: nothing
                 lane = (hint + c) % self.num_fifos

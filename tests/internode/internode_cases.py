@@ -206,6 +206,74 @@ def check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_namin
     cx.clear_error()
 
 
+def check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them(cx, rdma, dev, codes):
+    """push_after_counts on one rank that writes to itself (node 0: no source node comes before it, so each block
+    stays at its row's offset; the moves themselves are proven by place_blocks and the multi-rank comparisons). Its
+    count row is pushed into the rows area first, signalling counter 20; the push, launched behind it, must wait for
+    that signal, then send 7 records of 64 bytes in chunks of 2 through lanes (1 + c) % 2 (counters 7 and 8), exactly
+    as push_chunks. On a GPU, where ``cx``'s loopback delays each write, the records must land a whole delay after the
+    row, not with it. A destination whose arrivals exceed the receive area gets nothing, and no error; a row
+    that never comes fails at the GPU deadline naming the counter, the value seen and the one waited for, and
+    nothing is pushed. ``rdma``: a uint8 view of cx's RDMA region on ``dev``; ``codes``: the module's ERROR_CODES."""
+    stride, n, per, hint, slot, row_slot = 64, 7, 2, 1, 7, 20
+    recv, rows_at, staging, row_words = 16384, 8192, 12288, 4
+    cuda = dev.type == "cuda"
+    stream = torch.cuda.current_stream().cuda_stream if cuda else 0
+    g = torch.Generator().manual_seed(11)
+    rdma[:n * stride] = torch.randint(0, 256, (n * stride,), generator=g, dtype=torch.uint8).to(dev)
+    rdma[recv:recv + n * stride] = 0xAB  # stale bytes where the records land
+    rdma[rows_at:rows_at + 8 * row_words] = 0  # no count row yet
+    # our count row: n tokens for rank 0 and for node 0 (column R + 0 = 1)
+    rdma[staging:staging + 8 * row_words] = torch.tensor([n, n, 0, 0], dtype=torch.int64).view(torch.uint8).to(dev)
+    lanes = [cx.signal_value(slot + f) for f in range(2)]
+    rows_base = cx.signal_value(row_slot)
+    row_push = torch.tensor([[0, staging, rows_at, 8 * row_words, 1, row_slot, 0]], dtype=torch.int64, device=dev)
+    table = torch.tensor([[0, 0, recv, stride, n, slot, hint]], dtype=torch.int64, device=dev)
+    receive = 1 << 14
+    cx.push_chunks(row_push.data_ptr(), 1, 1, 6, stream)
+    cx.push_after_counts(table.data_ptr(), 1, per, row_slot, rows_base + 1, cx.rdma_ptr + rows_at, row_words, 1,
+                         receive, 1, stream)
+    if cuda:
+        # each write lands a delay after it was posted: had the block left with the row, it would land right after
+        # it; posted once the row is in, it lands a whole delay later
+        deadline = time.monotonic() + 10
+        while cx.signal_value(row_slot) < rows_base + 1:
+            assert time.monotonic() < deadline, "the count row never landed"
+            time.sleep(0.0005)
+        time.sleep(0.005)
+        assert [cx.signal_value(slot + f) for f in range(2)] == lanes, "the block left before the count rows were in"
+        torch.cuda.synchronize(dev)
+    # chunks 0..3 (records 2, 2, 2, 1) through lanes (1 + c) % 2: lane 1 carries chunks 0 and 2, lane 0 chunks 1, 3
+    want = [lanes[0] + 3, lanes[1] + 4]
+    deadline = time.monotonic() + 10
+    while [cx.signal_value(slot + f) for f in range(2)] != want:
+        assert time.monotonic() < deadline, f"counters {[cx.signal_value(slot + f) for f in range(2)]} != {want}"
+        time.sleep(0.001)
+    assert cx.error_fields()["code"] == 0, cx.error_message()
+    assert torch.equal(rdma[recv:recv + n * stride], rdma[:n * stride]), "the records did not land at their block"
+    # a receive area one record short of the destination's arrivals: nothing goes, and that is no error
+    rdma[recv:recv + n * stride] = 0xAB
+    cx.push_after_counts(table.data_ptr(), 1, per, row_slot, rows_base + 1, cx.rdma_ptr + rows_at, row_words, 1,
+                         (n - 1) * stride, 1, stream)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    time.sleep(0.05)
+    assert [cx.signal_value(slot + f) for f in range(2)] == want, "a block too big for its destination's area left"
+    assert bool((rdma[recv:recv + n * stride] == 0xAB).all()) and cx.error_fields()["code"] == 0
+    # a count row that never comes: the deadline, naming the counter, what it saw and what it waited for
+    t0 = time.monotonic()
+    cx.push_after_counts(table.data_ptr(), 1, per, row_slot, rows_base + 2, cx.rdma_ptr + rows_at, row_words, 1,
+                         receive, 1, stream)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    assert time.monotonic() - t0 < 30, "the push waited far past its deadline"
+    e = cx.error_fields()
+    assert (e["code"], e["slot"], e["observed"], e["expected"]) == (codes["wait_timeout"], row_slot, rows_base + 1,
+                                                                     rows_base + 2), e
+    assert [cx.signal_value(slot + f) for f in range(2)] == want, "the push went on without the count rows"
+    cx.clear_error()
+
+
 def check_a_gated_unpack_reads_rows_only_after_their_chunks_land(cx, unpack_records, rdma, dev, codes):
     """The arrival gate on one rank that writes to itself: ten 64-byte records in chunks of 3 through two lanes
     (chunk c through lane (1 + c) % 2, counters 7 and 8) land over stale bytes in the receive area, and an unpack gated

@@ -22,6 +22,7 @@ from internode_cases import (ALL, check_a_failed_rank_sends_and_forwards_nothing
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
+                             check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
                              compare_cases)
 
 RDMA = 16 << 20
@@ -189,6 +190,84 @@ def test_an_uncached_dispatch_right_after_a_combine_of_the_last_dispatch_packs_d
     assert out == [(len(cases), 0, 0)] * world
 
 
+def _pushes_during_notify(rank, world, G, cases):
+    """compare_cases: (pairs compared, dispatches that packed during notify, and that pushed during notify too)."""
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
+        return done, nat.packs_during_notify, nat.pushes_during_notify
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 1), (4, 2)], ids=["2x1", "4x1", "2x2"])
+def test_with_one_gpu_per_node_records_packed_during_notify_are_pushed_during_notify_and_still_match(world, G):
+    """With one GPU per node, an uncached dispatch that packs its records during notify pushes them then too, each
+    block placed by the kernel from the count rows (4 x 1: sources before and after ours), and every output still
+    equals the reference; with several GPUs per node (final rows rewritten after notify) and with
+    UCCL_EP_PUSH_DURING_NOTIFY=0 the push waits for the host's plan."""
+    cases = ALL[:4]
+    out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120, env=ENV)
+    for done, packed, pushed in out:
+        assert (done, packed) == (len(cases), len(cases) - 1)
+        assert (1 <= pushed <= packed) if G == 1 else pushed == 0, (G, packed, pushed)
+    out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120,
+                          env=dict(ENV, UCCL_EP_PUSH_DURING_NOTIFY="0"))
+    assert [(done, pushed) for done, _, pushed in out] == [(len(cases), 0)] * world
+
+
+def _area_too_small_after_a_push_during_notify(rank, world, G):
+    """A dispatch and its combine, then an uncached dispatch (packed and pushed during notify) whose arrivals
+    overflow rank 1's receive area but not rank 0's: rank 1 sends rank 0 20 records, rank 0 sends rank 1 every token.
+    Returns (the error, whether the dispatch counters are at their targets, pushes during notify, pairs compared by
+    a whole case run afterwards)."""
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.internode import InternodeError
+
+    nat, ref = _backends(rank, world, G, rdma=2 << 20)
+    try:
+        E, H = 4 * world, 128
+        g = torch.Generator().manual_seed(rank)
+
+        def dispatch(idx):
+            x = torch.randn((idx.size(0), H), generator=g).to(torch.bfloat16)
+            tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+            return nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
+
+        r = dispatch(torch.randint(0, E, (64, 2), generator=g))
+        nat.combine(r.recv_x, r.handle, None, None)
+        records = nat.half_rdma // (2 * H + 48)  # records of this shape an area holds (each side of the region)
+        if rank == 0:  # 0.45 of an area to each node
+            idx = torch.tensor([[0, 4]] * int(0.45 * records))
+        else:  # 0.7 of an area to its own node, 20 records to node 0: node 1's arrivals overflow, node 0's do not
+            idx = torch.tensor([[4, 5]] * int(0.7 * records))
+            idx[:20] = torch.tensor([0, 4])
+        try:
+            dispatch(idx)
+            err = "no error"
+        except InternodeError as exc:
+            err = str(exc)
+        # every dispatch lane's counter at the host's target: what was pushed to us landed, and was accounted for
+        # (the peer's next call sends on these lanes only after our next count row, which comes after this)
+        in_step = all(nat._cx.signal_value(s) == nat._expected[s] for s in range(nat.N * nat.L))
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, ALL[:1], 1)
+        return err, in_step, nat.pushes_during_notify, done
+    finally:
+        nat.destroy()
+
+
+def test_an_area_too_small_for_records_pushed_during_notify_raises_on_every_rank_and_the_next_calls_match():
+    """The area check comes after notify, so records pushed during notify have left already: the kernel sends
+    nothing to a destination whose arrivals overflow its area, every rank raises the same area error from the same
+    counts, a rank that did receive records waits for them first, and the next calls run and match the reference
+    (the counters stayed in step)."""
+    out = run_distributed(_area_too_small_after_a_push_during_notify, 2, 1, timeout=120, env=ENV)
+    for rank, (err, in_step, pushed, done) in enumerate(out):
+        assert "dispatch receive (RDMA)" in err and "num_rdma_bytes" in err, f"rank {rank}: {err}"
+        assert in_step, f"rank {rank}: the dispatch counters are not at their targets after the error"
+        assert pushed == 1 and done == 1, (rank, pushed, done)
+
+
 def _hop_fields(p):
     return (p.rows, p.waits, p.gate_blocks, p.per_chunk, p.head_first, p.head_records, p.head_rows, p.tail_rows)
 
@@ -343,6 +422,15 @@ def test_stand_in_pack_and_push_fails_naming_a_chunk_whose_records_are_never_wri
     try:
         check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it(
             cx, torch.device("cpu"), fake.ERROR_CODES)
+    finally:
+        cx.destroy()
+
+
+def test_stand_in_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them():
+    cx = _context(gpu_timeout_secs=0.2)
+    try:
+        check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them(
+            cx, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"), fake.ERROR_CODES)
     finally:
         cx.destroy()
 

@@ -36,6 +36,7 @@ from internode_cases import (ALL, check_a_failed_rank_sends_and_forwards_nothing
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
+                             check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
                              compare_cases)
 
 RDMA = 64 << 20
@@ -361,6 +362,19 @@ def test_pack_and_push_fails_at_the_deadline_naming_a_chunk_whose_records_are_ne
     try:
         check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it(
             cx, torch.device("cuda", 0), dict(native.module().internode.ERROR_CODES))
+    finally:
+        cx.destroy()
+
+
+def test_push_after_counts_waits_on_the_gpu_for_the_count_rows_and_places_each_block_from_them():
+    """The push during notify at kernel level (docs/internode.md, "Push during notify"), on one GPU writing to
+    itself through a loopback that delays each write by 20 ms: the push must wait for the count row's signal."""
+    cx = _one_rank_context(loopback_delay_us=20000, gpu_timeout_secs=1.0, max_inflight_bytes=1 << 20)
+    try:
+        dev = torch.device("cuda", 0)
+        check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them(
+            cx, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev,
+            dict(native.module().internode.ERROR_CODES))
     finally:
         cx.destroy()
 

@@ -8,6 +8,8 @@ copies at the forwarder, add them in local-rank order, send the partial sums bac
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -639,3 +641,26 @@ def test_the_rest_of_a_hop_is_every_record_range_without_the_heads_records():
     assert hop.rest_of([(10, 26)]) == []
     assert hop.rest_of([(0, 12), (20, 30)]) == [(0, 10), (26, 30)]
     assert hop.rest_of([(30, 50)]) == [(30, 50)]
+
+
+@pytest.mark.parametrize("R,G,skew", [(2, 1, False), (4, 1, True), (8, 2, True), (6, 3, False)])
+def test_blocks_placed_from_the_count_rows_go_where_dispatch_push_rows_puts_them_and_none_overruns_the_area(R, G, skew):
+    """push_after_counts' rule (place_blocks) against the hop plan made after notify: the rows made from our own
+    counts alone, moved by the count rows, are dispatch_push_rows' rows, for every rank; with a receive area too small
+    for some destinations, exactly the rows for those are left out."""
+    E, K, N, stride, recv_base, lanes = 8 * R, 4, R // G, 96, 1 << 20, 3
+    topk = [_topk(r, 40 + 3 * r, K, E, 7, skew) for r in range(R)]
+    rows = torch.stack([plan.local_count_row(ref.get_dispatch_layout(t, E, R, G)[3], G) for t in topk])
+    counts = plan.counts_from_rows(rows, R, N)
+    arrivals = [sum(plan.recv_counts(counts, d, G)) for d in range(R)]
+    assert len(set(arrivals)) > 1 or not skew, "a skewed routing should leave some rank more arrivals than another"
+    for rank in range(R):
+        node_send = [int(c) for c in counts.node_counts[rank].tolist()]
+        early = plan.dispatch_push_rows_before_counts(node_send, rank, G, stride, recv_base, lanes)
+        assert all(row[2] == recv_base for row in early)
+        after = plan.dispatch_push_rows(counts, SimpleNamespace(node_send=node_send), rank, G, stride, recv_base,
+                                        lanes)
+        assert plan.place_blocks(rows, early, rank, G, max(arrivals) * stride) == after
+        limit = sorted(arrivals)[len(arrivals) // 2] * stride  # some destinations fit, the others do not
+        fits = [row for row in after if arrivals[row[0]] * stride <= limit]
+        assert plan.place_blocks(rows, early, rank, G, limit) == fits
