@@ -134,6 +134,14 @@ def check_a_failed_rank_sends_and_forwards_nothing(cx, scatter_rows, dev):
     assert torch.equal(rdma[2048:2064], rdma[:16]) and torch.equal(rdma[2080:2096], rdma[16:32])
 
 
+def _await_counters(cx, slots, want, secs=10.0):
+    """Poll ``cx``'s counters ``slots`` until they read ``want`` (a GPU's writes land asynchronously)."""
+    deadline = time.monotonic() + secs
+    while [cx.signal_value(s) for s in slots] != want:
+        assert time.monotonic() < deadline, f"counters {[cx.signal_value(s) for s in slots]} != {want}"
+        time.sleep(0.001)
+
+
 def check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks(cx, pack_records, rdma, dev):
     """pack_and_push on one rank that writes to itself: 11 records (80 bytes: a 64-byte column, the source index,
     two final rows) of tokens in random order, the last two our own node's (written to their own place, never
@@ -163,10 +171,7 @@ def check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_pus
         torch.cuda.synchronize(dev)
     # chunks 0..4 (records 2, 2, 2, 2, 1) through lanes (1 + c) % 2: lane 1 carries chunks 0, 2, 4, lane 0 chunks 1, 3
     want = [base[0] + 4, base[1] + 5]
-    deadline = time.monotonic() + 10
-    while [cx.signal_value(slot + f) for f in range(2)] != want:
-        assert time.monotonic() < deadline, f"counters {[cx.signal_value(slot + f) for f in range(2)]} != {want}"
-        time.sleep(0.001)
+    _await_counters(cx, [slot, slot + 1], want)
     assert cx.error_fields()["code"] == 0, cx.error_message()
     sent, used = n - own, 64 + 4 + 2 * 4  # the record's last 4 bytes are padding, which neither kernel writes
     assert torch.equal(rdma[send:send + sent * stride].view(sent, stride)[:, :used], expect[:sent, :used]), "send area"
@@ -245,10 +250,7 @@ def check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_
         torch.cuda.synchronize(dev)
     # chunks 0..3 (records 2, 2, 2, 1) through lanes (1 + c) % 2: lane 1 carries chunks 0 and 2, lane 0 chunks 1, 3
     want = [lanes[0] + 3, lanes[1] + 4]
-    deadline = time.monotonic() + 10
-    while [cx.signal_value(slot + f) for f in range(2)] != want:
-        assert time.monotonic() < deadline, f"counters {[cx.signal_value(slot + f) for f in range(2)]} != {want}"
-        time.sleep(0.001)
+    _await_counters(cx, [slot, slot + 1], want)
     assert cx.error_fields()["code"] == 0, cx.error_message()
     assert torch.equal(rdma[recv:recv + n * stride], rdma[:n * stride]), "the records did not land at their block"
     # a receive area one record short of the destination's arrivals: nothing goes, and that is no error
