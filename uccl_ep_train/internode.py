@@ -694,12 +694,15 @@ class NativeInternodeBackend:
         rows = [[r, own, own, row_bytes, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
         area = self._rdma[base:base + R * row_bytes]
         host = self._notify_host[:R * row_bytes] if self._notify_host is not None else None
-        # the wait below adds the R - 1 rows to the counter's target after `then`
-        landing = CountRows(self._notify_slot, self._expected[self._notify_slot] + R - 1, self._cx.rdma_ptr + base,
-                            row_bytes // 8)
+        later = None
+        if then is not None:
+            # the wait below adds the R - 1 rows to the counter's target after `then`
+            landing = CountRows(self._notify_slot, self._expected[self._notify_slot] + R - 1,
+                                self._cx.rdma_ptr + base, row_bytes // 8)
+            later = lambda: then(landing)  # noqa: E731
         self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)",
                             fixed=True, drain=True,  # the host reads the rows right below
-                            then=(lambda: then(landing)) if then is not None else None,
+                            then=later,
                             after_wait=(lambda: host.copy_(area, non_blocking=True)) if host is not None else None)
         self._lap("dispatch.notify_exchange")  # until every peer's row is here: the ranks' skew shows up here
         # a copy of the pinned rows: the next notify overwrites them, and the counts live on in the handle
@@ -843,13 +846,16 @@ class NativeInternodeBackend:
                                self._chunk_ready.data_ptr(), self._phases[phase], self._stream())
         self.packs_and_pushes[phase] += 1
 
-    def _hop_plan(self, h: Optional[InternodeHandle], key: Tuple[str, int], make: Callable[[], HopPlan]) -> HopPlan:
+    def _hop_plan(self, h: Optional[InternodeHandle], key: Tuple[str, int], make: Callable[[], HopPlan],
+                  on_device: bool = True) -> HopPlan:
         """The handle's plan for this hop (made once per handle and record size, or ahead: _plan_ahead), or a fresh
-        one without a handle; on the device either way."""
+        one without a handle; on the device either way, except a fresh one whose push already ran (``on_device``
+        False: only its waits and gates are used, and the upload would cost ~15-40 us of host time for nothing)."""
         plan = h.hop_plans.get(key) if h is not None else None
         if plan is None:
             plan = make()
-            self._upload_hop_plans([plan])
+            if on_device or h is not None:  # a handle's plan serves its cached calls' pushes later
+                self._upload_hop_plans([plan])
             if h is not None:
                 h.hop_plans[key] = plan
         return plan
@@ -957,7 +963,8 @@ class NativeInternodeBackend:
         # after the push, so that the push waits only for the records it sends (at 2 nodes, half the packing).
         own_block = shape.own_block
 
-        hop = self._hop_plan(h, ("dispatch", stride), lambda: self._dispatch_hop(counts, plan, stride))
+        hop = self._hop_plan(h, ("dispatch", stride), lambda: self._dispatch_hop(counts, plan, stride),
+                             on_device=not pushed)
         others, own_range = self._record_ranges(plan)
         pack = lambda ranges: self._pack(rows, plan, layout, own_block, ranges)  # noqa: E731
         # What the push needs written before it starts: nothing when one launch writes the records and pushes them
