@@ -1106,48 +1106,78 @@ class NativeInternodeBackend:
         where that combine's partial sums start in our send half. Why that is enough: every node we sent that
         dispatch's records to sent us partial sums back for them in the combine, and pushed them only after its
         dispatch had received all of them; so nothing of ours below the partial sums is still on the wire (what
-        notify would otherwise prove, docs/internode.md "Packing during notify"). Only our own tokens per node are
-        needed (read from our count row); the tables are made with the other ranks' rows still unknown, so the
-        records' final rows count from our first token (right where G = 1, nobody reading them; rewritten after
-        notify otherwise, _write_dest_rows). Fills ``early`` (node_send, plan, layout, rows) when it packed, and with
-        one GPU per node pushes them too (_push_during_notify; ``landing``: where the count rows land), adding
-        ``pushed``."""
-        # our row is in once the count row kernel and our row's push ran: a bounded drain (the push spins while a
-        # FIFO is full), never a bare synchronizing read
-        self._drain("count row read during notify")
-        node_send = [int(c) for c in row[self.R:self.R + self.N].tolist()]
+        notify would otherwise prove, docs/internode.md "Packing during notify").
+
+        Only our own tokens per node are needed, and the host reads none of them: send_plan and pack_records take
+        them from our count row ``row`` on the device (written just before by count_row), the tables sized for any
+        counts. The records' final rows count from our first token (right where G = 1, nobody reading them;
+        rewritten after notify otherwise, _write_dest_rows). The kernels pack nothing when our records would pass
+        ``send_top``; the host learns which it was after notify (_packed_during_notify). Fills ``early`` (layout,
+        rows, tables, send_top), and with one GPU per node pushes the records too (_push_during_notify;
+        ``landing``: where the count rows land), adding ``push_launched``."""
+        T, R, G, N = itr.size(0), self.R, self.G, self.N
         rows = [_bytes_of(c) for c in cols]
-        layout = _record_layout(tuple(r.size(1) for r in rows), self.G)
-        if sum(node_send) * layout.stride > send_top:
-            return
-        plan = self._plan_tables(itr, node_send, [0] * self.R)
-        others, _ = self._record_ranges(plan)
-        self._pack(rows, plan, layout, 0, others)  # own node's records: after notify (their block needs the counts)
-        early.update(node_send=node_send, plan=plan, layout=layout, rows=rows)
-        self.packs_during_notify += 1
+        layout = _record_layout(tuple(r.size(1) for r in rows), G)
+        own_counts = row.data_ptr() + 8 * R  # our tokens per node: the row's node columns
+        capacity = T * N  # a token is one record per node at most
+        dev = self.device
+        tables = SendPlan(torch.empty(capacity, dtype=torch.int64, device=dev), [],
+                          torch.empty((capacity, G), dtype=torch.int64, device=dev),
+                          torch.empty((T, R), dtype=torch.int64, device=dev),
+                          torch.empty((N, T), dtype=torch.int32, device=dev))
+        itr = itr.to(torch.bool).contiguous()
+        self._k.send_plan(itr.data_ptr(), T, R, G, 0, 0, tables.dest_row_all.data_ptr(), tables.hop1_token.data_ptr(),
+                          tables.dest_rows.data_ptr(), tables.row_of.data_ptr(), self._stream(), node_counts=own_counts)
+        packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
+        self._k.pack_records(self._cx.rdma_ptr, 0, 0, 0, layout.stride, tables.hop1_token.data_ptr(),
+                             tables.dest_rows.data_ptr(), G, capacity, packed, layout.src_idx_offset,
+                             layout.dest_rows_offset, self._stream(), node_counts=own_counts, num_nodes=N,
+                             skip_node=self.node, send_limit=send_top)
+        early.update(layout=layout, rows=rows, tables=tables, send_top=send_top, itr=itr)
         self._lap("dispatch.pack_during_notify")
         # several GPUs per node: the records' final rows are rewritten after notify, so they cannot leave before
-        if self.push_during_notify and self.G == 1:
-            early["pushed"] = self._push_during_notify(node_send, layout.stride, landing)
+        if self.push_during_notify and G == 1:
+            self._push_during_notify(layout.stride, landing, send_top)
+            early["push_launched"] = True
 
-    def _push_during_notify(self, node_send: List[int], stride: int, landing: CountRows) -> bool:
+    def _push_during_notify(self, stride: int, landing: CountRows, send_top: int) -> None:
         """Push the records packed during notify at once, by a kernel that waits on the GPU for every count row
         (``landing``) and places each block from them (push_after_counts; docs/internode.md, "Push during notify"):
         the wire starts when the last row lands instead of after the host read the matrix and planned the hop. The
         destination's row also proves that its earlier calls are done with its receive area, as notify does for the
-        push after it. The writes are those of the hop plan made after notify (place_blocks = dispatch_push_rows),
-        whose waits and gates the receivers use as before. False when nothing crosses the network."""
-        rows = dispatch_push_rows_before_counts(node_send, self.rank, self.G, stride, self.half_rdma, self.L)
-        if not rows:
-            return False
-        table = self._upload(rows)
-        self._keep_early = table  # alive until the notify drain, which waits for this kernel too
-        self._cx.push_after_counts(table.data_ptr(), len(rows), self._per_chunk(stride), landing.slot, landing.target,
-                                   landing.ptr, landing.row_words, self.G, self.half_rdma,
-                                   self._phases["dispatch_network"], self._stream())
-        self.pushes_during_notify += 1
+        push after it. The table holds a row for every other node, made before any count is known (the same for
+        every call of a record size: uploaded once); the kernel takes each row's records and block from our own row
+        (rows_from_own_row) and pushes nothing when the pack did not pack (``send_top``). The writes are those of the
+        hop plan made after notify (place_blocks = dispatch_push_rows), whose waits and gates the receivers use."""
+        key = ("dispatch during notify", stride)
+        table = self._fixed_tables.get(key)
+        if table is None:
+            rows = dispatch_push_rows_before_counts(self.rank, self.G, self.N, stride, self.half_rdma, self.L)
+            if not rows:
+                return
+            table = self._fixed_tables[key] = self._push_table(rows)
+        self._cx.push_after_counts(table.data_ptr(), table.size(0), self._per_chunk(stride), landing.slot,
+                                   landing.target, landing.ptr, landing.row_words, self.G, self.half_rdma,
+                                   self._phases["dispatch_network"], self._stream(), send_limit=send_top)
         self._lap("dispatch.push_during_notify")
-        return True
+
+    def _packed_during_notify(self, early: dict, counts: Counts) -> Tuple[Optional[SendPlan], bool]:
+        """After notify, what the kernels launched during it did, from the counts by their own rule: (the send plan
+        when they packed, else None -- nothing was packed; whether they pushed)."""
+        node_send = [int(c) for c in counts.node_counts[self.rank].tolist()]
+        if not early or sum(node_send) * early["layout"].stride > early["send_top"]:
+            return None, False
+        self.packs_during_notify += 1
+        if self.G > 1:  # the final rows count from each destination's first row: rewritten in the records
+            plan = self._send_plan(early["itr"], counts)
+            self._write_dest_rows(plan, early["layout"])
+            return plan, False
+        t, S1 = early["tables"], sum(node_send)
+        # with one GPU per node nobody reads the records' final rows: the tables stand
+        plan = SendPlan(t.hop1_token[:S1], node_send, t.dest_rows[:S1], t.dest_row_all, t.row_of)
+        pushed = early.get("push_launched", False) and any(c for m, c in enumerate(node_send) if m != self.node)
+        self.pushes_during_notify += pushed
+        return plan, pushed
 
     def _await_pushed_during_notify(self, counts: Counts, stride: int) -> None:
         """A dispatch whose records were pushed during notify fails a check of the counts: before the error goes up,
@@ -1282,15 +1312,10 @@ class NativeInternodeBackend:
                 row, itr, cols, combined_send_base, early, landing)
         counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during)
         self._lap("dispatch.notify")
-        if early and early["node_send"] != [int(c) for c in counts.node_counts[self.rank].tolist()]:
-            raise InternodeError(f"rank {self.rank}: notify returned other counts for our own row than we read from "
-                                 f"it while it was exchanged ({early['node_send']}): the count row changed in flight")
-        if early and self.G == 1:
-            plan = early["plan"]  # with one GPU per node nobody reads the records' final rows: the tables stand
-        else:
+        plan, pushed = self._packed_during_notify(early, counts)
+        packed = early["rows"] if plan is not None else None
+        if plan is None:
             plan = self._send_plan(itr, counts)
-            if early:
-                self._write_dest_rows(plan, early["layout"])
         self._lap("dispatch.plan")
         ahead = plan_ahead = later = None
         if self.plan_ahead:
@@ -1298,8 +1323,8 @@ class NativeInternodeBackend:
             now, later = self._guesses(tuple(_row_bytes(c) for c in cols[:2 if scales is not None else 1]),
                                        x.size(1), topk_idx.size(1) if topk_idx is not None else 0)
             plan_ahead = lambda: self._plan_ahead(counts, plan, now, ahead, "dispatch.plan_ahead")  # noqa: E731
-        final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=early.get("rows"),
-                                                         pushed=early.get("pushed", False), plan_ahead=plan_ahead)
+        final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
+                                                         pushed=pushed, plan_ahead=plan_ahead)
         nrecv = final.size(0)
         worst = args.num_worst_tokens
         rows = nrecv

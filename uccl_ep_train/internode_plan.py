@@ -409,17 +409,37 @@ def dispatch_push_rows(counts: Counts, plan: SendPlan, rank: int, ranks_per_node
                      num_lanes)
 
 
-def dispatch_push_rows_before_counts(node_send: Sequence[int], rank: int, ranks_per_node: int, stride: int,
-                                     recv_base: int, num_lanes: int = 1) -> List[List[int]]:
-    """The rows of dispatch_push_rows made before the counts are known (our own tokens per node, ``node_send``, are):
-    every block aimed at the start of the receive area. push_after_counts moves each to its place (place_blocks)."""
-    return push_rows(node_send, rank, ranks_per_node, 0, lambda d: recv_base, stride, 0, num_lanes)
+def dispatch_push_rows_before_counts(rank: int, ranks_per_node: int, num_nodes: int, stride: int, recv_base: int,
+                                     num_lanes: int = 1) -> List[List[int]]:
+    """The rows of dispatch_push_rows made before any count is read, not even our own: a row for every other node,
+    its records 0 and its block at the start of our send area, aimed at the start of the destination's receive
+    area. push_after_counts with a send limit gives each row its records and block from our own count row
+    (rows_from_own_row), then moves it to its place (place_blocks). The same on every call of a record size."""
+    return [[dst, 0, remote, stride, 0, slot, hint] for dst, _, remote, stride, _, slot, hint in
+            push_rows([1] * num_nodes, rank, ranks_per_node, 0, lambda d: recv_base, stride, 0, num_lanes)]
+
+
+def rows_from_own_row(node_send: Sequence[int], rows: List[List[int]], ranks_per_node: int, send_limit: int
+                      ) -> List[List[int]]:
+    """What push_after_counts makes of dispatch_push_rows_before_counts' rows from our own tokens per node
+    (``node_send``, our count row's node columns) before it places the blocks: each row gets its node's records and
+    its block in our send area (records by node, as send_plan lists them); rows without records push nothing. When
+    all our records together pass ``send_limit`` bytes nothing is pushed: pack_records, counting on the device, packed
+    none of them by the same rule."""
+    if not rows or sum(node_send) * rows[0][3] > send_limit:
+        return []
+    out = []
+    for dst, local, remote, stride, _, slot, hint in rows:
+        m = dst // ranks_per_node
+        if node_send[m]:
+            out.append([dst, local + sum(node_send[:m]) * stride, remote, stride, int(node_send[m]), slot, hint])
+    return out
 
 
 def place_blocks(count_rows: torch.Tensor, rows: List[List[int]], rank: int, ranks_per_node: int,
                  receive_bytes: int) -> List[List[int]]:
     """What push_after_counts pushes, once every rank's count row (``count_rows`` [R, >= R + N]: column R + m of rank
-    n * G + local holds node n's tokens for node m) is in: each row of dispatch_push_rows_before_counts with its
+    n * G + local holds node n's tokens for node m) is in: each row of rows_from_own_row with its
     remote offset moved past the records the source nodes before ours send its destination -- dispatch_push_rows'
     offsets. A destination whose arrivals (every source node's records for it) exceed ``receive_bytes`` is left out:
     every rank raises from the same counts after notify (the dispatch's area check), and no write overruns the area."""

@@ -64,24 +64,30 @@ void bind_internode(py::module_& m) {
         "this rank's notify row (internode_plan.local_count_row) as int64 at `out`, one launch");
   k.def("send_plan", &in::send_plan, py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"),
         py::arg("ranks_per_node"), py::arg("prefix"), py::arg("node_base"), py::arg("dest_row_all"),
-        py::arg("hop1_token"), py::arg("dest_rows"), py::arg("row_of"), py::arg("stream"),
-        "the device tables of internode_plan.send_plan, one launch");
+        py::arg("hop1_token"), py::arg("dest_rows"), py::arg("row_of"), py::arg("stream"), py::arg("node_counts") = 0,
+        "the device tables of internode_plan.send_plan, one launch; prefix 0: zeros; node_base 0: the running sum "
+        "of node_counts (device int64 [N], our own count row's tokens per node)");
   k.def(
       "pack_records",
       [](uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride, uintptr_t hop1_token,
          uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
          const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& columns, int64_t src_idx_offset,
-         int64_t dest_rows_offset, uintptr_t stream) {
+         int64_t dest_rows_offset, uintptr_t stream, uintptr_t node_counts, int num_nodes, int skip_node,
+         int64_t send_limit) {
         std::vector<in::PackColumn> cols;
         for (const auto& [src, bytes, offset] : columns) cols.push_back(in::PackColumn{src, bytes, offset});
         in::pack_records(send, own_dst, own_first, own_count, stride, hop1_token, dest_rows, ranks_per_node,
-                         num_records, cols, src_idx_offset, dest_rows_offset, stream);
+                         num_records, cols, src_idx_offset, dest_rows_offset, stream,
+                         in::DeviceNodeCounts{node_counts, num_nodes, skip_node, send_limit});
       },
       py::arg("send"), py::arg("own_dst"), py::arg("own_first"), py::arg("own_count"), py::arg("stride"),
       py::arg("hop1_token"), py::arg("dest_rows"), py::arg("ranks_per_node"), py::arg("num_records"),
       py::arg("columns"), py::arg("src_idx_offset"), py::arg("dest_rows_offset"), py::arg("stream"),
+      py::arg("node_counts") = 0, py::arg("num_nodes") = 0, py::arg("skip_node") = -1, py::arg("send_limit") = -1,
       "the wire records of internode_plan.pack_records, one launch; columns: (src, row bytes, record offset); "
-      "records [own_first, own_first + own_count) go to own_dst");
+      "records [own_first, own_first + own_count) go to own_dst. node_counts (device int64 [num_nodes]): the "
+      "records are counted on the device instead (num_records: the tables' capacity), node skip_node's are not "
+      "written, and none is when all pass send_limit bytes");
 
   k.def(
       "unpack_records",
@@ -209,7 +215,7 @@ void bind_internode(py::module_& m) {
           "push_after_counts",
           [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, int64_t slot, int64_t expected,
              uintptr_t count_rows, int64_t row_words, int ranks_per_node, int64_t receive_bytes, int phase,
-             uintptr_t stream) {
+             uintptr_t stream, int64_t send_limit) {
             in::CountRowOffsets at;
             at.slot = slot;
             at.expected = expected;
@@ -217,14 +223,16 @@ void bind_internode(py::module_& m) {
             at.row_words = row_words;
             at.ranks_per_node = ranks_per_node;
             at.receive_bytes = receive_bytes;
+            at.send_limit = send_limit;
             cx.push_after_counts(table, n, chunk_records, at, phase, stream);
           },
           py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("slot"), py::arg("expected"),
           py::arg("count_rows"), py::arg("row_words"), py::arg("ranks_per_node"), py::arg("receive_bytes"),
-          py::arg("phase"), py::arg("stream"),
+          py::arg("phase"), py::arg("stream"), py::arg("send_limit") = -1,
           "push_chunks once signal[slot] >= expected (every count row in), each row's remote offset moved past the "
           "records the source nodes before ours send its destination (read from the count rows at count_rows, "
-          "row_words int64 each); a destination whose arrivals exceed receive_bytes gets nothing")
+          "row_words int64 each); a destination whose arrivals exceed receive_bytes gets nothing. send_limit >= 0: "
+          "each row's records and local offset from our own count row, nothing when all pass send_limit bytes")
       .def(
           "pack_and_push",
           [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, uintptr_t send, uintptr_t own_dst,

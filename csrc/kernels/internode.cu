@@ -112,6 +112,7 @@ struct CountRowShift {
   long long row_words;
   int num_ranks, ranks_per_node;
   long long receive_bytes;
+  long long send_limit;  // >= 0: the rows' records and local offsets come from our own count row (rows_from_own_row)
 };
 
 // Where row `row`'s block goes in its destination's receive area, past the row's remote offset (bytes), once the
@@ -131,6 +132,24 @@ __device__ long long block_shift(const CountRowShift& at, const long long* row, 
   return total * row[kPushStride] > at.receive_bytes ? -1 : before * row[kPushStride];
 }
 
+// Row `row` of a table made before our own counts were read (push_after_counts with a send limit): its node's
+// records and its block's place in our send area (records by node, as send_plan lists them) from our own count row,
+// into `out`. False: push nothing -- the records for every node together pass send_limit bytes (the pack skipped
+// them by the same rule), or none go to this row's node. Our row was written by count_row earlier on this stream.
+__device__ bool rows_from_own_row(const CountRowShift& at, const long long* row, int rank, long long* out) {
+  const long long* own = at.rows + rank * at.row_words + at.num_ranks;
+  const int m = int(row[kPushDstRank]) / at.ranks_per_node;
+  long long before = 0, total = 0;
+  for (int n = 0; n < at.num_ranks / at.ranks_per_node; ++n) {
+    total += own[n];
+    if (n < m) before += own[n];
+  }
+  for (int c = 0; c < kPushColumns; ++c) out[c] = row[c];
+  out[kPushRecords] = own[m];
+  out[kPushLocalOffset] += before * row[kPushStride];
+  return total * row[kPushStride] <= at.send_limit && own[m] > 0;
+}
+
 __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const long long* table, int n,
                                    long long chunk_records, CountRowShift at, int rank, int phase,
                                    unsigned long long timeout_ns, ErrorWord* err, StopFlag stop) {
@@ -145,8 +164,12 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const
   if (p >= static_cast<long long>(n) * num_fifos || stopped(stop)) return;
   const int i = int(p / num_fifos), lane = int(p % num_fifos);
   const long long* row = table + i * kPushColumns;
-  long long shift = 0;
+  long long shift = 0, own_row[kPushColumns];
   if (at.rows) {
+    if (at.send_limit >= 0) {
+      if (!rows_from_own_row(at, row, rank, own_row)) return;
+      row = own_row;
+    }
     (void)load_counter(at.signals + at.slot);  // this thread's own acquire: the rows it reads next landed before it
     shift = block_shift(at, row, rank);
     if (shift < 0) return;
@@ -703,6 +726,7 @@ void Context::launch_push(uintptr_t table, int n, int64_t chunk_records, const C
     shift.num_ranks = world_;
     shift.ranks_per_node = at->ranks_per_node;
     shift.receive_bytes = at->receive_bytes;
+    shift.send_limit = at->send_limit;
   }
   const int threads = 64;
   const int64_t blocks = (int64_t(n) * proxy_->num_fifos() + threads - 1) / threads;

@@ -61,6 +61,10 @@ struct CountRowOffsets {
   int64_t row_words = 0;
   int ranks_per_node = 1;
   int64_t receive_bytes = 0;
+  // -1: the table's records and local offsets are final. >= 0: the table was made before our own counts were read
+  // (one row per other node, records 0, local offsets from the send area's start); each row's records and block
+  // come from our own count row, and nothing is pushed when all our records together pass send_limit bytes.
+  int64_t send_limit = -1;
 };
 
 // (slot, expected) pairs one wait_signals launch carries as kernel arguments (more go in further launches).

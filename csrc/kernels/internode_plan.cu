@@ -78,10 +78,17 @@ __device__ int block_exclusive_scan(int v, int* scratch) {
 // Columns: the G ranks of node m (final rows there), then "the token goes to node m" (its send record).
 __global__ void __launch_bounds__(kPlanThreads) send_plan_kernel(
     const bool* __restrict__ itr, long long T, int R, int G, const long long* __restrict__ prefix,
-    const long long* __restrict__ node_base, long long* __restrict__ dest_row_all, long long* __restrict__ hop1_token,
-    long long* __restrict__ dest_rows, int* __restrict__ row_of) {
+    const long long* __restrict__ node_base, const long long* __restrict__ node_counts,
+    long long* __restrict__ dest_row_all, long long* __restrict__ hop1_token, long long* __restrict__ dest_rows,
+    int* __restrict__ row_of) {
   __shared__ int scratch[kPlanThreads];
   const int m = blockIdx.x;
+  long long base = 0;
+  if (node_base) {
+    base = node_base[m];
+  } else {
+    for (int n = 0; n < m; ++n) base += node_counts[n];
+  }
   const long long run = (T + blockDim.x - 1) / blockDim.x;
   const long long first = min(T, run * threadIdx.x), last = min(T, first + run);
   auto hits_node = [&](long long t) {
@@ -93,12 +100,12 @@ __global__ void __launch_bounds__(kPlanThreads) send_plan_kernel(
     const int r = m * G + g;
     int mine = 0;
     for (long long t = first; t < last; ++t) mine += itr[t * R + r];
-    long long row = prefix[r] + block_exclusive_scan(mine, scratch);
+    long long row = (prefix ? prefix[r] : 0) + block_exclusive_scan(mine, scratch);
     for (long long t = first; t < last; ++t) dest_row_all[t * R + r] = itr[t * R + r] ? row++ : -1;
   }
   int mine = 0;
   for (long long t = first; t < last; ++t) mine += hits_node(t);
-  long long pos = node_base[m] + block_exclusive_scan(mine, scratch);
+  long long pos = base + block_exclusive_scan(mine, scratch);
   for (long long t = first; t < last; ++t) {
     if (!hits_node(t)) {
       row_of[m * T + t] = -1;
@@ -115,11 +122,24 @@ __global__ void __launch_bounds__(kPlanThreads) send_plan_kernel(
 __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
     char* __restrict__ send, char* __restrict__ own_dst, long long own_first, long long own_count, long long stride,
     const long long* __restrict__ hop1_token, const long long* __restrict__ dest_rows, int G, long long n,
-    PackArgs args, long long src_idx_offset, long long dest_rows_offset) {
+    PackArgs args, long long src_idx_offset, long long dest_rows_offset, DeviceNodeCounts counted) {
+  if (counted.counts) {  // sizes from our own count row (written earlier on this stream); n is the capacity
+    const long long* c = reinterpret_cast<const long long*>(counted.counts);
+    long long total = 0;
+    own_first = 0;
+    for (int m = 0; m < counted.num_nodes; ++m) {
+      total += c[m];
+      if (m < counted.skip_node) own_first += c[m];
+    }
+    if (total * stride > counted.send_limit) return;
+    own_count = c[counted.skip_node];
+    n = min(n, total);
+  }
   const int lane = threadIdx.x % kPackGroup;
   const long long groups = static_cast<long long>(gridDim.x) * (blockDim.x / kPackGroup);
   for (long long r = blockIdx.x * (blockDim.x / kPackGroup) + threadIdx.x / kPackGroup; r < n; r += groups) {
     const bool own = r >= own_first && r < own_first + own_count;
+    if (own && !own_dst) continue;  // counted on the device: our own node's records are written later
     char* rec = own ? own_dst + (r - own_first) * stride : send + r * stride;
     write_record(rec, hop1_token[r], args, src_idx_offset, dest_rows + r * G, G, dest_rows_offset, lane);
   }
@@ -203,14 +223,15 @@ void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, in
 
 void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t prefix,
                uintptr_t node_base, uintptr_t dest_row_all, uintptr_t hop1_token, uintptr_t dest_rows,
-               uintptr_t row_of, uintptr_t stream) {
+               uintptr_t row_of, uintptr_t stream, uintptr_t node_counts) {
   if (num_ranks <= 0 || ranks_per_node <= 0 || num_ranks % ranks_per_node)
     throw std::invalid_argument("send_plan: ranks_per_node must divide num_ranks");
+  if (!node_base == !node_counts) throw std::invalid_argument("send_plan: give node_base or node_counts, not both");
   if (num_tokens <= 0) return;
   send_plan_kernel<<<num_ranks / ranks_per_node, kPlanThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, num_ranks, ranks_per_node,
       reinterpret_cast<const long long*>(prefix), reinterpret_cast<const long long*>(node_base),
-      reinterpret_cast<long long*>(dest_row_all), reinterpret_cast<long long*>(hop1_token),
+      reinterpret_cast<const long long*>(node_counts), reinterpret_cast<long long*>(dest_row_all), reinterpret_cast<long long*>(hop1_token),
       reinterpret_cast<long long*>(dest_rows), reinterpret_cast<int*>(row_of));
   check_launch("send_plan");
 }
@@ -218,7 +239,14 @@ void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, in
 void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride,
                   uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
                   const std::vector<PackColumn>& columns, int64_t src_idx_offset, int64_t dest_rows_offset,
-                  uintptr_t stream) {
+                  uintptr_t stream, const DeviceNodeCounts& counted) {
+  if (counted.counts) {
+    if (counted.num_nodes < 1 || counted.skip_node < 0 || counted.skip_node >= counted.num_nodes)
+      throw std::invalid_argument("pack_records: skip_node must name one of the num_nodes nodes");
+    if (counted.send_limit < 0) throw std::invalid_argument("pack_records: negative send_limit");
+    if (own_dst || own_first || own_count)
+      throw std::invalid_argument("pack_records: records counted on the device skip our own node's (no own_dst)");
+  }
   if (num_records <= 0) return;
   if (columns.size() > size_t(kMaxPackColumns))
     throw std::invalid_argument("pack_records: at most " + std::to_string(kMaxPackColumns) + " columns");
@@ -237,7 +265,7 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
   pack_records_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<char*>(send), reinterpret_cast<char*>(own_dst), own_first, own_count, stride,
       reinterpret_cast<const long long*>(hop1_token), reinterpret_cast<const long long*>(dest_rows), ranks_per_node,
-      num_records, args, src_idx_offset, dest_rows_offset);
+      num_records, args, src_idx_offset, dest_rows_offset, counted);
   check_launch("pack_records");
 }
 

@@ -27,9 +27,11 @@ void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, in
 // destination) and node_base (int64 [N]: first send record of each node), write dest_row_all (int64 [T, R], -1 = not
 // sent), hop1_token (int64 [S1], by node then token), dest_rows (int64 [S1, G]) and row_of (int32 [N, T], -1 = not
 // sent). One block per node.
+// prefix 0: zeros. node_base 0: each node's base is the running sum of node_counts (device int64 [N]: our own count
+// row's tokens per node), for tables made before the host read our counts (packing during notify).
 void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t prefix,
                uintptr_t node_base, uintptr_t dest_row_all, uintptr_t hop1_token, uintptr_t dest_rows,
-               uintptr_t row_of, uintptr_t stream);
+               uintptr_t row_of, uintptr_t stream, uintptr_t node_counts = 0);
 
 // One column of the wire records: its rows (contiguous, `bytes` each) sit at byte `offset` of a record. pack_records
 // reads `rows` (row t goes into every record that carries token t); unpack_records writes them (row r from final
@@ -45,10 +47,21 @@ constexpr int kMaxPackColumns = 8;
 // (int32 token) at src_idx_offset and dest_rows[r, 0..G) as int32 at dest_rows_offset. Records
 // [own_first, own_first + own_count) -- this rank's own node, which never crosses the network -- go to own_dst
 // (the own block of the receive area) instead of `send`, which saves the copy between the two.
+//
+// With DeviceNodeCounts (packing during notify, before the host read our counts): the record list's sizes come from
+// our own count row on the device, num_records is only the tables' capacity, the records of node skip_node (our own,
+// which need the others' counts) are not written, and none is when all of them together pass send_limit bytes (the
+// host applies the same rule after notify to learn what was packed).
+struct DeviceNodeCounts {
+  uintptr_t counts = 0;  // device int64 [num_nodes]; 0: the host's num_records and own range hold
+  int num_nodes = 0;
+  int skip_node = -1;
+  int64_t send_limit = -1;
+};
 void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride,
                   uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
                   const std::vector<PackColumn>& columns, int64_t src_idx_offset, int64_t dest_rows_offset,
-                  uintptr_t stream);
+                  uintptr_t stream, const DeviceNodeCounts& counted = {});
 
 // The receiver's side: rows [0, num_rows) of the final rows at `src` (row r at src + r * src_stride) are split into
 // the column outputs (row r of a column at dst + r * bytes, from byte `offset` of the final row); rows

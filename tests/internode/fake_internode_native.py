@@ -38,7 +38,7 @@ from tests.shared_memory_files import map_file, sweep_leftovers
 from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
                                           CMD_UNIT, GATE_FIXED_COLUMNS, SLOT_PAGE, Counts, RecordLayout,
                                           gate_lane_target, gate_threshold, local_count_row,
-                                          pack_records as _pack_records, place_blocks,
+                                          pack_records as _pack_records, place_blocks, rows_from_own_row,
                                           send_plan as _send_plan)
 
 PUSH_COLUMNS = 7
@@ -191,17 +191,27 @@ def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, 
 
 
 def send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int, prefix: int,
-              node_base: int, dest_row_all: int, hop1_token: int, dest_rows: int, row_of: int, stream: int) -> None:
-    """send_plan_kernel: internode_plan.send_plan's device tables, from the prefix and node bases the host passes
-    (rebuilt here as the counts that give them: rank_counts row 0 = prefix, this rank = 1)."""
+              node_base: int, dest_row_all: int, hop1_token: int, dest_rows: int, row_of: int, stream: int,
+              node_counts: int = 0) -> None:
+    """send_plan_kernel: internode_plan.send_plan's device tables, from the prefix (0: zeros) and node bases the host
+    passes, or the running sum of node_counts (rebuilt here as the counts that give them: rank_counts row 0 =
+    prefix, this rank = 1)."""
     T, R, G = num_tokens, num_ranks, ranks_per_node
     N = R // G
+    if bool(node_base) == bool(node_counts):
+        raise ValueError("send_plan: give node_base or node_counts, not both")
     if T <= 0:
         return
     itr = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
-    pre = _at(prefix, 8 * R, torch.int64).clone()
-    base = _at(node_base, 8 * N, torch.int64).clone()
+    pre = _at(prefix, 8 * R, torch.int64).clone() if prefix else torch.zeros(R, dtype=torch.int64)
     node_send = itr.view(T, N, G).any(2).sum(0).to(torch.int64)
+    if node_base:
+        base = _at(node_base, 8 * N, torch.int64).clone()
+    else:
+        given = _at(node_counts, 8 * N, torch.int64).clone()
+        if not torch.equal(given, node_send):
+            raise ValueError("send_plan: node_counts are not the records per node")
+        base = torch.cumsum(given, 0) - given
     if not torch.equal(base, torch.cumsum(node_send, 0) - node_send):
         raise ValueError("send_plan: node_base is not the running sum of the records per node")
     counts = Counts(torch.stack([pre, torch.zeros(R, dtype=torch.int64)]),
@@ -216,10 +226,25 @@ def send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_
 
 def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride: int, hop1_token: int,
                  dest_rows: int, ranks_per_node: int, num_records: int, columns: list, src_idx_offset: int,
-                 dest_rows_offset: int, stream: int) -> None:
+                 dest_rows_offset: int, stream: int, node_counts: int = 0, num_nodes: int = 0, skip_node: int = -1,
+                 send_limit: int = -1) -> None:
     """pack_records_kernel: internode_plan.pack_records, the records [own_first, own_first + own_count) at
-    ``own_dst`` instead of ``send``."""
+    ``own_dst`` instead of ``send``; with ``node_counts``, the records counted from them (num_records: the tables'
+    capacity), node ``skip_node``'s not written, and none when all pass ``send_limit`` bytes."""
     n, G = num_records, ranks_per_node
+    if node_counts:
+        if not 0 <= skip_node < num_nodes:
+            raise ValueError("pack_records: skip_node must name one of the num_nodes nodes")
+        if send_limit < 0:
+            raise ValueError("pack_records: negative send_limit")
+        if own_dst or own_first or own_count:
+            raise ValueError("pack_records: records counted on the device skip our own node's (no own_dst)")
+        if n <= 0:
+            return
+        c = _at(node_counts, 8 * num_nodes, torch.int64).tolist()
+        if sum(c) * stride > send_limit:
+            return
+        own_first, own_count, n = sum(c[:skip_node]), c[skip_node], min(n, sum(c))
     if n <= 0:
         return
     tokens = _at(hop1_token, 8 * n, torch.int64).clone()
@@ -237,7 +262,7 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
     keep[lo:max(lo, hi)] = False
     rows = _at(send, n * stride).view(n, stride)
     rows[keep] = out[keep]
-    if hi > lo:
+    if hi > lo and own_dst:  # without own_dst (counted on the device): not written
         _at(own_dst + (lo - own_first) * stride, (hi - lo) * stride).view(hi - lo, stride).copy_(out[lo:hi])
 
 
@@ -411,10 +436,12 @@ class InternodeContext:
                         phase)
 
     def push_after_counts(self, table: int, n: int, chunk_records: int, slot: int, expected: int, count_rows: int,
-                          row_words: int, ranks_per_node: int, receive_bytes: int, phase: int, stream: int) -> None:
+                          row_words: int, ranks_per_node: int, receive_bytes: int, phase: int, stream: int,
+                          send_limit: int = -1) -> None:
         """push_chunks_kernel with CountRowShift: wait (as wait_counter, with the GPU deadline) until every count row is
         in, then push each row where place_blocks puts it (a destination whose arrivals exceed receive_bytes gets
-        nothing)."""
+        nothing); with ``send_limit`` >= 0 each row's records and block first come from our own row
+        (rows_from_own_row)."""
         if not 0 <= slot < self.num_signal_slots:
             raise ValueError(f"push_after_counts: slot {slot} outside 0..{self.num_signal_slots - 1}")
         if ranks_per_node < 1 or self.world % ranks_per_node:
@@ -431,6 +458,9 @@ class InternodeContext:
             return
         rows = _at(table, 8 * PUSH_COLUMNS * n, torch.int64).view(n, PUSH_COLUMNS).tolist()
         counts = _at(count_rows, 8 * self.world * row_words, torch.int64).view(self.world, row_words)
+        if send_limit >= 0:
+            own = counts[self.rank, self.world:self.world + self.world // ranks_per_node].tolist()
+            rows = rows_from_own_row(own, rows, ranks_per_node, send_limit)
         self._push_rows(place_blocks(counts, rows, self.rank, ranks_per_node, receive_bytes), chunk_records, phase)
 
     def _check_push(self, chunk_records: int) -> None:

@@ -217,7 +217,8 @@ def check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_
     count row is pushed into the rows area first, signalling counter 20; the push, launched behind it, must wait for
     that signal, then send 7 records of 64 bytes in chunks of 2 through lanes (1 + c) % 2 (counters 7 and 8), exactly
     as push_chunks. On a GPU, where ``cx``'s loopback delays each write, the records must land a whole delay after the
-    row, not with it. A destination whose arrivals exceed the receive area gets nothing, and no error; a row
+    row, not with it. A destination whose arrivals exceed the receive area gets nothing, and no error. A table made
+    before our own counts were read gets its records from our row, and sends none past the send limit. A row
     that never comes fails at the GPU deadline naming the counter, the value seen and the one waited for, and
     nothing is pushed. ``rdma``: a uint8 view of cx's RDMA region on ``dev``; ``codes``: the module's ERROR_CODES."""
     stride, n, per, hint, slot, row_slot = 64, 7, 2, 1, 7, 20
@@ -262,6 +263,22 @@ def check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_
     time.sleep(0.05)
     assert [cx.signal_value(slot + f) for f in range(2)] == want, "a block too big for its destination's area left"
     assert bool((rdma[recv:recv + n * stride] == 0xAB).all()) and cx.error_fields()["code"] == 0
+    # a table made before our own counts were read (records 0): with a send limit the kernel takes the records from
+    # our own row (column R + 0 of row 0: n), and sends none when they pass the limit, which is no error either
+    blank = torch.tensor([[0, 0, recv, stride, 0, slot, hint]], dtype=torch.int64, device=dev)
+    cx.push_after_counts(blank.data_ptr(), 1, per, row_slot, rows_base + 1, cx.rdma_ptr + rows_at, row_words, 1,
+                         receive, 1, stream, send_limit=n * stride - 1)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    time.sleep(0.05)
+    assert [cx.signal_value(slot + f) for f in range(2)] == want, "records past the send limit left"
+    assert bool((rdma[recv:recv + n * stride] == 0xAB).all()) and cx.error_fields()["code"] == 0
+    cx.push_after_counts(blank.data_ptr(), 1, per, row_slot, rows_base + 1, cx.rdma_ptr + rows_at, row_words, 1,
+                         receive, 1, stream, send_limit=n * stride)
+    want = [want[0] + 3, want[1] + 4]
+    _await_counters(cx, [slot, slot + 1], want)
+    assert cx.error_fields()["code"] == 0, cx.error_message()
+    assert torch.equal(rdma[recv:recv + n * stride], rdma[:n * stride]), "records taken from our row did not land"
     # a count row that never comes: the deadline, naming the counter, what it saw and what it waited for
     t0 = time.monotonic()
     cx.push_after_counts(table.data_ptr(), 1, per, row_slot, rows_base + 2, cx.rdma_ptr + rows_at, row_words, 1,

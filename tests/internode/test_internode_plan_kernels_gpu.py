@@ -193,3 +193,55 @@ def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and
     assert torch.equal(got_w.cpu(), want_w)
     assert torch.equal(got_src.cpu(), fields[:, 0].to(torch.int64))
     assert torch.equal(got_arr.cpu(), torch.arange(n) if in_place else fields[:, 1].to(torch.int64))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("R,G,T,K,epr", SHAPES[:4])
+def test_send_plan_and_pack_counted_from_our_count_row_on_the_device_equal_the_torch_ones(R, G, T, K, epr, kind):
+    """Packing during notify, before the host read anything: send_plan and pack_records take our tokens per node from
+    our count row on the device (count_row's node columns), into tables sized for any counts. The tables must equal
+    torch's send_plan with no rank before us, and the records those of the torch pack, except our own node's, which
+    are not written; nothing is written past the records. With a send limit one byte below them, nothing at all."""
+    idx, _, itr, g = _layout(R, G, T, K, epr, kind, seed=R * 53 + T)
+    N, rank = R // G, G  # node 1: our own node's records sit between others'
+    row = torch.empty(R + N, dtype=torch.int64, device=DEV)
+    K_.count_row(row.data_ptr(), itr.data_ptr(), T, R, G, 0, False, 0, 0, 0, STREAM())
+    counts = _random_counts(itr, R, G, 0, g)  # at rank 0: no rank before us, as the tables made during notify
+    want = send_plan(itr, counts, 0, G)
+    want.hop1_token, want.dest_rows = want.hop1_token.contiguous(), want.dest_rows.contiguous()
+    S1, cap = sum(want.node_send), T * N
+    got = [torch.full(shape, -7, dtype=dtype, device=DEV) for shape, dtype in
+           (((T, R), torch.int64), ((cap,), torch.int64), ((cap, G), torch.int64), ((N, T), torch.int32))]
+    own_counts = row.data_ptr() + 8 * R
+    K_.send_plan(itr.data_ptr(), T, R, G, 0, 0, *[t.data_ptr() for t in got], STREAM(), node_counts=own_counts)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dest_row_all", "hop1_token", "dest_rows", "row_of"), got[:1] + [got[1][:S1], got[2][:S1]]
+                          + got[3:], (want.dest_row_all, want.hop1_token, want.dest_rows, want.row_of)):
+        assert torch.equal(a, b), f"{kind} R={R} G={G}: {name} differs"
+    assert bool((got[1][S1:] == -7).all()), "send_plan wrote past the records"
+
+    cols = [torch.randn((T, 64), generator=g).to(torch.bfloat16).to(DEV), idx, torch.rand(idx.shape).to(DEV)]
+    layout = record_layout([_bytes_of(c).size(1) for c in cols], G)
+    rows = [_bytes_of(c) for c in cols]
+    packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets)]
+    ref = torch.randint(0, 255, (S1, layout.stride), generator=g, dtype=torch.uint8).to(DEV)
+    pack_records(ref, cols, want, layout)
+    for limit in (S1 * layout.stride - 1, S1 * layout.stride):
+        send = torch.randint(0, 255, (cap + 1, layout.stride), generator=g, dtype=torch.uint8).to(DEV)
+        before = send.clone()
+        K_.pack_records(send.data_ptr(), 0, 0, 0, layout.stride, got[1].data_ptr(), got[2].data_ptr(), G, cap, packed,
+                        layout.src_idx_offset, layout.dest_rows_offset, STREAM(), node_counts=own_counts,
+                        num_nodes=N, skip_node=rank // G, send_limit=max(limit, 0))
+        torch.cuda.synchronize()
+        if limit < S1 * layout.stride:
+            assert torch.equal(send, before), "records past the send limit were written"
+            continue
+        own_first, own = sum(want.node_send[:1]), want.node_send[1]
+        remote = torch.ones(S1, dtype=torch.bool, device=DEV)
+        remote[own_first:own_first + own] = False
+        fields = [(off, nb) for off, nb in zip(layout.column_offsets, layout.column_bytes)]
+        fields += [(layout.src_idx_offset, 4), (layout.dest_rows_offset, 4 * G)]
+        for off, nb in fields:
+            assert torch.equal(send[:S1][remote, off:off + nb], ref[remote, off:off + nb]), f"field at {off} differs"
+        assert torch.equal(send[:S1][~remote], before[:S1][~remote]), "our own node's records were written"
+        assert torch.equal(send[S1:], before[S1:]), "records were written past the ones counted"

@@ -644,10 +644,11 @@ def test_the_rest_of_a_hop_is_every_record_range_without_the_heads_records():
 
 
 @pytest.mark.parametrize("R,G,skew", [(2, 1, False), (4, 1, True), (8, 2, True), (6, 3, False)])
-def test_blocks_placed_from_the_count_rows_go_where_dispatch_push_rows_puts_them_and_none_overruns_the_area(R, G, skew):
-    """push_after_counts' rule (place_blocks) against the hop plan made after notify: the rows made from our own
-    counts alone, moved by the count rows, are dispatch_push_rows' rows, for every rank; with a receive area too small
-    for some destinations, exactly the rows for those are left out."""
+def test_blocks_filled_from_our_row_and_placed_from_the_count_rows_go_where_dispatch_push_rows_puts_them(R, G, skew):
+    """push_after_counts' rules (rows_from_own_row, then place_blocks) against the hop plan made after notify: the
+    table made before any count is read, filled from our own count row and moved by every row, is
+    dispatch_push_rows' rows, for every rank; with a receive area too small for some destinations, exactly the rows
+    for those are left out, and with a send limit below our records nothing is pushed."""
     E, K, N, stride, recv_base, lanes = 8 * R, 4, R // G, 96, 1 << 20, 3
     topk = [_topk(r, 40 + 3 * r, K, E, 7, skew) for r in range(R)]
     rows = torch.stack([plan.local_count_row(ref.get_dispatch_layout(t, E, R, G)[3], G) for t in topk])
@@ -656,11 +657,27 @@ def test_blocks_placed_from_the_count_rows_go_where_dispatch_push_rows_puts_them
     assert len(set(arrivals)) > 1 or not skew, "a skewed routing should leave some rank more arrivals than another"
     for rank in range(R):
         node_send = [int(c) for c in counts.node_counts[rank].tolist()]
-        early = plan.dispatch_push_rows_before_counts(node_send, rank, G, stride, recv_base, lanes)
-        assert all(row[2] == recv_base for row in early)
+        blank = plan.dispatch_push_rows_before_counts(rank, G, N, stride, recv_base, lanes)
+        assert len(blank) == N - 1 and all(row[2] == recv_base and row[4] == 0 for row in blank)
+        total = sum(node_send) * stride
+        assert plan.rows_from_own_row(node_send, blank, G, total - 1) == []
+        early = plan.rows_from_own_row(node_send, blank, G, total)
+        assert [row[4] for row in early] == [c for m, c in enumerate(node_send) if m != rank // G and c]
         after = plan.dispatch_push_rows(counts, SimpleNamespace(node_send=node_send), rank, G, stride, recv_base,
                                         lanes)
         assert plan.place_blocks(rows, early, rank, G, max(arrivals) * stride) == after
         limit = sorted(arrivals)[len(arrivals) // 2] * stride  # some destinations fit, the others do not
         fits = [row for row in after if arrivals[row[0]] * stride <= limit]
         assert plan.place_blocks(rows, early, rank, G, limit) == fits
+
+
+def test_rows_filled_from_our_row_skip_nodes_we_send_nothing_and_put_each_block_after_the_earlier_nodes_records():
+    """rows_from_own_row by hand: rank 2 of 4 nodes x 2 GPUs (node 1) sends 3, 0, 5 and 2 records of 32 bytes to
+    nodes 0..3. Node 1 is ours, and the blocks sit in our send area by node: node 0's at 0, node 2's at 3 records,
+    node 3's at 8 (our own node's 0 records count too); the rows keep their slot and hint."""
+    blank = plan.dispatch_push_rows_before_counts(2, 2, 4, 32, 1000, 1)
+    assert [(row[0], row[5], row[6]) for row in blank] == [(0, 1, 0), (4, 1, 2), (6, 1, 3)]
+    rows = plan.rows_from_own_row([3, 0, 5, 2], blank, 2, 320)
+    assert rows == [[0, 0, 1000, 32, 3, 1, 0], [4, 96, 1000, 32, 5, 1, 2], [6, 256, 1000, 32, 2, 1, 3]]
+    assert plan.rows_from_own_row([3, 0, 5, 2], blank, 2, 319) == []
+    assert plan.rows_from_own_row([0, 4, 0, 0], blank, 2, 320) == []  # only our own node: nothing crosses
