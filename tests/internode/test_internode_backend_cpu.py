@@ -216,6 +216,54 @@ def test_with_one_gpu_per_node_records_packed_during_notify_are_pushed_during_no
     assert [(done, pushed) for done, _, pushed in out] == [(len(cases), 0)] * world
 
 
+def _records_past_the_partial_sums(rank, world, G):
+    """A dispatch whose every token goes to both nodes and its combine (whose partial sums fill the top of each send
+    half), then a bigger uncached dispatch whose records would reach into them, then a small one. Returns
+    (packs and pushes during notify counted after each of the two later dispatches, whether their outputs equal the
+    reference's)."""
+    from uccl_ep_train.backends import DispatchArgs
+
+    nat, ref = _backends(rank, world, G, rdma=2 << 20)
+    try:
+        E, H = 4 * world, 128
+        g = torch.Generator().manual_seed(rank)
+        seen, same = [], True
+
+        def step(T):
+            nonlocal same
+            idx = torch.tensor([[0, E // 2]] * T)  # the first expert of node 0 and of node 1
+            x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+            w = torch.rand((T, 2), generator=g)
+            outs = []
+            for b in (ref, nat):
+                tpr, tpn, tpe, itr = b.get_dispatch_layout(idx, E)
+                r = b.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
+                outs.append((r.recv_x, b.combine(r.recv_x, r.handle, r.recv_topk_weights, None)[0]))
+            same = same and all(torch.equal(a, b) for a, b in zip(*outs))
+            seen.append((nat.packs_during_notify, nat.pushes_during_notify))
+
+        step(700)  # its combine's partial sums: 1400 arrivals' worth at the top of each send half
+        step(1300)  # 2600 records: past where those partial sums start, so packed after notify
+        step(300)  # 600 records, below the 2600 partial sums of the combine before: packed during notify
+        return seen, same
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_records_that_would_reach_the_last_combines_partial_sums_are_packed_after_notify_and_still_match(world, G):
+    """Packing during notify is safe only below the last combine's partial sums, which may still be on the wire. The
+    kernels counting on the device pack and push nothing when our records would pass them, and the host, applying
+    the same rule to the counts after notify, packs and pushes after notify instead: the dispatch does not count as
+    packed during notify, and every output equals the reference; the next dispatch that fits packs during notify."""
+    out = run_distributed(_records_past_the_partial_sums, world, G, timeout=120, env=ENV)
+    for seen, same in out:
+        assert same, "an output differs from the reference"
+        (p0, q0), (p1, q1), (p2, q2) = seen
+        assert (p1, q1) == (p0, q0), f"the dispatch past the partial sums packed during notify: {seen}"
+        assert p2 == p1 + 1 and q2 == q1 + (G == 1), seen
+
+
 def _area_too_small_after_a_push_during_notify(rank, world, G):
     """A dispatch and its combine, then an uncached dispatch (packed and pushed during notify) whose arrivals
     overflow rank 1's receive area but not rank 0's: rank 1 sends rank 0 20 records, rank 0 sends rank 1 every token.
