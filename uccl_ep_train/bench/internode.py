@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
                         "handle is fresh, so every call pays what its first use of a handle costs")
     p.add_argument("--json", type=str, default="")
     p.add_argument("--profile", metavar="PATH", default="",
-                   help="after timing, profile 5 dispatches, 5 cached dispatches and 5 combines on every rank and "
+                   help="after timing, profile 5 forward pairs (dispatch, combine), 5 cached dispatches and 5 combines "
+                        "on every rank and "
                         "write rank 0's tables to PATH: torch.profiler by self CPU and self CUDA time, then cProfile "
                         "by own time and, for this package's functions, by cumulative time (where the host steps go)")
     p.add_argument("--share-gpu", action="store_true",
@@ -48,7 +49,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _profile(path: str, dispatch, cached, combine) -> None:
+def _profile(path: str, forward, cached, combine) -> None:
     import cProfile
     import io
     import pstats
@@ -58,7 +59,7 @@ def _profile(path: str, dispatch, cached, combine) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     def calls():
-        for fn in (dispatch, cached, combine):
+        for fn in (forward, cached, combine):
             for _ in range(5):
                 fn()
         torch.cuda.synchronize()
@@ -85,7 +86,9 @@ def _profile(path: str, dispatch, cached, combine) -> None:
         for ct, nc, name in ours:
             text.write(f"{nc:6d} {ct * 1e6:14.1f} {ct * 1e6 / max(nc, 1):12.1f}  {name}\n")
         with open(path, "w") as f:
-            f.write("5 dispatches, 5 cached dispatches, 5 combines (rank 0)\n\n== torch.profiler by self CPU\n")
+            f.write("5 forward pairs (a dispatch, then a combine of its handle: the dispatches after the first pack "
+                    "and push during notify), 5 cached dispatches, 5 combines (rank 0)\n\n"
+                    "== torch.profiler by self CPU\n")
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
             f.write("\n== torch.profiler by self CUDA\n")
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
@@ -332,7 +335,7 @@ def run(args) -> int:
                               ("step_dispatch", "step_combine", "backward_cached_dispatch", "backward_combine"))
 
     if args.profile:
-        _profile(args.profile, dispatch, cached, combine)
+        _profile(args.profile, step, cached, combine)
 
     if args.share_gpu:
         if rank == 0:
