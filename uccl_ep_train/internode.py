@@ -634,12 +634,12 @@ class NativeInternodeBackend:
         if self.R + self.N + self.R * K > self._k.COUNT_ROW_MAX_BINS:
             out.copy_(local_count_row(is_token_in_rank, self.G, tokens_per_expert, topk_idx))
             return
-        itr = is_token_in_rank.to(torch.bool).contiguous()
+        itr = _dense(is_token_in_rank, torch.bool)
         tpe = None
         if tokens_per_expert is not None:
-            tpe = tokens_per_expert.to(self.device)
-            tpe = (tpe if tpe.dtype in (torch.int32, torch.int64) else tpe.to(torch.int64)).contiguous()
-        topk = topk_idx.to(torch.int64).contiguous() if topk_idx is not None else None
+            tpe = tokens_per_expert if tokens_per_expert.device == self.device else tokens_per_expert.to(self.device)
+            tpe = _dense(tpe, tpe.dtype if tpe.dtype in (torch.int32, torch.int64) else torch.int64)
+        topk = _dense(topk_idx, torch.int64) if topk_idx is not None else None
         self._k.count_row(out.data_ptr(), itr.data_ptr(), itr.size(0), self.R, self.G,
                           tpe.data_ptr() if tpe is not None else 0, tpe is not None and tpe.dtype == torch.int64,
                           tpe.numel() if tpe is not None else 0, topk.data_ptr() if topk is not None else 0, K,
@@ -664,7 +664,7 @@ class NativeInternodeBackend:
                         torch.empty((S1, G), dtype=torch.int64, device=dev),
                         torch.empty((T, R), dtype=torch.int64, device=dev),
                         torch.empty((N, T), dtype=torch.int32, device=dev))
-        itr = is_token_in_rank.to(torch.bool).contiguous()
+        itr = _dense(is_token_in_rank, torch.bool)
         self._k.send_plan(itr.data_ptr(), T, R, G, table.data_ptr(), table.data_ptr() + 8 * R,
                           plan.dest_row_all.data_ptr(), plan.hop1_token.data_ptr(), plan.dest_rows.data_ptr(),
                           plan.row_of.data_ptr(), self._stream())
@@ -938,14 +938,14 @@ class NativeInternodeBackend:
         caller reads every final row with one gated unpack next; then, with one GPU per node (the final rows are the
         arrivals), the hop is not awaited here and ``pending`` is (gate, timing start) for ``_unpack`` and
         ``_gated_done``; otherwise pending is None and the rows are in. ``h``: the handle of a cached dispatch,
-        which keeps the hop's plan. ``packed``: the columns' byte rows, whose records for the other nodes are packed
+        which keeps the hop's plan. ``packed``: the columns (contiguous), whose records for the other nodes are packed
         already (_pack_during_notify); ``pushed``: and pushed too (_push_during_notify). ``plan_ahead``: host work
         and uploads for between the push and the wait when the hop is awaited here (when pending is returned, the
         caller runs it before it launches the gated reader)."""
         G = self.G
         # contiguous byte rows, alive until the pack launches below
-        rows = packed if packed is not None else [_bytes_of(c) for c in columns]
-        layout = _record_layout(tuple(r.size(1) for r in rows), G)
+        rows = packed if packed is not None else [_dense(c, c.dtype) for c in columns]
+        layout = _record_layout(tuple(_row_bytes(r) for r in rows), G)
         stride = layout.stride
         shape = h.dispatch_shapes.get(layout) if h is not None else None
         if shape is None:
@@ -1116,8 +1116,8 @@ class NativeInternodeBackend:
         rows, tables, send_top), and with one GPU per node pushes the records too (_push_during_notify;
         ``landing``: where the count rows land), adding ``push_launched``."""
         T, R, G, N = itr.size(0), self.R, self.G, self.N
-        rows = [_bytes_of(c) for c in cols]
-        layout = _record_layout(tuple(r.size(1) for r in rows), G)
+        rows = [_dense(c, c.dtype) for c in cols]
+        layout = _record_layout(tuple(_row_bytes(r) for r in rows), G)
         own_counts = row.data_ptr() + 8 * R  # our tokens per node: the row's node columns
         capacity = T * N  # a token is one record per node at most
         dev = self.device
@@ -1125,7 +1125,7 @@ class NativeInternodeBackend:
                           torch.empty((capacity, G), dtype=torch.int64, device=dev),
                           torch.empty((T, R), dtype=torch.int64, device=dev),
                           torch.empty((N, T), dtype=torch.int32, device=dev))
-        itr = itr.to(torch.bool).contiguous()
+        itr = _dense(itr, torch.bool)
         self._k.send_plan(itr.data_ptr(), T, R, G, 0, 0, tables.dest_row_all.data_ptr(), tables.hop1_token.data_ptr(),
                           tables.dest_rows.data_ptr(), tables.row_of.data_ptr(), self._stream(), node_counts=own_counts)
         packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
@@ -1206,8 +1206,8 @@ class NativeInternodeBackend:
     def _pack(self, rows: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, own_offset: int,
               ranges: List[Tuple[int, int]]) -> None:
         """internode_plan.pack_records (pack_records kernel) into the send area, except the records of our own node,
-        which go to ``own_offset`` of the RDMA region (their receive block). ``rows``: the columns as contiguous
-        byte rows (_bytes_of). ``ranges``: which records of the list (by node, see _record_ranges), a launch each."""
+        which go to ``own_offset`` of the RDMA region (their receive block). ``rows``: the columns, contiguous
+        (_dense). ``ranges``: which records of the list (by node, see _record_ranges), a launch each."""
         own_first, own = sum(plan.node_send[:self.node]), plan.node_send[self.node]
         cols = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
         G, stride = self.G, layout.stride
@@ -1302,8 +1302,8 @@ class NativeInternodeBackend:
         T = x.size(0)
         cols = [x] + ([scales] if scales is not None else [])
         if topk_idx is not None:
-            cols.append(topk_idx.to(torch.int64))
-            cols.append(weights.float() if weights is not None else
+            cols.append(_dense(topk_idx, torch.int64))
+            cols.append(_dense(weights, torch.float32) if weights is not None else
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
         early: dict = {}
         during = None
@@ -1473,11 +1473,12 @@ class NativeInternodeBackend:
                 pos = h.expert_major_pos
                 w = torch.where(pos >= 0, topk_weights[pos.clamp(min=0)].float(),
                                 torch.zeros_like(pos, dtype=torch.float32))
-        else:
-            rows = x[:nrecv]
-            w = topk_weights[:nrecv].float() if topk_weights is not None else None
-        rows = rows.contiguous()
-        w = w.contiguous() if w is not None else None
+        else:  # (slices and conversions only where needed: each torch call costs host time before the wire)
+            rows = x if x.size(0) == nrecv else x[:nrecv]
+            if topk_weights is not None:
+                w = topk_weights if topk_weights.size(0) == nrecv else topk_weights[:nrecv]
+        rows = _dense(rows, rows.dtype)
+        w = _dense(w, torch.float32) if w is not None else None
         # A wire row: the payload in x's dtype, then the weights in fp32. Every copy a rank sends is a row of x (exact
         # in x's dtype), and a node partial crosses the network in x's dtype as in DeepEP (reference.combine rounds
         # it the same way): half the bytes of fp32 rows.
@@ -1722,6 +1723,16 @@ def _ranges_around(first: int, count: int, total: int) -> List[Tuple[int, int]]:
     """The non-empty ranges of [0, total) before and after [first, first + count): the other nodes' rows around our
     own node's block, in a list that runs by node."""
     return [r for r in ((0, first), (first + count, total)) if r[1] > r[0]]
+
+
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous tensor of ``dtype``, with no torch call when it is one already: each no-op ``.to()``,
+    ``.contiguous()`` or byte view cost ~3-13 us of host time on a lent host whose proxies keep the driver busy
+    (session 17 profile), and a dispatch made a dozen of them before its wire could start. The kernels take a
+    column's rows as its address and row bytes (_row_bytes), so a byte view (_bytes_of) is not needed."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _row_bytes(t: torch.Tensor) -> int:
