@@ -449,6 +449,7 @@ class NativeInternodeBackend:
         # the wait also brings it home (a read-back after the drain was one more synchronous copy per dispatch)
         self._notify_host = (torch.empty(notify_bytes, dtype=torch.uint8, pin_memory=True)
                              if self._notify_via_proxies and self.device.type == "cuda" else None)
+        self._notify_view_cache: dict = {}  # _notify_views
         self.half_nvl = self.nvl_bytes // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         if self._cx.num_fifos != self.L:
@@ -606,8 +607,7 @@ class NativeInternodeBackend:
         width = self.R + self.N + shape["num_experts"] + self.R * shape["num_topk"]
         tpe, topk = tokens_per_expert if carry else None, topk_idx if slots else None
         if self._notify_via_proxies:
-            own = self._notify_base + self.rank * _align(8 * width)
-            row = self._rdma[own:own + 8 * width].view(torch.int64)
+            row = self._notify_views(width)[0]
             self._count_row(row, is_token_in_rank, tpe, topk)
             return self._notify_through_proxies(width, shape,
                                                 (lambda rows: then(row, rows)) if then is not None else None)
@@ -675,6 +675,18 @@ class NativeInternodeBackend:
         write limit), so receivers know the lanes."""
         return chunk_records(stride, min(chunk_bytes(self.inflight_bytes), self.max_write_bytes))
 
+    def _notify_views(self, words: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """For count rows of ``words`` int64: (our row in the notify area, the area's R rows as bytes, their pinned
+        host copy or None), made once per width: each view costs host time before the count row leaves."""
+        views = self._notify_view_cache.get(words)
+        if views is None:
+            R, base, row_bytes = self.R, self._notify_base, _align(8 * words)
+            own = base + self.rank * row_bytes
+            views = self._notify_view_cache[words] = (
+                self._rdma[own:own + 8 * words].view(torch.int64), self._rdma[base:base + R * row_bytes],
+                self._notify_host[:R * row_bytes] if self._notify_host is not None else None)
+        return views
+
     def _notify_through_proxies(self, words: int, shape: dict, then: Optional[Callable[[CountRows], None]] = None
                                 ) -> Counts:
         """Count exchange in stream order: our row (``words`` int64, already in row ``rank`` of our notify area) goes
@@ -692,8 +704,7 @@ class NativeInternodeBackend:
         own = base + self.rank * row_bytes
         self._lap("dispatch.notify_row")  # benchmarks: the count row's launches (and any wait they hide)
         rows = [[r, own, own, row_bytes, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
-        area = self._rdma[base:base + R * row_bytes]
-        host = self._notify_host[:R * row_bytes] if self._notify_host is not None else None
+        _, area, host = self._notify_views(words)
         later = None
         if then is not None:
             # the wait below adds the R - 1 rows to the counter's target after `then`
