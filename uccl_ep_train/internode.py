@@ -487,6 +487,7 @@ class NativeInternodeBackend:
         self._combined_send_base: Optional[int] = None
         self.packs_during_notify = 0  # uncached dispatches that did (tests, benchmarks)
         self.pushes_during_notify = 0  # ... and that pushed them during notify too
+        self.packs_and_pushes_during_notify = 0  # launches that did both (_pack_and_push_during_notify)
         self.dispatch_barriers_skipped = 0
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
@@ -1140,37 +1141,67 @@ class NativeInternodeBackend:
         self._k.send_plan(itr.data_ptr(), T, R, G, 0, 0, tables.dest_row_all.data_ptr(), tables.hop1_token.data_ptr(),
                           tables.dest_rows.data_ptr(), tables.row_of.data_ptr(), self._stream(), node_counts=own_counts)
         packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
+        early.update(layout=layout, rows=rows, tables=tables, send_top=send_top, itr=itr)
+        # several GPUs per node: the records' final rows are rewritten after notify, so they cannot leave before
+        table = self._push_table_during_notify(layout.stride) if self.push_during_notify and G == 1 else None
+        if table is not None and self.pack_and_push and table.size(0) <= self._k.PACK_PUSH_MAX_ROWS:
+            self._pack_and_push_during_notify(table, tables, layout, packed, capacity, landing, send_top)
+            early["push_launched"] = True
+            return
         self._k.pack_records(self._cx.rdma_ptr, 0, 0, 0, layout.stride, tables.hop1_token.data_ptr(),
                              tables.dest_rows.data_ptr(), G, capacity, packed, layout.src_idx_offset,
                              layout.dest_rows_offset, self._stream(), node_counts=own_counts, num_nodes=N,
                              skip_node=self.node, send_limit=send_top)
-        early.update(layout=layout, rows=rows, tables=tables, send_top=send_top, itr=itr)
         self._lap("dispatch.pack_during_notify")
-        # several GPUs per node: the records' final rows are rewritten after notify, so they cannot leave before
-        if self.push_during_notify and G == 1:
-            self._push_during_notify(layout.stride, landing, send_top)
+        if table is not None:
+            self._push_during_notify(table, layout.stride, landing, send_top)
             early["push_launched"] = True
 
-    def _push_during_notify(self, stride: int, landing: CountRows, send_top: int) -> None:
-        """Push the records packed during notify at once, by a kernel that waits on the GPU for every count row
-        (``landing``) and places each block from them (push_after_counts; docs/internode.md, "Push during notify"):
-        the wire starts when the last row lands instead of after the host read the matrix and planned the hop. The
-        destination's row also proves that its earlier calls are done with its receive area, as notify does for the
-        push after it. The table holds a row for every other node, made before any count is known (the same for
-        every call of a record size: uploaded once); the kernel takes each row's records and block from our own row
-        (rows_from_own_row) and pushes nothing when the pack did not pack (``send_top``). The writes are those of the
-        hop plan made after notify (place_blocks = dispatch_push_rows), whose waits and gates the receivers use."""
+    def _push_table_during_notify(self, stride: int) -> Optional[torch.Tensor]:
+        """The push table of a dispatch pushed during notify: a row for every other node, made before any count is
+        known (dispatch_push_rows_before_counts), so the same for every call of a record size and uploaded once; the
+        kernels take each row's records and block from our own count row. None with no other node."""
         key = ("dispatch during notify", stride)
         table = self._fixed_tables.get(key)
         if table is None:
             rows = dispatch_push_rows_before_counts(self.rank, self.G, self.N, stride, self.half_rdma, self.L)
             if not rows:
-                return
+                return None
             table = self._fixed_tables[key] = self._push_table(rows)
+        return table
+
+    def _push_during_notify(self, table: torch.Tensor, stride: int, landing: CountRows, send_top: int) -> None:
+        """Push the records packed during notify at once, by a kernel that waits on the GPU for every count row
+        (``landing``) and places each block from them (push_after_counts; docs/internode.md, "Push during notify"):
+        the wire starts when the last row lands instead of after the host read the matrix and planned the hop. The
+        destination's row also proves that its earlier calls are done with its receive area, as notify does for the
+        push after it. The kernel takes each row of ``table`` (_push_table_during_notify) its records and block from
+        our own row (rows_from_own_row) and pushes nothing when the pack did not pack (``send_top``). The writes are
+        those of the hop plan made after notify (place_blocks = dispatch_push_rows), whose waits and gates the
+        receivers use."""
         self._cx.push_after_counts(table.data_ptr(), table.size(0), self._per_chunk(stride), landing.slot,
                                    landing.target, landing.ptr, landing.row_words, self.G, self.half_rdma,
                                    self._phases["dispatch_network"], self._stream(), send_limit=send_top)
         self._lap("dispatch.push_during_notify")
+
+    def _pack_and_push_during_notify(self, table: torch.Tensor, tables: SendPlan, layout: RecordLayout,
+                                     columns: List[Tuple[int, int, int]], capacity: int, landing: CountRows,
+                                     send_top: int) -> None:
+        """The pack and the push during notify in one launch (pack_and_push_after_counts; docs/internode.md, "Push
+        during notify"): the records counted from our own row are written, and each chunk leaves once its records
+        are written and every count row is in, placed as push_after_counts places it. One launch fewer before the
+        wire, which starts after the first chunks' records instead of after all of them."""
+        stride, per = layout.stride, self._per_chunk(layout.stride)
+        chunks = send_top // stride // per + table.size(0) + 1  # at most, whatever our counts are
+        if self._chunk_ready is None or self._chunk_ready.numel() < chunks:
+            self._chunk_ready = torch.zeros(max(chunks, 1024), dtype=torch.int32, device=self.device)
+        self._cx.pack_and_push_after_counts(
+            table.data_ptr(), table.size(0), per, self._cx.rdma_ptr, stride, tables.hop1_token.data_ptr(),
+            tables.dest_rows.data_ptr(), self.G, capacity, columns, layout.src_idx_offset, layout.dest_rows_offset,
+            landing.slot, landing.target, landing.ptr, landing.row_words, self.half_rdma, send_top,
+            self._chunk_ready.data_ptr(), self._phases["dispatch_network"], self._stream())
+        self.packs_and_pushes_during_notify += 1
+        self._lap("dispatch.pack_and_push_during_notify")
 
     def _packed_during_notify(self, early: dict, counts: Counts) -> Tuple[Optional[SendPlan], bool]:
         """After notify, what the kernels launched during it did, from the counts by their own rule: (the send plan

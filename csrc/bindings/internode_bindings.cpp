@@ -18,6 +18,34 @@ namespace py = pybind11;
 
 namespace uccl_ep::bindings {
 
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+namespace {
+
+namespace in = uccl_ep::internode;
+using Columns = std::vector<std::tuple<uintptr_t, int64_t, int64_t>>;  // (rows, row bytes, offset in the record)
+
+in::RecordJob record_job(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride,
+                         uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
+                         const Columns& columns, int64_t src_idx_offset, int64_t dest_rows_offset) {
+  in::RecordJob job;
+  job.send = send;
+  job.own_dst = own_dst;
+  job.own_first = own_first;
+  job.own_count = own_count;
+  job.stride = stride;
+  job.num_records = num_records;
+  job.hop1_token = hop1_token;
+  job.dest_rows = dest_rows;
+  job.ranks_per_node = ranks_per_node;
+  for (const auto& [src, bytes, offset] : columns) job.columns.push_back(in::PackColumn{src, bytes, offset});
+  job.src_idx_offset = src_idx_offset;
+  job.dest_rows_offset = dest_rows_offset;
+  return job;
+}
+
+}  // namespace
+#endif
+
 void bind_internode(py::module_& m) {
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
   namespace in = uccl_ep::internode;
@@ -237,23 +265,12 @@ void bind_internode(py::module_& m) {
           "pack_and_push",
           [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, uintptr_t send, uintptr_t own_dst,
              int64_t own_first, int64_t own_count, int64_t stride, uintptr_t hop1_token, uintptr_t dest_rows,
-             int ranks_per_node, int64_t num_records,
-             const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& columns, int64_t src_idx_offset,
+             int ranks_per_node, int64_t num_records, const Columns& columns, int64_t src_idx_offset,
              int64_t dest_rows_offset, uintptr_t ready, int phase, uintptr_t stream) {
-            in::RecordJob job;
-            job.send = send;
-            job.own_dst = own_dst;
-            job.own_first = own_first;
-            job.own_count = own_count;
-            job.stride = stride;
-            job.num_records = num_records;
-            job.hop1_token = hop1_token;
-            job.dest_rows = dest_rows;
-            job.ranks_per_node = ranks_per_node;
-            for (const auto& [src, bytes, offset] : columns) job.columns.push_back(in::PackColumn{src, bytes, offset});
-            job.src_idx_offset = src_idx_offset;
-            job.dest_rows_offset = dest_rows_offset;
-            cx.pack_and_push(table, n, chunk_records, job, ready, phase, stream);
+            cx.pack_and_push(table, n, chunk_records,
+                             record_job(send, own_dst, own_first, own_count, stride, hop1_token, dest_rows,
+                                        ranks_per_node, num_records, columns, src_idx_offset, dest_rows_offset),
+                             ready, phase, stream);
           },
           py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("send"), py::arg("own_dst"),
           py::arg("own_first"), py::arg("own_count"), py::arg("stride"), py::arg("hop1_token"), py::arg("dest_rows"),
@@ -262,6 +279,34 @@ void bind_internode(py::module_& m) {
           "pack_records and push_chunks in one launch: each chunk pushed once its records are written; "
           "hop1_token 0: record r carries row r; src_idx_offset < 0: no index fields; ready: int32 zeros, one per "
           "chunk, left zero")
+      .def(
+          "pack_and_push_after_counts",
+          [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, uintptr_t send, int64_t stride,
+             uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t capacity, const Columns& columns,
+             int64_t src_idx_offset, int64_t dest_rows_offset, int64_t slot, int64_t expected, uintptr_t count_rows,
+             int64_t row_words, int64_t receive_bytes, int64_t send_limit, uintptr_t ready, int phase,
+             uintptr_t stream) {
+            in::CountRowOffsets at;
+            at.slot = slot;
+            at.expected = expected;
+            at.rows = count_rows;
+            at.row_words = row_words;
+            at.ranks_per_node = ranks_per_node;
+            at.receive_bytes = receive_bytes;
+            at.send_limit = send_limit;
+            cx.pack_and_push_after_counts(table, n, chunk_records,
+                                          record_job(send, 0, 0, 0, stride, hop1_token, dest_rows, ranks_per_node,
+                                                     capacity, columns, src_idx_offset, dest_rows_offset),
+                                          at, ready, phase, stream);
+          },
+          py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("send"), py::arg("stride"),
+          py::arg("hop1_token"), py::arg("dest_rows"), py::arg("ranks_per_node"), py::arg("capacity"),
+          py::arg("columns"), py::arg("src_idx_offset"), py::arg("dest_rows_offset"), py::arg("slot"),
+          py::arg("expected"), py::arg("count_rows"), py::arg("row_words"), py::arg("receive_bytes"),
+          py::arg("send_limit"), py::arg("ready"), py::arg("phase"), py::arg("stream"),
+          "pack_and_push during notify: the records counted from our own count row (capacity: the tables' size; our "
+          "own node's not written, none past send_limit bytes), each chunk pushed once its records are written and "
+          "signal[slot] >= expected (every count row in), placed as push_after_counts places it")
       .def("arrival_gate", &in::Context::arrival_gate, py::arg("table"), py::arg("blocks"),
            py::arg("chunk_records"), py::arg("phase"),
            "a gate for sum_node_partials / unpack_records over this call's arrivals; table: device int64 "

@@ -74,10 +74,11 @@ __device__ bool push_chunk(const DeviceFifo& f, const long long* row, int lane, 
 // through lane (hint + c) % num_fifos, so this lane takes its first chunk, then every num_fifos-th. One thread per
 // (row, lane) lets the lanes push side by side: each command pays a system-scope fence (~2 us), and one thread per
 // row pushed slower than an uncapped wire takes the chunks. With `ready` (pack_and_push), chunk c is pushed once
-// its counter ready[first_chunk + c] holds its record count, and the counter is set back to zero.
+// its counter ready[first_chunk + c] holds its record count, and the counter is set back to zero. `send` false: the
+// counters are waited for and reset, and nothing is pushed (a destination whose receive area is too small).
 __device__ bool push_lane(const DeviceFifo* fifos, int num_fifos, const long long* row, int i, int lane,
                           long long chunk_records, long long remote_shift, int* ready, long long first_chunk, int rank,
-                          int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop) {
+                          int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop, bool send = true) {
   const long long records = row[kPushRecords];
   const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
   for (long long chunk = ((lane - hint) % num_fifos + num_fifos) % num_fifos; chunk * chunk_records < records;
@@ -98,7 +99,7 @@ __device__ bool push_lane(const DeviceFifo* fifos, int num_fifos, const long lon
       }
       *counter = 0;
     }
-    if (!push_chunk(fifos[lane], row, lane, first, count, remote_shift, rank, phase, timeout_ns, err, stop))
+    if (send && !push_chunk(fifos[lane], row, lane, first, count, remote_shift, rank, phase, timeout_ns, err, stop))
       return false;
   }
   return true;
@@ -114,6 +115,24 @@ struct CountRowShift {
   long long receive_bytes;
   long long send_limit;  // >= 0: the rows' records and local offsets come from our own count row (rows_from_own_row)
 };
+
+// CountRowOffsets for a launch; none (at == nullptr): rows nullptr, send_limit -1.
+CountRowShift count_row_shift(const CountRowOffsets* at, const void* signals, int world) {
+  CountRowShift shift{};
+  shift.send_limit = -1;
+  if (at) {
+    shift.signals = static_cast<const unsigned long long*>(signals);
+    shift.slot = at->slot;
+    shift.expected = at->expected;
+    shift.rows = reinterpret_cast<const long long*>(at->rows);
+    shift.row_words = at->row_words;
+    shift.num_ranks = world;
+    shift.ranks_per_node = at->ranks_per_node;
+    shift.receive_bytes = at->receive_bytes;
+    shift.send_limit = at->send_limit;
+  }
+  return shift;
+}
 
 // Where row `row`'s block goes in its destination's receive area, past the row's remote offset (bytes), once the
 // count rows are in; -1: the destination's arrivals exceed the area, so nothing goes (the host raises after notify,
@@ -149,6 +168,8 @@ __device__ bool rows_from_own_row(const CountRowShift& at, const long long* row,
   out[kPushLocalOffset] += before * row[kPushStride];
   return total * row[kPushStride] <= at.send_limit && own[m] > 0;
 }
+
+__device__ bool counted_on_device(const CountRowShift& at) { return at.rows && at.send_limit >= 0; }
 
 __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const long long* table, int n,
                                    long long chunk_records, CountRowShift at, int rank, int phase,
@@ -202,59 +223,101 @@ struct PackPushJob {
 
 __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
     const DeviceFifo* fifos, int num_fifos, const long long* table, int n_rows, long long chunk_records,
-    PackPushJob job, int* ready, int rank, int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop) {
-  if (blockIdx.x == 0) {  // the pusher: a thread per (row, lane), each pushing that lane's chunks of the row in order
-    for (int p = threadIdx.x; p < n_rows * num_fifos; p += blockDim.x) {
-      const int i = p / num_fifos, lane = p % num_fifos;
-      long long first_chunk = 0;  // chunks of the rows before this one: where its counters start
-      for (int j = 0; j < i; ++j) {
-        const long long rj = table[j * kPushColumns + kPushRecords];
-        if (rj > 0) first_chunk += (rj + chunk_records - 1) / chunk_records;
-      }
-      if (!push_lane(fifos, num_fifos, table + i * kPushColumns, i, lane, chunk_records, 0, ready, first_chunk, rank,
-                     phase, timeout_ns, err, stop))
-        return;
-    }
-    return;
-  }
-  // the packers: each record's chunk is found from the table's rows (their byte ranges in our region), kept in
-  // shared memory; rows past kPackPushMaxRows are refused by the host
-  __shared__ long long s_lo[kPackPushMaxRows], s_hi[kPackPushMaxRows], s_chunk0[kPackPushMaxRows];
-  __shared__ bool s_stopped;
+    PackPushJob job, CountRowShift at, int* ready, int rank, int phase, unsigned long long timeout_ns, ErrorWord* err,
+    StopFlag stop) {
+  // Every block first: each row's block in our region and where its chunk counters start (rows past kPackPushMaxRows
+  // are refused by the host). Counted on the device (at.send_limit >= 0, pushed during notify): the rows' records
+  // and blocks, and the records themselves, come from our own count row, and nothing is done past the send limit.
+  __shared__ long long s_records[kPackPushMaxRows], s_lo[kPackPushMaxRows], s_hi[kPackPushMaxRows],
+      s_chunk0[kPackPushMaxRows];
+  __shared__ long long s_n, s_own_first, s_own_count;
+  __shared__ bool s_go;
   if (threadIdx.x == 0) {
+    bool go = !stopped(stop);
     long long chunks = 0;
     for (int i = 0; i < n_rows; ++i) {
       const long long* row = table + i * kPushColumns;
+      long long filled[kPushColumns];
+      if (counted_on_device(at)) {
+        rows_from_own_row(at, row, rank, filled);
+        row = filled;
+      }
       const long long records = row[kPushRecords] > 0 ? row[kPushRecords] : 0;
+      s_records[i] = records;
       s_lo[i] = row[kPushLocalOffset];
       s_hi[i] = row[kPushLocalOffset] + records * row[kPushStride];
       s_chunk0[i] = chunks;
       chunks += (records + chunk_records - 1) / chunk_records;
     }
-    s_stopped = stopped(stop);
+    s_n = job.num_records;
+    s_own_first = job.own_first;
+    s_own_count = job.own_count;
+    if (counted_on_device(at)) {
+      const long long* own = at.rows + rank * at.row_words + at.num_ranks;
+      const int node = rank / at.ranks_per_node;
+      long long total = 0, before = 0;
+      for (int m = 0; m < at.num_ranks / at.ranks_per_node; ++m) {
+        total += own[m];
+        if (m < node) before += own[m];
+      }
+      go = go && total * job.stride <= at.send_limit;
+      s_n = min(total, job.num_records);  // num_records: the tables' capacity
+      s_own_first = before;
+      s_own_count = own[node];
+    }
+    s_go = go;
   }
   __syncthreads();
-  if (s_stopped) return;
-  // A block per record, the records in order: the blocks resident at once (about a thousand on an H100/H200) write
-  // the first ones together, so the first chunks are complete after a fraction of the whole copy and the wire starts
-  // then. (A group of 32 threads per record, as in pack_records, has every record of a call in flight at once: each
-  // finishes near the end of the copy, and the first push waited for ~all of it.)
-  const long long n = job.num_records, own_end = job.own_first + job.own_count, sent = n - job.own_count;
-  for (long long w = blockIdx.x - 1; w < n; w += gridDim.x - 1) {
+  if (!s_go) return;
+  if (blockIdx.x == 0) {  // the pusher: a thread per (row, lane), each pushing that lane's chunks of the row in order
+    if (at.rows) {  // pushed during notify: one thread waits for every count row, the others with it
+      __shared__ bool s_rows_in;
+      if (threadIdx.x == 0) s_rows_in = wait_counter(at.signals, at.slot, at.expected, timeout_ns, err, stop, rank, phase);
+      __syncthreads();
+      if (!s_rows_in) return;
+    }
+    for (int p = threadIdx.x; p < n_rows * num_fifos; p += blockDim.x) {
+      const int i = p / num_fifos, lane = p % num_fifos;
+      long long row[kPushColumns];
+      for (int c = 0; c < kPushColumns; ++c) row[c] = table[i * kPushColumns + c];
+      row[kPushRecords] = s_records[i];
+      row[kPushLocalOffset] = s_lo[i];
+      long long shift = 0;
+      bool send = true;
+      if (at.rows) {
+        (void)load_counter(at.signals + at.slot);  // this thread's own acquire: the rows it reads landed before it
+        shift = block_shift(at, row, rank);
+        send = shift >= 0;  // else the destination's area is too small: its counters are still reset
+        shift = send ? shift : 0;
+      }
+      if (!push_lane(fifos, num_fifos, row, i, lane, chunk_records, shift, ready, s_chunk0[i], rank, phase, timeout_ns,
+                     err, stop, send))
+        return;
+    }
+    return;
+  }
+  // the packers. A block per record, the records in order: the blocks resident at once (about a thousand on an
+  // H100/H200) write the first ones together, so the first chunks are complete after a fraction of the whole copy
+  // and the wire starts then. (A group of 32 threads per record, as in pack_records, has every record of a call in
+  // flight at once: each finishes near the end of the copy, and the first push waited for ~all of it.) Our own
+  // node's records go last, and nowhere without own_dst (counted on the device: they are written after notify).
+  const long long n = s_n, own_first = s_own_first, own_end = own_first + s_own_count, sent = n - s_own_count;
+  const long long last = job.own_dst ? n : sent;
+  for (long long w = blockIdx.x - 1; w < last; w += gridDim.x - 1) {
     // the records that are sent first, in order (so the first chunks fill first), our own node's last
-    const long long r = w < job.own_first ? w : (w < sent ? w + job.own_count : job.own_first + (w - sent));
-    const bool own = r >= job.own_first && r < own_end;
-    char* rec = own ? job.own_dst + (r - job.own_first) * job.stride : job.send + r * job.stride;
+    const long long r = w < own_first ? w : (w < sent ? w + s_own_count : own_first + (w - sent));
+    const bool own = r >= own_first && r < own_end;
+    char* rec = own ? job.own_dst + (r - own_first) * job.stride : job.send + r * job.stride;
     write_record(rec, job.hop1_token ? job.hop1_token[r] : r, job.args, job.src_idx_offset,
                  job.dest_rows + r * job.G, job.G, job.dest_rows_offset, threadIdx.x, blockDim.x);
     if (own) continue;
     __threadfence();  // every thread's stores of the record, device-wide, before thread 0 counts it
     __syncthreads();
     if (threadIdx.x == 0) {
-      const long long at = job.send_offset + r * job.stride;
+      const long long at_byte = job.send_offset + r * job.stride;
       for (int i = 0; i < n_rows; ++i)
-        if (at >= s_lo[i] && at < s_hi[i]) {
-          atomicAdd(ready + s_chunk0[i] + (at - s_lo[i]) / (chunk_records * job.stride), 1);
+        if (at_byte >= s_lo[i] && at_byte < s_hi[i]) {
+          atomicAdd(ready + s_chunk0[i] + (at_byte - s_lo[i]) / (chunk_records * job.stride), 1);
           break;
         }
     }
@@ -693,20 +756,23 @@ void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int pha
   launch_push(table, n, chunk_records, nullptr, phase, stream);
 }
 
-void Context::push_after_counts(uintptr_t table, int n, int64_t chunk_records, const CountRowOffsets& at, int phase,
-                                uintptr_t stream) {
+void Context::check_count_rows(const CountRowOffsets& at, const std::string& what) const {
   if (at.slot < 0 || uint64_t(at.slot) >= num_slots_)
-    throw std::invalid_argument("push_after_counts: slot " + std::to_string(at.slot) + " outside 0.." +
+    throw std::invalid_argument(what + ": slot " + std::to_string(at.slot) + " outside 0.." +
                                 std::to_string(num_slots_ - 1));
   if (at.ranks_per_node < 1 || world_ % at.ranks_per_node)
-    throw std::invalid_argument("push_after_counts: ranks_per_node must divide the " + std::to_string(world_) +
-                                " ranks");
+    throw std::invalid_argument(what + ": ranks_per_node must divide the " + std::to_string(world_) + " ranks");
   if (at.row_words < world_ + world_ / at.ranks_per_node)
-    throw std::invalid_argument("push_after_counts: a count row has at least ranks + nodes words");
+    throw std::invalid_argument(what + ": a count row has at least ranks + nodes words");
   const int64_t rows_offset = int64_t(at.rows) - int64_t(reinterpret_cast<uintptr_t>(rdma_));
   if (!at.rows || rows_offset < 0 || rows_offset % 8 || rows_offset + 8 * world_ * at.row_words > rdma_bytes_)
-    throw std::invalid_argument("push_after_counts: the count rows must lie in this rank's RDMA region");
-  if (at.receive_bytes < 0) throw std::invalid_argument("push_after_counts: negative receive_bytes");
+    throw std::invalid_argument(what + ": the count rows must lie in this rank's RDMA region");
+  if (at.receive_bytes < 0) throw std::invalid_argument(what + ": negative receive_bytes");
+}
+
+void Context::push_after_counts(uintptr_t table, int n, int64_t chunk_records, const CountRowOffsets& at, int phase,
+                                uintptr_t stream) {
+  check_count_rows(at, "push_after_counts");
   launch_push(table, n, chunk_records, &at, phase, stream);
 }
 
@@ -716,18 +782,7 @@ void Context::launch_push(uintptr_t table, int n, int64_t chunk_records, const C
   if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
     throw std::invalid_argument("push_chunks: chunk_records must be 1.." + std::to_string(cmd::kMaxValue) +
                                 " (18-bit signal value)");
-  CountRowShift shift{};
-  if (at) {
-    shift.signals = static_cast<const unsigned long long*>(signals_dev_);
-    shift.slot = at->slot;
-    shift.expected = at->expected;
-    shift.rows = reinterpret_cast<const long long*>(at->rows);
-    shift.row_words = at->row_words;
-    shift.num_ranks = world_;
-    shift.ranks_per_node = at->ranks_per_node;
-    shift.receive_bytes = at->receive_bytes;
-    shift.send_limit = at->send_limit;
-  }
+  const CountRowShift shift = count_row_shift(at, signals_dev_, world_);
   const int threads = 64;
   const int64_t blocks = (int64_t(n) * proxy_->num_fifos() + threads - 1) / threads;
   push_chunks_kernel<<<unsigned(blocks), threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
@@ -738,6 +793,22 @@ void Context::launch_push(uintptr_t table, int n, int64_t chunk_records, const C
 
 void Context::pack_and_push(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job, uintptr_t ready,
                             int phase, uintptr_t stream) {
+  launch_pack_and_push(table, n, chunk_records, job, nullptr, ready, phase, stream);
+}
+
+void Context::pack_and_push_after_counts(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job,
+                                         const CountRowOffsets& at, uintptr_t ready, int phase, uintptr_t stream) {
+  check_count_rows(at, "pack_and_push_after_counts");
+  if (at.send_limit < 0)
+    throw std::invalid_argument("pack_and_push_after_counts: give send_limit (the records are counted from our row)");
+  if (job.own_dst || job.own_first || job.own_count)
+    throw std::invalid_argument("pack_and_push_after_counts: our own node's records are written after notify "
+                                "(no own_dst)");
+  launch_pack_and_push(table, n, chunk_records, job, &at, ready, phase, stream);
+}
+
+void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job,
+                                   const CountRowOffsets* at, uintptr_t ready, int phase, uintptr_t stream) {
   if (job.num_records <= 0) return;
   if (n <= 0 || n > kPackPushMaxRows)
     throw std::invalid_argument("pack_and_push: 1.." + std::to_string(kPackPushMaxRows) + " push table rows, got " +
@@ -755,7 +826,9 @@ void Context::pack_and_push(uintptr_t table, int n, int64_t chunk_records, const
   if (job.own_count > 0 && !job.own_dst) throw std::invalid_argument("pack_and_push: own records without a destination");
   if (job.ranks_per_node > 0 && !job.dest_rows) throw std::invalid_argument("pack_and_push: no final rows");
   const int64_t send_offset = int64_t(job.send) - int64_t(reinterpret_cast<uintptr_t>(rdma_));
-  if (send_offset < 0 || send_offset + job.num_records * job.stride > rdma_bytes_)
+  // counted on the device, nothing is written past the send limit (num_records is only the tables' capacity)
+  const int64_t extent = at ? at->send_limit : job.num_records * job.stride;
+  if (send_offset < 0 || send_offset + extent > rdma_bytes_)
     throw std::invalid_argument("pack_and_push: the records do not lie in this rank's RDMA region");
   PackPushJob j{};
   j.send = reinterpret_cast<char*>(job.send);
@@ -782,8 +855,8 @@ void Context::pack_and_push(uintptr_t table, int n, int64_t chunk_records, const
   const int blocks = 1 + int(std::min<int64_t>(job.num_records, 1024));
   pack_and_push_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
-      chunk_records, j, reinterpret_cast<int*>(ready), rank_, phase, timeout_ns_, error_dev_,
-      StopFlag{stop_dev_, stop_generation_});
+      chunk_records, j, count_row_shift(at, signals_dev_, world_), reinterpret_cast<int*>(ready), rank_, phase,
+      timeout_ns_, error_dev_, StopFlag{stop_dev_, stop_generation_});
   check(cudaGetLastError(), "pack_and_push launch");
 }
 
@@ -946,6 +1019,11 @@ void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
 void Context::push_after_counts(uintptr_t, int, int64_t, const CountRowOffsets&, int, uintptr_t) {}
 void Context::launch_push(uintptr_t, int, int64_t, const CountRowOffsets*, int, uintptr_t) {}
 void Context::pack_and_push(uintptr_t, int, int64_t, const RecordJob&, uintptr_t, int, uintptr_t) {}
+void Context::pack_and_push_after_counts(uintptr_t, int, int64_t, const RecordJob&, const CountRowOffsets&, uintptr_t,
+                                         int, uintptr_t) {}
+void Context::launch_pack_and_push(uintptr_t, int, int64_t, const RecordJob&, const CountRowOffsets*, uintptr_t, int,
+                                   uintptr_t) {}
+void Context::check_count_rows(const CountRowOffsets&, const std::string&) const {}
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>&, int, uintptr_t) {}
 ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) const { return ArrivalGate{}; }
 std::string Context::error_message() const { return ""; }

@@ -172,6 +172,11 @@ class Context {
   // of the table (rows in order, chunks of a row in order), zero at launch and left zero.
   void pack_and_push(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job, uintptr_t ready, int phase,
                      uintptr_t stream);
+  // pack_and_push during notify (docs/internode.md, "Push during notify"): the records counted from our own count row
+  // (at.send_limit >= 0: job.num_records is the tables' capacity; our own node's records are not written), and the
+  // chunks pushed once every count row is in, each block placed as push_after_counts places it.
+  void pack_and_push_after_counts(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job,
+                                  const CountRowOffsets& at, uintptr_t ready, int phase, uintptr_t stream);
   // Wait until signal[slot] >= expected for every (slot, expected) pair; deadline: the GPU timeout. The pairs go
   // as kernel arguments, kWaitTargetsPerLaunch per launch. A wait also ends early when the error word is set (by
   // another kernel of this rank, or by abort_waits()).
@@ -199,6 +204,9 @@ class Context {
   // push_chunks' kernel, with the count rows' offsets when `at` is given (push_after_counts)
   void launch_push(uintptr_t table, int n, int64_t chunk_records, const CountRowOffsets* at, int phase,
                    uintptr_t stream);
+  void launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job,
+                            const CountRowOffsets* at, uintptr_t ready, int phase, uintptr_t stream);
+  void check_count_rows(const CountRowOffsets& at, const std::string& what) const;  // push_after_counts' argument checks
 
   int rank_, world_, device_;
   int64_t rdma_bytes_, nvl_bytes_;

@@ -463,6 +463,35 @@ class InternodeContext:
             rows = rows_from_own_row(own, rows, ranks_per_node, send_limit)
         self._push_rows(place_blocks(counts, rows, self.rank, ranks_per_node, receive_bytes), chunk_records, phase)
 
+    def pack_and_push_after_counts(self, table: int, n: int, chunk_records: int, send: int, stride: int,
+                                   hop1_token: int, dest_rows: int, ranks_per_node: int, capacity: int, columns: list,
+                                   src_idx_offset: int, dest_rows_offset: int, slot: int, expected: int,
+                                   count_rows: int, row_words: int, receive_bytes: int, send_limit: int, ready: int,
+                                   phase: int, stream: int) -> None:
+        """pack_and_push_kernel counting on the device (a CountRowShift with a send limit): the writes of
+        pack_records counting from our own count row (our own node's records not written, none past send_limit),
+        then of push_after_counts with the same table and limit. The chunk counters must be zero at launch and are
+        left zero, as pack_and_push's."""
+        if send_limit < 0:
+            raise ValueError("pack_and_push_after_counts: give send_limit (the records are counted from our row)")
+        if not 0 < n <= PACK_PUSH_MAX_ROWS:
+            raise ValueError(f"pack_and_push: 1..{PACK_PUSH_MAX_ROWS} push table rows, got {n}")
+        if not 0 <= send - self.rdma_ptr <= self.rdma_bytes - send_limit:
+            raise ValueError("pack_and_push: the records do not lie in this rank's RDMA region")
+        if capacity <= 0:
+            return
+        G = ranks_per_node
+        own = count_rows + 8 * (self.rank * row_words + self.world)
+        if int(_at(ready, 4 * (send_limit // stride // chunk_records + n + 1), torch.int32).count_nonzero()):
+            raise RuntimeError("pack_and_push: chunk counters not zero at launch (the kernel would push early)")
+        if _stopped(self.stop_flag_ptr, self._generation):
+            return
+        pack_records(send, 0, 0, 0, stride, hop1_token, dest_rows, G, capacity, columns, src_idx_offset,
+                     dest_rows_offset, stream, node_counts=own, num_nodes=self.world // G, skip_node=self.rank // G,
+                     send_limit=send_limit)
+        self.push_after_counts(table, n, chunk_records, slot, expected, count_rows, row_words, G, receive_bytes,
+                               phase, stream, send_limit=send_limit)
+
     def _check_push(self, chunk_records: int) -> None:
         if chunk_records < 1 or chunk_records > CMD_MAX_VALUE:
             raise ValueError(f"push_chunks: chunk_records must be 1..{CMD_MAX_VALUE} (18-bit signal value)")

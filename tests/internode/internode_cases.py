@@ -332,3 +332,66 @@ def check_a_gated_unpack_reads_rows_only_after_their_chunks_land(cx, unpack_reco
                 (codes["wait_timeout"], slot, base[0] + 3, base[0] + 4), e
             assert not bool((out[9] != 0).any()), "a row was read after the wait failed"
             cx.clear_error()
+
+
+def records_past_the_partial_sums(nat, ref, dev, rank, world):
+    """A dispatch whose every token goes to both nodes and its combine (whose partial sums fill the top of each send
+    half), then a bigger uncached dispatch whose records would reach into them, then a small one; the native backend
+    on ``dev`` (an RDMA area of 2 MiB), the reference on CPU copies. Returns ((packs, pushes during notify) after
+    each of the three, whether every output equals the reference's)."""
+    from uccl_ep_train.backends import DispatchArgs
+
+    E, H = 4 * world, 128
+    g = torch.Generator().manual_seed(rank)
+    seen, same = [], True
+    for T in (700, 1300, 300):
+        # 700: its combine's partial sums, 1400 arrivals' worth at the top of each send half; 1300: 2600 records,
+        # past where those start, so packed after notify; 300: 600 records, below the 2600 partial sums of the
+        # combine before, packed (and with one GPU per node pushed) during notify
+        idx = torch.tensor([[0, E // 2]] * T)  # the first expert of node 0 and of node 1
+        x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+        w = torch.rand((T, 2), generator=g)
+        outs = []
+        for b, d in ((ref, torch.device("cpu")), (nat, dev)):
+            tpr, tpn, tpe, itr = b.get_dispatch_layout(idx.to(d), E)
+            r = b.dispatch(DispatchArgs(x.to(d), None, None, tpr, tpn, itr, tpe, idx.to(d), w.to(d)))
+            outs.append((r.recv_x.cpu(), b.combine(r.recv_x, r.handle, r.recv_topk_weights, None)[0].cpu()))
+        same = same and all(torch.equal(a, b) for a, b in zip(*outs))
+        seen.append((nat.packs_during_notify, nat.pushes_during_notify))
+    return seen, same
+
+
+def area_too_small_after_a_push_during_notify(nat, ref, dev, rank, world):
+    """A dispatch and its combine, then an uncached dispatch (packed and pushed during notify) whose arrivals
+    overflow rank 1's receive area but not rank 0's: rank 1 sends rank 0 20 records, rank 0 sends rank 1 every token
+    (2 x 1, an RDMA area of 2 MiB). Returns (the error, whether the dispatch counters are at their targets, pushes
+    during notify, pairs compared by a whole case run afterwards)."""
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.internode import InternodeError
+
+    E, H = 4 * world, 128
+    g = torch.Generator().manual_seed(rank)
+
+    def dispatch(idx):
+        x = torch.randn((idx.size(0), H), generator=g).to(torch.bfloat16).to(dev)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx.to(dev), E)
+        return nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx.to(dev), None))
+
+    r = dispatch(torch.randint(0, E, (64, 2), generator=g))
+    nat.combine(r.recv_x, r.handle, None, None)
+    records = nat.half_rdma // (2 * H + 48)  # records of this shape an area holds (each side of the region)
+    if rank == 0:  # 0.45 of an area to each node
+        idx = torch.tensor([[0, 4]] * int(0.45 * records))
+    else:  # 0.7 of an area to its own node, 20 records to node 0: node 1's arrivals overflow, node 0's do not
+        idx = torch.tensor([[4, 5]] * int(0.7 * records))
+        idx[:20] = torch.tensor([0, 4])
+    try:
+        dispatch(idx)
+        err = "no error"
+    except InternodeError as exc:
+        err = str(exc)
+    # every dispatch lane's counter at the host's target: what was pushed to us landed, and was accounted for (the
+    # peer's next call sends on these lanes only after our next count row, which comes after this)
+    in_step = all(nat._cx.signal_value(s) == nat._expected[s] for s in range(nat.N * nat.L))
+    done = compare_cases(nat, ref, dev, rank, world, ALL[:1], 1)
+    return err, in_step, nat.pushes_during_notify, done

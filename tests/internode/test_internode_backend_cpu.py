@@ -18,12 +18,13 @@ import torch
 from tests.distributed import run_distributed
 
 import fake_internode_native as fake
-from internode_cases import (ALL, check_a_failed_rank_sends_and_forwards_nothing,
+from internode_cases import (ALL, area_too_small_after_a_push_during_notify,
+                             check_a_failed_rank_sends_and_forwards_nothing,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
-                             compare_cases)
+                             compare_cases, records_past_the_partial_sums)
 
 RDMA = 16 << 20
 NVL = 16 << 20
@@ -191,11 +192,12 @@ def test_an_uncached_dispatch_right_after_a_combine_of_the_last_dispatch_packs_d
 
 
 def _pushes_during_notify(rank, world, G, cases):
-    """compare_cases: (pairs compared, dispatches that packed during notify, and that pushed during notify too)."""
+    """compare_cases: (pairs compared, dispatches that packed during notify, that pushed during notify too, and
+    launches that did both at once)."""
     nat, ref = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
-        return done, nat.packs_during_notify, nat.pushes_during_notify
+        return done, nat.packs_during_notify, nat.pushes_during_notify, nat.packs_and_pushes_during_notify
     finally:
         nat.destroy()
 
@@ -205,47 +207,28 @@ def test_with_one_gpu_per_node_records_packed_during_notify_are_pushed_during_no
     """With one GPU per node, an uncached dispatch that packs its records during notify pushes them then too, each
     block placed by the kernel from the count rows (4 x 1: sources before and after ours), and every output still
     equals the reference; with several GPUs per node (final rows rewritten after notify) and with
-    UCCL_EP_PUSH_DURING_NOTIFY=0 the push waits for the host's plan."""
+    UCCL_EP_PUSH_DURING_NOTIFY=0 the push waits for the host's plan. The pack and the push are one launch
+    (pack_and_push_after_counts) unless UCCL_EP_PACK_AND_PUSH=0, which takes two."""
     cases = ALL[:4]
     out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120, env=ENV)
-    for done, packed, pushed in out:
+    for done, packed, pushed, fused in out:
         assert (done, packed) == (len(cases), len(cases) - 1)
+        assert (1 <= pushed <= packed) if G == 1 else pushed == 0, (G, packed, pushed)
+        assert fused == (packed if G == 1 else 0), (G, packed, fused)
+    out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120,
+                          env=dict(ENV, UCCL_EP_PACK_AND_PUSH="0"))
+    for done, packed, pushed, fused in out:
+        assert (done, packed, fused) == (len(cases), len(cases) - 1, 0)
         assert (1 <= pushed <= packed) if G == 1 else pushed == 0, (G, packed, pushed)
     out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120,
                           env=dict(ENV, UCCL_EP_PUSH_DURING_NOTIFY="0"))
-    assert [(done, pushed) for done, _, pushed in out] == [(len(cases), 0)] * world
+    assert [(done, pushed, fused) for done, _, pushed, fused in out] == [(len(cases), 0, 0)] * world
 
 
 def _records_past_the_partial_sums(rank, world, G):
-    """A dispatch whose every token goes to both nodes and its combine (whose partial sums fill the top of each send
-    half), then a bigger uncached dispatch whose records would reach into them, then a small one. Returns
-    (packs and pushes during notify counted after each of the two later dispatches, whether their outputs equal the
-    reference's)."""
-    from uccl_ep_train.backends import DispatchArgs
-
     nat, ref = _backends(rank, world, G, rdma=2 << 20)
     try:
-        E, H = 4 * world, 128
-        g = torch.Generator().manual_seed(rank)
-        seen, same = [], True
-
-        def step(T):
-            nonlocal same
-            idx = torch.tensor([[0, E // 2]] * T)  # the first expert of node 0 and of node 1
-            x = torch.randn((T, H), generator=g).to(torch.bfloat16)
-            w = torch.rand((T, 2), generator=g)
-            outs = []
-            for b in (ref, nat):
-                tpr, tpn, tpe, itr = b.get_dispatch_layout(idx, E)
-                r = b.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
-                outs.append((r.recv_x, b.combine(r.recv_x, r.handle, r.recv_topk_weights, None)[0]))
-            same = same and all(torch.equal(a, b) for a, b in zip(*outs))
-            seen.append((nat.packs_during_notify, nat.pushes_during_notify))
-
-        step(700)  # its combine's partial sums: 1400 arrivals' worth at the top of each send half
-        step(1300)  # 2600 records: past where those partial sums start, so packed after notify
-        step(300)  # 600 records, below the 2600 partial sums of the combine before: packed during notify
-        return seen, same
+        return records_past_the_partial_sums(nat, ref, torch.device("cpu"), rank, world)
     finally:
         nat.destroy()
 
@@ -265,41 +248,9 @@ def test_records_that_would_reach_the_last_combines_partial_sums_are_packed_afte
 
 
 def _area_too_small_after_a_push_during_notify(rank, world, G):
-    """A dispatch and its combine, then an uncached dispatch (packed and pushed during notify) whose arrivals
-    overflow rank 1's receive area but not rank 0's: rank 1 sends rank 0 20 records, rank 0 sends rank 1 every token.
-    Returns (the error, whether the dispatch counters are at their targets, pushes during notify, pairs compared by
-    a whole case run afterwards)."""
-    from uccl_ep_train.backends import DispatchArgs
-    from uccl_ep_train.internode import InternodeError
-
     nat, ref = _backends(rank, world, G, rdma=2 << 20)
     try:
-        E, H = 4 * world, 128
-        g = torch.Generator().manual_seed(rank)
-
-        def dispatch(idx):
-            x = torch.randn((idx.size(0), H), generator=g).to(torch.bfloat16)
-            tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
-            return nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
-
-        r = dispatch(torch.randint(0, E, (64, 2), generator=g))
-        nat.combine(r.recv_x, r.handle, None, None)
-        records = nat.half_rdma // (2 * H + 48)  # records of this shape an area holds (each side of the region)
-        if rank == 0:  # 0.45 of an area to each node
-            idx = torch.tensor([[0, 4]] * int(0.45 * records))
-        else:  # 0.7 of an area to its own node, 20 records to node 0: node 1's arrivals overflow, node 0's do not
-            idx = torch.tensor([[4, 5]] * int(0.7 * records))
-            idx[:20] = torch.tensor([0, 4])
-        try:
-            dispatch(idx)
-            err = "no error"
-        except InternodeError as exc:
-            err = str(exc)
-        # every dispatch lane's counter at the host's target: what was pushed to us landed, and was accounted for
-        # (the peer's next call sends on these lanes only after our next count row, which comes after this)
-        in_step = all(nat._cx.signal_value(s) == nat._expected[s] for s in range(nat.N * nat.L))
-        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, ALL[:1], 1)
-        return err, in_step, nat.pushes_during_notify, done
+        return area_too_small_after_a_push_during_notify(nat, ref, torch.device("cpu"), rank, world)
     finally:
         nat.destroy()
 

@@ -32,18 +32,20 @@ if not (native.available() and hasattr(native.module(), "internode")):
 
 from tests.distributed import run_distributed  # noqa: E402
 
-from internode_cases import (ALL, check_a_failed_rank_sends_and_forwards_nothing,  # noqa: E402  (shared with
+from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # noqa: E402  (shared with
+                             check_a_failed_rank_sends_and_forwards_nothing,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
-                             compare_cases)
+                             compare_cases, records_past_the_partial_sums)
 
 RDMA = 64 << 20
 NVL = 64 << 20
 
 
-def _cases(rank, world, G, cases, iters, H=256):
+def _backends(rank, world, G, rdma=RDMA):
+    """(native backend on this rank's GPU, reference backend on CPU, the GPU)."""
     import torch.distributed as dist
 
     from uccl_ep_train.backends import BackendContext
@@ -55,8 +57,12 @@ def _cases(rank, world, G, cases, iters, H=256):
     torch.cuda.set_device(dev)
     s = load_settings()
     mk = lambda d: BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=d,
-                                  num_nvl_bytes=NVL, num_rdma_bytes=RDMA, settings=s)
-    nat, ref = NativeInternodeBackend(mk(dev)), ReferenceBackend(mk(torch.device("cpu")))
+                                  num_nvl_bytes=NVL, num_rdma_bytes=rdma, settings=s)
+    return NativeInternodeBackend(mk(dev)), ReferenceBackend(mk(torch.device("cpu"))), dev
+
+
+def _cases(rank, world, G, cases, iters, H=256):
+    nat, ref, dev = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, dev, rank, world, cases, iters, H=H)
         return done, dict(nat.proxy_stats(), drain_after_waits=nat._drain_after_waits)
@@ -421,3 +427,36 @@ def test_a_wait_on_more_counters_than_one_launch_carries_waits_for_each_and_name
             cx.wait_signals([(512, 0)], 1, s)
     finally:
         cx.destroy()
+
+
+def _scenario(rank, world, G, which):
+    nat, ref, dev = _backends(rank, world, G, rdma=2 << 20)
+    try:
+        return dict(past=records_past_the_partial_sums, small=area_too_small_after_a_push_during_notify)[which](
+            nat, ref, dev, rank, world)
+    finally:
+        nat.destroy()
+
+
+def test_on_gpus_records_past_the_last_combines_partial_sums_pack_after_notify_and_the_next_during_it():
+    """The GPU twin of the CPU test (2 x 1): packing and pushing during notify counts on the device, in one
+    pack_and_push launch; a dispatch whose records would reach the last combine's partial sums packs and pushes
+    nothing then (the host, by the same rule, does it after notify), and every output equals the reference."""
+    _need(2)
+    out = run_distributed(_scenario, 2, 1, "past", timeout=240)
+    for seen, same in out:
+        assert same, "an output differs from the reference"
+        (p0, q0), (p1, q1), (p2, q2) = seen
+        assert (p1, q1) == (p0, q0) and (p2, q2) == (p1 + 1, q1 + 1), seen
+
+
+def test_on_gpus_an_area_too_small_for_records_pushed_during_notify_raises_on_every_rank_and_the_next_calls_match():
+    """The GPU twin of the CPU test (2 x 1): the pack_and_push launch during notify sends nothing to the destination
+    whose area overflows and still resets that destination's chunk counters (the next pack_and_push starts from
+    zeros), every rank raises the same area error, and the next calls match the reference."""
+    _need(2)
+    out = run_distributed(_scenario, 2, 1, "small", timeout=240)
+    for rank, (err, in_step, pushed, done) in enumerate(out):
+        assert "dispatch receive (RDMA)" in err and "num_rdma_bytes" in err, f"rank {rank}: {err}"
+        assert in_step, f"rank {rank}: the dispatch counters are not at their targets after the error"
+        assert pushed == 1 and done == 1, (rank, pushed, done)
