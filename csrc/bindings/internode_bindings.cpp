@@ -43,6 +43,19 @@ in::RecordJob record_job(uintptr_t send, uintptr_t own_dst, int64_t own_first, i
   return job;
 }
 
+in::CountRowOffsets count_row_offsets(int64_t slot, int64_t expected, uintptr_t count_rows, int64_t row_words,
+                                      int ranks_per_node, int64_t receive_bytes, int64_t send_limit) {
+  in::CountRowOffsets at;
+  at.slot = slot;
+  at.expected = expected;
+  at.rows = count_rows;
+  at.row_words = row_words;
+  at.ranks_per_node = ranks_per_node;
+  at.receive_bytes = receive_bytes;
+  at.send_limit = send_limit;
+  return at;
+}
+
 }  // namespace
 #endif
 
@@ -244,15 +257,10 @@ void bind_internode(py::module_& m) {
           [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, int64_t slot, int64_t expected,
              uintptr_t count_rows, int64_t row_words, int ranks_per_node, int64_t receive_bytes, int phase,
              uintptr_t stream, int64_t send_limit) {
-            in::CountRowOffsets at;
-            at.slot = slot;
-            at.expected = expected;
-            at.rows = count_rows;
-            at.row_words = row_words;
-            at.ranks_per_node = ranks_per_node;
-            at.receive_bytes = receive_bytes;
-            at.send_limit = send_limit;
-            cx.push_after_counts(table, n, chunk_records, at, phase, stream);
+            cx.push_after_counts(table, n, chunk_records,
+                                 count_row_offsets(slot, expected, count_rows, row_words, ranks_per_node,
+                                                   receive_bytes, send_limit),
+                                 phase, stream);
           },
           py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("slot"), py::arg("expected"),
           py::arg("count_rows"), py::arg("row_words"), py::arg("ranks_per_node"), py::arg("receive_bytes"),
@@ -286,18 +294,12 @@ void bind_internode(py::module_& m) {
              int64_t src_idx_offset, int64_t dest_rows_offset, int64_t slot, int64_t expected, uintptr_t count_rows,
              int64_t row_words, int64_t receive_bytes, int64_t send_limit, uintptr_t ready, int phase,
              uintptr_t stream) {
-            in::CountRowOffsets at;
-            at.slot = slot;
-            at.expected = expected;
-            at.rows = count_rows;
-            at.row_words = row_words;
-            at.ranks_per_node = ranks_per_node;
-            at.receive_bytes = receive_bytes;
-            at.send_limit = send_limit;
             cx.pack_and_push_after_counts(table, n, chunk_records,
                                           record_job(send, 0, 0, 0, stride, hop1_token, dest_rows, ranks_per_node,
                                                      capacity, columns, src_idx_offset, dest_rows_offset),
-                                          at, ready, phase, stream);
+                                          count_row_offsets(slot, expected, count_rows, row_words, ranks_per_node,
+                                                            receive_bytes, send_limit),
+                                          ready, phase, stream);
           },
           py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("send"), py::arg("stride"),
           py::arg("hop1_token"), py::arg("dest_rows"), py::arg("ranks_per_node"), py::arg("capacity"),

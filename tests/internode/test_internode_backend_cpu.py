@@ -225,10 +225,12 @@ def test_with_one_gpu_per_node_records_packed_during_notify_are_pushed_during_no
     assert [(done, pushed, fused) for done, _, pushed, fused in out] == [(len(cases), 0, 0)] * world
 
 
-def _records_past_the_partial_sums(rank, world, G):
+def _scenario(rank, world, G, which):
+    """One of internode_cases' scenarios on the stand-in, with an RDMA area of 2 MiB."""
     nat, ref = _backends(rank, world, G, rdma=2 << 20)
     try:
-        return records_past_the_partial_sums(nat, ref, torch.device("cpu"), rank, world)
+        return dict(past=records_past_the_partial_sums, small=area_too_small_after_a_push_during_notify)[which](
+            nat, ref, torch.device("cpu"), rank, world)
     finally:
         nat.destroy()
 
@@ -239,7 +241,7 @@ def test_records_that_would_reach_the_last_combines_partial_sums_are_packed_afte
     kernels counting on the device pack and push nothing when our records would pass them, and the host, applying
     the same rule to the counts after notify, packs and pushes after notify instead: the dispatch does not count as
     packed during notify, and every output equals the reference; the next dispatch that fits packs during notify."""
-    out = run_distributed(_records_past_the_partial_sums, world, G, timeout=120, env=ENV)
+    out = run_distributed(_scenario, world, G, "past", timeout=120, env=ENV)
     for seen, same in out:
         assert same, "an output differs from the reference"
         (p0, q0), (p1, q1), (p2, q2) = seen
@@ -247,20 +249,12 @@ def test_records_that_would_reach_the_last_combines_partial_sums_are_packed_afte
         assert p2 == p1 + 1 and q2 == q1 + (G == 1), seen
 
 
-def _area_too_small_after_a_push_during_notify(rank, world, G):
-    nat, ref = _backends(rank, world, G, rdma=2 << 20)
-    try:
-        return area_too_small_after_a_push_during_notify(nat, ref, torch.device("cpu"), rank, world)
-    finally:
-        nat.destroy()
-
-
 def test_an_area_too_small_for_records_pushed_during_notify_raises_on_every_rank_and_the_next_calls_match():
     """The area check comes after notify, so records pushed during notify have left already: the kernel sends
     nothing to a destination whose arrivals overflow its area, every rank raises the same area error from the same
     counts, a rank that did receive records waits for them first, and the next calls run and match the reference
     (the counters stayed in step)."""
-    out = run_distributed(_area_too_small_after_a_push_during_notify, 2, 1, timeout=120, env=ENV)
+    out = run_distributed(_scenario, 2, 1, "small", timeout=120, env=ENV)
     for rank, (err, in_step, pushed, done) in enumerate(out):
         assert "dispatch receive (RDMA)" in err and "num_rdma_bytes" in err, f"rank {rank}: {err}"
         assert in_step, f"rank {rank}: the dispatch counters are not at their targets after the error"
