@@ -657,18 +657,24 @@ class NativeInternodeBackend:
         """The send_plan kernel's tables for our records per node ``node_send``; ``prefix``: every destination's rows
         from the ranks before us (zeros: the tables that need no other rank's counts are right, the final rows
         counted from our first token for each destination)."""
-        T, R, G, N = is_token_in_rank.size(0), self.R, self.G, self.N
-        node_base = [sum(node_send[:m]) for m in range(N)]
+        node_base = [sum(node_send[:m]) for m in range(self.N)]
         table = self._upload(prefix + node_base)  # one upload of plain ints: each torch op here costs ~5-10 us
-        S1, dev = sum(node_send), self.device
-        plan = SendPlan(torch.empty(S1, dtype=torch.int64, device=dev), node_send,
-                        torch.empty((S1, G), dtype=torch.int64, device=dev),
+        return self._send_plan_launch(is_token_in_rank, sum(node_send), node_send, table.data_ptr(),
+                                      table.data_ptr() + 8 * self.R, 0)
+
+    def _send_plan_launch(self, is_token_in_rank: torch.Tensor, records: int, node_send: List[int], prefix: int,
+                          node_base: int, node_counts: int) -> SendPlan:
+        """The send_plan kernel into fresh tables for ``records`` send records; ``prefix`` / ``node_base`` /
+        ``node_counts``: the kernel's device arguments (0: none)."""
+        T, R, G, N, dev = is_token_in_rank.size(0), self.R, self.G, self.N, self.device
+        plan = SendPlan(torch.empty(records, dtype=torch.int64, device=dev), node_send,
+                        torch.empty((records, G), dtype=torch.int64, device=dev),
                         torch.empty((T, R), dtype=torch.int64, device=dev),
                         torch.empty((N, T), dtype=torch.int32, device=dev))
         itr = _dense(is_token_in_rank, torch.bool)
-        self._k.send_plan(itr.data_ptr(), T, R, G, table.data_ptr(), table.data_ptr() + 8 * R,
-                          plan.dest_row_all.data_ptr(), plan.hop1_token.data_ptr(), plan.dest_rows.data_ptr(),
-                          plan.row_of.data_ptr(), self._stream())
+        self._k.send_plan(itr.data_ptr(), T, R, G, prefix, node_base, plan.dest_row_all.data_ptr(),
+                          plan.hop1_token.data_ptr(), plan.dest_rows.data_ptr(), plan.row_of.data_ptr(),
+                          self._stream(), node_counts=node_counts)
         return plan
 
     def _per_chunk(self, stride: int) -> int:
@@ -1127,19 +1133,12 @@ class NativeInternodeBackend:
         ``send_top``; the host learns which it was after notify (_packed_during_notify). Fills ``early`` (layout,
         rows, tables, send_top), and with one GPU per node pushes the records too (_push_during_notify;
         ``landing``: where the count rows land), adding ``push_launched``."""
-        T, R, G, N = itr.size(0), self.R, self.G, self.N
+        G, N = self.G, self.N
         rows = [_dense(c, c.dtype) for c in cols]
         layout = _record_layout(tuple(_row_bytes(r) for r in rows), G)
-        own_counts = row.data_ptr() + 8 * R  # our tokens per node: the row's node columns
-        capacity = T * N  # a token is one record per node at most
-        dev = self.device
-        tables = SendPlan(torch.empty(capacity, dtype=torch.int64, device=dev), [],
-                          torch.empty((capacity, G), dtype=torch.int64, device=dev),
-                          torch.empty((T, R), dtype=torch.int64, device=dev),
-                          torch.empty((N, T), dtype=torch.int32, device=dev))
-        itr = _dense(itr, torch.bool)
-        self._k.send_plan(itr.data_ptr(), T, R, G, 0, 0, tables.dest_row_all.data_ptr(), tables.hop1_token.data_ptr(),
-                          tables.dest_rows.data_ptr(), tables.row_of.data_ptr(), self._stream(), node_counts=own_counts)
+        own_counts = row.data_ptr() + 8 * self.R  # our tokens per node: the row's node columns
+        capacity = itr.size(0) * N  # a token is one record per node at most
+        tables = self._send_plan_launch(itr, capacity, [], 0, 0, own_counts)
         packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
         early.update(layout=layout, rows=rows, tables=tables, send_top=send_top, itr=itr)
         # several GPUs per node: the records' final rows are rewritten after notify, so they cannot leave before

@@ -158,11 +158,8 @@ __device__ long long block_shift(const CountRowShift& at, const long long* row, 
 __device__ bool rows_from_own_row(const CountRowShift& at, const long long* row, int rank, long long* out) {
   const long long* own = at.rows + rank * at.row_words + at.num_ranks;
   const int m = int(row[kPushDstRank]) / at.ranks_per_node;
-  long long before = 0, total = 0;
-  for (int n = 0; n < at.num_ranks / at.ranks_per_node; ++n) {
-    total += own[n];
-    if (n < m) before += own[n];
-  }
+  long long before;
+  const long long total = records_by_node(own, at.num_ranks / at.ranks_per_node, m, &before);
   for (int c = 0; c < kPushColumns; ++c) out[c] = row[c];
   out[kPushRecords] = own[m];
   out[kPushLocalOffset] += before * row[kPushStride];
@@ -187,7 +184,7 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const
   const long long* row = table + i * kPushColumns;
   long long shift = 0, own_row[kPushColumns];
   if (at.rows) {
-    if (at.send_limit >= 0) {
+    if (counted_on_device(at)) {
       if (!rows_from_own_row(at, row, rank, own_row)) return;
       row = own_row;
     }
@@ -255,14 +252,9 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
     if (counted_on_device(at)) {
       const long long* own = at.rows + rank * at.row_words + at.num_ranks;
       const int node = rank / at.ranks_per_node;
-      long long total = 0, before = 0;
-      for (int m = 0; m < at.num_ranks / at.ranks_per_node; ++m) {
-        total += own[m];
-        if (m < node) before += own[m];
-      }
+      const long long total = records_by_node(own, at.num_ranks / at.ranks_per_node, node, &s_own_first);
       go = go && total * job.stride <= at.send_limit;
       s_n = min(total, job.num_records);  // num_records: the tables' capacity
-      s_own_first = before;
       s_own_count = own[node];
     }
     s_go = go;

@@ -125,12 +125,7 @@ __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
     PackArgs args, long long src_idx_offset, long long dest_rows_offset, DeviceNodeCounts counted) {
   if (counted.counts) {  // sizes from our own count row (written earlier on this stream); n is the capacity
     const long long* c = reinterpret_cast<const long long*>(counted.counts);
-    long long total = 0;
-    own_first = 0;
-    for (int m = 0; m < counted.num_nodes; ++m) {
-      total += c[m];
-      if (m < counted.skip_node) own_first += c[m];
-    }
+    const long long total = records_by_node(c, counted.num_nodes, counted.skip_node, &own_first);
     if (total * stride > counted.send_limit) return;
     own_count = c[counted.skip_node];
     n = min(n, total);

@@ -13,6 +13,19 @@ namespace uccl_ep::internode {
 constexpr int kPackThreads = 256;
 constexpr int kPackGroup = 32;  // threads per record in pack_records and unpack_records (pack_and_push: a block)
 
+// The record list runs by destination node: with `counts` the records per node (our count row's node columns),
+// node m's records start after those of nodes 0..m-1. Returns every node's records together; *before: node m's first.
+__device__ __forceinline__ long long records_by_node(const long long* counts, int num_nodes, int m,
+                                                     long long* before) {
+  long long total = 0;
+  *before = 0;
+  for (int n = 0; n < num_nodes; ++n) {
+    if (n == m) *before = total;
+    total += counts[n];
+  }
+  return total;
+}
+
 struct PackArgs {
   PackColumn columns[kMaxPackColumns];
   int num_columns;
