@@ -7,7 +7,8 @@
 # Device: bash scripts/ab_internode.sh ab-old.tar      (carry ab-old.tar and .whl)
 # Settings: RUNS (default 3) capped pairs at UCCL_EP_LOOPBACK_BW_GBPS=${CAP:-50}, then one uncapped pair; ITERS
 # (default 20) calls per timed loop; VARIANT="NAME=VALUE ..." adds a third run per round: this tree with those
-# settings (e.g. VARIANT=UCCL_EP_PUSH_HEAD=0). The other revision needs `bench internode` to accept this tree's options.
+# settings (e.g. VARIANT=UCCL_EP_PUSH_HEAD=0), and one uncapped at the end. The other revision needs
+# `bench internode` to accept this tree's options.
 set -uo pipefail
 tarball=${1:?usage: scripts/ab_internode.sh OLD.tar (made with git archive --prefix=old/)}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -32,6 +33,7 @@ for i in $(seq "${RUNS:-3}"); do
 done
 bench old-uncapped "$work/old" 0
 bench new-uncapped "$PWD" 0
+[[ -z ${VARIANT:-} ]] || bench var-uncapped "$PWD" 0 $VARIANT
 python3 - "$work" "$OUT" <<'PY'
 import glob, json, os, sys
 
