@@ -24,7 +24,8 @@ bench() {  # bench TAG DIR CAP [NAME=VALUE ...]
   local tag=$1 dir=$2 cap=$3; shift 3
   (cd "$dir" && env "$@" UCCL_EP_LOOPBACK_BW_GBPS=$cap PYTHONPATH="/tmp/site:$dir" timeout 150 torchrun --standalone \
      --nproc-per-node 2 -m uccl_ep_train bench internode --emulate-nodes 2 --iters "${ITERS:-20}" \
-     --json "$work/$tag.json" >"$work/$tag.log" 2>&1; echo "$tag rc=$?" >>"$OUT/summary.txt")
+     --json "$work/$tag.json" >"$work/$tag.log" 2>&1; local rc=$?; echo "$tag rc=$rc" >>"$OUT/summary.txt"
+   [[ $rc == 0 ]] || tail -25 "$work/$tag.log" >>"$OUT/summary.txt")
 }
 for i in $(seq "${RUNS:-3}"); do
   bench "old-capped-$i" "$work/old" "${CAP:-50}"

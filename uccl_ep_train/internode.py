@@ -1719,11 +1719,6 @@ class NativeInternodeBackend:
     def proxy_stats(self) -> dict:
         return dict(self._cx.proxy_totals())
 
-    def proxy_threads(self) -> List[str]:
-        """A line per proxy thread: its counters and its transport's state (the loopback's: copies made for the
-        writes posted, time copying). Asks the running threads: for a report, not for a stuck process."""
-        return self._cx.proxy_counters(True).splitlines()
-
     def destroy(self) -> None:
         if self._destroyed:
             return

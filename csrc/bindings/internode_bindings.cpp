@@ -231,10 +231,8 @@ void bind_internode(py::module_& m) {
       .def("proxy_error", &in::Context::proxy_error)
       .def("proxy_totals", [](const in::Context& c) { return proxy_stats_dict(c.proxy_totals()); })
       .def("signal_value", &in::Context::signal_value, py::arg("slot"))
-      .def("proxy_counters", &in::Context::proxy_counters, py::arg("ask_transport") = false,
-           py::call_guard<py::gil_scoped_release>(),
-           "the proxy threads' published counters, one line per thread; ask_transport: with each thread's transport "
-           "state (the running threads answer, so not for a stuck process)")
+      .def("proxy_counters", &in::Context::proxy_counters,
+           "the proxy threads' published counters, one line per thread (never asks the transport)")
       .def("fifo_states", [](const in::Context& c) {
         py::list out;
         for (const auto& f : c.fifo_states()) {

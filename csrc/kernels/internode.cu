@@ -739,9 +739,9 @@ std::vector<Context::FifoState> Context::fifo_states() const {
   return out;
 }
 
-std::string Context::proxy_counters(bool ask_transport) const {
+std::string Context::proxy_counters() const {
   std::lock_guard<std::mutex> g(diag_mu_);
-  return destroyed_ || !proxy_ ? std::string("proxy stopped") : proxy_->describe(ask_transport);
+  return destroyed_ || !proxy_ ? std::string("proxy stopped") : proxy_->describe(false);
 }
 
 void Context::push_chunks(uintptr_t table, int n, int64_t chunk_records, int phase, uintptr_t stream) {
@@ -1006,7 +1006,7 @@ ProxyThreadStats Context::proxy_totals() const { return {}; }
 uint64_t Context::max_write_bytes() const { return 0; }
 int64_t Context::signal_value(uint32_t) const { return 0; }
 std::vector<Context::FifoState> Context::fifo_states() const { return {}; }
-std::string Context::proxy_counters(bool) const { return ""; }
+std::string Context::proxy_counters() const { return ""; }
 void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}
 void Context::push_after_counts(uintptr_t, int, int64_t, const CountRowOffsets&, int, uintptr_t) {}
 void Context::launch_push(uintptr_t, int, int64_t, const CountRowOffsets*, int, uintptr_t) {}

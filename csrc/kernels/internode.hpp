@@ -150,9 +150,9 @@ class Context {
     int64_t first_full = -1, last_full = -1;
   };
   std::vector<FifoState> fifo_states() const;
-  // The proxy threads' published counters (queued, in flight, outstanding per FIFO, held for order); with
-  // ask_transport, also each thread's transport debug_state (asked of the running thread: not for a stuck process).
-  std::string proxy_counters(bool ask_transport = false) const;
+  // The proxy threads' published counters (queued, in flight, outstanding per FIFO, held for order); never asks the
+  // transport (Proxy::describe(false)).
+  std::string proxy_counters() const;
   // Device address of the error word (for scatter_rows' range check).
   uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
   // The stop flag (StopFlag) for scatter_rows: its device address and the generation to launch with.

@@ -686,7 +686,7 @@ class InternodeContext:
         return [] if self._destroyed else [dict(fifo=i, device_head=c, tail=c, full=0, first_full=-1, last_full=-1)
                                            for i, c in enumerate(self._lane_cmds)]
 
-    def proxy_counters(self, ask_transport: bool = False) -> str:
+    def proxy_counters(self) -> str:
         return "proxy stopped" if self._destroyed else f"fake proxy (synchronous): commands per FIFO {self._lane_cmds}"
 
     def destroy(self) -> None:

@@ -382,9 +382,7 @@ def run(args) -> int:
         "dispatch_nvlink_bytes": disp_traffic.nvlink_bytes, "combine_logical_bytes": comb_traffic.logical_bytes,
         # partial sums cross in x's dtype since session 7 (before: fp32, twice these bytes on the wire)
         "combine_network_bytes": comb_traffic.network_bytes,
-        # (proxy_threads: absent in revisions before 78dac84, which scripts/ab_internode.sh also times)
-        "proxy": nat.proxy_stats(), "proxy_threads": getattr(nat, "proxy_threads", list)(),
-        "process_cpu_per_wall_s": cpu_frac,
+        "proxy": nat.proxy_stats(), "process_cpu_per_wall_s": cpu_frac,
         # whether the host waited for its stream after each network wait (internode.drain_after_waits): without the
         # drains the host steps below are launch times and the GPU runs the steps back to back
         "drain_after_waits": nat._drain_after_waits,
