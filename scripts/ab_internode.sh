@@ -46,6 +46,7 @@ keys = ["dispatch_us", "cached_dispatch_us", "combine_us", "step_dispatch_us", "
         "cached_dispatch_network_GBps", "combine_network_GBps", "in_turn_network_GBps.forward_pair",
         "in_turn_network_GBps.backward_pair", "in_turn_us.forward_dispatch", "in_turn_us.forward_combine",
         "in_turn_us.backward_cached_dispatch", "in_turn_us.backward_combine", "packs_during_notify",
+        "spare_send_tables_taken",
         "training_step_network_GBps.forward_pair", "training_step_network_GBps.backward_pair",
         "training_step_us.forward_dispatch", "training_step_us.forward_combine",
         "training_step_us.backward_cached_dispatch", "training_step_us.backward_combine", "plans_made_ahead"]

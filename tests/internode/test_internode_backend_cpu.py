@@ -158,20 +158,21 @@ def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, 
 
 
 def _packs_during_notify(rank, world, G, cases):
-    """compare_cases, then an uncached dispatch right after another: (pairs compared, dispatches that packed during
-    notify after compare_cases, and after the dispatch that followed a dispatch)."""
+    """compare_cases, then an uncached dispatch of another size right after its last combine, then one right after a
+    dispatch: (pairs compared, dispatches that packed during notify in compare_cases, and after it; send-plan tables
+    made during a combine's hop and taken, in compare_cases and after it)."""
     from uccl_ep_train.backends import DispatchArgs
 
     nat, ref = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
-        packed = nat.packs_during_notify
+        packed, taken = nat.packs_during_notify, nat.spare_send_tables_taken
         idx = torch.randint(0, 4 * world, (64, 2), generator=torch.Generator().manual_seed(rank))
         x = torch.randn((64, 128)).to(torch.bfloat16)
         tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 4 * world)
         for _ in range(2):  # the first follows compare_cases' last combine; the second follows a dispatch
             nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
-        return done, packed, nat.packs_during_notify - packed
+        return done, packed, nat.packs_during_notify - packed, taken, nat.spare_send_tables_taken - taken
     finally:
         nat.destroy()
 
@@ -182,13 +183,15 @@ def test_an_uncached_dispatch_right_after_a_combine_of_the_last_dispatch_packs_d
     """Every case after the first starts right after the previous case's combine of its last dispatch's handle: its
     records for the other nodes are packed while notify runs (with several GPUs per node their final rows are
     rewritten after notify), and every output still equals the reference; a dispatch right after a dispatch packs
-    after notify, as does every dispatch with UCCL_EP_PACK_DURING_NOTIFY=0."""
+    after notify, as does every dispatch with UCCL_EP_PACK_DURING_NOTIFY=0. The send-plan tables of each packing
+    during notify were made during the combine's hop before it, except for a dispatch of another size (64 tokens
+    after 96 + 13 x rank), which makes its own."""
     cases = ALL[:4]
     out = run_distributed(_packs_during_notify, world, G, cases, timeout=120, env=ENV)
-    assert out == [(len(cases), len(cases) - 1, 1)] * world
+    assert out == [(len(cases), len(cases) - 1, 1, len(cases) - 1, 0)] * world
     out = run_distributed(_packs_during_notify, world, G, cases, timeout=120,
                           env=dict(ENV, UCCL_EP_PACK_DURING_NOTIFY="0"))
-    assert out == [(len(cases), 0, 0)] * world
+    assert out == [(len(cases), 0, 0, 0, 0)] * world
 
 
 def _pushes_during_notify(rank, world, G, cases):

@@ -407,6 +407,8 @@ def run(args) -> int:
                                       "calls_each": args.iters + args.warmup},
         # uncached dispatches (of every loop) that packed their records during notify, right after a combine (rank 0)
         "packs_during_notify": getattr(nat, "packs_during_notify", None),  # (older revisions in A/B runs lack it)
+        # ... of which took send-plan tables made during the combine's hop before them
+        "spare_send_tables_taken": getattr(nat, "spare_send_tables_taken", None),
         # hops whose records were written and pushed in one launch, by phase (rank 0, the whole run)
         "packs_and_pushes": getattr(nat, "packs_and_pushes", None),
     }
