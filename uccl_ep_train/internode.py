@@ -599,12 +599,15 @@ class NativeInternodeBackend:
 
     def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
                 topk_idx: Optional[torch.Tensor] = None,
-                then: Optional[Callable[[torch.Tensor, CountRows], None]] = None) -> Counts:
+                then: Optional[Callable[[torch.Tensor, CountRows], None]] = None,
+                plan: Optional[SendPlan] = None) -> Counts:
         """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) and per (rank,
         slot) (up to NOTIFY_MAX_SLOT_COUNTS) in the rows, a receiver knows its per-expert and per-slot counts from
         notify alone, and neither dispatch nor combine reads anything else back. Every rank makes the same choice:
         the same group, experts and top-k. ``then(row, rows)``: work for while the rows are exchanged, given our own
-        count row on the device and where every row lands (through the proxies only)."""
+        count row on the device and where every row lands (through the proxies only); ``plan``: tables for T x N
+        records that the count row's launch also fills with our send plan, counted from our own tokens, for ``then``
+        (count_row with send_plan: one launch fewer before a dispatch packed during notify)."""
         carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
         slots = carry and topk_idx is not None and self.R * topk_idx.size(1) <= NOTIFY_MAX_SLOT_COUNTS
         shape = dict(num_experts=tokens_per_expert.numel() if carry else 0,
@@ -613,7 +616,7 @@ class NativeInternodeBackend:
         tpe, topk = tokens_per_expert if carry else None, topk_idx if slots else None
         if self._notify_via_proxies:
             row = self._notify_views(width)[0]
-            self._count_row(row, is_token_in_rank, tpe, topk)
+            self._count_row(row, is_token_in_rank, tpe, topk, plan if then is not None else None)
             return self._notify_through_proxies(width, shape,
                                                 (lambda rows: then(row, rows)) if then is not None else None)
         row = torch.empty(width, dtype=torch.int64, device=self.device)
@@ -632,12 +635,15 @@ class NativeInternodeBackend:
         return counts_from_rows(torch.stack(out), self.R, self.N, **shape)
 
     def _count_row(self, out: torch.Tensor, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
-                   topk_idx: Optional[torch.Tensor]) -> None:
-        """local_count_row into ``out`` (int64 on the device) in one launch (count_row kernel); through torch when
-        the row has more bins than the kernel's shared memory holds."""
+                   topk_idx: Optional[torch.Tensor], plan: Optional[SendPlan] = None) -> None:
+        """local_count_row into ``out`` (int64 on the device) in one launch (count_row kernel), which also writes our
+        send plan into ``plan`` (prefix zeros, node bases counted); through torch, and the send plan by a launch of
+        its own, when the row has more bins than the kernel's shared memory holds."""
         K = topk_idx.size(1) if topk_idx is not None else 0
         if self.R + self.N + self.R * K > self._k.COUNT_ROW_MAX_BINS:
             out.copy_(local_count_row(is_token_in_rank, self.G, tokens_per_expert, topk_idx))
+            if plan is not None:
+                self._send_plan_launch(is_token_in_rank, plan, 0, 0)
             return
         itr = _dense(is_token_in_rank, torch.bool)
         tpe = None
@@ -648,7 +654,7 @@ class NativeInternodeBackend:
         self._k.count_row(out.data_ptr(), itr.data_ptr(), itr.size(0), self.R, self.G,
                           tpe.data_ptr() if tpe is not None else 0, tpe is not None and tpe.dtype == torch.int64,
                           tpe.numel() if tpe is not None else 0, topk.data_ptr() if topk is not None else 0, K,
-                          self._stream())
+                          self._stream(), send_plan=self._table_addresses(plan) if plan is not None else None)
 
     def _send_plan(self, is_token_in_rank: torch.Tensor, counts: Counts) -> SendPlan:
         """internode_plan.send_plan with its device tables made by one launch (send_plan kernel); the host part (how
@@ -663,21 +669,27 @@ class NativeInternodeBackend:
         counted from our first token for each destination)."""
         node_base = [sum(node_send[:m]) for m in range(self.N)]
         table = self._upload(prefix + node_base)  # one upload of plain ints: each torch op here costs ~5-10 us
-        return self._send_plan_launch(is_token_in_rank, sum(node_send), node_send, table.data_ptr(),
-                                      table.data_ptr() + 8 * self.R, 0)
-
-    def _send_plan_launch(self, is_token_in_rank: torch.Tensor, records: int, node_send: List[int], prefix: int,
-                          node_base: int, node_counts: int) -> SendPlan:
-        """The send_plan kernel into fresh tables for ``records`` send records; ``prefix`` / ``node_base`` /
-        ``node_counts``: the kernel's device arguments (0: none)."""
-        T, R, G = is_token_in_rank.size(0), self.R, self.G
-        hop1_token, dest_rows, dest_row_all, row_of = self._send_tables(T, records)
-        plan = SendPlan(hop1_token, node_send, dest_rows, dest_row_all, row_of)
-        itr = _dense(is_token_in_rank, torch.bool)
-        self._k.send_plan(itr.data_ptr(), T, R, G, prefix, node_base, plan.dest_row_all.data_ptr(),
-                          plan.hop1_token.data_ptr(), plan.dest_rows.data_ptr(), plan.row_of.data_ptr(),
-                          self._stream(), node_counts=node_counts)
+        plan = self._fresh_plan(is_token_in_rank.size(0), sum(node_send), node_send)
+        self._send_plan_launch(is_token_in_rank, plan, table.data_ptr(), table.data_ptr() + 8 * self.R)
         return plan
+
+    def _fresh_plan(self, T: int, records: int, node_send: List[int]) -> SendPlan:
+        """A SendPlan over fresh tables (_send_tables) for T tokens and ``records`` send records, not written yet."""
+        hop1_token, dest_rows, dest_row_all, row_of = self._send_tables(T, records)
+        return SendPlan(hop1_token, node_send, dest_rows, dest_row_all, row_of)
+
+    @staticmethod
+    def _table_addresses(plan: SendPlan) -> Tuple[int, int, int, int]:
+        """The send plan's tables as the kernels take them: (dest_row_all, hop1_token, dest_rows, row_of)."""
+        return (plan.dest_row_all.data_ptr(), plan.hop1_token.data_ptr(), plan.dest_rows.data_ptr(),
+                plan.row_of.data_ptr())
+
+    def _send_plan_launch(self, is_token_in_rank: torch.Tensor, plan: SendPlan, prefix: int, node_base: int) -> None:
+        """The send_plan kernel into ``plan``'s tables; ``prefix`` / ``node_base``: its device arguments (0: zeros /
+        counted from the tokens)."""
+        itr = _dense(is_token_in_rank, torch.bool)
+        self._k.send_plan(itr.data_ptr(), itr.size(0), self.R, self.G, prefix, node_base,
+                          *self._table_addresses(plan), self._stream())
 
     def _send_tables(self, T: int, records: int) -> Tuple[torch.Tensor, ...]:
         """Fresh (hop1_token, dest_rows, dest_row_all, row_of) for T tokens and ``records`` send records: the spare
@@ -1144,7 +1156,7 @@ class NativeInternodeBackend:
                              self._rdma[recv_base:recv_base + A * stride].view(A, stride))
 
     def _pack_during_notify(self, row: torch.Tensor, itr: torch.Tensor, cols: List[torch.Tensor], send_top: int,
-                            early: dict, landing: CountRows) -> None:
+                            early: dict, landing: CountRows, tables: SendPlan) -> None:
         """Pack the records for the other nodes while notify exchanges the counts, where it is safe: the last call
         was a combine of the last dispatch's handle (the caller checks) and our records stay below ``send_top``,
         where that combine's partial sums start in our send half. Why that is enough: every node we sent that
@@ -1152,9 +1164,9 @@ class NativeInternodeBackend:
         dispatch had received all of them; so nothing of ours below the partial sums is still on the wire (what
         notify would otherwise prove, docs/internode.md "Packing during notify").
 
-        Only our own tokens per node are needed, and the host reads none of them: send_plan and pack_records take
-        them from our count row ``row`` on the device (written just before by count_row), the tables sized for any
-        counts. The records' final rows count from our first token (right where G = 1, nobody reading them;
+        Only our own tokens per node are needed, and the host reads none of them: the count row's launch wrote our
+        send plan into ``tables`` (sized for any counts; _count_row), and pack_records takes them from our count row
+        ``row`` on the device. The records' final rows count from our first token (right where G = 1, nobody reading them;
         rewritten after notify otherwise, _write_dest_rows). The kernels pack nothing when our records would pass
         ``send_top``; the host learns which it was after notify (_packed_during_notify). Fills ``early`` (layout,
         rows, tables, send_top), and with one GPU per node pushes the records too (_push_during_notify;
@@ -1164,7 +1176,6 @@ class NativeInternodeBackend:
         layout = _record_layout(tuple(_row_bytes(r) for r in rows), G)
         own_counts = row.data_ptr() + 8 * self.R  # our tokens per node: the row's node columns
         capacity = itr.size(0) * N  # a token is one record per node at most
-        tables = self._send_plan_launch(itr, capacity, [], 0, 0, own_counts)
         packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
         early.update(layout=layout, rows=rows, tables=tables, send_top=send_top, itr=itr)
         # several GPUs per node: the records' final rows are rewritten after notify, so they cannot leave before
@@ -1373,11 +1384,12 @@ class NativeInternodeBackend:
             cols.append(_dense(weights, torch.float32) if weights is not None else
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
         early: dict = {}
-        during = None
+        during = tables = None
         if combined_send_base is not None and self.pack_during_notify:
+            tables = self._fresh_plan(T, T * self.N, [])  # written with the count row
             during = lambda row, landing: self._pack_during_notify(  # noqa: E731
-                row, itr, cols, combined_send_base, early, landing)
-        counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during)
+                row, itr, cols, combined_send_base, early, landing, tables)
+        counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during, plan=tables)
         self._lap("dispatch.notify")
         plan, pushed = self._packed_during_notify(early, counts)
         packed = early["rows"] if plan is not None else None

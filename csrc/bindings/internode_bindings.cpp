@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 #include <variant>
@@ -99,15 +100,34 @@ void bind_internode(py::module_& m) {
         "each tile of tokens first waits for the chunks holding its rows");
 
   k.attr("COUNT_ROW_MAX_BINS") = int(in::kCountRowMaxBins);
-  k.def("count_row", &in::count_row, py::arg("out"), py::arg("is_token_in_rank"), py::arg("num_tokens"),
-        py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("tokens_per_expert"), py::arg("tpe_int64"),
-        py::arg("num_experts"), py::arg("topk_idx"), py::arg("num_topk"), py::arg("stream"),
-        "this rank's notify row (internode_plan.local_count_row) as int64 at `out`, one launch");
-  k.def("send_plan", &in::send_plan, py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"),
-        py::arg("ranks_per_node"), py::arg("prefix"), py::arg("node_base"), py::arg("dest_row_all"),
-        py::arg("hop1_token"), py::arg("dest_rows"), py::arg("row_of"), py::arg("stream"), py::arg("node_counts") = 0,
-        "the device tables of internode_plan.send_plan, one launch; prefix 0: zeros; node_base 0: the running sum "
-        "of node_counts (device int64 [N], our own count row's tokens per node)");
+  k.def(
+      "count_row",
+      [](uintptr_t out, uintptr_t itr, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t tpe,
+         bool tpe_int64, int num_experts, uintptr_t topk_idx, int num_topk, uintptr_t stream,
+         std::optional<std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t>> send_plan) {
+        in::SendPlanTables t;
+        if (send_plan) std::tie(t.dest_row_all, t.hop1_token, t.dest_rows, t.row_of) = *send_plan;
+        in::count_row(out, itr, num_tokens, num_ranks, ranks_per_node, tpe, tpe_int64, num_experts, topk_idx,
+                      num_topk, stream, send_plan ? &t : nullptr);
+      },
+      py::arg("out"), py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"),
+      py::arg("ranks_per_node"), py::arg("tokens_per_expert"), py::arg("tpe_int64"), py::arg("num_experts"),
+      py::arg("topk_idx"), py::arg("num_topk"), py::arg("stream"), py::arg("send_plan") = py::none(),
+      "this rank's notify row (internode_plan.local_count_row) as int64 at `out`, one launch; send_plan "
+      "(dest_row_all, hop1_token, dest_rows, row_of addresses): the same launch also writes our send plan as "
+      "send_plan does with prefix and node_base 0");
+  k.def(
+      "send_plan",
+      [](uintptr_t itr, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t prefix, uintptr_t node_base,
+         uintptr_t dest_row_all, uintptr_t hop1_token, uintptr_t dest_rows, uintptr_t row_of, uintptr_t stream) {
+        in::send_plan(itr, num_tokens, num_ranks, ranks_per_node, prefix, node_base,
+                      in::SendPlanTables{dest_row_all, hop1_token, dest_rows, row_of}, stream);
+      },
+      py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"), py::arg("ranks_per_node"),
+      py::arg("prefix"), py::arg("node_base"), py::arg("dest_row_all"), py::arg("hop1_token"), py::arg("dest_rows"),
+      py::arg("row_of"), py::arg("stream"),
+      "the device tables of internode_plan.send_plan, one launch; prefix 0: zeros; node_base 0: each node's first "
+      "record counted from is_token_in_rank (the send list running by node)");
   k.def(
       "pack_records",
       [](uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride, uintptr_t hop1_token,

@@ -25,11 +25,10 @@ void check_launch(const char* what) {
 }
 
 // Shared-memory histograms, then one write of the int64 row. Contention is on few bins only when R is small, where
-// the loops are short too (T x R items).
-__global__ void __launch_bounds__(kPlanThreads) count_row_kernel(
-    long long* __restrict__ out, const bool* __restrict__ itr, long long T, int R, int G,
-    const void* __restrict__ tpe, bool tpe_int64, int E, const long long* __restrict__ topk, int K) {
-  extern __shared__ int bins[];  // [R ranks | N nodes | R x K slots]
+// the loops are short too (T x R items). One block.
+__device__ void count_row_block(long long* __restrict__ out, const bool* __restrict__ itr, long long T, int R, int G,
+                                const void* __restrict__ tpe, bool tpe_int64, int E, const long long* __restrict__ topk,
+                                int K, int* bins /* [R ranks | N nodes | R x K slots] */) {
   const int N = R / G;
   const int nbins = R + N + R * K;
   for (int i = threadIdx.x; i < nbins; i += blockDim.x) bins[i] = 0;
@@ -56,6 +55,18 @@ __global__ void __launch_bounds__(kPlanThreads) count_row_kernel(
   for (int i = threadIdx.x; i < R * K; i += blockDim.x) out[R + N + E + i] = bins[R + N + i];
 }
 
+struct CountRowArgs {
+  long long* out;
+  const bool* itr;
+  long long T;
+  int R, G;
+  const void* tpe;
+  bool tpe_int64;
+  int E;
+  const long long* topk;
+  int K;
+};
+
 // Exclusive prefix of one int per thread over the block (Hillis-Steele in shared memory). Every thread of the block
 // must call it.
 __device__ int block_exclusive_scan(int v, int* scratch) {
@@ -73,49 +84,87 @@ __device__ int block_exclusive_scan(int v, int* scratch) {
   return incl - v;
 }
 
-// Block m plans destination node m. Each thread owns a contiguous run of tokens, so a token's ordinal in a column is
-// the run's prefix (one block scan per column) plus its place in the run: the same ordinals as the torch cumsum.
-// Columns: the G ranks of node m (final rows there), then "the token goes to node m" (its send record).
-__global__ void __launch_bounds__(kPlanThreads) send_plan_kernel(
-    const bool* __restrict__ itr, long long T, int R, int G, const long long* __restrict__ prefix,
-    const long long* __restrict__ node_base, const long long* __restrict__ node_counts,
-    long long* __restrict__ dest_row_all, long long* __restrict__ hop1_token, long long* __restrict__ dest_rows,
-    int* __restrict__ row_of) {
-  __shared__ int scratch[kPlanThreads];
-  const int m = blockIdx.x;
-  long long base = 0;
-  if (node_base) {
-    base = node_base[m];
-  } else {
-    for (int n = 0; n < m; ++n) base += node_counts[n];
-  }
+// Does token t go to node m (to any of its G ranks)?
+__device__ __forceinline__ bool hits_node(const bool* itr, long long t, int R, int G, int m) {
+  bool hit = false;
+  for (int g = 0; g < G; ++g) hit |= itr[t * R + m * G + g];
+  return hit;
+}
+
+// The tokens that go to nodes 0 .. m-1, counted by the block: node m's first send record when the send list runs by
+// node (what count_row's node columns add up to). `scratch[0]` holds the sum. Every thread of the block must call it.
+__device__ long long records_before_node(const bool* itr, long long T, int R, int G, int m, int* scratch) {
+  if (threadIdx.x == 0) scratch[0] = 0;
+  __syncthreads();
+  int mine = 0;
+  for (long long t = threadIdx.x; t < T; t += blockDim.x)
+    for (int n = 0; n < m; ++n) mine += hits_node(itr, t, R, G, n);
+  if (mine) atomicAdd(scratch, mine);
+  __syncthreads();
+  const long long before = scratch[0];
+  __syncthreads();  // scratch is reused next
+  return before;
+}
+
+struct SendPlanArgs {
+  const bool* itr;
+  long long T;
+  int R, G;
+  const long long* prefix;     // [R] rows of lower ranks at each destination; null: zeros
+  const long long* node_base;  // [N] first send record of each node; null: counted from itr (records_before_node)
+  long long* dest_row_all;
+  long long* hop1_token;
+  long long* dest_rows;
+  int* row_of;
+};
+
+// Destination node m's part of the send plan, by one block. Each thread owns a contiguous run of tokens, so a token's
+// ordinal in a column is the run's prefix (one block scan per column) plus its place in the run: the same ordinals as
+// the torch cumsum. Columns: the G ranks of node m (final rows there), then "the token goes to node m" (its send
+// record).
+// `scratch`: shared memory for blockDim.x ints.
+__device__ void send_plan_block(const SendPlanArgs& a, int m, int* scratch) {
+  const long long T = a.T;
+  const int R = a.R, G = a.G;
+  const long long base = a.node_base ? a.node_base[m] : records_before_node(a.itr, T, R, G, m, scratch);
   const long long run = (T + blockDim.x - 1) / blockDim.x;
   const long long first = min(T, run * threadIdx.x), last = min(T, first + run);
-  auto hits_node = [&](long long t) {
-    bool hit = false;
-    for (int g = 0; g < G; ++g) hit |= itr[t * R + m * G + g];
-    return hit;
-  };
   for (int g = 0; g < G; ++g) {
     const int r = m * G + g;
     int mine = 0;
-    for (long long t = first; t < last; ++t) mine += itr[t * R + r];
-    long long row = (prefix ? prefix[r] : 0) + block_exclusive_scan(mine, scratch);
-    for (long long t = first; t < last; ++t) dest_row_all[t * R + r] = itr[t * R + r] ? row++ : -1;
+    for (long long t = first; t < last; ++t) mine += a.itr[t * R + r];
+    long long row = (a.prefix ? a.prefix[r] : 0) + block_exclusive_scan(mine, scratch);
+    for (long long t = first; t < last; ++t) a.dest_row_all[t * R + r] = a.itr[t * R + r] ? row++ : -1;
   }
   int mine = 0;
-  for (long long t = first; t < last; ++t) mine += hits_node(t);
+  for (long long t = first; t < last; ++t) mine += hits_node(a.itr, t, R, G, m);
   long long pos = base + block_exclusive_scan(mine, scratch);
   for (long long t = first; t < last; ++t) {
-    if (!hits_node(t)) {
-      row_of[m * T + t] = -1;
+    if (!hits_node(a.itr, t, R, G, m)) {
+      a.row_of[m * T + t] = -1;
       continue;
     }
-    row_of[m * T + t] = int(pos);
-    hop1_token[pos] = t;
-    for (int g = 0; g < G; ++g) dest_rows[pos * G + g] = dest_row_all[t * R + m * G + g];  // this thread's own stores
+    a.row_of[m * T + t] = int(pos);
+    a.hop1_token[pos] = t;
+    for (int g = 0; g < G; ++g) a.dest_rows[pos * G + g] = a.dest_row_all[t * R + m * G + g];  // this thread's stores
     ++pos;
   }
+}
+
+__global__ void __launch_bounds__(kPlanThreads) send_plan_kernel(SendPlanArgs a) {
+  __shared__ int scratch[kPlanThreads];
+  send_plan_block(a, blockIdx.x, scratch);
+}
+
+// Block 0: the count row; with `plan`, block 1 + m: node m's send plan, each node's base counted from the tokens (the
+// send plan of packing during notify, one launch fewer before its wire). The dynamic shared memory holds the count
+// row's bins, or a send-plan block's scratch.
+__global__ void __launch_bounds__(kPlanThreads) count_row_kernel(CountRowArgs c, SendPlanArgs p, bool plan) {
+  extern __shared__ int shared[];
+  if (blockIdx.x == 0)
+    count_row_block(c.out, c.itr, c.T, c.R, c.G, c.tpe, c.tpe_int64, c.E, c.topk, c.K, shared);
+  else if (plan)
+    send_plan_block(p, blockIdx.x - 1, shared);
 }
 
 // A group of 32 threads per record.
@@ -195,9 +244,21 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
 
 }  // namespace
 
+namespace {
+SendPlanArgs send_plan_args(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node,
+                            uintptr_t prefix, uintptr_t node_base, const SendPlanTables& t) {
+  if (!t.dest_row_all || !t.hop1_token || !t.dest_rows || !t.row_of)
+    throw std::invalid_argument("send_plan: every table needs an address");
+  return SendPlanArgs{reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, num_ranks, ranks_per_node,
+                      reinterpret_cast<const long long*>(prefix), reinterpret_cast<const long long*>(node_base),
+                      reinterpret_cast<long long*>(t.dest_row_all), reinterpret_cast<long long*>(t.hop1_token),
+                      reinterpret_cast<long long*>(t.dest_rows), reinterpret_cast<int*>(t.row_of)};
+}
+}  // namespace
+
 void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node,
                uintptr_t tokens_per_expert, bool tpe_int64, int num_experts, uintptr_t topk_idx, int num_topk,
-               uintptr_t stream) {
+               uintptr_t stream, const SendPlanTables* plan) {
   if (num_ranks <= 0 || ranks_per_node <= 0 || num_ranks % ranks_per_node)
     throw std::invalid_argument("count_row: ranks_per_node must divide num_ranks");
   if (num_experts > 0 && (!tokens_per_expert || num_experts % num_ranks))
@@ -209,25 +270,27 @@ void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, in
     throw std::invalid_argument("count_row: " + std::to_string(bins) + " bins exceed " +
                                 std::to_string(kCountRowMaxBins) + " (use internode_plan.local_count_row)");
   if (num_tokens > 0 && !is_token_in_rank) throw std::invalid_argument("count_row: null is_token_in_rank");
-  count_row_kernel<<<1, kPlanThreads, size_t(bins) * sizeof(int), reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<long long*>(out), reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, num_ranks,
-      ranks_per_node, reinterpret_cast<const void*>(tokens_per_expert), tpe_int64, num_experts,
-      reinterpret_cast<const long long*>(topk_idx), num_topk);
+  const CountRowArgs c{reinterpret_cast<long long*>(out), reinterpret_cast<const bool*>(is_token_in_rank), num_tokens,
+                       num_ranks, ranks_per_node, reinterpret_cast<const void*>(tokens_per_expert), tpe_int64,
+                       num_experts, reinterpret_cast<const long long*>(topk_idx), num_topk};
+  const bool with_plan = plan && num_tokens > 0;
+  const SendPlanArgs p = with_plan ? send_plan_args(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, 0, 0,
+                                                    *plan)
+                                   : SendPlanArgs{};
+  const int blocks = 1 + (with_plan ? num_ranks / ranks_per_node : 0);
+  const size_t shared = size_t(with_plan ? std::max<int64_t>(bins, kPlanThreads) : bins) * sizeof(int);
+  count_row_kernel<<<blocks, kPlanThreads, shared, reinterpret_cast<cudaStream_t>(stream)>>>(c, p, with_plan);
   check_launch("count_row");
 }
 
 void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t prefix,
-               uintptr_t node_base, uintptr_t dest_row_all, uintptr_t hop1_token, uintptr_t dest_rows,
-               uintptr_t row_of, uintptr_t stream, uintptr_t node_counts) {
+               uintptr_t node_base, const SendPlanTables& tables, uintptr_t stream) {
   if (num_ranks <= 0 || ranks_per_node <= 0 || num_ranks % ranks_per_node)
     throw std::invalid_argument("send_plan: ranks_per_node must divide num_ranks");
-  if (!node_base == !node_counts) throw std::invalid_argument("send_plan: give node_base or node_counts, not both");
   if (num_tokens <= 0) return;
+  if (!is_token_in_rank) throw std::invalid_argument("send_plan: null is_token_in_rank");
   send_plan_kernel<<<num_ranks / ranks_per_node, kPlanThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, num_ranks, ranks_per_node,
-      reinterpret_cast<const long long*>(prefix), reinterpret_cast<const long long*>(node_base),
-      reinterpret_cast<const long long*>(node_counts), reinterpret_cast<long long*>(dest_row_all), reinterpret_cast<long long*>(hop1_token),
-      reinterpret_cast<long long*>(dest_rows), reinterpret_cast<int*>(row_of));
+      send_plan_args(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, prefix, node_base, tables));
   check_launch("send_plan");
 }
 

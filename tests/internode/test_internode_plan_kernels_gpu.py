@@ -88,12 +88,15 @@ def test_send_plan_kernel_equals_the_torch_send_plan(R, G, T, K, epr, kind):
     table = torch.cat([prefix, base]).to(DEV)
     got = [torch.full(shape, -7, dtype=dtype, device=DEV) for shape, dtype in
            (((T, R), torch.int64), ((S1,), torch.int64), ((S1, G), torch.int64), ((N, T), torch.int32))]
-    K_.send_plan(itr.data_ptr(), T, R, G, table.data_ptr(), table.data_ptr() + 8 * R, *[t.data_ptr() for t in got],
-                 STREAM())
-    torch.cuda.synchronize()
-    for name, a, b in zip(("dest_row_all", "hop1_token", "dest_rows", "row_of"), got,
-                          (want.dest_row_all, want.hop1_token, want.dest_rows, want.row_of)):
-        assert torch.equal(a, b.contiguous()), f"{kind} R={R} G={G}: {name} differs"
+    # the node bases given, then counted by the kernel from the tokens (node_base 0): the same tables
+    for node_base in (table.data_ptr() + 8 * R, 0):
+        for t in got:
+            t.fill_(-7)
+        K_.send_plan(itr.data_ptr(), T, R, G, table.data_ptr(), node_base, *[t.data_ptr() for t in got], STREAM())
+        torch.cuda.synchronize()
+        for name, a, b in zip(("dest_row_all", "hop1_token", "dest_rows", "row_of"), got,
+                              (want.dest_row_all, want.hop1_token, want.dest_rows, want.row_of)):
+            assert torch.equal(a, b.contiguous()), f"{kind} R={R} G={G} node_base={bool(node_base)}: {name} differs"
 
 
 @pytest.mark.parametrize("kind", ["random", "dropped"])
@@ -197,28 +200,33 @@ def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("R,G,T,K,epr", SHAPES[:4])
-def test_send_plan_and_pack_counted_from_our_count_row_on_the_device_equal_the_torch_ones(R, G, T, K, epr, kind):
-    """Packing during notify, before the host read anything: send_plan and pack_records take our tokens per node from
-    our count row on the device (count_row's node columns), into tables sized for any counts. The tables must equal
-    torch's send_plan with no rank before us, and the records those of the torch pack, except our own node's, which
-    are not written; nothing is written past the records. With a send limit one byte below them, nothing at all."""
-    idx, _, itr, g = _layout(R, G, T, K, epr, kind, seed=R * 53 + T)
+def test_send_plan_written_with_the_count_row_and_pack_counted_from_it_on_the_device_equal_the_torch_ones(
+        R, G, T, K, epr, kind):
+    """Packing during notify, before the host read anything: the count row's launch also writes our send plan
+    (count_row with send_plan; each node's base counted from the tokens) into tables sized for any counts, and
+    pack_records takes our tokens per node from our count row on the device. The row must equal local_count_row
+    with the per-expert and per-slot columns, the tables torch's send_plan with no rank before us, and the records
+    those of the torch pack, except our own node's, which are not written; nothing is written past the records. With
+    a send limit one byte below them, nothing at all."""
+    idx, tpe, itr, g = _layout(R, G, T, K, epr, kind, seed=R * 53 + T)
     N, rank = R // G, G  # node 1: our own node's records sit between others'
-    row = torch.empty(R + N, dtype=torch.int64, device=DEV)
-    K_.count_row(row.data_ptr(), itr.data_ptr(), T, R, G, 0, False, 0, 0, 0, STREAM())
+    want_row = local_count_row(itr, G, tpe, idx)
+    row = torch.full_like(want_row, -7)
     counts = _random_counts(itr, R, G, 0, g)  # at rank 0: no rank before us, as the tables made during notify
     want = send_plan(itr, counts, 0, G)
     want.hop1_token, want.dest_rows = want.hop1_token.contiguous(), want.dest_rows.contiguous()
     S1, cap = sum(want.node_send), T * N
     got = [torch.full(shape, -7, dtype=dtype, device=DEV) for shape, dtype in
            (((T, R), torch.int64), ((cap,), torch.int64), ((cap, G), torch.int64), ((N, T), torch.int32))]
-    own_counts = row.data_ptr() + 8 * R
-    K_.send_plan(itr.data_ptr(), T, R, G, 0, 0, *[t.data_ptr() for t in got], STREAM(), node_counts=own_counts)
+    K_.count_row(row.data_ptr(), itr.data_ptr(), T, R, G, tpe.data_ptr(), tpe.dtype == torch.int64, tpe.numel(),
+                 idx.data_ptr(), idx.size(1), STREAM(), send_plan=tuple(t.data_ptr() for t in got))
     torch.cuda.synchronize()
+    assert torch.equal(row, want_row), f"{kind} R={R} G={G}: the count row differs beside the send plan"
     for name, a, b in zip(("dest_row_all", "hop1_token", "dest_rows", "row_of"), got[:1] + [got[1][:S1], got[2][:S1]]
                           + got[3:], (want.dest_row_all, want.hop1_token, want.dest_rows, want.row_of)):
         assert torch.equal(a, b), f"{kind} R={R} G={G}: {name} differs"
     assert bool((got[1][S1:] == -7).all()), "send_plan wrote past the records"
+    own_counts = row.data_ptr() + 8 * R
 
     cols = [torch.randn((T, 64), generator=g).to(torch.bfloat16).to(DEV), idx, torch.rand(idx.shape).to(DEV)]
     layout = record_layout([_bytes_of(c).size(1) for c in cols], G)
