@@ -1385,7 +1385,8 @@ class NativeInternodeBackend:
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
         early: dict = {}
         during = tables = None
-        if combined_send_base is not None and self.pack_during_notify:
+        # (`then` of _notify runs only when the counts go through the proxies: no tables for nothing otherwise)
+        if combined_send_base is not None and self.pack_during_notify and self._notify_via_proxies:
             tables = self._fresh_plan(T, T * self.N, [])  # written with the count row
             during = lambda row, landing: self._pack_during_notify(  # noqa: E731
                 row, itr, cols, combined_send_base, early, landing, tables)
@@ -1681,7 +1682,7 @@ class NativeInternodeBackend:
         self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
                                   x.dtype == torch.float32, self._stream(), gate=pending[0] if pending else None)
-        if h is self._last_dispatch_handle and self.pack_during_notify:  # while the hop runs
+        if h is self._last_dispatch_handle and self.pack_during_notify and self._notify_via_proxies:  # during the hop
             self._spare_for_packing_during_notify(h.num_tokens)
         if pending:
             self._gated_done("combine_network", pending[1], "combine_network wait")
