@@ -49,7 +49,10 @@ keys = ["dispatch_us", "cached_dispatch_us", "combine_us", "step_dispatch_us", "
         "spare_send_tables_taken",
         "training_step_network_GBps.forward_pair", "training_step_network_GBps.backward_pair",
         "training_step_us.forward_dispatch", "training_step_us.forward_combine",
-        "training_step_us.backward_cached_dispatch", "training_step_us.backward_combine", "plans_made_ahead"]
+        "training_step_us.backward_cached_dispatch", "training_step_us.backward_combine", "plans_made_ahead",
+        "beside_compute_network_GBps.forward_pair", "beside_compute_network_GBps.backward_pair",
+        "beside_compute_us.forward_dispatch", "beside_compute_us.forward_combine",
+        "beside_compute_us.backward_cached_dispatch", "beside_compute_us.backward_combine"]
 
 
 def get(run, key):  # "a.b": run["a"]["b"]; nan where a run (an older bench) lacks it

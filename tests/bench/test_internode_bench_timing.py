@@ -82,3 +82,66 @@ def test_the_quoted_pairs_are_also_given_as_a_fraction_of_the_ceiling():
     assert bench._pairs_vs_ceiling(row, 50.0) == {
         "in_turn_pairs_vs_ceiling": {"forward_pair": 0.6, "backward_pair": 0.9},
         "training_step_pairs_vs_ceiling": {"forward_pair": 0.4, "backward_pair": 0.8}}
+
+
+class _Stream:
+    """A fake GPU stream: work queued on it runs in order, each item advancing the stream's clock; an event records
+    the clock when the stream reaches it."""
+
+    def __init__(self):
+        self.clock = 0.0
+        self.queued = []
+
+    def work(self, name, ms):
+        self.queued.append(name)
+        self.clock += ms
+
+    def event_class(self):
+        stream = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self):
+                self.at = stream.clock
+                stream.queued.append("event")
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+
+        return Event
+
+
+def test_calls_beside_compute_are_each_timed_on_the_gpu_from_the_end_of_the_compute_before_them(monkeypatch):
+    """Compute goes before every call (warm-ups too), an event pair brackets each timed call and nothing else, so a
+    call's span is its own GPU work and never the compute's; spans are filed by kind in training order."""
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "Event", stream.event_class())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
+    made = []
+
+    def dispatch():
+        stream.work("dispatch", 1.0)
+        made.append(object())
+        return made[-1]
+
+    def combine(result, weighted):
+        stream.work("combine", 3.0 if weighted else 2.0)
+
+    def cached(result):
+        stream.work("cached", 4.0)
+
+    out = bench._training_steps_beside_compute(dispatch, combine, cached, layers=2, iters=3, warmup=1,
+                                               compute=lambda: stream.work("compute", 100.0))
+    assert out == {"forward_dispatch": [1e-3] * 6, "forward_combine": [2e-3] * 6,
+                   "backward_cached_dispatch": [4e-3] * 6, "backward_combine": [3e-3] * 6}
+    per_call = 8  # calls per step: two layers, four calls each
+    warm, timed = stream.queued[:2 * per_call], stream.queued[2 * per_call:]
+    assert warm[::2] == ["compute"] * per_call and "event" not in warm
+    assert timed[::4] == ["compute"] * (3 * per_call)
+    assert timed[1::4] == ["event"] * (3 * per_call) and timed[3::4] == ["event"] * (3 * per_call)
+    assert timed[2:4 * per_call:4] == ["dispatch", "combine", "dispatch", "combine",
+                                       "cached", "combine", "cached", "combine"]

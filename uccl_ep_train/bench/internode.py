@@ -36,6 +36,10 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", type=int, default=4,
                    help="MoE layers of the training steps timed in turn (training_step_* in the JSON): each layer's "
                         "handle is fresh, so every call pays what its first use of a handle costs")
+    p.add_argument("--compute-us", type=float, default=500.0,
+                   help="GPU work queued before every call of the training steps timed on the GPU (beside_compute_* "
+                        "in the JSON), standing in for the attention and experts between the calls: the host "
+                        "launches each call while it runs, as in training; 0 skips that loop")
     p.add_argument("--json", type=str, default="")
     p.add_argument("--profile", metavar="PATH", default="",
                    help="after timing, profile 5 forward pairs (dispatch, combine), 5 cached dispatches and 5 combines "
@@ -162,13 +166,12 @@ def _in_turn(fns, iters: int, warmup: int):
     return out
 
 
-def _training_steps(dispatch, combine, cached, layers: int, iters: int, warmup: int) -> dict:
-    """Seconds per call of ``iters`` training steps of ``layers`` MoE layers, timed as _in_turn times its calls (back
-    to back, no synchronize): the forward pass makes each layer's dispatch (a fresh handle: every layer routes on its
-    own) then its combine; the backward pass takes the layers in reverse, each a cached dispatch with the layer's
-    handle (the combine's backward) then a combine with the top-k weights (the dispatch's backward). Unlike the
-    in-turn loops, which reuse one handle, every call here is the first of its kind on its handle, as in training.
-    ``dispatch()`` returns a DispatchResult; ``combine(result, weighted)``; ``cached(result)``. One list per kind."""
+def _training_order(dispatch, combine, cached, layers: int):
+    """The calls of one training step of ``layers`` MoE layers, in order, and each one's kind: the forward pass makes
+    each layer's dispatch (a fresh handle: every layer routes on its own) then its combine; the backward pass takes
+    the layers in reverse, each a cached dispatch with the layer's handle (the combine's backward) then a combine with
+    the top-k weights (the dispatch's backward). ``dispatch()`` returns a DispatchResult; ``combine(result,
+    weighted)``; ``cached(result)``. Returns (functions, kinds)."""
     results = [None] * layers
     fns, kinds = [], []
 
@@ -181,10 +184,80 @@ def _training_steps(dispatch, combine, cached, layers: int, iters: int, warmup: 
     for i in reversed(range(layers)):
         fns += [lambda i=i: cached(results[i]), lambda i=i: combine(results[i], True)]
         kinds += ["backward_cached_dispatch", "backward_combine"]
+    return fns, kinds
+
+
+def _by_kind(kinds, times) -> dict:
     out = {k: [] for k in kinds}
-    for kind, times in zip(kinds, _in_turn(fns, iters, warmup)):
-        out[kind] += times
+    for kind, t in zip(kinds, times):
+        out[kind] += t
     return out
+
+
+def _training_steps(dispatch, combine, cached, layers: int, iters: int, warmup: int) -> dict:
+    """Seconds per call of ``iters`` training steps (_training_order), timed as _in_turn times its calls (back to
+    back, no synchronize). Unlike the in-turn loops, which reuse one handle, every call here is the first of its kind
+    on its handle, as in training. One list per kind."""
+    fns, kinds = _training_order(dispatch, combine, cached, layers)
+    return _by_kind(kinds, _in_turn(fns, iters, warmup))
+
+
+def _gpu_spans(fns, iters: int, warmup: int, compute):
+    """Seconds each call occupies the GPU's stream when ``compute()`` (GPU work, as the attention or the experts of a
+    training step) runs before it: an event recorded before the call and one after it, so a call's span starts when
+    the compute before it ends and stops when its last kernel does. The host launches the call while the compute
+    runs, as it does in training; a call whose host steps outlast the compute leaves the GPU idle, and that idle time
+    is in its span. One list per function."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        for fn in fns:
+            compute()
+            fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    marks = []
+    for _ in range(iters):
+        for fn in fns:
+            compute()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            marks.append((start, end))
+    torch.cuda.synchronize()
+    out = [[] for _ in fns]
+    for i, (start, end) in enumerate(marks):
+        out[i % len(fns)].append(start.elapsed_time(end) / 1e3)
+    return out
+
+
+def _training_steps_beside_compute(dispatch, combine, cached, layers: int, iters: int, warmup: int,
+                                   compute) -> dict:
+    """_training_steps with ``compute()`` before every call, each call timed by _gpu_spans. One list per kind."""
+    fns, kinds = _training_order(dispatch, combine, cached, layers)
+    return _by_kind(kinds, _gpu_spans(fns, iters, warmup, compute))
+
+
+def _compute_spacer(us: float):
+    """(a function that queues ``us`` microseconds of GPU work on the current stream, the microseconds it takes): a
+    spinning kernel (torch.cuda._sleep) of a cycle count calibrated here, standing in for the compute between two
+    calls of a training step. One block: it leaves the GPU's other SMs and its memory to the previous call's tail."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # the kernel's first launch loads it
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    cycles = max(1, int(us * 1_000_000 / (start.elapsed_time(end) * 1e3)))
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return (lambda: torch.cuda._sleep(cycles)), start.elapsed_time(end) * 1e3
 
 
 def _pairs_vs_ceiling(row: dict, ceiling: float) -> dict:
@@ -192,7 +265,7 @@ def _pairs_vs_ceiling(row: dict, ceiling: float) -> dict:
     raw copy): {"in_turn_pairs_vs_ceiling": {"forward_pair": ..., "backward_pair": ...}, "training_step_...": ...}."""
     return {f"{loop}_pairs_vs_ceiling": {f"{p}_pair": row[f"{loop}_network_GBps"][f"{p}_pair"] / ceiling
                                          for p in ("forward", "backward")}
-            for loop in ("in_turn", "training_step")}
+            for loop in ("in_turn", "training_step", "beside_compute") if f"{loop}_network_GBps" in row}
 
 
 def _host_steps(nat) -> dict:
@@ -328,6 +401,14 @@ def run(args) -> int:
         args.layers, args.iters, args.warmup)
     training_steps = _host_steps(nat)
     nat.host_timing = None
+    beside = None
+    if args.compute_us > 0:
+        compute, compute_us = _compute_spacer(args.compute_us)
+        beside = _training_steps_beside_compute(
+            lambda: nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)),
+            lambda r, weighted: nat.combine(y, r.handle, r.recv_topk_weights if weighted else None, None),
+            lambda r: nat.dispatch(DispatchArgs(grad, None, r.handle, None, None, None, None, None, None)),
+            args.layers, args.iters, args.warmup, compute)
     plans_ahead = getattr(nat, "plans_made_ahead", 0) - ahead0
     training_steps_by_rank = [None] * world
     dist.all_gather_object(training_steps_by_rank, training_steps)
@@ -441,6 +522,19 @@ def run(args) -> int:
         pair = [a + b for a, b in zip(*(v for k, v in training.items() if k.startswith(name)))]
         row["training_step_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
     row["training_step_host_step_us_by_rank"] = training_steps_by_rank
+    if beside is not None:
+        # The same training steps with GPU work before every call (--compute-us; the measured length beside it), each
+        # call timed on the GPU from the end of that work to the end of its own (_gpu_spans): what a call costs the
+        # step when its host steps overlap the compute before it. The back-to-back figures above are the stricter.
+        row["beside_compute"] = {"compute_us": args.compute_us, "measured_compute_us": compute_us}
+        row["beside_compute_us"] = {k: mx(statistics.mean(v)) * 1e6 for k, v in beside.items()}
+        row["beside_compute_median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in beside.items()}
+        row["beside_compute_network_GBps"] = {
+            k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
+            for k, us in row["beside_compute_us"].items()}
+        for name in ("forward", "backward"):
+            pair = [a + b for a, b in zip(*(v for k, v in beside.items() if k.startswith(name)))]
+            row["beside_compute_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
     row["plans_made_ahead"] = plans_ahead  # hop plans the steps' calls made for their handles' next calls (rank 0)
     # A difference of two loops' means: it can read above the NIC cap (the dispatch's tail overlaps the combine's
     # host steps, and each loop has its own noise: 57.6 GB/s under a 50 GB/s cap in session 12). step_combine_us and
