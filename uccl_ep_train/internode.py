@@ -422,11 +422,13 @@ class NativeInternodeBackend:
             dump_trigger=p.dump_file or "")
         infos = [self._cx.proxy_local_info(i) for i in range(p.num_threads)]
         gathered: List[Any] = [None] * self.R
-        dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle(), int(self._cx.max_write_bytes)),
-                               group=self._gloo)
+        dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle(), int(self._cx.max_write_bytes),
+                                          chunk_bytes(self.inflight_bytes, t.write_bytes)), group=self._gloo)
         # Every rank cuts chunks the same way (receivers derive their lanes from it), so the smallest largest write
-        # of any rank's transport bounds them all (EFA devices may take less than a chunk: efadv max_rdma_size).
+        # of any rank's transport bounds them all (EFA devices may take less than a chunk: efadv max_rdma_size), and
+        # so does the smallest chunk any rank's settings ask for.
         self.max_write_bytes = min(int(g[2]) for g in gathered) or CMD_MAX_BYTES
+        self.write_bytes = min(min(int(g[3]) for g in gathered), self.max_write_bytes)
         self._cx.proxy_connect([[gathered[r][0][i] for r in range(self.R)] for i in range(p.num_threads)])
         dist.barrier(group=self._gloo)
         native.module().unlink_shared_host_memory_names()
@@ -718,7 +720,7 @@ class NativeInternodeBackend:
     def _per_chunk(self, stride: int) -> int:
         """Records per write; every rank derives the same number (same settings, the group's smallest transport
         write limit), so receivers know the lanes."""
-        return chunk_records(stride, min(chunk_bytes(self.inflight_bytes), self.max_write_bytes))
+        return chunk_records(stride, self.write_bytes)
 
     def _notify_views(self, words: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """For count rows of ``words`` int64: (our row in the notify area, the area's R rows as bytes, their pinned

@@ -325,10 +325,12 @@ def chunk_records(stride: int, max_bytes: int) -> int:
     return max(1, min(min(max_bytes, CMD_MAX_BYTES) // stride, CMD_MAX_VALUE))
 
 
-def chunk_bytes(max_inflight_bytes: int) -> int:
-    """Bytes per write: a quarter of the proxy thread's in-flight byte cap, so several writes overlap (a chunk as
-    large as the cap left exactly one write in flight: 12 GB/s on 2x H200). Caps below 256 KiB (Thor-2/Pollara
-    style tuning, or tests with tiny chunks) are used whole."""
+def chunk_bytes(max_inflight_bytes: int, write_bytes: Optional[int] = None) -> int:
+    """Bytes per write: ``write_bytes`` when set (UCCL_EP_WRITE_BYTES), else a quarter of the proxy thread's in-flight
+    byte cap, so several writes overlap (a chunk as large as the cap left exactly one write in flight: 12 GB/s on 2x
+    H200). Caps below 256 KiB (Thor-2/Pollara style tuning, or tests with tiny chunks) are used whole."""
+    if write_bytes is not None:
+        return int(write_bytes)
     return max_inflight_bytes // 4 if max_inflight_bytes >= (256 << 10) else max_inflight_bytes
 
 

@@ -110,6 +110,10 @@ class TransportSettings:
         "UCCL_IB_MAX_INFLIGHT_BYTES",
         "bytes in flight per proxy thread (unset: 2 MiB IB/RoCE, 8 MiB EFA; Broadcom Thor-2 wants ~1.5 MiB)",
         _int(1)))
+    write_bytes: Optional[int] = field(default=None, metadata=_meta(
+        "UCCL_EP_WRITE_BYTES",
+        "bytes per RDMA write (chunk) of an internode hop (unset: a quarter of UCCL_IB_MAX_INFLIGHT_BYTES, the whole "
+        "cap below 256 KiB); the group uses its ranks' smallest, and no write exceeds a transport's limit", _int(16)))
     ib_max_inflight_normal: int = field(default=8, metadata=_meta(
         "UCCL_IB_MAX_INFLIGHT_NORMAL", "writes in flight per proxy thread in normal (HT) mode; Thor-2/Pollara: 1",
         _int(1)))

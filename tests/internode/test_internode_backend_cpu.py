@@ -148,6 +148,33 @@ def test_one_ranks_smaller_transport_write_limit_bounds_every_ranks_chunks_and_o
     assert all(done == 3 for done, _, _ in out)
 
 
+def _cases_with_write_sizes(rank, world, G, cases, sizes):
+    """Rank r asks for writes of sizes[r] bytes (UCCL_EP_WRITE_BYTES; None: unset): (pairs compared, the write size
+    the rank used, the largest write its proxy posted)."""
+    if sizes[rank] is not None:
+        os.environ["UCCL_EP_WRITE_BYTES"] = str(sizes[rank])
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
+        return done, nat.write_bytes, nat.proxy_stats()["max_inflight_bytes"]  # the stand-in posts one at a time
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_the_write_size_setting_cuts_every_ranks_chunks_at_the_groups_smallest_and_outputs_still_match(world, G):
+    """UCCL_EP_WRITE_BYTES sets the write size apart from the in-flight cap (4 KiB here, used whole when unset: ENV):
+    every rank cuts its chunks at the smallest size any rank asked for, since receivers
+    derive their lanes from it, and no write the proxies post is larger."""
+    sizes = [3072, 2048] + [None] * (world - 2)
+    out = run_distributed(_cases_with_write_sizes, world, G, ALL[:3], sizes, timeout=120, env=ENV)
+    assert [(done, used) for done, used, _ in out] == [(3, 2048)] * world
+    assert all(0 < largest <= 2048 for _, _, largest in out)
+    out = run_distributed(_cases_with_write_sizes, world, G, ALL[:1], [None] * world, timeout=120, env=ENV)
+    assert [(done, used) for done, used, _ in out] == [(1, 4096)] * world  # unset: the whole cap below 256 KiB
+    assert all(2048 < largest <= 4096 for _, _, largest in out)
+
+
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
 def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, G):
     out = run_distributed(_cases, world, G, ALL, 1, timeout=120, env=ENV)
