@@ -17,6 +17,7 @@ import math
 import socket
 import sys
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -54,6 +55,25 @@ def _device_pci_address(device: torch.device) -> Optional[str]:
         return bdf(int(p.pci_domain_id), int(p.pci_bus_id), int(p.pci_device_id))
     except Exception:  # noqa: BLE001 - older torch or no CUDA: fall back
         return None
+
+
+def other_nodes_on_this_gpu(gpu_of_rank: Sequence[Optional[str]], rank: int, ranks_per_node: int) -> List[int]:
+    """The ranks of other (emulated) nodes whose GPU is this rank's (``gpu_of_rank``: each rank's GPU PCI address,
+    None where unknown). The loopback carries their network writes as copies within one GPU, which the driver makes
+    with a kernel, not a copy engine (scripts/probe_copy_beside_spin.cu); see SHARED_GPU_WARNING."""
+    mine = gpu_of_rank[rank]
+    if mine is None:
+        return []
+    node = rank // ranks_per_node
+    return [r for r, gpu in enumerate(gpu_of_rank) if gpu == mine and r // ranks_per_node != node]
+
+
+SHARED_GPU_WARNING = (
+    "rank {rank} shares its GPU ({gpu}) with rank(s) {others} of other emulated nodes: the loopback moves their "
+    "network bytes with copies within one GPU, which the driver runs as kernels, and this backend's waiting kernels "
+    "can hold every SM of the GPU (large calls: thousands of tokens at DeepSeek-V3 width), so those copies may not "
+    "run before UCCL_EP_GPU_TIMEOUT_SECS and the call fails naming the counter. Use one GPU per rank to play nodes "
+    "(docs/internode.md, \"Two processes per GPU\").")
 
 
 def describe_fifo_states(states: Sequence[dict], rank: int) -> str:
@@ -422,8 +442,13 @@ class NativeInternodeBackend:
             dump_trigger=p.dump_file or "")
         infos = [self._cx.proxy_local_info(i) for i in range(p.num_threads)]
         gathered: List[Any] = [None] * self.R
+        gpu = _device_pci_address(self.device)
         dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle(), int(self._cx.max_write_bytes),
-                                          chunk_bytes(self.inflight_bytes, t.write_bytes)), group=self._gloo)
+                                          chunk_bytes(self.inflight_bytes, t.write_bytes), gpu), group=self._gloo)
+        others = other_nodes_on_this_gpu([g[4] for g in gathered], self.rank, self.G)
+        if others and self.transport.name == "loopback":
+            warnings.warn(SHARED_GPU_WARNING.format(rank=self.rank, gpu=gpu, others=others), RuntimeWarning,
+                          stacklevel=2)
         # Every rank cuts chunks the same way (receivers derive their lanes from it), so the smallest largest write
         # of any rank's transport bounds them all (EFA devices may take less than a chunk: efadv max_rdma_size), and
         # so does the smallest chunk any rank's settings ask for.

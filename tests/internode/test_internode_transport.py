@@ -166,3 +166,19 @@ def test_the_host_drains_after_every_network_wait_unless_told_never():
     assert drain_after_waits("always") and not drain_after_waits("never")
     with pytest.raises(SettingsError, match="UCCL_EP_DRAIN_AFTER_WAITS"):
         load_settings({"UCCL_EP_DRAIN_AFTER_WAITS": "auto"})  # the old lazy-loading rule is gone: say so, loudly
+
+
+def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning():
+    """2 nodes x 2 ranks on 2 GPUs (ranks 0 and 2 on GPU a, 1 and 3 on GPU b): each rank's network peer of the other
+    node shares its GPU, so the loopback's copies between them run as kernels on that GPU; same-node sharing, one GPU
+    per rank and unknown GPUs (the CPU stand-in) name nobody."""
+    from uccl_ep_train.internode import SHARED_GPU_WARNING, other_nodes_on_this_gpu
+
+    gpus = ["a", "b", "a", "b"]
+    assert [other_nodes_on_this_gpu(gpus, r, 2) for r in range(4)] == [[2], [3], [0], [1]]
+    assert other_nodes_on_this_gpu(["a", "a", "b", "b"], 0, 2) == []  # a node's two ranks on one GPU
+    assert other_nodes_on_this_gpu(["a", "b"], 0, 1) == []
+    assert other_nodes_on_this_gpu(["a", "a"], 1, 1) == [0]  # one GPU playing two nodes
+    assert other_nodes_on_this_gpu([None, None], 0, 1) == []
+    text = SHARED_GPU_WARNING.format(rank=1, gpu="0000:19:00.0", others=[0])
+    assert "rank 1 shares its GPU (0000:19:00.0) with rank(s) [0]" in text and "UCCL_EP_GPU_TIMEOUT_SECS" in text
