@@ -68,12 +68,15 @@ def other_nodes_on_this_gpu(gpu_of_rank: Sequence[Optional[str]], rank: int, ran
     return [r for r, gpu in enumerate(gpu_of_rank) if gpu == mine and r // ranks_per_node != node]
 
 
+# Blocks per SM that a spinning grid may take when ranks of several nodes share a GPU: 2 of the 8 that 256-thread
+# blocks could hold, so the copy kernels of the loopback always find room (docs/internode.md, "Two processes per GPU").
+SHARED_GPU_SPIN_BLOCKS_PER_SM = 2
+
 SHARED_GPU_WARNING = (
     "rank {rank} shares its GPU ({gpu}) with rank(s) {others} of other emulated nodes: the loopback moves their "
-    "network bytes with copies within one GPU, which the driver runs as kernels, and this backend's waiting kernels "
-    "can hold every SM of the GPU (large calls: thousands of tokens at DeepSeek-V3 width), so those copies may not "
-    "run before UCCL_EP_GPU_TIMEOUT_SECS and the call fails naming the counter. Use one GPU per rank to play nodes "
-    "(docs/internode.md, \"Two processes per GPU\").")
+    "network bytes with copies within one GPU, which the driver runs as kernels, so this rank's spinning kernels are "
+    "held to {blocks} blocks to leave those copies room. Timings on a shared GPU say nothing about speed; use one GPU "
+    "per rank to play nodes (docs/internode.md, \"Two processes per GPU\").")
 
 
 def describe_fifo_states(states: Sequence[dict], rank: int) -> str:
@@ -447,8 +450,11 @@ class NativeInternodeBackend:
                                           chunk_bytes(self.inflight_bytes, t.write_bytes), gpu), group=self._gloo)
         others = other_nodes_on_this_gpu([g[4] for g in gathered], self.rank, self.G)
         if others and self.transport.name == "loopback":
-            warnings.warn(SHARED_GPU_WARNING.format(rank=self.rank, gpu=gpu, others=others), RuntimeWarning,
-                          stacklevel=2)
+            # the copies of those ranks' writes are kernels on this GPU: leave them room beside our spinning grids
+            self._cx.spin_blocks = SHARED_GPU_SPIN_BLOCKS_PER_SM * torch.cuda.get_device_properties(
+                self.device).multi_processor_count
+            warnings.warn(SHARED_GPU_WARNING.format(rank=self.rank, gpu=gpu, others=others,
+                                                    blocks=self._cx.spin_blocks), RuntimeWarning, stacklevel=2)
         # Every rank cuts chunks the same way (receivers derive their lanes from it), so the smallest largest write
         # of any rank's transport bounds them all (EFA devices may take less than a chunk: efadv max_rdma_size), and
         # so does the smallest chunk any rank's settings ask for.

@@ -253,6 +253,9 @@ void bind_internode(py::module_& m) {
       .def("signal_value", &in::Context::signal_value, py::arg("slot"))
       .def("proxy_counters", &in::Context::proxy_counters,
            "the proxy threads' published counters, one line per thread (never asks the transport)")
+      .def_property("spin_blocks", &in::Context::spin_blocks, &in::Context::set_spin_blocks,
+                    "most blocks of the grids that spin (pack_and_push's packers, the gated readers); 0: no cap. "
+                    "Set when ranks share a GPU, where the loopback's copies are kernels")
       .def("fifo_states", [](const in::Context& c) {
         py::list out;
         for (const auto& f : c.fifo_states()) {

@@ -46,7 +46,15 @@ struct ArrivalGate {
   StopFlag stop{nullptr, 0};
   int rank = -1;
   int phase = 0;
+  // Most blocks of the gated reader's grid, watcher aside (0: its own rule): set when ranks share the GPU, whose
+  // loopback copies are kernels that a full grid of spinning blocks would starve (Context::set_spin_blocks).
+  int max_grid = 0;
 };
+
+// A gated reader's grid: `blocks`, at most the gate's max_grid when it has one.
+inline int gated_grid(int blocks, const ArrivalGate* g) {
+  return g && g->max_grid > 0 && blocks > g->max_grid ? g->max_grid : blocks;
+}
 
 // Host check before a gated launch (nullptr: no gate, nothing to check).
 inline void check_gate(const ArrivalGate* g, const char* who) {

@@ -432,7 +432,7 @@ void sum_node_partials(uintptr_t out_x, uintptr_t out_w, uintptr_t src, int64_t 
   if (num_weights > 0 && (!out_w || out_w % 4 || out_w_stride % 4))
     throw std::invalid_argument("sum_node_partials: weights need a 4-byte aligned output");
   check_gate(gate, "sum_node_partials");
-  const int blocks = int(std::min<int64_t>((num_tokens + kSumTile - 1) / kSumTile, 2048));
+  const int blocks = gated_grid(int(std::min<int64_t>((num_tokens + kSumTile - 1) / kSumTile, 2048)), gate);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   auto* ox = reinterpret_cast<char*>(out_x);
   auto* ow = reinterpret_cast<char*>(out_w);
@@ -844,7 +844,7 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
                                   "fields or its end");
     j.args.columns[i] = c;
   }
-  const int blocks = 1 + int(std::min<int64_t>(job.num_records, 1024));
+  const int blocks = 1 + int(std::min<int64_t>(job.num_records, spin_blocks_ > 0 ? spin_blocks_ : 1024));
   pack_and_push_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
       chunk_records, j, count_row_shift(at, signals_dev_, world_), reinterpret_cast<int*>(ready), rank_, phase,
@@ -884,6 +884,7 @@ ArrivalGate Context::arrival_gate(uintptr_t table, int blocks, int64_t chunk_rec
   g.err = error_dev_;
   g.stop = StopFlag{stop_dev_, stop_generation_};
   g.rank = rank_;
+  g.max_grid = spin_blocks_;
   g.phase = phase;
   check_gate(&g, "arrival_gate");
   return g;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -153,6 +154,13 @@ class Context {
   // The proxy threads' published counters (queued, in flight, outstanding per FIFO, held for order); never asks the
   // transport (Proxy::describe(false)).
   std::string proxy_counters() const;
+  // Most blocks of the grids that spin (pack_and_push's packers, the gated readers through their gate); 0: no cap.
+  // For ranks that share a GPU: their loopback copies are kernels there, which a full grid of spinning blocks starves.
+  void set_spin_blocks(int blocks) {
+    if (blocks < 0) throw std::invalid_argument("set_spin_blocks: blocks must be >= 0 (0: no cap)");
+    spin_blocks_ = blocks;
+  }
+  int spin_blocks() const { return spin_blocks_; }
   // Device address of the error word (for scatter_rows' range check).
   uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
   // The stop flag (StopFlag) for scatter_rows: its device address and the generation to launch with.
@@ -212,6 +220,7 @@ class Context {
   int64_t rdma_bytes_, nvl_bytes_;
   uint64_t timeout_ns_;
   uint32_t num_slots_;
+  int spin_blocks_ = 0;
   void* rdma_ = nullptr;
   void* nvl_ = nullptr;
   std::unique_ptr<Proxy> proxy_;

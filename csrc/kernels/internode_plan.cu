@@ -349,7 +349,7 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
     args.columns[i] = columns[i];
   }
   const int per_block = kPackThreads / kPackGroup;
-  const int blocks = int(std::min<int64_t>((out_rows + per_block - 1) / per_block, 1024));
+  const int blocks = gated_grid(int(std::min<int64_t>((out_rows + per_block - 1) / per_block, 1024)), gate);
   check_gate(gate, "unpack_records");
   auto launch = [&](auto kernel) {
     kernel<<<blocks + (gate ? 1 : 0), kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(

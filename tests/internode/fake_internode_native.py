@@ -355,6 +355,7 @@ class InternodeContext:
         self.num_signal_slots, self.num_threads = int(kw["num_signal_slots"]), int(kw["num_threads"])
         self.num_fifos = self.num_threads * int(kw["fifos_per_thread"])
         self.max_write_bytes = int(os.environ.get("FAKE_MAX_WRITE_BYTES", 1 << 30))  # the transport's write limit
+        self.spin_blocks = 0  # no grid here; the backend sets it only for ranks that share a GPU
         self._timeout = float(kw["gpu_timeout_secs"])
         if self.rdma_bytes <= 0 or self.rdma_bytes % CMD_UNIT or self.rdma_bytes > CMD_MAX_REGION:
             raise ValueError(f"internode: RDMA region of {self.rdma_bytes} bytes must be a positive multiple of 16 "

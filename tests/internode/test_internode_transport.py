@@ -180,5 +180,5 @@ def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning()
     assert other_nodes_on_this_gpu(["a", "b"], 0, 1) == []
     assert other_nodes_on_this_gpu(["a", "a"], 1, 1) == [0]  # one GPU playing two nodes
     assert other_nodes_on_this_gpu([None, None], 0, 1) == []
-    text = SHARED_GPU_WARNING.format(rank=1, gpu="0000:19:00.0", others=[0])
-    assert "rank 1 shares its GPU (0000:19:00.0) with rank(s) [0]" in text and "UCCL_EP_GPU_TIMEOUT_SECS" in text
+    text = SHARED_GPU_WARNING.format(rank=1, gpu="0000:19:00.0", others=[0], blocks=264)
+    assert "rank 1 shares its GPU (0000:19:00.0) with rank(s) [0]" in text and "held to 264 blocks" in text
