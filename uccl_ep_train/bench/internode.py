@@ -502,41 +502,33 @@ def run(args) -> int:
         for k, us in row["median_us"].items()}
     # Training order, back to back (_in_turn): mean and median per call, max over ranks; network GB/s of the means,
     # and of each pair as a whole (both calls' network bytes over the pair's time)
-    row["in_turn_us"] = {k: mx(statistics.mean(v)) * 1e6 for k, v in in_turn.items()}
-    row["in_turn_median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in in_turn.items()}
-    row["in_turn_network_GBps"] = {
-        k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
-        for k, us in row["in_turn_us"].items()}
     pair_bytes = row["dispatch_network_bytes"] + row["combine_network_bytes"]
-    for name in ("forward", "backward"):
-        pair = [a + b for a, b in zip(*(v for k, v in in_turn.items() if k.startswith(name)))]
-        row["in_turn_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
+
+    def loop_figures(loop: str, times: dict) -> None:
+        """row[loop_us], [loop_median_us], [loop_network_GBps] (with the forward and backward pairs) from seconds
+        per call by kind."""
+        row[f"{loop}_us"] = {k: mx(statistics.mean(v)) * 1e6 for k, v in times.items()}
+        row[f"{loop}_median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in times.items()}
+        row[f"{loop}_network_GBps"] = {
+            k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
+            for k, us in row[f"{loop}_us"].items()}
+        for name in ("forward", "backward"):
+            pair = [a + b for a, b in zip(*(v for k, v in times.items() if k.startswith(name)))]
+            row[f"{loop}_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
+
+    loop_figures("in_turn", in_turn)
     row["in_turn_host_step_us_by_rank"] = in_turn_steps_by_rank
     # Training steps of --layers layers, fresh handles (_training_steps): the same figures; the backward's cached
     # dispatch moves a bf16 gradient (with --fp8 more bytes than the forward's dispatch: its GB/s reads low)
     row["layers"] = args.layers
-    row["training_step_us"] = {k: mx(statistics.mean(v)) * 1e6 for k, v in training.items()}
-    row["training_step_median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in training.items()}
-    row["training_step_network_GBps"] = {
-        k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
-        for k, us in row["training_step_us"].items()}
-    for name in ("forward", "backward"):
-        pair = [a + b for a, b in zip(*(v for k, v in training.items() if k.startswith(name)))]
-        row["training_step_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
+    loop_figures("training_step", training)
     row["training_step_host_step_us_by_rank"] = training_steps_by_rank
     if beside is not None:
         # The same training steps with GPU work before every call (--compute-us; the measured length beside it), each
         # call timed on the GPU from the end of that work to the end of its own (_gpu_spans): what a call costs the
         # step when its host steps overlap the compute before it. The back-to-back figures above are the stricter.
         row["beside_compute"] = {"compute_us": args.compute_us, "measured_compute_us": compute_us}
-        row["beside_compute_us"] = {k: mx(statistics.mean(v)) * 1e6 for k, v in beside.items()}
-        row["beside_compute_median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in beside.items()}
-        row["beside_compute_network_GBps"] = {
-            k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
-            for k, us in row["beside_compute_us"].items()}
-        for name in ("forward", "backward"):
-            pair = [a + b for a, b in zip(*(v for k, v in beside.items() if k.startswith(name)))]
-            row["beside_compute_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
+        loop_figures("beside_compute", beside)
     row["plans_made_ahead"] = plans_ahead  # hop plans the steps' calls made for their handles' next calls (rank 0)
     # A difference of two loops' means: it can read above the NIC cap (the dispatch's tail overlaps the combine's
     # host steps, and each loop has its own noise: 57.6 GB/s under a 50 GB/s cap in session 12). step_combine_us and
