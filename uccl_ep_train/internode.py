@@ -68,9 +68,11 @@ def other_nodes_on_this_gpu(gpu_of_rank: Sequence[Optional[str]], rank: int, ran
     return [r for r, gpu in enumerate(gpu_of_rank) if gpu == mine and r // ranks_per_node != node]
 
 
-# Blocks per SM that a spinning grid may take when ranks of several nodes share a GPU: 2 of the 8 that 256-thread
-# blocks could hold, so the copy kernels of the loopback always find room (docs/internode.md, "Two processes per GPU").
-SHARED_GPU_SPIN_BLOCKS_PER_SM = 2
+# The share of the GPU's SM count that a spinning grid may take in blocks when ranks of several nodes share a GPU, so
+# the copy kernels of the loopback find whole SMs free. Capping blocks per SM does not do it: a packer block holds
+# 256 threads x 128 registers, half an SM's register file, so 2 blocks per SM already fill every SM
+# (docs/internode.md, "Two processes per GPU").
+SHARED_GPU_SPIN_SM_FRACTION = 0.5
 
 SHARED_GPU_WARNING = (
     "rank {rank} shares its GPU ({gpu}) with rank(s) {others} of other emulated nodes: the loopback moves their "
@@ -451,8 +453,8 @@ class NativeInternodeBackend:
         others = other_nodes_on_this_gpu([g[4] for g in gathered], self.rank, self.G)
         if others and self.transport.name == "loopback":
             # the copies of those ranks' writes are kernels on this GPU: leave them room beside our spinning grids
-            self._cx.spin_blocks = SHARED_GPU_SPIN_BLOCKS_PER_SM * torch.cuda.get_device_properties(
-                self.device).multi_processor_count
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._cx.spin_blocks = max(1, int(sms * SHARED_GPU_SPIN_SM_FRACTION))
             warnings.warn(SHARED_GPU_WARNING.format(rank=self.rank, gpu=gpu, others=others,
                                                     blocks=self._cx.spin_blocks), RuntimeWarning, stacklevel=2)
         # Every rank cuts chunks the same way (receivers derive their lanes from it), so the smallest largest write
