@@ -33,7 +33,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     RecordLayout, record_layout, check_topology, Counts, local_count_row, counts_from_rows, SendPlan, send_plan,
     recv_counts, block_offsets, remote_block_offset, num_recv_rows, chunk_records, chunk_bytes, chunk_lanes,
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
-    describe_gpu_error, pack_records, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
+    describe_gpu_error, pack_records, forward_row_bases, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
     NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
@@ -356,6 +356,7 @@ class DispatchShape:
     sends_remote: bool
     extents: Tuple[List[int], List[int]]
     arrivals: torch.Tensor  # uint8 [A, stride] view of the receive half
+    forward_bases: Optional[torch.Tensor]  # [A, G] int64 on the device (forward_row_bases); None with G = 1
 
 
 @dataclass
@@ -672,13 +673,13 @@ class NativeInternodeBackend:
     def _count_row(self, out: torch.Tensor, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
                    topk_idx: Optional[torch.Tensor], plan: Optional[SendPlan] = None) -> None:
         """local_count_row into ``out`` (int64 on the device) in one launch (count_row kernel), which also writes our
-        send plan into ``plan`` (prefix zeros, node bases counted); through torch, and the send plan by a launch of
+        send plan into ``plan`` (node bases counted from the tokens); through torch, and the send plan by a launch of
         its own, when the row has more bins than the kernel's shared memory holds."""
         K = topk_idx.size(1) if topk_idx is not None else 0
         if self.R + self.N + self.R * K > self._k.COUNT_ROW_MAX_BINS:
             out.copy_(local_count_row(is_token_in_rank, self.G, tokens_per_expert, topk_idx))
             if plan is not None:
-                self._send_plan_launch(is_token_in_rank, plan, 0, 0)
+                self._send_plan_launch(is_token_in_rank, plan, 0)
             return
         itr = _dense(is_token_in_rank, torch.bool)
         tpe = None
@@ -695,17 +696,9 @@ class NativeInternodeBackend:
         """internode_plan.send_plan with its device tables made by one launch (send_plan kernel); the host part (how
         many records go to each node, where each node's run starts) comes from the counts."""
         node_send = [int(c) for c in counts.node_counts[self.rank].tolist()]
-        prefix = counts.rank_counts[:self.rank].sum(0).tolist() if self.rank else [0] * self.R
-        return self._plan_tables(is_token_in_rank, node_send, prefix)
-
-    def _plan_tables(self, is_token_in_rank: torch.Tensor, node_send: List[int], prefix: List[int]) -> SendPlan:
-        """The send_plan kernel's tables for our records per node ``node_send``; ``prefix``: every destination's rows
-        from the ranks before us (zeros: the tables that need no other rank's counts are right, the final rows
-        counted from our first token for each destination)."""
-        node_base = [sum(node_send[:m]) for m in range(self.N)]
-        table = self._upload(prefix + node_base)  # one upload of plain ints: each torch op here costs ~5-10 us
+        node_base = self._upload([sum(node_send[:m]) for m in range(self.N)])  # each torch op costs ~5-10 us here
         plan = self._fresh_plan(is_token_in_rank.size(0), sum(node_send), node_send)
-        self._send_plan_launch(is_token_in_rank, plan, table.data_ptr(), table.data_ptr() + 8 * self.R)
+        self._send_plan_launch(is_token_in_rank, plan, node_base.data_ptr())
         return plan
 
     def _fresh_plan(self, T: int, records: int, node_send: List[int]) -> SendPlan:
@@ -719,11 +712,11 @@ class NativeInternodeBackend:
         return (plan.dest_row_all.data_ptr(), plan.hop1_token.data_ptr(), plan.dest_rows.data_ptr(),
                 plan.row_of.data_ptr())
 
-    def _send_plan_launch(self, is_token_in_rank: torch.Tensor, plan: SendPlan, prefix: int, node_base: int) -> None:
-        """The send_plan kernel into ``plan``'s tables; ``prefix`` / ``node_base``: its device arguments (0: zeros /
-        counted from the tokens)."""
+    def _send_plan_launch(self, is_token_in_rank: torch.Tensor, plan: SendPlan, node_base: int) -> None:
+        """The send_plan kernel into ``plan``'s tables; ``node_base``: where each node's records start in the list
+        (device int64 [N]; 0: counted from the tokens)."""
         itr = _dense(is_token_in_rank, torch.bool)
-        self._k.send_plan(itr.data_ptr(), itr.size(0), self.R, self.G, prefix, node_base,
+        self._k.send_plan(itr.data_ptr(), itr.size(0), self.R, self.G, node_base,
                           *self._table_addresses(plan), self._stream())
 
     def _send_tables(self, T: int, records: int) -> Tuple[torch.Tensor, ...]:
@@ -1095,7 +1088,7 @@ class NativeInternodeBackend:
             # and a row's arrival is its index (not stamped: unpack writes it); nobody forwards, so no dest rows.
             self._lap("dispatch.forward")
             return arrivals[:, :layout.final_bytes], layout, None, A, None
-        fwd_dest = stamp_arrivals(arrivals, layout, G)
+        fwd_dest = stamp_arrivals(arrivals, layout, G, shape.forward_bases)
         if A:
             for j in range(G):  # NVLink hop: every local GPU that needs the record gets its final row
                 idx = fwd_dest[:, j].contiguous()  # freed after the launch: the allocator reuses it stream-ordered
@@ -1185,10 +1178,13 @@ class NativeInternodeBackend:
         check_area("dispatch final rows (NVL)", tot.final_rows, layout.final_bytes, self.half_nvl, "num_nvl_bytes")
         recv_by_node = recv_counts(counts, self.rank, G)
         recv_base, A = self.half_rdma, sum(recv_by_node)
+        bases = None
+        if G > 1:  # a pageable copy is staged at once: no stream sync
+            bases = forward_row_bases(counts, self.rank, G).to(self.device, non_blocking=True)
         return DispatchShape(recv_base + block_offsets(recv_by_node, stride)[self.node],
                              int(plan.hop1_token.numel()) > plan.node_send[self.node],
                              dispatch_extents(counts, G, stride),
-                             self._rdma[recv_base:recv_base + A * stride].view(A, stride))
+                             self._rdma[recv_base:recv_base + A * stride].view(A, stride), bases)
 
     def _pack_during_notify(self, row: torch.Tensor, itr: torch.Tensor, cols: List[torch.Tensor], send_top: int,
                             early: dict, landing: CountRows, tables: SendPlan) -> None:
@@ -1201,20 +1197,19 @@ class NativeInternodeBackend:
 
         Only our own tokens per node are needed, and the host reads none of them: the count row's launch wrote our
         send plan into ``tables`` (sized for any counts; _count_row), and pack_records takes them from our count row
-        ``row`` on the device. The records' final rows count from our first token (right where G = 1, nobody reading them;
-        rewritten after notify otherwise, _write_dest_rows). The kernels pack nothing when our records would pass
-        ``send_top``; the host learns which it was after notify (_packed_during_notify). Fills ``early`` (layout,
-        rows, tables, send_top), and with one GPU per node pushes the records too (_push_during_notify;
-        ``landing``: where the count rows land), adding ``push_launched``."""
+        ``row`` on the device. The records' dest rows count from our first token, as always (the forwarder adds the
+        other sources' rows: forward_row_bases). The kernels pack nothing when our records would pass ``send_top``;
+        the host learns which it was after notify (_packed_during_notify). Fills ``early`` (layout, rows, tables,
+        send_top), and pushes the records too (_push_during_notify; ``landing``: where the count rows land), adding
+        ``push_launched``."""
         G, N = self.G, self.N
         rows = [_dense(c, c.dtype) for c in cols]
         layout = _record_layout(tuple(_row_bytes(r) for r in rows), G)
         own_counts = row.data_ptr() + 8 * self.R  # our tokens per node: the row's node columns
         capacity = itr.size(0) * N  # a token is one record per node at most
         packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
-        early.update(layout=layout, rows=rows, tables=tables, send_top=send_top, itr=itr)
-        # several GPUs per node: the records' final rows are rewritten after notify, so they cannot leave before
-        table = self._push_table_during_notify(layout.stride) if self.push_during_notify and G == 1 else None
+        early.update(layout=layout, rows=rows, tables=tables, send_top=send_top)
+        table = self._push_table_during_notify(layout.stride) if self.push_during_notify else None
         if table is not None and self.pack_and_push and table.size(0) <= self._k.PACK_PUSH_MAX_ROWS:
             self._pack_and_push_during_notify(table, tables, layout, packed, capacity, landing, send_top)
             early["push_launched"] = True
@@ -1281,12 +1276,7 @@ class NativeInternodeBackend:
         if not early or sum(node_send) * early["layout"].stride > early["send_top"]:
             return None, False
         self.packs_during_notify += 1
-        if self.G > 1:  # the final rows count from each destination's first row: rewritten in the records
-            plan = self._send_plan(early["itr"], counts)
-            self._write_dest_rows(plan, early["layout"])
-            return plan, False
         t, S1 = early["tables"], sum(node_send)
-        # with one GPU per node nobody reads the records' final rows: the tables stand
         plan = SendPlan(t.hop1_token[:S1], node_send, t.dest_rows[:S1], t.dest_row_all, t.row_of)
         pushed = early.get("push_launched", False) and any(c for m, c in enumerate(node_send) if m != self.node)
         self.pushes_during_notify += pushed
@@ -1302,14 +1292,6 @@ class NativeInternodeBackend:
                 self._expected[slot] += count
             self._wait_for_targets([slot for slot, _ in waits], "dispatch_network")
         self._drain("dispatch_network wait for the records pushed during notify")
-
-    def _write_dest_rows(self, plan: SendPlan, layout: RecordLayout) -> None:
-        """The final rows of the records packed during notify (counted from our first token) replaced by the plan's,
-        which count from the destination's first row: several GPUs per node forward by them."""
-        stride, off, G = layout.stride, layout.dest_rows_offset, self.G
-        for lo, hi in self._record_ranges(plan)[0]:
-            recs = self._rdma[lo * stride:hi * stride].view(hi - lo, stride)
-            recs[:, off:off + 4 * G].view(torch.int32).copy_(plan.dest_rows[lo:hi])
 
     def _record_ranges(self, plan: SendPlan) -> Tuple[List[Tuple[int, int]], Tuple[int, int]]:
         """(the other nodes' records, our own node's) as ranges of the record list, which runs by node."""

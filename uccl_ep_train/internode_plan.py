@@ -248,8 +248,10 @@ class SendPlan:
 
     hop1_token: torch.Tensor  # [S1] int64: token of each send record, by destination node then token
     node_send: List[int]  # records per destination node
-    dest_rows: torch.Tensor  # [S1, G] int64: final row at each GPU of the destination node, -1 = not needed
-    dest_row_all: torch.Tensor  # [T, R] int64: final row of the token at every rank, -1 = not sent
+    # [S1, G] int64: the token's row among our tokens for each GPU of the destination node, -1 = not needed; the
+    # forwarder adds the rows of the ranks before us there (forward_row_bases), so no other rank's count is needed
+    dest_rows: torch.Tensor
+    dest_row_all: torch.Tensor  # [T, R] int64: row of the token among our tokens for every rank, -1 = not sent
     row_of: torch.Tensor  # [N, T] int32: index of record (token, node) in the send list, -1 = not sent to that node
 
 
@@ -258,13 +260,11 @@ def send_plan(is_token_in_rank: torch.Tensor, counts: Counts, rank: int, ranks_p
     G, N = ranks_per_node, R // ranks_per_node
     device = is_token_in_rank.device
     itr = is_token_in_rank.to(torch.bool)
-    prefix = counts.rank_counts[:rank].sum(0) if rank else torch.zeros(R, dtype=torch.int64)
-    prefix = prefix.to(device, non_blocking=True)  # a pageable copy is staged at once: no stream sync
     # the scan runs along the inner dimension: a cumsum over dim 0 of [T, R] scans each of the R columns serially
     # (385 us per dispatch at T = 4096, R = 2 on H200, session 7 profile); along dim 1 of the transpose it is a
     # parallel scan
     ordinal = itr.t().to(torch.int64).cumsum(1).t() - 1
-    dest_row_all = torch.where(itr, prefix.unsqueeze(0) + ordinal, torch.full_like(ordinal, -1))
+    dest_row_all = torch.where(itr, ordinal, torch.full_like(ordinal, -1))
     node_hit = itr.view(T, N, G).any(2)
     # The counts (host) already say how many tokens go to each node: a nonzero of known size needs no device sync.
     node_send = [int(c) for c in counts.node_counts[rank].tolist()]
@@ -688,15 +688,30 @@ def pack_records(out: torch.Tensor, columns: Sequence[torch.Tensor], plan: SendP
         plan.dest_rows.to(torch.int32).contiguous().view(torch.uint8)
 
 
-def stamp_arrivals(arrivals: torch.Tensor, layout: RecordLayout, G: int) -> torch.Tensor:
-    """Write each arrival's row index into its record; return its dest rows [A, G] int64."""
+def forward_row_bases(counts: Counts, rank: int, ranks_per_node: int) -> torch.Tensor:
+    """[A, G] int64 (CPU) at ``rank`` as forwarder: for each arrival (blocks by source node n, from source rank
+    s = n * G + local), the rows that the ranks before s fill at each GPU g of this node. A record's dest rows count
+    from its source's first token for that GPU (send_plan); the final row adds this base, which gives the rank-major
+    order of reference.py. The sources need no other rank's counts, so they can pack and push during notify."""
+    G = ranks_per_node
+    node, local = divmod(rank, G)
+    to_here = counts.rank_counts[:, node * G:(node + 1) * G]  # [R, G]: tokens of each source rank for our GPUs
+    before = to_here.cumsum(0) - to_here  # exclusive prefix over source ranks
+    sources = torch.arange(local, counts.rank_counts.size(0), G)
+    return torch.repeat_interleave(before[sources], torch.tensor(recv_counts(counts, rank, G)), dim=0)
+
+
+def stamp_arrivals(arrivals: torch.Tensor, layout: RecordLayout, G: int, bases: torch.Tensor) -> torch.Tensor:
+    """Write each arrival's row index into its record; return its final rows at each GPU of the node [A, G] int64:
+    the record's dest rows plus ``bases`` (forward_row_bases, on the arrivals' device), -1 where not needed."""
     A = arrivals.size(0)
     if A == 0:
         return torch.empty((0, G), dtype=torch.int64, device=arrivals.device)
     arrivals[:, layout.arrival_offset:layout.arrival_offset + 4] = \
         torch.arange(A, dtype=torch.int32, device=arrivals.device).view(-1, 1).view(torch.uint8)
-    return arrivals[:, layout.dest_rows_offset:layout.dest_rows_offset + 4 * G].contiguous() \
-        .view(torch.int32).to(torch.int64)
+    rel = arrivals[:, layout.dest_rows_offset:layout.dest_rows_offset + 4 * G].contiguous().view(torch.int32) \
+        .to(torch.int64)
+    return torch.where(rel >= 0, rel + bases, rel)
 
 
 def int32_column(rows: torch.Tensor, offset: int) -> torch.Tensor:

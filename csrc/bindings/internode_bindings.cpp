@@ -115,18 +115,18 @@ void bind_internode(py::module_& m) {
       py::arg("topk_idx"), py::arg("num_topk"), py::arg("stream"), py::arg("send_plan") = py::none(),
       "this rank's notify row (internode_plan.local_count_row) as int64 at `out`, one launch; send_plan "
       "(dest_row_all, hop1_token, dest_rows, row_of addresses): the same launch also writes our send plan as "
-      "send_plan does with prefix and node_base 0");
+      "send_plan does with node_base 0");
   k.def(
       "send_plan",
-      [](uintptr_t itr, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t prefix, uintptr_t node_base,
+      [](uintptr_t itr, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t node_base,
          uintptr_t dest_row_all, uintptr_t hop1_token, uintptr_t dest_rows, uintptr_t row_of, uintptr_t stream) {
-        in::send_plan(itr, num_tokens, num_ranks, ranks_per_node, prefix, node_base,
+        in::send_plan(itr, num_tokens, num_ranks, ranks_per_node, node_base,
                       in::SendPlanTables{dest_row_all, hop1_token, dest_rows, row_of}, stream);
       },
       py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"), py::arg("ranks_per_node"),
-      py::arg("prefix"), py::arg("node_base"), py::arg("dest_row_all"), py::arg("hop1_token"), py::arg("dest_rows"),
+      py::arg("node_base"), py::arg("dest_row_all"), py::arg("hop1_token"), py::arg("dest_rows"),
       py::arg("row_of"), py::arg("stream"),
-      "the device tables of internode_plan.send_plan, one launch; prefix 0: zeros; node_base 0: each node's first "
+      "the device tables of internode_plan.send_plan, one launch; node_base 0: each node's first "
       "record counted from is_token_in_rank (the send list running by node)");
   k.def(
       "pack_records",

@@ -110,7 +110,6 @@ struct SendPlanArgs {
   const bool* itr;
   long long T;
   int R, G;
-  const long long* prefix;     // [R] rows of lower ranks at each destination; null: zeros
   const long long* node_base;  // [N] first send record of each node; null: counted from itr (records_before_node)
   long long* dest_row_all;
   long long* hop1_token;
@@ -120,8 +119,8 @@ struct SendPlanArgs {
 
 // Destination node m's part of the send plan, by one block. Each thread owns a contiguous run of tokens, so a token's
 // ordinal in a column is the run's prefix (one block scan per column) plus its place in the run: the same ordinals as
-// the torch cumsum. Columns: the G ranks of node m (final rows there), then "the token goes to node m" (its send
-// record).
+// the torch cumsum. Columns: the G ranks of node m (rows among our tokens there; the forwarder adds the other sources'
+// rows), then "the token goes to node m" (its send record).
 // `scratch`: shared memory for blockDim.x ints.
 __device__ void send_plan_block(const SendPlanArgs& a, int m, int* scratch) {
   const long long T = a.T;
@@ -133,7 +132,7 @@ __device__ void send_plan_block(const SendPlanArgs& a, int m, int* scratch) {
     const int r = m * G + g;
     int mine = 0;
     for (long long t = first; t < last; ++t) mine += a.itr[t * R + r];
-    long long row = (a.prefix ? a.prefix[r] : 0) + block_exclusive_scan(mine, scratch);
+    long long row = block_exclusive_scan(mine, scratch);
     for (long long t = first; t < last; ++t) a.dest_row_all[t * R + r] = a.itr[t * R + r] ? row++ : -1;
   }
   int mine = 0;
@@ -246,11 +245,11 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
 
 namespace {
 SendPlanArgs send_plan_args(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node,
-                            uintptr_t prefix, uintptr_t node_base, const SendPlanTables& t) {
+                            uintptr_t node_base, const SendPlanTables& t) {
   // (hop1_token and dest_rows may be empty, hence null: no token is sent anywhere)
   if (!t.dest_row_all || !t.row_of) throw std::invalid_argument("send_plan: dest_row_all and row_of need an address");
   return SendPlanArgs{reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, num_ranks, ranks_per_node,
-                      reinterpret_cast<const long long*>(prefix), reinterpret_cast<const long long*>(node_base),
+                      reinterpret_cast<const long long*>(node_base),
                       reinterpret_cast<long long*>(t.dest_row_all), reinterpret_cast<long long*>(t.hop1_token),
                       reinterpret_cast<long long*>(t.dest_rows), reinterpret_cast<int*>(t.row_of)};
 }
@@ -274,8 +273,7 @@ void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, in
                        num_ranks, ranks_per_node, reinterpret_cast<const void*>(tokens_per_expert), tpe_int64,
                        num_experts, reinterpret_cast<const long long*>(topk_idx), num_topk};
   const bool with_plan = plan && num_tokens > 0;
-  const SendPlanArgs p = with_plan ? send_plan_args(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, 0, 0,
-                                                    *plan)
+  const SendPlanArgs p = with_plan ? send_plan_args(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, 0, *plan)
                                    : SendPlanArgs{};
   const int blocks = 1 + (with_plan ? num_ranks / ranks_per_node : 0);
   const size_t shared = size_t(with_plan ? std::max<int64_t>(bins, kPlanThreads) : bins) * sizeof(int);
@@ -283,14 +281,14 @@ void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, in
   check_launch("count_row");
 }
 
-void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t prefix,
-               uintptr_t node_base, const SendPlanTables& tables, uintptr_t stream) {
+void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t node_base,
+               const SendPlanTables& tables, uintptr_t stream) {
   if (num_ranks <= 0 || ranks_per_node <= 0 || num_ranks % ranks_per_node)
     throw std::invalid_argument("send_plan: ranks_per_node must divide num_ranks");
   if (num_tokens <= 0) return;
   if (!is_token_in_rank) throw std::invalid_argument("send_plan: null is_token_in_rank");
   send_plan_kernel<<<num_ranks / ranks_per_node, kPlanThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      send_plan_args(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, prefix, node_base, tables));
+      send_plan_args(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, node_base, tables));
   check_launch("send_plan");
 }
 

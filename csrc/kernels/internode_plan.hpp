@@ -25,17 +25,16 @@ struct SendPlanTables {
 // (N = R / G) | per expert (E, copied from tokens_per_expert: int32, or int64 with tpe_int64; E = 0: none) | per
 // (destination rank, top-k slot) (R x K from topk_idx, int64 [T, K], -1 and ids >= E count nowhere; K = 0: none)].
 // is_token_in_rank: bool [T, R], contiguous. One block; with `plan`, one more per node, which write our send plan
-// as send_plan does with no prefix and no node_base (the send plan of packing during notify; tables sized for T x N
+// as send_plan does with no node_base (the send plan of packing during notify; tables sized for T x N
 // records), in the same launch.
 void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node,
                uintptr_t tokens_per_expert, bool tpe_int64, int num_experts, uintptr_t topk_idx, int num_topk,
                uintptr_t stream, const SendPlanTables* plan = nullptr);
 
-// The device part of send_plan: from is_token_in_rank (bool [T, R]), prefix (int64 [R]: rows of lower ranks at each
-// destination; 0: zeros) and node_base (int64 [N]: first send record of each node; 0: counted from is_token_in_rank,
-// the send list running by node), write the tables. One block per node.
-void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t prefix,
-               uintptr_t node_base, const SendPlanTables& tables, uintptr_t stream);
+// The device part of send_plan: from is_token_in_rank (bool [T, R]) and node_base (int64 [N]: first send record of
+// each node; 0: counted from is_token_in_rank, the send list running by node), write the tables. One block per node.
+void send_plan(uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t node_base,
+               const SendPlanTables& tables, uintptr_t stream);
 
 // One column of the wire records: its rows (contiguous, `bytes` each) sit at byte `offset` of a record. pack_records
 // reads `rows` (row t goes into every record that carries token t); unpack_records writes them (row r from final

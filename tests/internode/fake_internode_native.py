@@ -181,7 +181,7 @@ def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, 
               tokens_per_expert: int, tpe_int64: bool, num_experts: int, topk_idx: int, num_topk: int,
               stream: int, send_plan: Optional[Tuple[int, int, int, int]] = None) -> None:
     """count_row_kernel (csrc/kernels/internode_plan.cu): internode_plan.local_count_row written at ``out``; with
-    ``send_plan`` (the four tables' addresses) also our send plan, as send_plan with prefix and node_base 0."""
+    ``send_plan`` (the four tables' addresses) also our send plan, as send_plan with node_base 0."""
     T, R = num_tokens, num_ranks
     itr = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
     tpe = _at(tokens_per_expert, (8 if tpe_int64 else 4) * num_experts,
@@ -190,32 +190,30 @@ def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, 
     row = local_count_row(itr, ranks_per_node, tpe, topk)
     _at(out, 8 * row.numel(), torch.int64).copy_(row)
     if send_plan is not None:
-        _write_send_plan(is_token_in_rank, T, R, ranks_per_node, 0, 0, *send_plan)
+        _write_send_plan(is_token_in_rank, T, R, ranks_per_node, 0, *send_plan)
 
 
-def send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int, prefix: int,
-              node_base: int, dest_row_all: int, hop1_token: int, dest_rows: int, row_of: int, stream: int) -> None:
-    """send_plan_kernel: internode_plan.send_plan's device tables, from the prefix (0: zeros) and the node bases the
-    host passes (0: counted from the tokens)."""
-    _write_send_plan(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, prefix, node_base, dest_row_all,
-                     hop1_token, dest_rows, row_of)
+def send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int, node_base: int,
+              dest_row_all: int, hop1_token: int, dest_rows: int, row_of: int, stream: int) -> None:
+    """send_plan_kernel: internode_plan.send_plan's device tables, from the node bases the host passes (0: counted
+    from the tokens)."""
+    _write_send_plan(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, node_base, dest_row_all, hop1_token,
+                     dest_rows, row_of)
 
 
-def _write_send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int, prefix: int,
-                     node_base: int, dest_row_all: int, hop1_token: int, dest_rows: int, row_of: int) -> None:
-    """The tables of internode_plan.send_plan, from the counts that give this prefix and these node bases:
-    rank_counts row 0 = prefix, this rank = 1."""
+def _write_send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int, node_base: int,
+                     dest_row_all: int, hop1_token: int, dest_rows: int, row_of: int) -> None:
+    """The tables of internode_plan.send_plan, from counts that give these node bases (this rank = 1)."""
     T, R, G = num_tokens, num_ranks, ranks_per_node
     N = R // G
     if T <= 0:
         return
     itr = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
-    pre = _at(prefix, 8 * R, torch.int64).clone() if prefix else torch.zeros(R, dtype=torch.int64)
     node_send = itr.view(T, N, G).any(2).sum(0).to(torch.int64)
     counted = torch.cumsum(node_send, 0) - node_send
     if node_base and not torch.equal(_at(node_base, 8 * N, torch.int64), counted):
         raise ValueError("send_plan: node_base is not the running sum of the records per node")
-    counts = Counts(torch.stack([pre, torch.zeros(R, dtype=torch.int64)]),
+    counts = Counts(torch.zeros((2, R), dtype=torch.int64),
                     torch.stack([torch.zeros(N, dtype=torch.int64), node_send]))
     plan = _send_plan(itr, counts, 1, G)
     S1 = plan.hop1_token.numel()

@@ -347,7 +347,7 @@ def records_past_the_partial_sums(nat, ref, dev, rank, world):
     for T in (700, 1300, 300):
         # 700: its combine's partial sums, 1400 arrivals' worth at the top of each send half; 1300: 2600 records,
         # past where those start, so packed after notify; 300: 600 records, below the 2600 partial sums of the
-        # combine before, packed (and with one GPU per node pushed) during notify
+        # combine before, packed and pushed during notify
         idx = torch.tensor([[0, E // 2]] * T)  # the first expert of node 0 and of node 1
         x = torch.randn((T, H), generator=g).to(torch.bfloat16)
         w = torch.rand((T, 2), generator=g)

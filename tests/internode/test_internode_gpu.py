@@ -438,12 +438,14 @@ def _scenario(rank, world, G, which):
         nat.destroy()
 
 
-def test_on_gpus_records_past_the_last_combines_partial_sums_pack_after_notify_and_the_next_during_it():
-    """The GPU twin of the CPU test (2 x 1): packing and pushing during notify counts on the device, in one
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2-1", "4-2"])
+def test_on_gpus_records_past_the_last_combines_partial_sums_pack_after_notify_and_the_next_during_it(world, G):
+    """The GPU twin of the CPU test (2 x 1 and 2 x 2): packing and pushing during notify counts on the device, in one
     pack_and_push launch; a dispatch whose records would reach the last combine's partial sums packs and pushes
-    nothing then (the host, by the same rule, does it after notify), and every output equals the reference."""
-    _need(2)
-    out = run_distributed(_scenario, 2, 1, "past", timeout=240)
+    nothing then (the host, by the same rule, does it after notify), and every output equals the reference. With
+    two GPUs per node the forwarders add the other sources' rows to the records' dest rows."""
+    _need(world)
+    out = run_distributed(_scenario, world, G, "past", timeout=240)
     for seen, same in out:
         assert same, "an output differs from the reference"
         (p0, q0), (p1, q1), (p2, q2) = seen

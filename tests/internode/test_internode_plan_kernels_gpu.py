@@ -83,16 +83,14 @@ def test_send_plan_kernel_equals_the_torch_send_plan(R, G, T, K, epr, kind):
     counts = _random_counts(itr, R, G, rank, g)
     want = send_plan(itr, counts, rank, G)
     S1 = sum(want.node_send)
-    prefix = counts.rank_counts[:rank].sum(0)
-    base = torch.tensor([sum(want.node_send[:m]) for m in range(N)], dtype=torch.int64)
-    table = torch.cat([prefix, base]).to(DEV)
+    table = torch.tensor([sum(want.node_send[:m]) for m in range(N)], dtype=torch.int64).to(DEV)
     got = [torch.full(shape, -7, dtype=dtype, device=DEV) for shape, dtype in
            (((T, R), torch.int64), ((S1,), torch.int64), ((S1, G), torch.int64), ((N, T), torch.int32))]
     # the node bases given, then counted by the kernel from the tokens (node_base 0): the same tables
-    for node_base in (table.data_ptr() + 8 * R, 0):
+    for node_base in (table.data_ptr(), 0):
         for t in got:
             t.fill_(-7)
-        K_.send_plan(itr.data_ptr(), T, R, G, table.data_ptr(), node_base, *[t.data_ptr() for t in got], STREAM())
+        K_.send_plan(itr.data_ptr(), T, R, G, node_base, *[t.data_ptr() for t in got], STREAM())
         torch.cuda.synchronize()
         for name, a, b in zip(("dest_row_all", "hop1_token", "dest_rows", "row_of"), got,
                               (want.dest_row_all, want.hop1_token, want.dest_rows, want.row_of)):
@@ -205,14 +203,14 @@ def test_send_plan_written_with_the_count_row_and_pack_counted_from_it_on_the_de
     """Packing during notify, before the host read anything: the count row's launch also writes our send plan
     (count_row with send_plan; each node's base counted from the tokens) into tables sized for any counts, and
     pack_records takes our tokens per node from our count row on the device. The row must equal local_count_row
-    with the per-expert and per-slot columns, the tables torch's send_plan with no rank before us, and the records
+    with the per-expert and per-slot columns, the tables torch's send_plan, and the records
     those of the torch pack, except our own node's, which are not written; nothing is written past the records. With
     a send limit one byte below them, nothing at all."""
     idx, tpe, itr, g = _layout(R, G, T, K, epr, kind, seed=R * 53 + T)
     N, rank = R // G, G  # node 1: our own node's records sit between others'
     want_row = local_count_row(itr, G, tpe, idx)
     row = torch.full_like(want_row, -7)
-    counts = _random_counts(itr, R, G, 0, g)  # at rank 0: no rank before us, as the tables made during notify
+    counts = _random_counts(itr, R, G, 0, g)
     want = send_plan(itr, counts, 0, G)
     want.hop1_token, want.dest_rows = want.hop1_token.contiguous(), want.dest_rows.contiguous()
     S1, cap = sum(want.node_send), T * N
