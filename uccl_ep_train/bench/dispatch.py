@@ -36,7 +36,34 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", type=str, default="",
                    help="profile 5 BF16 dispatches and 5 combines of the headline row with torch.profiler and write "
                         "rank 0's kernel table to this file (where the time goes, kernel by kernel)")
+    p.add_argument("--emulate-nodes", type=int, default=0, metavar="N",
+                   help="the local GPUs play N nodes: the internode path (CPU proxies, loopback transport with the "
+                        "UCCL_EP_LOOPBACK_* NIC emulation) at the headline shape, run as `bench internode "
+                        "--emulate-nodes N` with this command's --tokens, --hidden, --topk, --experts, --iters, "
+                        "--warmup, --json and --profile (its other settings at their defaults); --sweep, --plot, "
+                        "--num-sms and --local-sms do not apply. 0 (default): one node")
     p.set_defaults(func=run)
+
+
+# What `--emulate-nodes` passes on to the internode bench: the rest of its arguments keep its defaults.
+_SHARED_WITH_INTERNODE = ("tokens", "hidden", "topk", "experts", "iters", "warmup", "json", "profile")
+_INTRANODE_ONLY = {"sweep": ",".join(map(str, DEFAULT_TOKENS)), "plot": "", "num_sms": 24, "local_sms": None}
+
+
+def _run_emulated_nodes(args: argparse.Namespace) -> int:
+    """`--emulate-nodes N`: the internode bench at this command's shape. Options that only the intranode bench has
+    are refused when set, rather than silently dropped."""
+    from uccl_ep_train.bench import internode
+
+    if args.emulate_nodes < 1:
+        raise SystemExit(f"--emulate-nodes must be >= 1, got {args.emulate_nodes}")
+    set_here = [k for k, default in _INTRANODE_ONLY.items() if getattr(args, k) != default]
+    if set_here:
+        names = ", ".join("--" + k.replace("_", "-") for k in set_here)
+        raise SystemExit(f"--emulate-nodes runs the internode bench, which has no {names}: leave them out (or run "
+                         "`bench internode` for its own options)")
+    return internode.run(internode.namespace(emulate_nodes=args.emulate_nodes,
+                                             **{k: getattr(args, k) for k in _SHARED_WITH_INTERNODE}))
 
 
 def _time(fn, iters: int, warmup: int) -> float:
@@ -203,6 +230,8 @@ def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "emulate_nodes", 0):
+        return _run_emulated_nodes(args)
     import torch
     import torch.distributed as dist
 

@@ -14,6 +14,7 @@ to its ceiling, and rank 0's host wall time per step of a call (where the staged
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -22,7 +23,24 @@ import time
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("internode", help="internode (emulated nodes) dispatch/combine vs NCCL all_to_all")
+    _add_arguments(sub.add_parser("internode", help="internode (emulated nodes) dispatch/combine vs NCCL all_to_all"))
+
+
+def namespace(**given) -> argparse.Namespace:
+    """This bench's arguments: its defaults, with ``given`` (argument names as attributes) in their place; for
+    `bench dispatch --emulate-nodes N`, which runs this bench at its own shape."""
+    p = argparse.ArgumentParser(add_help=False)
+    _add_arguments(p)
+    args = p.parse_args([])
+    unknown = sorted(set(given) - set(vars(args)))
+    if unknown:
+        raise ValueError(f"bench internode has no argument(s) {unknown}")
+    for k, v in given.items():
+        setattr(args, k, v)
+    return args
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-nodes", type=int, default=2, help="nodes the local GPUs play (must divide the world)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
