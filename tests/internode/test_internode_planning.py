@@ -681,3 +681,24 @@ def test_rows_filled_from_our_row_skip_nodes_we_send_nothing_and_put_each_block_
     assert rows == [[0, 0, 1000, 32, 3, 1, 0], [4, 96, 1000, 32, 5, 1, 2], [6, 256, 1000, 32, 2, 1, 3]]
     assert plan.rows_from_own_row([3, 0, 5, 2], blank, 2, 319) == []
     assert plan.rows_from_own_row([0, 4, 0, 0], blank, 2, 320) == []  # only our own node: nothing crosses
+
+
+def test_forward_bases_give_each_arrival_the_rows_that_earlier_source_ranks_fill_at_each_gpu_of_the_node():
+    """2 nodes x 2 GPUs; at forwarder rank 3 (node 1, local 1) arrivals come from rank 1 (node 0's block), then from
+    rank 3 itself (node 1's block). At GPU g of node 1 (rank 2 + g) rank 1's rows follow rank 0's, and rank 3's follow
+    ranks 0, 1 and 2's: the bases are those sums, one row per arrival."""
+    G = 2
+    rank_counts = torch.tensor([[5, 1, 7, 2],    # rank 0: 7 tokens for rank 2, 2 for rank 3
+                                [0, 3, 4, 6],    # rank 1
+                                [1, 1, 9, 8],    # rank 2
+                                [2, 2, 3, 5]])   # rank 3
+    # records of rank 1 to node 1: 2 (some tokens go to both GPUs there); of rank 3 to node 1: 3
+    node_counts = torch.tensor([[6, 8], [3, 2], [2, 10], [4, 3]])
+    counts = plan.Counts(rank_counts, node_counts)
+    got = plan.forward_row_bases(counts, 3, G)
+    from_rank1 = [7, 2]             # ranks before 1 at ranks 2 and 3: rank 0's
+    from_rank3 = [7 + 4 + 9, 2 + 6 + 8]  # ranks 0, 1, 2
+    assert got.tolist() == [from_rank1] * 2 + [from_rank3] * 3
+    # at forwarder rank 0 (node 0, local 0): blocks from rank 0 (node 0), then rank 2 (node 1)
+    got = plan.forward_row_bases(counts, 0, G)
+    assert got.tolist() == [[0, 0]] * 6 + [[5 + 0, 1 + 3]] * 2
