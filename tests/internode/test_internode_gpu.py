@@ -72,7 +72,10 @@ def _cases(rank, world, G, cases, iters, H=256):
 
 # (world, ranks per node): 2 nodes x 1 GPU, and 2 nodes x 2 ranks (on 2 GPUs two processes per GPU, on 4 GPUs one
 # each; the topology with an NVLink forwarding hop); with 4 GPUs also 4 nodes x 1 GPU.
-TOPOLOGIES = [(2, 1), (4, 2)] + ([(4, 1)] if torch.cuda.device_count() >= 4 else [])
+# UCCL_EP_TEST_TOPOLOGIES="world:G,..." adds more, e.g. "8:4,6:2" with UCCL_EP_TEST_SHARE_GPU=1 on one GPU: several
+# GPUs per node and more source nodes than 2 x 2 has, as production clusters run (8 GPUs per node).
+TOPOLOGIES = [(2, 1), (4, 2)] + ([(4, 1)] if torch.cuda.device_count() >= 4 else []) + [
+    tuple(int(v) for v in t.split(":")) for t in os.environ.get("UCCL_EP_TEST_TOPOLOGIES", "").split(",") if t.strip()]
 
 
 def _need(world, gpus=2):
