@@ -1178,9 +1178,7 @@ class NativeInternodeBackend:
         check_area("dispatch final rows (NVL)", tot.final_rows, layout.final_bytes, self.half_nvl, "num_nvl_bytes")
         recv_by_node = recv_counts(counts, self.rank, G)
         recv_base, A = self.half_rdma, sum(recv_by_node)
-        bases = None
-        if G > 1:  # a pageable copy is staged at once: no stream sync
-            bases = forward_row_bases(counts, self.rank, G).to(self.device, non_blocking=True)
+        bases = self._upload(forward_row_bases(counts, self.rank, G)) if G > 1 else None
         return DispatchShape(recv_base + block_offsets(recv_by_node, stride)[self.node],
                              int(plan.hop1_token.numel()) > plan.node_send[self.node],
                              dispatch_extents(counts, G, stride),

@@ -17,7 +17,11 @@ DEFAULT_TOKENS = [128, 512, 1024, 2048, 4096, 8192]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("dispatch", help="intranode dispatch/combine vs NCCL all_to_all (run under torchrun)")
+    _add_arguments(sub.add_parser("dispatch",
+                                  help="intranode dispatch/combine vs NCCL all_to_all (run under torchrun)"))
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the headline row (DeepSeek-V3: 4096)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
@@ -47,7 +51,7 @@ def add_parser(sub) -> None:
 
 # What `--emulate-nodes` passes on to the internode bench: the rest of its arguments keep its defaults.
 _SHARED_WITH_INTERNODE = ("tokens", "hidden", "topk", "experts", "iters", "warmup", "json", "profile")
-_INTRANODE_ONLY = {"sweep": ",".join(map(str, DEFAULT_TOKENS)), "plot": "", "num_sms": 24, "local_sms": None}
+_INTRANODE_ONLY = ("sweep", "plot", "num_sms", "local_sms")
 
 
 def _run_emulated_nodes(args: argparse.Namespace) -> int:
@@ -57,7 +61,10 @@ def _run_emulated_nodes(args: argparse.Namespace) -> int:
 
     if args.emulate_nodes < 1:
         raise SystemExit(f"--emulate-nodes must be >= 1, got {args.emulate_nodes}")
-    set_here = [k for k, default in _INTRANODE_ONLY.items() if getattr(args, k) != default]
+    defaults = argparse.ArgumentParser(add_help=False)
+    _add_arguments(defaults)
+    default = vars(defaults.parse_args([]))
+    set_here = [k for k in _INTRANODE_ONLY if getattr(args, k) != default[k]]
     if set_here:
         names = ", ".join("--" + k.replace("_", "-") for k in set_here)
         raise SystemExit(f"--emulate-nodes runs the internode bench, which has no {names}: leave them out (or run "
