@@ -92,6 +92,18 @@ def _live_state() -> str:
     return internode.live_state() if internode is not None else "no internode backend imported"
 
 
+def _killed(procs) -> set:
+    """Ranks whose process ended by a signal (multiprocessing reports -signum)."""
+    return {r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0}
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return f"{signum} ({signal.Signals(signum).name})"
+    except ValueError:
+        return str(signum)
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
                     backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes in one process group; return the results by
@@ -162,7 +174,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             # arrives before its answer), or the grace period ends
             grace = time.monotonic() + 3.0
             while time.monotonic() < grace and (len(failures) + len(values) < world_size
-                                                or asked - {r for r, _ in states}):
+                                                or asked - {r for r, _ in states} - _killed(procs)):
                 try:
                     rank, ok, value, when = results.get(timeout=0.1)
                 except queue.Empty:
@@ -176,6 +188,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             failure = "\n".join(f"rank {r} of {world_size} failed{' first' if i == 0 else ''} in {name}:\n{tb}"
                                  for i, (_, r, tb) in enumerate(failures))
             failure += "".join(f"\nstate of rank {r} when asked after the failure:\n{st}" for r, st in sorted(states))
+            # A rank killed by a signal (a crash in native code, e.g. while answering the state request) leaves no
+            # traceback: say so, or the crash would pass unnoticed behind the first failure.
+            failure += "".join(f"\nrank {r} died of signal {_signal_name(-procs[r].exitcode)} after the failure"
+                               for r in sorted(_killed(procs)))
     finally:
         for p in procs:
             if p.is_alive() and (failure is not None or len(values) < world_size):

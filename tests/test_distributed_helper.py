@@ -48,6 +48,16 @@ def _rank_zero_fails_while_one_waits_in_gloo(rank, world):
     time.sleep(30)
 
 
+def _rank_zero_fails_then_one_crashes(rank, world):
+    import ctypes
+
+    if rank == 0:
+        time.sleep(1)
+        raise ValueError("rank zero gave up")
+    time.sleep(1.5)
+    ctypes.string_at(0)  # SIGSEGV in native code: no traceback comes back
+
+
 def test_run_distributed_returns_each_ranks_result_in_rank_order():
     assert run_distributed(_rank_and_sum, 3, timeout=60) == [(0, 6), (1, 6), (2, 6)]
 
@@ -89,3 +99,13 @@ def test_run_distributed_env_is_set_before_the_functions_module_is_imported():
     from tests.fixtures.import_time_env import seen_at_import
 
     assert run_distributed(seen_at_import, 2, timeout=60, env={"UCCL_EP_TEST_IMPORT_PROBE": "on"}) == ["on", "on"]
+
+
+def test_a_rank_that_crashes_after_the_failure_is_named_with_its_signal():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as exc:
+        run_distributed(_rank_zero_fails_then_one_crashes, 2, timeout=60)
+    msg = str(exc.value)
+    assert msg.startswith("rank 0 of 2 failed first") and "rank zero gave up" in msg
+    assert "rank 1 died of signal 11 (SIGSEGV) after the failure" in msg, msg
+    assert time.monotonic() - start < 30

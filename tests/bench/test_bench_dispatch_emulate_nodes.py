@@ -43,3 +43,10 @@ def test_emulate_nodes_below_one_is_refused_and_zero_keeps_the_intranode_bench(m
 def test_the_internode_namespace_refuses_names_it_does_not_have():
     with pytest.raises(ValueError, match="no argument"):
         internode.namespace(sweep="128")
+
+
+def test_share_gpu_is_passed_on_with_emulate_nodes_and_refused_without(monkeypatch):
+    rc, seen = _run(monkeypatch, ["--emulate-nodes", "2", "--share-gpu"])
+    assert rc == 0 and seen[0].share_gpu is True
+    with pytest.raises(SystemExit, match="--share-gpu needs --emulate-nodes"):
+        _run(monkeypatch, ["--share-gpu"])

@@ -242,6 +242,58 @@ def test_a_rank_killed_mid_dispatch_makes_the_others_raise_fast_naming_the_dead_
         assert elapsed < 10, f"rank {rank} took {elapsed:.1f} s: {msg}"
 
 
+def _one_rank_fails_while_the_others_wait_on_the_gpu(rank, world, G):
+    """Every rank dispatches once; then rank 0 raises, and the others start a dispatch that waits for it on the GPU
+    (deadline 3 s). The harness asks them for their state while they wait, and again while they tear down."""
+    import torch.distributed as dist
+
+    from uccl_ep_train.backends import BackendContext, DispatchArgs
+    from uccl_ep_train.internode import InternodeError, NativeInternodeBackend
+    from uccl_ep_train.settings import load_settings
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=dev,
+                         num_nvl_bytes=NVL, num_rdma_bytes=RDMA, settings=load_settings())
+    nat = NativeInternodeBackend(ctx)
+    g = torch.Generator().manual_seed(rank)
+
+    def dispatch():
+        idx = torch.randint(0, 4 * world, (64, 2), generator=g).to(dev)
+        x = torch.randn((64, 128), generator=g).to(dev).to(torch.bfloat16)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 4 * world)
+        nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
+
+    try:
+        dispatch()
+        if rank == 0:
+            raise ValueError("rank 0 fails on purpose after its first dispatch")
+        try:
+            dispatch()
+        except InternodeError:
+            pass  # rank 0 never joins: the deadline is this rank's expected way out
+        time.sleep(1)  # still alive, with its backend torn down, when the state request of a slow harness comes
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_ranks_asked_for_their_state_after_a_peers_failure_answer_it_and_none_crashes(world, G):
+    """The harness's state request (SIGUSR1) reads each rank's FIFOs, proxy counters and signals from a thread of its
+    own while the main thread waits on the GPU or tears its backend down. Twice: the crash this guards against
+    (SIGSEGV in that thread, session 20) came intermittently."""
+    _need(world)
+    env = {"UCCL_EP_CPU_TIMEOUT_SECS": "3", "UCCL_EP_GPU_TIMEOUT_SECS": "3"}
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as exc:
+            run_distributed(_one_rank_fails_while_the_others_wait_on_the_gpu, world, G, timeout=120, env=env)
+        msg = str(exc.value)
+        assert msg.startswith(f"rank 0 of {world} failed first") and "fails on purpose" in msg, msg
+        assert "died of signal" not in msg and "died with exit code" not in msg, msg
+        for r in range(1, world):
+            assert f"state of rank {r} when asked after the failure:\n" in msg, f"rank {r} did not answer: {msg}"
+
+
 class _View:
     def __init__(self, ptr, nbytes):
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2,

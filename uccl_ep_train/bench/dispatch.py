@@ -46,11 +46,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "--emulate-nodes N` with this command's --tokens, --hidden, --topk, --experts, --iters, "
                         "--warmup, --json and --profile (its other settings at their defaults); --sweep, --plot, "
                         "--num-sms and --local-sms do not apply. 0 (default): one node")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="with --emulate-nodes only: passed on to `bench internode --share-gpu` (several ranks on one "
+                        "GPU, e.g. a 1-GPU machine; a check that the path runs, its timings mean nothing)")
     p.set_defaults(func=run)
 
 
 # What `--emulate-nodes` passes on to the internode bench: the rest of its arguments keep its defaults.
-_SHARED_WITH_INTERNODE = ("tokens", "hidden", "topk", "experts", "iters", "warmup", "json", "profile")
+_SHARED_WITH_INTERNODE = ("tokens", "hidden", "topk", "experts", "iters", "warmup", "json", "profile", "share_gpu")
 _INTRANODE_ONLY = ("sweep", "plot", "num_sms", "local_sms")
 
 
@@ -239,6 +242,8 @@ def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "emulate_nodes", 0):
         return _run_emulated_nodes(args)
+    if getattr(args, "share_gpu", False):
+        raise SystemExit("--share-gpu needs --emulate-nodes: the intranode bench runs one rank per GPU")
     import torch
     import torch.distributed as dist
 
