@@ -559,8 +559,6 @@ class NativeInternodeBackend:
             if fields["code"] == self._codes["wait_timeout"]:
                 slot = int(fields["slot"])
                 msg += f" [the host reads signal[{slot}] = {self._cx.signal_value(slot)}]"
-                # The proxy's describe() is not appended: called from here it crashed the process (SIGSEGV) on the
-                # 2x H200 build (session 3, absent-peer test), cause not found yet; see docs/internode.md.
             parts.append(msg)
         if perr:
             parts.append(f"rank {self.rank} proxy: {perr}")
@@ -574,9 +572,18 @@ class NativeInternodeBackend:
             parts.append(describe_fifo_states(self._cx.fifo_states(), self.rank))
         except Exception:  # noqa: BLE001 - diagnostics only
             pass
+        parts.append(self._proxy_threads())
         self._cx.clear_error()
         self._chunk_ready = None  # a failed pack_and_push may have left counts behind: the next one starts afresh
         raise InternodeError("; ".join(parts) + (f" (during {what})" if what else "") + "\n" + _timeout_hint())
+
+    def _proxy_threads(self) -> str:
+        """What each proxy thread holds (operations queued, writes in flight, signals held back for order), for
+        error messages."""
+        try:
+            return "proxy threads:\n" + self._cx.proxy_counters().rstrip("\n")
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            return f"proxy threads: not readable ({exc})"
 
     def _drain(self, what: str) -> None:
         """Wait for this rank's stream with a deadline, never an unbounded synchronize. Every GPU wait has its own
@@ -602,7 +609,8 @@ class NativeInternodeBackend:
                     raise InternodeError(
                         f"rank {self.rank}: the GPU stream did not drain within {limit:.0f} s after {what} "
                         f"(2 x UCCL_EP_GPU_TIMEOUT_SECS + UCCL_EP_CPU_TIMEOUT_SECS); GPU error word "
-                        f"{self._cx.error_fields()}; proxy error {self._cx.proxy_error()!r}\n{_timeout_hint()}")
+                        f"{self._cx.error_fields()}; proxy error {self._cx.proxy_error()!r}; "
+                        f"{self._proxy_threads()}\n{_timeout_hint()}")
                 time.sleep(0 if waited < 2e-3 else 1e-4)
         self._check(what)
 

@@ -418,6 +418,7 @@ def test_a_rank_that_never_pushes_makes_the_others_raise_naming_rank_phase_and_s
         assert msg != "no error", f"rank {rank} did not notice the absent peer"
         assert f"rank {rank}, notify" in msg and f"signal slot {slot} to reach {world - 1}" in msg, msg
         assert f"saw {world - 2}" in msg, msg  # every other rank's count row did arrive
+        assert "proxy threads:\nfake proxy" in msg, msg  # and what its proxy holds
         assert 1 <= elapsed < 3.5, f"rank {rank} took {elapsed:.1f} s with a 1 s GPU deadline"
 
 

@@ -188,6 +188,7 @@ def test_a_rank_that_stops_participating_makes_the_others_raise_within_the_deadl
     for rank in range(world - 1):
         elapsed, msg = out[rank]
         assert msg != "no error" and f"rank {rank}" in msg, msg
+        assert f"proxy threads:\nrank {rank} proxy thread 0: " in msg, msg  # each thread's queues and flight
         assert elapsed < 10, f"rank {rank} took {elapsed:.1f} s"
 
 
