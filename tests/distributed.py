@@ -88,8 +88,8 @@ def _answer_state_requests(rank: int, results) -> None:
 
 def _live_state() -> str:
     """What this rank's communication objects say about themselves (the parent asks when another rank failed)."""
-    internode = sys.modules.get("uccl_ep_train.internode")
-    return internode.live_state() if internode is not None else "no internode backend imported"
+    diagnostics = sys.modules.get("uccl_ep_train.internode_diagnostics")
+    return diagnostics.live_state() if diagnostics is not None else "no internode backend imported"
 
 
 def _killed(procs) -> set:

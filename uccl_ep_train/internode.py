@@ -7,27 +7,29 @@ node at the forwarder and sends one fp32 partial sum per (token, node) back; the
 
 What every rank must agree on before a byte moves (offsets, push tables, waits, limits) is pure planning in
 internode_plan.py, proven on CPU against reference.py. This file drives the native module (``_C.internode``):
-transport choice, regions, proxy bootstrap, the push/wait/scatter kernels, and the diagnostics of a failure.
+regions, proxy bootstrap, and the push/wait/scatter kernels. The transport choice is in internode_transport.py, what a
+rank reports about a failure in internode_diagnostics.py.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import math
-import socket
 import sys
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from uccl_ep_train import native
 from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
+from uccl_ep_train.internode_diagnostics import describe_fifo_states, timeout_hint, track
+from uccl_ep_train.internode_transport import (SHARED_GPU_SPIN_SM_FRACTION, SHARED_GPU_WARNING, device_pci_address,
+                                               other_nodes_on_this_gpu, select_internode_transport)
 from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are part of this module's API
     InternodeError, CMD_UNIT, CMD_MAX_RANKS, CMD_MAX_SLOTS, CMD_MAX_VALUE, CMD_MAX_BYTES, CMD_MAX_REGION, SLOT_PAGE,
     RecordLayout, record_layout, check_topology, Counts, local_count_row, counts_from_rows, SendPlan, send_plan,
@@ -39,163 +41,6 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks)
 
-if TYPE_CHECKING:
-    from uccl_ep_train.comm import GpuNics
-
-
-def _device_pci_address(device: torch.device) -> Optional[str]:
-    """The PCI address of a CUDA device as sysfs spells it, or None when torch does not say (the NIC choice then
-    falls back to LOCAL_RANK)."""
-    if device.type != "cuda":  # CPU stand-in of the native module (tests): no PCI device
-        return None
-    try:
-        p = torch.cuda.get_device_properties(device)
-        from uccl_ep_train.topology import bdf
-
-        return bdf(int(p.pci_domain_id), int(p.pci_bus_id), int(p.pci_device_id))
-    except Exception:  # noqa: BLE001 - older torch or no CUDA: fall back
-        return None
-
-
-def other_nodes_on_this_gpu(gpu_of_rank: Sequence[Optional[str]], rank: int, ranks_per_node: int) -> List[int]:
-    """The ranks of other (emulated) nodes whose GPU is this rank's (``gpu_of_rank``: each rank's GPU PCI address,
-    None where unknown). The loopback carries their network writes as copies within one GPU, which the driver makes
-    with a kernel, not a copy engine (scripts/probe_copy_beside_spin.cu); see SHARED_GPU_WARNING."""
-    mine = gpu_of_rank[rank]
-    if mine is None:
-        return []
-    node = rank // ranks_per_node
-    return [r for r, gpu in enumerate(gpu_of_rank) if gpu == mine and r // ranks_per_node != node]
-
-
-# The share of the GPU's SM count that a spinning grid may take in blocks when ranks of several nodes share a GPU, so
-# the copy kernels of the loopback find whole SMs free. Capping blocks per SM does not do it: a packer block holds
-# 256 threads x 128 registers, half an SM's register file, so 2 blocks per SM already fill every SM
-# (docs/internode.md, "Two processes per GPU").
-SHARED_GPU_SPIN_SM_FRACTION = 0.5
-
-SHARED_GPU_WARNING = (
-    "rank {rank} shares its GPU ({gpu}) with rank(s) {others} of other emulated nodes: the loopback moves their "
-    "network bytes with copies within one GPU, which the driver runs as kernels, so this rank's spinning kernels are "
-    "held to {blocks} blocks to leave those copies room. Timings on a shared GPU say nothing about speed; use one GPU "
-    "per rank to play nodes (docs/internode.md, \"Two processes per GPU\").")
-
-
-def describe_fifo_states(states: Sequence[dict], rank: int) -> str:
-    """One clause on this rank's command FIFOs for an error message. A FIFO whose kernels reserved more slots
-    (device head) than its proxy took (tail) either still has commands queued (slots full from the tail on) or lost a
-    push: the slot at the tail is empty, so the proxy waits there forever, and no watchdog fires because nothing is
-    queued or in flight from its point of view. That is the question the "last chunk of a lane never arrived"
-    failures leave open (docs/internode.md, "Open")."""
-    odd = []
-    for f in states:
-        head, tail, full = int(f["device_head"]), int(f["tail"]), int(f["full"])
-        if head == tail and full == 0:
-            continue
-        if head < 0:
-            kind = "head unreadable"
-        elif head > tail and (full == 0 or int(f["first_full"]) != tail):
-            kind = f"LOST PUSH: slot {tail} is empty, {head - tail} reserved past the tail, {full} full"
-        elif head > tail:
-            kind = f"{full} queued"
-        else:
-            kind = f"{full} full slots past the tail"
-        odd.append(f"fifo {f['fifo']} head {head} tail {tail} ({kind})")
-    if not odd:
-        return f"rank {rank} FIFOs: every command kernels pushed was taken by the proxy ({len(states)} FIFOs)"
-    return f"rank {rank} FIFOs: " + ", ".join(odd)
-
-
-# Every backend of this process, for live_state(): a test harness asks a rank that did not fail for its side of a
-# failure (tests/distributed.py sends SIGUSR1 to the other ranks when one fails).
-_LIVE: "weakref.WeakSet[NativeInternodeBackend]" = weakref.WeakSet()
-
-
-def live_state() -> str:
-    """One line per live backend of this process: its FIFOs, its proxy's totals and error, and every signal counter
-    that differs from what this rank has waited for so far. Read-only and safe while kernels run (host memory, and
-    the FIFO heads through a stream of its own)."""
-    lines = []
-    for b in list(_LIVE):
-        if b._destroyed:
-            continue
-        try:
-            seen = [b._cx.signal_value(i) for i in range(len(b._expected))]  # one read per counter: they move
-            off = [f"{i}={v}/{e}" for i, (v, e) in enumerate(zip(seen, b._expected)) if v != e]
-            lines.append(f"rank {b.rank}: {describe_fifo_states(b._cx.fifo_states(), b.rank)}; proxy totals "
-                         f"{b._cx.proxy_totals()}; proxy error {b._cx.proxy_error()!r}; signals differing from "
-                         f"what was waited for (slot=value/expected): {', '.join(off) or 'none'}\n"
-                         f"{b._cx.proxy_counters()}")
-        except Exception as exc:  # noqa: BLE001 - diagnostics only
-            lines.append(f"rank {b.rank}: state not readable: {exc}")
-    return "\n".join(lines) or "no live internode backend in this process"
-
-
-def _timeout_hint() -> str:
-    from uccl_ep_train.doctor import TIMEOUT_HINT
-
-    return TIMEOUT_HINT
-
-
-@dataclass(frozen=True)
-class InternodeTransport:
-    """What the backend's proxies run over (resolve_internode_transport), and for verbs the NICs of this GPU."""
-
-    name: str                          # "loopback" or "verbs"
-    reason: str
-    devices: Tuple[str, ...] = ()
-    gid_index: Tuple[int, ...] = ()
-    efa: bool = False
-
-
-_REBUILD_WITH_VERBS = ("this uccl_ep_train._C was built without the verbs transport (infiniband/verbs.h was not "
-                       "found at build time): install rdma-core's headers (libibverbs-dev / rdma-core-devel) and "
-                       "rebuild")
-
-
-def resolve_internode_transport(setting: str, hostnames: Sequence[str], rank: int,
-                                nics_for_this_gpu: Callable[[], "GpuNics"], verbs_built: bool) -> InternodeTransport:
-    """UCCL_EP_TRANSPORT for the internode backend, given every rank's host name (``hostnames[r]``).
-
-    auto: loopback when every rank is on this host, verbs otherwise. loopback across hosts raises: its writes are
-    memcpys into peers' shared memory and CUDA IPC mappings, which exist on one host only. verbs needs the module
-    built with it and an RDMA device for this GPU. ``nics_for_this_gpu`` (comm.gpu_nics for the real host) is only
-    called when verbs is chosen, so single-host runs never depend on the NIC survey. Raises InternodeError naming
-    what to change."""
-    if setting not in ("auto", "loopback", "verbs"):
-        raise InternodeError(f"rank {rank}: UCCL_EP_TRANSPORT={setting} is not a transport: use auto, verbs or "
-                             "loopback")
-    ranks_of: dict = {}
-    for r, h in enumerate(hostnames):
-        ranks_of.setdefault(h, []).append(r)
-    one_host = len(ranks_of) == 1
-    if one_host and setting != "verbs":
-        return InternodeTransport("loopback", f"UCCL_EP_TRANSPORT={setting}: all {len(hostnames)} ranks on host "
-                                  f"{next(iter(ranks_of))}")
-    if not one_host and setting == "loopback":
-        spread = "; ".join(f"{h}: ranks {_rank_list(rs)}" for h, rs in list(ranks_of.items())[:4])
-        more = f"; ... {len(ranks_of) - 4} more hosts" if len(ranks_of) > 4 else ""
-        raise InternodeError(f"rank {rank}: UCCL_EP_TRANSPORT=loopback but the group spans {len(ranks_of)} hosts "
-                             f"({spread}{more}); the loopback transport reaches only ranks on one host (shared "
-                             "memory and CUDA IPC): set UCCL_EP_TRANSPORT=auto or verbs to go through the RDMA NICs")
-    why = ("UCCL_EP_TRANSPORT=verbs" if setting == "verbs" else
-           f"UCCL_EP_TRANSPORT=auto and the group spans {len(ranks_of)} hosts")
-    if not verbs_built:
-        fix = "; or set UCCL_EP_TRANSPORT=auto for this single-host run" if one_host else ""
-        raise InternodeError(f"rank {rank}: {why}, so the proxies need the verbs transport, but "
-                             f"{_REBUILD_WITH_VERBS}{fix}")
-    nics = nics_for_this_gpu()
-    if not nics.devices:
-        found = ", ".join(nics.host_nics) if nics.host_nics else "none (no /sys/class/infiniband entries)"
-        fix = "; or set UCCL_EP_TRANSPORT=auto for this single-host run" if one_host else ""
-        raise InternodeError(f"rank {rank}: {why}, but this rank has no RDMA device to use: {nics.problem}. "
-                             f"RDMA devices on this host: {found}. Set UCCL_IB_HCA to the device(s) this GPU should "
-                             "use (UCCL_IB_GID_INDEX if its GID cannot be chosen), see `uccl-ep-train doctor`"
-                             f"{fix}")
-    return InternodeTransport("verbs", f"{why}: GPU {nics.gpu} -> " + "; ".join(
-        f"{n} ({r})" for n, r in zip(nics.devices, nics.gid_reason)), devices=tuple(nics.devices),
-        gid_index=tuple(nics.gid_index), efa=nics.efa)
-
 
 def drain_after_waits(setting: str) -> bool:
     """Whether the host waits for its stream after every network wait (UCCL_EP_DRAIN_AFTER_WAITS): ``always``
@@ -205,44 +50,6 @@ def drain_after_waits(setting: str) -> bool:
     passed stale rows on (the kernels now refuse to once the error word is set). docs/internode.md, "Drains". It is
     kept to study that failure, not for training."""
     return setting == "always"
-
-
-def select_internode_transport(setting: str, rank: int, world: int, group: Any,
-                               nics_for_this_gpu: Callable[[], "GpuNics"], verbs_built: bool,
-                               hostname: Optional[str] = None) -> InternodeTransport:
-    """resolve_internode_transport on every rank of ``group`` (gloo) from the host names they gather
-    (``hostname``: this rank's, default socket.gethostname()). Every rank ends the same way: a rank that cannot set
-    up the transport (no NIC, no verbs in its build) raises, and so does every other rank, naming it, instead of
-    waiting in the proxy bootstrap until the gloo deadline."""
-    hosts: List[Any] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname() if hostname is None else hostname, group=group)
-    try:
-        choice: Optional[InternodeTransport] = resolve_internode_transport(setting, hosts, rank, nics_for_this_gpu,
-                                                                           verbs_built)
-        failure = ""
-    except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, or they wait below
-        choice, failure = None, str(exc) if isinstance(exc, InternodeError) else f"{type(exc).__name__}: {exc}"
-    failures: List[Any] = [None] * world
-    dist.all_gather_object(failures, failure, group=group)
-    if failure:
-        raise InternodeError(failure)
-    first = next((f for f in failures if f), "")
-    if first:
-        raise InternodeError(f"{first} (rank {rank} stops too: the proxies of every rank connect to each other)")
-    assert choice is not None
-    return choice
-
-
-def _rank_list(ranks: Sequence[int]) -> str:
-    """'0-3,8' for messages about many ranks."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(parts)
 
 
 # ====================================================================================================================
@@ -428,7 +235,7 @@ class NativeInternodeBackend:
 
         self.transport = select_internode_transport(
             t.transport, self.rank, self.R, self._gloo,
-            lambda: comm.gpu_nics(s, self.local, pci_address=_device_pci_address(self.device)),
+            lambda: comm.gpu_nics(s, self.local, pci_address=device_pci_address(self.device)),
             verbs_built=bool(getattr(getattr(_C, "verbs", None), "available", False)))
         default_bytes = comm.DEFAULT_INFLIGHT_BYTES_EFA if self.transport.efa else comm.DEFAULT_INFLIGHT_BYTES
         self.inflight_bytes = t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes
@@ -448,7 +255,7 @@ class NativeInternodeBackend:
             dump_trigger=p.dump_file or "")
         infos = [self._cx.proxy_local_info(i) for i in range(p.num_threads)]
         gathered: List[Any] = [None] * self.R
-        gpu = _device_pci_address(self.device)
+        gpu = device_pci_address(self.device)
         dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle(), int(self._cx.max_write_bytes),
                                           chunk_bytes(self.inflight_bytes, t.write_bytes), gpu), group=self._gloo)
         others = other_nodes_on_this_gpu([g[4] for g in gathered], self.rank, self.G)
@@ -532,7 +339,7 @@ class NativeInternodeBackend:
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
         self._destroyed = False
-        _LIVE.add(self)
+        track(self)
         self.last_traffic = None
         # Benchmarks set this to time the network hop alone (push -> last signal) with CUDA events: phase -> [ms]
         self.network_timing: Optional[dict] = None
@@ -575,7 +382,7 @@ class NativeInternodeBackend:
         parts.append(self._proxy_threads())
         self._cx.clear_error()
         self._chunk_ready = None  # a failed pack_and_push may have left counts behind: the next one starts afresh
-        raise InternodeError("; ".join(parts) + (f" (during {what})" if what else "") + "\n" + _timeout_hint())
+        raise InternodeError("; ".join(parts) + (f" (during {what})" if what else "") + "\n" + timeout_hint())
 
     def _proxy_threads(self) -> str:
         """What each proxy thread holds (operations queued, writes in flight, signals held back for order), for
@@ -610,7 +417,7 @@ class NativeInternodeBackend:
                         f"rank {self.rank}: the GPU stream did not drain within {limit:.0f} s after {what} "
                         f"(2 x UCCL_EP_GPU_TIMEOUT_SECS + UCCL_EP_CPU_TIMEOUT_SECS); GPU error word "
                         f"{self._cx.error_fields()}; proxy error {self._cx.proxy_error()!r}; "
-                        f"{self._proxy_threads()}\n{_timeout_hint()}")
+                        f"{self._proxy_threads()}\n{timeout_hint()}")
                 time.sleep(0 if waited < 2e-3 else 1e-4)
         self._check(what)
 
@@ -674,7 +481,7 @@ class NativeInternodeBackend:
             perr = self._proxy_view()
             raise InternodeError(f"rank {self.rank}: notify (count exchange) failed within {self.cpu_timeout} s: "
                                  f"{exc}" + (f"; rank {self.rank} proxy: {perr}" if perr else "")
-                                 + f"\n{_timeout_hint()}") from exc
+                                 + f"\n{timeout_hint()}") from exc
         self._check()
         return counts_from_rows(torch.stack(out), self.R, self.N, **shape)
 

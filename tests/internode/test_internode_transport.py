@@ -9,7 +9,8 @@ import pytest
 
 from tests.distributed import run_distributed
 from uccl_ep_train import comm, topology
-from uccl_ep_train.internode import InternodeError, resolve_internode_transport, select_internode_transport
+from uccl_ep_train.internode_plan import InternodeError
+from uccl_ep_train.internode_transport import resolve_internode_transport, select_internode_transport
 from uccl_ep_train.settings import load_settings
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "sysfs")
@@ -172,7 +173,7 @@ def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning()
     """2 nodes x 2 ranks on 2 GPUs (ranks 0 and 2 on GPU a, 1 and 3 on GPU b): each rank's network peer of the other
     node shares its GPU, so the loopback's copies between them run as kernels on that GPU; same-node sharing, one GPU
     per rank and unknown GPUs (the CPU stand-in) name nobody."""
-    from uccl_ep_train.internode import SHARED_GPU_WARNING, other_nodes_on_this_gpu
+    from uccl_ep_train.internode_transport import SHARED_GPU_WARNING, other_nodes_on_this_gpu
 
     gpus = ["a", "b", "a", "b"]
     assert [other_nodes_on_this_gpu(gpus, r, 2) for r in range(4)] == [[2], [3], [0], [1]]

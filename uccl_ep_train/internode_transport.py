@@ -1,0 +1,155 @@
+"""Which transport the internode backend's proxies run over, chosen alike on every rank (docs/internode.md,
+"Transport choice"), and what changes when ranks of several emulated nodes share one GPU ("Two processes per GPU").
+
+loopback: every rank on one host, network writes as copies into peers' shared memory and CUDA IPC mappings. verbs:
+the RDMA NICs nearest each GPU (comm.gpu_nics). Nothing here touches the native module.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from uccl_ep_train.internode_plan import InternodeError
+
+if TYPE_CHECKING:
+    from uccl_ep_train.comm import GpuNics
+
+
+def device_pci_address(device: torch.device) -> Optional[str]:
+    """The PCI address of a CUDA device as sysfs spells it, or None when torch does not say (the NIC choice then
+    falls back to LOCAL_RANK)."""
+    if device.type != "cuda":  # CPU stand-in of the native module (tests): no PCI device
+        return None
+    try:
+        p = torch.cuda.get_device_properties(device)
+        from uccl_ep_train.topology import bdf
+
+        return bdf(int(p.pci_domain_id), int(p.pci_bus_id), int(p.pci_device_id))
+    except Exception:  # noqa: BLE001 - older torch or no CUDA: fall back
+        return None
+
+
+def other_nodes_on_this_gpu(gpu_of_rank: Sequence[Optional[str]], rank: int, ranks_per_node: int) -> List[int]:
+    """The ranks of other (emulated) nodes whose GPU is this rank's (``gpu_of_rank``: each rank's GPU PCI address,
+    None where unknown). The loopback carries their network writes as copies within one GPU, which the driver makes
+    with a kernel, not a copy engine (scripts/probe_copy_beside_spin.cu); see SHARED_GPU_WARNING."""
+    mine = gpu_of_rank[rank]
+    if mine is None:
+        return []
+    node = rank // ranks_per_node
+    return [r for r, gpu in enumerate(gpu_of_rank) if gpu == mine and r // ranks_per_node != node]
+
+
+# The share of the GPU's SM count that a spinning grid may take in blocks when ranks of several nodes share a GPU, so
+# the copy kernels of the loopback find whole SMs free. Capping blocks per SM does not do it: a packer block holds
+# 256 threads x 128 registers, half an SM's register file, so 2 blocks per SM already fill every SM
+# (docs/internode.md, "Two processes per GPU").
+SHARED_GPU_SPIN_SM_FRACTION = 0.5
+
+SHARED_GPU_WARNING = (
+    "rank {rank} shares its GPU ({gpu}) with rank(s) {others} of other emulated nodes: the loopback moves their "
+    "network bytes with copies within one GPU, which the driver runs as kernels, so this rank's spinning kernels are "
+    "held to {blocks} blocks to leave those copies room. Timings on a shared GPU say nothing about speed; use one GPU "
+    "per rank to play nodes (docs/internode.md, \"Two processes per GPU\").")
+
+
+@dataclass(frozen=True)
+class InternodeTransport:
+    """What the backend's proxies run over (resolve_internode_transport), and for verbs the NICs of this GPU."""
+
+    name: str                          # "loopback" or "verbs"
+    reason: str
+    devices: Tuple[str, ...] = ()
+    gid_index: Tuple[int, ...] = ()
+    efa: bool = False
+
+
+_REBUILD_WITH_VERBS = ("this uccl_ep_train._C was built without the verbs transport (infiniband/verbs.h was not "
+                       "found at build time): install rdma-core's headers (libibverbs-dev / rdma-core-devel) and "
+                       "rebuild")
+
+
+def resolve_internode_transport(setting: str, hostnames: Sequence[str], rank: int,
+                                nics_for_this_gpu: Callable[[], "GpuNics"], verbs_built: bool) -> InternodeTransport:
+    """UCCL_EP_TRANSPORT for the internode backend, given every rank's host name (``hostnames[r]``).
+
+    auto: loopback when every rank is on this host, verbs otherwise. loopback across hosts raises: its writes are
+    memcpys into peers' shared memory and CUDA IPC mappings, which exist on one host only. verbs needs the module
+    built with it and an RDMA device for this GPU. ``nics_for_this_gpu`` (comm.gpu_nics for the real host) is only
+    called when verbs is chosen, so single-host runs never depend on the NIC survey. Raises InternodeError naming
+    what to change."""
+    if setting not in ("auto", "loopback", "verbs"):
+        raise InternodeError(f"rank {rank}: UCCL_EP_TRANSPORT={setting} is not a transport: use auto, verbs or "
+                             "loopback")
+    ranks_of: dict = {}
+    for r, h in enumerate(hostnames):
+        ranks_of.setdefault(h, []).append(r)
+    one_host = len(ranks_of) == 1
+    if one_host and setting != "verbs":
+        return InternodeTransport("loopback", f"UCCL_EP_TRANSPORT={setting}: all {len(hostnames)} ranks on host "
+                                  f"{next(iter(ranks_of))}")
+    if not one_host and setting == "loopback":
+        spread = "; ".join(f"{h}: ranks {_rank_list(rs)}" for h, rs in list(ranks_of.items())[:4])
+        more = f"; ... {len(ranks_of) - 4} more hosts" if len(ranks_of) > 4 else ""
+        raise InternodeError(f"rank {rank}: UCCL_EP_TRANSPORT=loopback but the group spans {len(ranks_of)} hosts "
+                             f"({spread}{more}); the loopback transport reaches only ranks on one host (shared "
+                             "memory and CUDA IPC): set UCCL_EP_TRANSPORT=auto or verbs to go through the RDMA NICs")
+    why = ("UCCL_EP_TRANSPORT=verbs" if setting == "verbs" else
+           f"UCCL_EP_TRANSPORT=auto and the group spans {len(ranks_of)} hosts")
+    if not verbs_built:
+        fix = "; or set UCCL_EP_TRANSPORT=auto for this single-host run" if one_host else ""
+        raise InternodeError(f"rank {rank}: {why}, so the proxies need the verbs transport, but "
+                             f"{_REBUILD_WITH_VERBS}{fix}")
+    nics = nics_for_this_gpu()
+    if not nics.devices:
+        found = ", ".join(nics.host_nics) if nics.host_nics else "none (no /sys/class/infiniband entries)"
+        fix = "; or set UCCL_EP_TRANSPORT=auto for this single-host run" if one_host else ""
+        raise InternodeError(f"rank {rank}: {why}, but this rank has no RDMA device to use: {nics.problem}. "
+                             f"RDMA devices on this host: {found}. Set UCCL_IB_HCA to the device(s) this GPU should "
+                             "use (UCCL_IB_GID_INDEX if its GID cannot be chosen), see `uccl-ep-train doctor`"
+                             f"{fix}")
+    return InternodeTransport("verbs", f"{why}: GPU {nics.gpu} -> " + "; ".join(
+        f"{n} ({r})" for n, r in zip(nics.devices, nics.gid_reason)), devices=tuple(nics.devices),
+        gid_index=tuple(nics.gid_index), efa=nics.efa)
+
+
+def select_internode_transport(setting: str, rank: int, world: int, group: Any,
+                               nics_for_this_gpu: Callable[[], "GpuNics"], verbs_built: bool,
+                               hostname: Optional[str] = None) -> InternodeTransport:
+    """resolve_internode_transport on every rank of ``group`` (gloo) from the host names they gather
+    (``hostname``: this rank's, default socket.gethostname()). Every rank ends the same way: a rank that cannot set
+    up the transport (no NIC, no verbs in its build) raises, and so does every other rank, naming it, instead of
+    waiting in the proxy bootstrap until the gloo deadline."""
+    hosts: List[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname() if hostname is None else hostname, group=group)
+    try:
+        choice: Optional[InternodeTransport] = resolve_internode_transport(setting, hosts, rank, nics_for_this_gpu,
+                                                                           verbs_built)
+        failure = ""
+    except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, or they wait below
+        choice, failure = None, str(exc) if isinstance(exc, InternodeError) else f"{type(exc).__name__}: {exc}"
+    failures: List[Any] = [None] * world
+    dist.all_gather_object(failures, failure, group=group)
+    if failure:
+        raise InternodeError(failure)
+    first = next((f for f in failures if f), "")
+    if first:
+        raise InternodeError(f"{first} (rank {rank} stops too: the proxies of every rank connect to each other)")
+    assert choice is not None
+    return choice
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """'0-3,8' for messages about many ranks."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
