@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build with CUDA, run the GPU test suites and the benchmarks, keep logs under $OUT.
 # Usage (on the lent 2xH200 machine, from the repository root): bash scripts/gpu-check.sh [step ...]
-# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_sync_free bench_proxy bench_internode train
-# (default: all but train, bench_sync_free and bench_internode);
+# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_sync_free bench_proxy bench_internode
+# bench_dispatch_emulated train
+# (default: all but train, bench_sync_free, bench_internode and bench_dispatch_emulated);
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), profile_internode
 # (torch.profiler and cProfile tables of the emulated 2-node calls), internode_shared (the internode GPU tests with
 # every rank on one GPU, for 1-GPU machines), fifo (GPU
@@ -74,6 +75,14 @@ for step in "${steps[@]}"; do
         UCCL_EP_LOOPBACK_BW_GBPS=50 run "bench_internode_${n}n_capped" "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" \
           -m uccl_ep_train bench internode --emulate-nodes "$n" --json "$OUT/internode-${n}n-capped50.json"
       done ;;
+    bench_dispatch_emulated)  # the command issue 5 names: bench dispatch --emulate-nodes 2, uncapped then capped at
+      # 50 GB/s per GPU; on a 1-GPU machine both ranks share it (--share-gpu: a check that it runs, no timings)
+      share=(); [[ "${ngpu:-1}" -ge 2 ]] || share=(--share-gpu)
+      run bench_dispatch_emulated "${BENCH_INTERNODE_SECS:-150}" torchrun --standalone --nproc-per-node 2 \
+        -m uccl_ep_train bench dispatch --emulate-nodes 2 "${share[@]}" --json "$OUT/dispatch-emulated-uncapped.json"
+      UCCL_EP_LOOPBACK_BW_GBPS=50 run bench_dispatch_emulated_capped "${BENCH_INTERNODE_SECS:-150}" torchrun \
+        --standalone --nproc-per-node 2 -m uccl_ep_train bench dispatch --emulate-nodes 2 "${share[@]}" \
+        --json "$OUT/dispatch-emulated-capped50.json" ;;
     profile)
       run profile_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --sweep "" --iters 10 \
         --profile "$OUT/profile-dispatch.txt"
