@@ -438,12 +438,15 @@ def run(args) -> int:
 
     if args.share_gpu:
         if rank == 0:
-            print(json.dumps({"shared_gpu": True, "world": world, "nodes": args.emulate_nodes,
-                              "note": "ranks share a GPU: time-sliced, not comparable with one GPU per rank",
-                              "dispatch_us": t_disp * 1e6, "cached_dispatch_us": t_cached * 1e6,
-                              "combine_us": t_comb * 1e6, "host_step_us_by_rank": steps_by_rank,
-                              "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()}},
-                             indent=1))
+            shared = {"shared_gpu": True, "world": world, "nodes": args.emulate_nodes,
+                      "note": "ranks share a GPU: time-sliced, not comparable with one GPU per rank",
+                      "dispatch_us": t_disp * 1e6, "cached_dispatch_us": t_cached * 1e6,
+                      "combine_us": t_comb * 1e6, "host_step_us_by_rank": steps_by_rank,
+                      "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()}}
+            print(json.dumps(shared, indent=1))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(shared, f, indent=1)
         nat.destroy()
         dist.destroy_process_group()
         return 0
