@@ -28,8 +28,6 @@ import torch.distributed as dist
 from uccl_ep_train import native
 from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
 from uccl_ep_train.internode_diagnostics import describe_fifo_states, timeout_hint, track
-from uccl_ep_train.internode_transport import (SHARED_GPU_SPIN_SM_FRACTION, SHARED_GPU_WARNING, device_pci_address,
-                                               other_nodes_on_this_gpu, select_internode_transport)
 from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are part of this module's API
     InternodeError, CMD_UNIT, CMD_MAX_RANKS, CMD_MAX_SLOTS, CMD_MAX_VALUE, CMD_MAX_BYTES, CMD_MAX_REGION, SLOT_PAGE,
     RecordLayout, record_layout, check_topology, Counts, local_count_row, counts_from_rows, SendPlan, send_plan,
@@ -40,6 +38,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks)
+from uccl_ep_train.internode_transport import (SHARED_GPU_SPIN_SM_FRACTION, SHARED_GPU_WARNING, device_pci_address,
+                                               other_nodes_on_this_gpu, select_internode_transport)
 
 
 def drain_after_waits(setting: str) -> bool:

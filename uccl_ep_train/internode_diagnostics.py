@@ -64,6 +64,7 @@ def live_state() -> str:
 
 
 def timeout_hint() -> str:
+    """What every timeout message ends with: where to look next (`uccl-ep-train doctor`, the state to inspect)."""
     from uccl_ep_train.doctor import TIMEOUT_HINT
 
     return TIMEOUT_HINT
