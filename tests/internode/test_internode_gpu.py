@@ -283,8 +283,8 @@ def _one_rank_fails_while_the_others_wait_on_the_gpu(rank, world, G):
 def test_ranks_asked_for_their_state_after_a_peers_failure_answer_it_and_none_crashes(world, G, tmp_path):
     """The harness's state request (SIGUSR1) reads each rank's FIFOs, proxy counters and signals from a thread of its
     own while the main thread waits on the GPU or tears its backend down, and the proxy threads print their own
-    (UCCL_EP_PROXY_DUMP_FILE, touched by the harness). Twice: the crash this guards against (SIGSEGV while formatting
-    that state, sessions 3-20) came intermittently."""
+    (UCCL_EP_PROXY_DUMP_FILE, touched by the harness). Before session 21's build fix every rank asked died of SIGSEGV
+    while formatting that state. Twice per topology, since a request may find a rank waiting or tearing down."""
     _need(world)
     env = {"UCCL_EP_CPU_TIMEOUT_SECS": "3", "UCCL_EP_GPU_TIMEOUT_SECS": "3",
            "UCCL_EP_PROXY_DUMP_FILE": str(tmp_path / "dump")}
