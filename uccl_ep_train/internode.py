@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 import sys
 import time
 import warnings
@@ -39,7 +40,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks)
 from uccl_ep_train.internode_transport import (SHARED_GPU_SPIN_SM_FRACTION, SHARED_GPU_WARNING, device_pci_address,
-                                               other_nodes_on_this_gpu, select_internode_transport)
+                                               loopback_queue_hazard, mps_enabled, other_nodes_on_this_gpu,
+                                               select_internode_transport)
 
 
 def drain_after_waits(setting: str) -> bool:
@@ -241,6 +243,11 @@ class NativeInternodeBackend:
         self.inflight_bytes = t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes
         if self.device.type == "cuda":  # no CUDA on the CPU stand-in
             torch.cuda.set_device(self.device)
+            if self.transport.name == "loopback":
+                hazard = loopback_queue_hazard(self.rank, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+                                               mps_enabled(self.device.index), p.num_threads)
+                if hazard:
+                    warnings.warn(hazard, RuntimeWarning, stacklevel=2)
         self._cx = self._k.InternodeContext(
             rank=self.rank, world=self.R, device=self.device.index, rdma_bytes=self.rdma_bytes,
             nvl_bytes=self.nvl_bytes, num_threads=p.num_threads, fifos_per_thread=p.fifos_per_thread,

@@ -6,6 +6,7 @@ the RDMA NICs nearest each GPU (comm.gpu_nics). Nothing here touches the native 
 """
 from __future__ import annotations
 
+import ctypes
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
@@ -55,6 +56,55 @@ SHARED_GPU_WARNING = (
     "network bytes with copies within one GPU, which the driver runs as kernels, so this rank's spinning kernels are "
     "held to {blocks} blocks to leave those copies room. Timings on a shared GPU say nothing about speed; use one GPU "
     "per rank to play nodes (docs/internode.md, \"Two processes per GPU\").")
+
+
+# CU_DEVICE_ATTRIBUTE_MPS_ENABLED (cuda.h, CUDA >= 12.3): contexts on the device are shared through MPS.
+_CU_DEVICE_ATTRIBUTE_MPS_ENABLED = 133
+
+# Hardware work queues the loopback needs besides its proxy threads' streams: the compute stream and the backend's
+# communication stream. The CUDA default (8) is enough for the default 4 proxy threads.
+_QUEUES_BESIDE_PROXY_STREAMS = 2
+
+LOOPBACK_QUEUE_WARNING = (
+    "rank {rank}: the loopback transport makes its network writes as copies on the proxy threads' CUDA streams, and "
+    "{why}. Streams then share hardware work queues, so a copy can wait in a queue behind a kernel that spins for that "
+    "copy's bytes, and the call fails at the GPU deadline (UCCL_EP_GPU_TIMEOUT_SECS). For runs over the loopback set "
+    "CUDA_DEVICE_MAX_CONNECTIONS={want} or more before CUDA starts, under MPS too. The verbs transport copies nothing on the GPU and is not affected (docs/internode.md, "
+    "\"Hardware work queues\").")
+
+
+def mps_enabled(device_index: int) -> Optional[bool]:
+    """Whether this process's contexts on the GPU (an index as torch counts them) are shared through MPS; None when
+    the driver cannot say (no libcuda, or a driver older than the attribute)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    if (cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), int(device_index)) != 0
+            or cuda.cuDeviceGetAttribute(ctypes.byref(value), _CU_DEVICE_ATTRIBUTE_MPS_ENABLED, dev) != 0):
+        return None
+    return bool(value.value)
+
+
+def loopback_queue_hazard(rank: int, max_connections: Optional[str], mps: Optional[bool],
+                          proxy_threads: int) -> Optional[str]:
+    """LOOPBACK_QUEUE_WARNING for ``rank`` when the loopback's copies may queue behind spinning kernels, else None:
+    CUDA_DEVICE_MAX_CONNECTIONS (``max_connections``, as the environment has it) below what the proxy threads'
+    streams and the calls' two streams need, or MPS without it set (the clients then share one pool of queues)."""
+    want = proxy_threads + _QUEUES_BESIDE_PROXY_STREAMS
+    try:
+        n = int(max_connections) if max_connections is not None else None
+    except ValueError:
+        n = None  # the driver ignores a value it cannot read, and so do we
+    if n is not None and n < want:
+        why = f"CUDA_DEVICE_MAX_CONNECTIONS={n} gives this process {n} hardware work queue(s)"
+    elif n is None and mps:
+        why = ("this GPU is shared through MPS, whose clients share one pool of hardware work queues, without "
+               "CUDA_DEVICE_MAX_CONNECTIONS set")
+    else:
+        return None
+    return LOOPBACK_QUEUE_WARNING.format(rank=rank, why=why, want=want)
 
 
 @dataclass(frozen=True)

@@ -279,6 +279,28 @@ def _one_rank_fails_while_the_others_wait_on_the_gpu(rank, world, G):
         nat.destroy()
 
 
+def _setup_warnings(rank, world, G):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        nat, _, _ = _backends(rank, world, G)
+    nat.destroy()
+    return [str(w.message) for w in seen if "hardware work queue" in str(w.message)]
+
+
+def test_loopback_setup_warns_when_cuda_gives_the_process_one_hardware_queue():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (what Megatron launchers set) let a loopback copy wait behind a kernel spinning
+    for its bytes until the GPU deadline (session 22, one H200): every rank says so at setup, naming what to set.
+    With the CUDA default nobody warns."""
+    _need(2)
+    one = run_distributed(_setup_warnings, 2, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    for rank, said in enumerate(one):
+        assert len(said) == 1 and said[0].startswith(f"rank {rank}: the loopback transport"), said
+        assert "CUDA_DEVICE_MAX_CONNECTIONS=1 gives this process 1 hardware work queue(s)" in said[0]
+    assert run_distributed(_setup_warnings, 2, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == [[], []]
+
+
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
 def test_ranks_asked_for_their_state_after_a_peers_failure_answer_it_and_none_crashes(world, G, tmp_path):
     """The harness's state request (SIGUSR1) reads each rank's FIFOs, proxy counters and signals from a thread of its

@@ -183,3 +183,35 @@ def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning()
     assert other_nodes_on_this_gpu([None, None], 0, 1) == []
     text = SHARED_GPU_WARNING.format(rank=1, gpu="0000:19:00.0", others=[0], blocks=264)
     assert "rank 1 shares its GPU (0000:19:00.0) with rank(s) [0]" in text and "held to 264 blocks" in text
+
+
+def test_loopback_warns_when_few_hardware_queues_could_put_its_copies_behind_spinning_kernels():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1, and MPS without the variable, both stalled the loopback's copies behind the
+    backend's spinning kernels on one H200 until the GPU deadline (session 22); 8 (the default) ran, and 8 or 32
+    set under MPS. The warning names the value to set; a value the driver cannot read is left to the driver."""
+    from uccl_ep_train.internode_transport import loopback_queue_hazard
+
+    one = loopback_queue_hazard(3, "1", mps=False, proxy_threads=4)
+    assert one is not None and one.startswith("rank 3: the loopback transport")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1 gives this process 1 hardware work queue(s)" in one
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=6 or more" in one and "UCCL_EP_GPU_TIMEOUT_SECS" in one
+    under_mps = loopback_queue_hazard(0, None, mps=True, proxy_threads=4)
+    assert under_mps is not None and "shared through MPS" in under_mps
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=10 or more" in loopback_queue_hazard(0, "4", mps=None, proxy_threads=8)
+    assert loopback_queue_hazard(0, None, mps=False, proxy_threads=4) is None  # the CUDA default: 8 queues
+    assert loopback_queue_hazard(0, "32", mps=True, proxy_threads=4) is None
+    assert loopback_queue_hazard(0, "6", mps=None, proxy_threads=4) is None
+    assert loopback_queue_hazard(0, "many", mps=False, proxy_threads=4) is None
+
+
+def test_mps_state_is_unknown_rather_than_an_error_where_the_driver_cannot_say(monkeypatch):
+    """Without libcuda (CI, the CPU stand-in) the MPS question has no answer: None, never an exception."""
+    import ctypes
+
+    from uccl_ep_train import internode_transport
+
+    def no_driver(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert internode_transport.mps_enabled(0) is None

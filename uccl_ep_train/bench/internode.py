@@ -91,6 +91,20 @@ def _profile(path: str, forward, cached, combine) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         calls()
     dist.barrier()
+    # ... and each kind of call in a profile of its own, so a kernel's time can be told apart by call: the forward
+    # dispatch's pack-and-push is the forward pairs' minus the combines' (docs/internode.md: whether it waits for
+    # the count rows longer than the cached dispatch's does)
+    by_kind = {}
+    for kind, fn in (("forward pairs", forward), ("cached dispatches", cached), ("combines", combine)):
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as one:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        by_kind[kind] = one.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
+                                                 max_name_column_width=60)
+    dist.barrier()
     py = cProfile.Profile()
     py.enable()
     calls()
@@ -114,6 +128,8 @@ def _profile(path: str, forward, cached, combine) -> None:
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
             f.write("\n== torch.profiler by self CUDA\n")
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+            for kind, table in by_kind.items():
+                f.write(f"\n== torch.profiler by self CUDA, 5 {kind} alone\n{table}")
             f.write("\n== cProfile by own time\n" + text.getvalue())
 
 
