@@ -294,11 +294,11 @@ def test_loopback_setup_warns_when_cuda_gives_the_process_one_hardware_queue():
     for its bytes until the GPU deadline (session 22, one H200): every rank says so at setup, naming what to set.
     With the CUDA default nobody warns."""
     _need(2)
-    one = run_distributed(_setup_warnings, 2, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    one = run_distributed(_setup_warnings, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     for rank, said in enumerate(one):
         assert len(said) == 1 and said[0].startswith(f"rank {rank}: the loopback transport"), said
         assert "CUDA_DEVICE_MAX_CONNECTIONS=1 gives this process 1 hardware work queue(s)" in said[0]
-    assert run_distributed(_setup_warnings, 2, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == [[], []]
+    assert run_distributed(_setup_warnings, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == [[], []]
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
