@@ -6,7 +6,7 @@
 # (default: all but train, bench_sync_free, bench_internode and bench_dispatch_emulated);
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), profile_internode
 # (torch.profiler and cProfile tables of the emulated 2-node calls), internode_shared (the internode GPU tests with
-# every rank on one GPU, for 1-GPU machines), fifo (GPU
+# every rank on one GPU, for 1-GPU machines), internode_mps (the same under MPS: ranks' kernels at the same time), fifo (GPU
 # producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
 # CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency with staggered
 # watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered case, LOOPS times).
@@ -50,6 +50,21 @@ for step in "${steps[@]}"; do
     internode_shared)  # one GPU hosting every rank (a 1-GPU machine), 2 x 2 included (~3 min on one H200)
       UCCL_EP_TEST_SHARE_GPU=1 run internode_shared "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 \
         tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
+    internode_mps)  # the same tests with the GPU shared through MPS: the ranks' kernels run at the same time, as on
+      # separate GPUs. The loopback needs CUDA_DEVICE_MAX_CONNECTIONS set under MPS (docs/internode.md, "Hardware work
+      # queues"); 8 leaves MPS room for the 2 x 2 cases' four clients. MPS is stopped whatever the tests do.
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/uccl-ep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/uccl-ep-mps-log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      if nvidia-cuda-mps-control -d >>"$log" 2>&1; then
+        trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+        UCCL_EP_TEST_SHARE_GPU=1 CUDA_DEVICE_MAX_CONNECTIONS=8 run internode_mps "${INTERNODE_SECS:-420}" python3 -m \
+          pytest -q -rf --durations=8 tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"}
+        echo quit | nvidia-cuda-mps-control >>"$log" 2>&1
+        trap - EXIT
+      else
+        echo "internode_mps rc=127 (nvidia-cuda-mps-control did not start)" | tee -a "$OUT/summary.txt" >>"$log"
+      fi
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     moelayer) run moelayer 180 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
     internode) run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode \
                  ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
