@@ -104,7 +104,8 @@ class Doctor:
         steps: list[Callable[[], None]] = [self.check_settings, self.check_gpus, self.check_nics, self.check_native,
                                            self.check_verbs_library, self.check_registration, self.check_fork_safety,
                                            self.check_gids,
-                                           self.check_nccl_consistency, self.check_proxy_cpus, self.check_selftest]
+                                           self.check_nccl_consistency, self.check_proxy_cpus, self.check_selftest,
+                                           self.check_loopback_queues]
         for step in steps:
             try:
                 step()
@@ -364,6 +365,29 @@ class Doctor:
                      "see the error above; docs/troubleshooting.md")
             return
         self.add("loopback_selftest", "pass", f"proxies + loopback transport: {result}")
+
+    def check_loopback_queues(self):
+        """Enough CUDA hardware work queues for the loopback's copies (docs/internode.md, "Hardware work queues").
+        Only runs over the loopback (one host playing nodes) need them; the driver is asked about MPS last, after
+        the self-test's fork."""
+        from uccl_ep_train.internode_transport import loopback_queue_shortfall, mps_enabled
+
+        if not self.topo.gpus or self.settings is None:
+            return
+        mps = mps_enabled(0) if self.real_host else None
+        have = (f"CUDA_DEVICE_MAX_CONNECTIONS={self.env['CUDA_DEVICE_MAX_CONNECTIONS']}"
+                if "CUDA_DEVICE_MAX_CONNECTIONS" in self.env else "CUDA_DEVICE_MAX_CONNECTIONS unset (CUDA's 8)")
+        have += {True: ", MPS on", False: ", MPS off", None: ", MPS unknown"}[mps]
+        short = loopback_queue_shortfall(self.env.get("CUDA_DEVICE_MAX_CONNECTIONS"), mps,
+                                         self.settings.proxy.num_threads)
+        if short is None:
+            self.add("loopback_queues", "pass", f"{have}: enough hardware work queues for the loopback's copies")
+            return
+        self.add("loopback_queues", "warn",
+                 f"{have}: {short[0]}; a run over the loopback (one host playing nodes) may stall at the GPU "
+                 "deadline with a copy queued behind a spinning kernel. The verbs transport is not affected",
+                 f"CUDA_DEVICE_MAX_CONNECTIONS={short[1]} or more for emulated-node runs (docs/internode.md, "
+                 "\"Hardware work queues\")")
 
     # ------------------------------------------------------------------------------------------ output
     def host_summary(self) -> str:

@@ -87,24 +87,29 @@ def mps_enabled(device_index: int) -> Optional[bool]:
     return bool(value.value)
 
 
-def loopback_queue_hazard(rank: int, max_connections: Optional[str], mps: Optional[bool],
-                          proxy_threads: int) -> Optional[str]:
-    """LOOPBACK_QUEUE_WARNING for ``rank`` when the loopback's copies may queue behind spinning kernels, else None:
-    CUDA_DEVICE_MAX_CONNECTIONS (``max_connections``, as the environment has it) below what the proxy threads'
-    streams and the calls' two streams need, or MPS without it set (the clients then share one pool of queues)."""
+def loopback_queue_shortfall(max_connections: Optional[str], mps: Optional[bool],
+                             proxy_threads: int) -> Optional[Tuple[str, int]]:
+    """(why, the CUDA_DEVICE_MAX_CONNECTIONS to set) when the loopback's copies may queue behind spinning kernels,
+    else None: the variable (``max_connections``, as the environment has it) below what the proxy threads' streams
+    and the calls' two streams need, or MPS without it set (the clients then share one pool of queues)."""
     want = proxy_threads + _QUEUES_BESIDE_PROXY_STREAMS
     try:
         n = int(max_connections) if max_connections is not None else None
     except ValueError:
         n = None  # the driver ignores a value it cannot read, and so do we
     if n is not None and n < want:
-        why = f"CUDA_DEVICE_MAX_CONNECTIONS={n} gives this process {n} hardware work queue(s)"
-    elif n is None and mps:
-        why = ("this GPU is shared through MPS, whose clients share one pool of hardware work queues, without "
-               "CUDA_DEVICE_MAX_CONNECTIONS set")
-    else:
-        return None
-    return LOOPBACK_QUEUE_WARNING.format(rank=rank, why=why, want=want)
+        return f"CUDA_DEVICE_MAX_CONNECTIONS={n} gives this process {n} hardware work queue(s)", want
+    if n is None and mps:
+        return ("this GPU is shared through MPS, whose clients share one pool of hardware work queues, without "
+                "CUDA_DEVICE_MAX_CONNECTIONS set"), want
+    return None
+
+
+def loopback_queue_hazard(rank: int, max_connections: Optional[str], mps: Optional[bool],
+                          proxy_threads: int) -> Optional[str]:
+    """LOOPBACK_QUEUE_WARNING for ``rank`` where loopback_queue_shortfall finds one, else None."""
+    short = loopback_queue_shortfall(max_connections, mps, proxy_threads)
+    return None if short is None else LOOPBACK_QUEUE_WARNING.format(rank=rank, why=short[0], want=short[1])
 
 
 @dataclass(frozen=True)

@@ -152,3 +152,21 @@ def test_timeout_hint_points_to_doctor_and_state_to_inspect():
     text = doctor.timeout_hint("proxy 0 waited 100 s for tail of FIFO 3 to reach 17")
     assert text.startswith("proxy 0 waited") and "uccl-ep-train doctor" in text and "--all-ranks" in text
     assert "UCCL_EP_CPU_TIMEOUT_SECS" in doctor.TIMEOUT_HINT
+
+
+def test_few_cuda_hardware_queues_are_flagged_for_loopback_runs_with_the_value_to_set():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (what Megatron launchers set) stalled the loopback's copies behind spinning
+    kernels (docs/internode.md, "Hardware work queues"); the doctor says so beside the verbs checks, and names the
+    value for the proxy threads configured. A recorded host's MPS state is unknown: never asked of this machine."""
+    _, checks = _run("p5en", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    c = checks["loopback_queues"]
+    assert c.status == "warn" and c.detail.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1, MPS unknown: ")
+    assert "1 hardware work queue(s)" in c.detail and "verbs transport is not affected" in c.detail
+    assert c.fix.startswith("CUDA_DEVICE_MAX_CONNECTIONS=6 or more")
+    _, checks = _run("p5en", {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "UCCL_EP_NUM_PROXY_THREADS": "8"})
+    assert checks["loopback_queues"].fix.startswith("CUDA_DEVICE_MAX_CONNECTIONS=10 or more")
+    _, checks = _run("p5en")
+    assert checks["loopback_queues"].status == "pass" and "unset (CUDA's 8), MPS unknown" in \
+        checks["loopback_queues"].detail
+    _, checks = _run("p5en", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    assert checks["loopback_queues"].status == "pass"
