@@ -71,6 +71,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+# What the timings of ranks sharing a GPU mean, by whether the GPU is shared through MPS (None: unknown).
+SHARED_GPU_NOTES = {
+    False: "ranks share a GPU: time-sliced, not comparable with one GPU per rank",
+    None: "ranks share a GPU (MPS unknown): not comparable with one GPU per rank",
+    True: "ranks share a GPU through MPS: their kernels run at the same time, but the host steps are slower and the "
+          "beside-compute timing does not hold; not comparable with one GPU per rank (docs/internode.md, "
+          "\"Hardware work queues\")",
+}
+
+
 def _profile(path: str, forward, cached, combine) -> None:
     import cProfile
     import io
@@ -454,8 +464,11 @@ def run(args) -> int:
 
     if args.share_gpu:
         if rank == 0:
-            shared = {"shared_gpu": True, "world": world, "nodes": args.emulate_nodes,
-                      "note": "ranks share a GPU: time-sliced, not comparable with one GPU per rank",
+            from uccl_ep_train.internode_transport import mps_enabled
+
+            mps = mps_enabled(torch.cuda.current_device())
+            shared = {"shared_gpu": True, "world": world, "nodes": args.emulate_nodes, "mps": mps,
+                      "note": SHARED_GPU_NOTES[mps],
                       "dispatch_us": t_disp * 1e6, "cached_dispatch_us": t_cached * 1e6,
                       "combine_us": t_comb * 1e6, "host_step_us_by_rank": steps_by_rank,
                       "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()}}
