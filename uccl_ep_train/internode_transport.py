@@ -1,5 +1,6 @@
 """Which transport the internode backend's proxies run over, chosen alike on every rank (docs/internode.md,
-"Transport choice"), and what changes when ranks of several emulated nodes share one GPU ("Two processes per GPU").
+"Transport choice"), what changes when ranks of several emulated nodes share one GPU ("Two processes per GPU"), and
+what the loopback's copies need of CUDA's hardware work queues ("Hardware work queues").
 
 loopback: every rank on one host, network writes as copies into peers' shared memory and CUDA IPC mappings. verbs:
 the RDMA NICs nearest each GPU (comm.gpu_nics). Nothing here touches the native module.
