@@ -82,6 +82,14 @@ def _cuda_arch_of_host() -> Optional[str]:
     return None
 
 
+def kernels_run_on(archs: str, host_arch: str) -> bool:
+    """Whether a build for ``archs`` (the module's list: "90", "90a;100") has code for a GPU of compute capability
+    ``host_arch`` ("90"): an entry of that number, with or without its variant suffix -- sm_90a code is the 9.0 GPU's
+    own, with the Hopper-only instructions (a build from TORCH_CUDA_ARCH_LIST="9.0a" on an H100 or H200)."""
+    numbers = {re.match(r"\d*", a).group() for a in re.split(r"[;, ]+", archs) if a}
+    return host_arch in numbers
+
+
 # ---------------------------------------------------------------------------------------------- checks
 class Doctor:
     def __init__(self, sysfs_root: str = "/sys", env: Optional[dict] = None, use_tools: Optional[bool] = None,
@@ -187,7 +195,7 @@ class Doctor:
             problems.append("AMD GPUs but no HIP kernels")
             fixes.append("rebuild with ROCm's hipcc (UCCL_EP_WITH_GPU=HIP)")
         host_arch = _cuda_arch_of_host() if self.real_host and backend == "CUDA" else None
-        if host_arch and archs and host_arch not in re.split(r"[;, ]+", archs):
+        if host_arch and archs and not kernels_run_on(archs, host_arch):
             problems.append(f"this GPU is sm_{host_arch}, kernels are built for sm_{archs}")
             fixes.append(f"rebuild with UCCL_EP_CUDA_ARCHS={host_arch} (or TORCH_CUDA_ARCH_LIST)")
         if self.topo.nics and not with_verbs:

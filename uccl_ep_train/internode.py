@@ -29,6 +29,7 @@ import torch.distributed as dist
 from uccl_ep_train import native
 from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
 from uccl_ep_train.internode_diagnostics import describe_fifo_states, timeout_hint, track
+from uccl_ep_train.kernel_timeline import COMBINE, DISPATCH, DISPATCH_DURING_NOTIFY, KernelTimeline
 from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are part of this module's API
     InternodeError, CMD_UNIT, CMD_MAX_RANKS, CMD_MAX_SLOTS, CMD_MAX_VALUE, CMD_MAX_BYTES, CMD_MAX_REGION, SLOT_PAGE,
     RecordLayout, record_layout, check_topology, Counts, local_count_row, counts_from_rows, SendPlan, send_plan,
@@ -39,9 +40,9 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks)
-from uccl_ep_train.internode_transport import (SHARED_GPU_SPIN_SM_FRACTION, SHARED_GPU_WARNING, device_pci_address,
-                                               loopback_queue_hazard, mps_enabled, other_nodes_on_this_gpu,
-                                               select_internode_transport)
+from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
+                                               mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
+                                               shared_gpu_spin_blocks)
 
 
 def drain_after_waits(setting: str) -> bool:
@@ -269,7 +270,8 @@ class NativeInternodeBackend:
         if others and self.transport.name == "loopback":
             # the copies of those ranks' writes are kernels on this GPU: leave them room beside our spinning grids
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self._cx.spin_blocks = max(1, int(sms * SHARED_GPU_SPIN_SM_FRACTION))
+            on_gpu = sum(1 for g in gathered if g[4] == gpu)
+            self._cx.spin_blocks = shared_gpu_spin_blocks(sms, on_gpu, mps_enabled(self.device.index))
             warnings.warn(SHARED_GPU_WARNING.format(rank=self.rank, gpu=gpu, others=others,
                                                     blocks=self._cx.spin_blocks), RuntimeWarning, stacklevel=2)
         # Every rank cuts chunks the same way (receivers derive their lanes from it), so the smallest largest write
@@ -353,6 +355,20 @@ class NativeInternodeBackend:
         # ... and this to split the host's wall time of each call into its steps: step -> [seconds, calls]
         self.host_timing: Optional[dict] = None
         self._lap_t = 0.0
+        # ... and this to read the pack-and-push launches' GPU stamps (start_kernel_timeline)
+        self.kernel_timeline: Optional[KernelTimeline] = None
+
+    def start_kernel_timeline(self, launches: int) -> None:
+        """Stamp the next ``launches`` pack_and_push launches on the GPU (docs/internode.md, "Kernel timeline")."""
+        self.kernel_timeline = KernelTimeline(self._cx, self._k, self.device, launches)
+
+    def stop_kernel_timeline(self) -> List[dict]:
+        """Every launch stamped since start_kernel_timeline (kernel_timeline.launch_record); synchronizes."""
+        timeline, self.kernel_timeline = self.kernel_timeline, None
+        if timeline is None:
+            return []
+        torch.cuda.synchronize(self.device)
+        return timeline.stop()
 
     # ---------------------------------------------------------------- host-side steps
     def _stream(self) -> int:
@@ -751,6 +767,8 @@ class NativeInternodeBackend:
                                hop1_token, dest_rows, G, num_records, columns, src_idx_offset, dest_rows_offset,
                                self._chunk_ready.data_ptr(), self._phases[phase], self._stream())
         self.packs_and_pushes[phase] += 1
+        if self.kernel_timeline is not None:
+            self.kernel_timeline.note(COMBINE if phase == "combine_network" else DISPATCH)
 
     def _hop_plan(self, h: Optional[InternodeHandle], key: Tuple[str, int], make: Callable[[], HopPlan],
                   on_device: bool = True) -> HopPlan:
@@ -1087,6 +1105,8 @@ class NativeInternodeBackend:
             landing.slot, landing.target, landing.ptr, landing.row_words, self.half_rdma, send_top,
             self._chunk_ready.data_ptr(), self._phases["dispatch_network"], self._stream())
         self.packs_and_pushes_during_notify += 1
+        if self.kernel_timeline is not None:
+            self.kernel_timeline.note(DISPATCH_DURING_NOTIFY)
         self._lap("dispatch.pack_and_push_during_notify")
 
     def _packed_during_notify(self, early: dict, counts: Counts) -> Tuple[Optional[SendPlan], bool]:

@@ -52,6 +52,16 @@ def other_nodes_on_this_gpu(gpu_of_rank: Sequence[Optional[str]], rank: int, ran
 # (docs/internode.md, "Two processes per GPU").
 SHARED_GPU_SPIN_SM_FRACTION = 0.5
 
+
+def shared_gpu_spin_blocks(sms: int, ranks_on_gpu: int, mps: Optional[bool]) -> int:
+    """Blocks a spinning grid of one of ``ranks_on_gpu`` ranks sharing a GPU of ``sms`` SMs may take. Time-sliced
+    (no MPS, or unknown), one context runs at a time, so each takes SHARED_GPU_SPIN_SM_FRACTION. Under MPS the ranks'
+    kernels run at once, so they split it: at 2 nodes x 2 ranks on one H100, four ranks of 66 blocks each left the
+    copy kernels no SM, and a combine waited for partial sums until the GPU deadline in 10 of 15 runs (session 23);
+    with 16 blocks each none of 3 did."""
+    share = SHARED_GPU_SPIN_SM_FRACTION / (max(1, ranks_on_gpu) if mps else 1)
+    return max(1, int(sms * share))
+
 SHARED_GPU_WARNING = (
     "rank {rank} shares its GPU ({gpu}) with rank(s) {others} of other emulated nodes: the loopback moves their "
     "network bytes with copies within one GPU, which the driver runs as kernels, so this rank's spinning kernels are "

@@ -66,6 +66,10 @@ void bind_internode(py::module_& m) {
   auto k = m.def_submodule("internode", "internode (hierarchical) dispatch/combine: regions, proxy, kernels");
   k.attr("PUSH_COLUMNS") = int(in::kPushColumns);
   k.attr("PACK_PUSH_MAX_ROWS") = int(in::kPackPushMaxRows);
+  // the kernel timeline's fields in their column order (TimelineField), and the row width
+  k.attr("TIMELINE_FIELDS") = py::make_tuple("start", "rows_in", "first_ready", "first_push", "last_push",
+                                             "packers_done", "chunks");
+  k.attr("TIMELINE_WIDTH") = int(in::kTimelineFields);
   py::dict phases;
   phases["dispatch_network"] = int(in::kPhaseDispatchNetwork);
   phases["combine_network"] = int(in::kPhaseCombineNetwork);
@@ -256,6 +260,10 @@ void bind_internode(py::module_& m) {
       .def_property("spin_blocks", &in::Context::spin_blocks, &in::Context::set_spin_blocks,
                     "most blocks of the grids that spin (pack_and_push's packers, the gated readers); 0: no cap. "
                     "Set when ranks share a GPU, where the loopback's copies are kernels")
+      .def("set_timeline", &in::Context::set_timeline, py::arg("stamps"), py::arg("capacity"),
+           "stamp each later pack_and_push launch into the next row of stamps (device uint64 [capacity][TIMELINE_WIDTH], "
+           "the caller's initial values: UINT64_MAX in start, first_ready and first_push, 0 elsewhere); 0: off")
+      .def("timeline_launches", &in::Context::timeline_launches, "rows stamped since set_timeline")
       .def("fifo_states", [](const in::Context& c) {
         py::list out;
         for (const auto& f : c.fifo_states()) {

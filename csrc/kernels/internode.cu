@@ -46,6 +46,14 @@ void check(cudaError_t e, const std::string& what) {
 // wrong rows without an error of their own. Skipping instead leaves the peers' waits to time out naming this rank.
 // Every failure sets the stop flag: report() does, a wait that sees the host's abort does, and abort_waits() does.
 
+// Kernel timeline stamps (TimelineField); `stamps` nullptr: off, and these cost one test.
+__device__ inline void stamp_earliest(unsigned long long* stamps, int field) {
+  if (stamps) atomicMin(stamps + field, static_cast<unsigned long long>(now_ns()));
+}
+__device__ inline void stamp_latest(unsigned long long* stamps, int field) {
+  if (stamps) atomicMax(stamps + field, static_cast<unsigned long long>(now_ns()));
+}
+
 // Records [first, first + count) of a push table row as one WRITE_SIGNAL through FIFO `lane` (its slot: the row's
 // first slot + lane), `remote_shift` bytes past the row's remote offset. False, after reporting, when the command does
 // not encode or the FIFO stays full past the deadline. fifo_push releases at system scope, so the records this thread
@@ -78,7 +86,8 @@ __device__ bool push_chunk(const DeviceFifo& f, const long long* row, int lane, 
 // counters are waited for and reset, and nothing is pushed (a destination whose receive area is too small).
 __device__ bool push_lane(const DeviceFifo* fifos, int num_fifos, const long long* row, int i, int lane,
                           long long chunk_records, long long remote_shift, int* ready, long long first_chunk, int rank,
-                          int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop, bool send = true) {
+                          int phase, unsigned long long timeout_ns, ErrorWord* err, StopFlag stop, bool send = true,
+                          unsigned long long* stamps = nullptr) {
   const long long records = row[kPushRecords];
   const long long hint = row[kPushFifo] < 0 ? i : row[kPushFifo];
   for (long long chunk = ((lane - hint) % num_fifos + num_fifos) % num_fifos; chunk * chunk_records < records;
@@ -101,6 +110,11 @@ __device__ bool push_lane(const DeviceFifo* fifos, int num_fifos, const long lon
     }
     if (send && !push_chunk(fifos[lane], row, lane, first, count, remote_shift, rank, phase, timeout_ns, err, stop))
       return false;
+    if (send && stamps) {
+      stamp_earliest(stamps, kTlFirstPush);
+      stamp_latest(stamps, kTlLastPush);
+      atomicAdd(stamps + kTlChunks, 1ULL);
+    }
   }
   return true;
 }
@@ -221,7 +235,7 @@ struct PackPushJob {
 __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
     const DeviceFifo* fifos, int num_fifos, const long long* table, int n_rows, long long chunk_records,
     PackPushJob job, CountRowShift at, int* ready, int rank, int phase, unsigned long long timeout_ns, ErrorWord* err,
-    StopFlag stop) {
+    StopFlag stop, unsigned long long* stamps) {
   // Every block first: each row's block in our region and where its chunk counters start (rows past kPackPushMaxRows
   // are refused by the host). Counted on the device (at.send_limit >= 0, pushed during notify): the rows' records
   // and blocks, and the records themselves, come from our own count row, and nothing is done past the send limit.
@@ -230,6 +244,7 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
   __shared__ long long s_n, s_own_first, s_own_count;
   __shared__ bool s_go;
   if (threadIdx.x == 0) {
+    stamp_earliest(stamps, kTlStart);
     bool go = !stopped(stop);
     long long chunks = 0;
     for (int i = 0; i < n_rows; ++i) {
@@ -264,7 +279,10 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
   if (blockIdx.x == 0) {  // the pusher: a thread per (row, lane), each pushing that lane's chunks of the row in order
     if (at.rows) {  // pushed during notify: one thread waits for every count row, the others with it
       __shared__ bool s_rows_in;
-      if (threadIdx.x == 0) s_rows_in = wait_counter(at.signals, at.slot, at.expected, timeout_ns, err, stop, rank, phase);
+      if (threadIdx.x == 0) {
+        s_rows_in = wait_counter(at.signals, at.slot, at.expected, timeout_ns, err, stop, rank, phase);
+        if (stamps) stamps[kTlRowsIn] = now_ns();
+      }
       __syncthreads();
       if (!s_rows_in) return;
     }
@@ -283,7 +301,7 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
         shift = send ? shift : 0;
       }
       if (!push_lane(fifos, num_fifos, row, i, lane, chunk_records, shift, ready, s_chunk0[i], rank, phase, timeout_ns,
-                     err, stop, send))
+                     err, stop, send, stamps))
         return;
     }
     return;
@@ -309,11 +327,16 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
       const long long at_byte = job.send_offset + r * job.stride;
       for (int i = 0; i < n_rows; ++i)
         if (at_byte >= s_lo[i] && at_byte < s_hi[i]) {
-          atomicAdd(ready + s_chunk0[i] + (at_byte - s_lo[i]) / (chunk_records * job.stride), 1);
+          const long long c = (at_byte - s_lo[i]) / (chunk_records * job.stride);
+          const int written = atomicAdd(ready + s_chunk0[i] + c, 1) + 1;
+          // the packer that completes a chunk stamps it: the pusher may see it later (it waits for the count rows)
+          if (stamps && written == min(chunk_records, s_records[i] - c * chunk_records))
+            stamp_earliest(stamps, kTlFirstReady);
           break;
         }
     }
   }
+  if (threadIdx.x == 0) stamp_latest(stamps, kTlPackersDone);
 }
 
 // The (slot, expected) pairs of one launch, passed by value: a wait then needs no table uploaded before it (an
@@ -845,11 +868,21 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
     j.args.columns[i] = c;
   }
   const int blocks = 1 + int(std::min<int64_t>(job.num_records, spin_blocks_ > 0 ? spin_blocks_ : 1024));
+  unsigned long long* stamps = nullptr;
+  if (timeline_ && timeline_used_ < timeline_capacity_) stamps = timeline_ + int64_t(kTimelineFields) * timeline_used_++;
   pack_and_push_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
       chunk_records, j, count_row_shift(at, signals_dev_, world_), reinterpret_cast<int*>(ready), rank_, phase,
-      timeout_ns_, error_dev_, StopFlag{stop_dev_, stop_generation_});
+      timeout_ns_, error_dev_, StopFlag{stop_dev_, stop_generation_}, stamps);
   check(cudaGetLastError(), "pack_and_push launch");
+}
+
+void Context::set_timeline(uintptr_t stamps, int capacity) {
+  if (capacity < 0 || (stamps && !capacity))
+    throw std::invalid_argument("set_timeline: capacity must be >= 1 with stamps (0 stamps: off)");
+  timeline_ = stamps ? reinterpret_cast<unsigned long long*>(stamps) : nullptr;
+  timeline_capacity_ = stamps ? capacity : 0;
+  timeline_used_ = 0;
 }
 
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>& targets, int phase, uintptr_t stream) {
@@ -1017,6 +1050,7 @@ void Context::pack_and_push_after_counts(uintptr_t, int, int64_t, const RecordJo
 void Context::launch_pack_and_push(uintptr_t, int, int64_t, const RecordJob&, const CountRowOffsets*, uintptr_t, int,
                                    uintptr_t) {}
 void Context::check_count_rows(const CountRowOffsets&, const std::string&) const {}
+void Context::set_timeline(uintptr_t, int) {}
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>&, int, uintptr_t) {}
 ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) const { return ArrivalGate{}; }
 std::string Context::error_message() const { return ""; }

@@ -37,6 +37,21 @@ enum PushColumn : int {
 // The most push table rows (destination blocks) pack_and_push takes: its packers keep the rows in shared memory.
 constexpr int kPackPushMaxRows = 256;
 
+// The kernel timeline (docs/internode.md, "Kernel timeline"; `bench internode --timeline`): GPU global-timer stamps
+// (ns) of one pack_and_push launch, so that where its time goes before the wire is read from the GPU itself rather
+// than inferred from host laps. kTlStart, kTlFirstReady and kTlFirstPush start at UINT64_MAX (earliest wins); the
+// others at 0. kTlRowsIn stays 0 when the launch waits for no count row.
+enum TimelineField {
+  kTlStart = 0,        // the first block of the launch began
+  kTlRowsIn = 1,       // every count row was in (pushed during notify only)
+  kTlFirstReady = 2,   // the first chunk's records were all written (stamped by the packer that wrote its last)
+  kTlFirstPush = 3,    // the first command was in a FIFO
+  kTlLastPush = 4,     // the last command was
+  kTlPackersDone = 5,  // the last packer block finished
+  kTlChunks = 6,       // commands pushed (a count, not a time)
+  kTimelineFields = 8,
+};
+
 // The records pack_and_push writes: those of pack_records (internode_plan.hpp) -- record r of num_records at
 // send + r * stride, our own node's [own_first, own_first + own_count) at own_dst instead -- with two more cases for
 // combine's rows: hop1_token 0 (record r carries row r of every column) and src_idx_offset < 0 (no index fields;
@@ -161,6 +176,10 @@ class Context {
     spin_blocks_ = blocks;
   }
   int spin_blocks() const { return spin_blocks_; }
+  // The kernel timeline (TimelineField): each later pack_and_push launch stamps the next row of `stamps` (device
+  // uint64 [capacity][kTimelineFields], initialised by the caller), until `capacity` rows are used. 0: off.
+  void set_timeline(uintptr_t stamps, int capacity);
+  int timeline_launches() const { return timeline_used_; }  // rows stamped since set_timeline
   // Device address of the error word (for scatter_rows' range check).
   uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
   // The stop flag (StopFlag) for scatter_rows: its device address and the generation to launch with.
@@ -221,6 +240,8 @@ class Context {
   uint64_t timeout_ns_;
   uint32_t num_slots_;
   int spin_blocks_ = 0;
+  unsigned long long* timeline_ = nullptr;
+  int timeline_capacity_ = 0, timeline_used_ = 0;
   void* rdma_ = nullptr;
   void* nvl_ = nullptr;
   std::unique_ptr<Proxy> proxy_;

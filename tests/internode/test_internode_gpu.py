@@ -301,6 +301,56 @@ def test_loopback_setup_warns_when_cuda_gives_the_process_one_hardware_queue():
     assert run_distributed(_setup_warnings, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == [[], []]
 
 
+def _timeline(rank, world, G):
+    """A dispatch (pushed after notify), its combine, a dispatch pushed during notify, its combine, a cached dispatch
+    and its combine, every pack-and-push launch stamped; the launch records by rank."""
+    from uccl_ep_train.backends import DispatchArgs
+
+    nat, _, dev = _backends(rank, world, G)
+    try:
+        T, H, E, K = 512, 256, 16, 4
+        g = torch.Generator(device=dev).manual_seed(100 + rank)
+        idx = torch.rand((T, E), device=dev, generator=g).topk(K, dim=1).indices
+        x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        nat.start_kernel_timeline(8)
+        for _ in range(2):
+            r = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
+            nat.combine(r.recv_x, r.handle, None, None)
+        c = nat.dispatch(DispatchArgs(x, None, r.handle, None, None, None, None, None, None))
+        nat.combine(c.recv_x, r.handle, None, None)
+        return nat.stop_kernel_timeline()
+    finally:
+        nat.destroy()
+
+
+def test_the_kernel_timeline_stamps_each_pack_and_push_in_order_and_shows_a_push_held_back_for_late_count_rows():
+    """bench internode --timeline at kernel level (2 x 1, every loopback write delayed 20 ms): every pack-and-push
+    launch of the six calls is stamped and labelled by its call; in each, the first chunk is written before it is
+    pushed and the first command before the last; only the dispatch pushed during notify waits for the count rows,
+    which come a write's delay late, so it holds its written first chunk back until they are in. How long each rank
+    waits depends on which started first (the later rank's row comes one delay after it started, the earlier rank's
+    one delay after the earlier start), but the two waits add up to about two delays."""
+    from uccl_ep_train.kernel_timeline import COMBINE, DISPATCH, DISPATCH_DURING_NOTIFY, waited_for_rows_us
+
+    _need(2)
+    out = run_distributed(_timeline, 2, 1, timeout=240, env={"UCCL_EP_LOOPBACK_DELAY_US": "20000"})
+    waited = 0.0
+    for rank, launches in enumerate(out):
+        kinds = [m["kind"] for m in launches]
+        assert kinds == [DISPATCH, COMBINE, DISPATCH_DURING_NOTIFY, COMBINE, DISPATCH, COMBINE], (rank, kinds)
+        for m in launches:
+            assert m["start_ns"] is not None and m["chunks"] >= 1, (rank, m)
+            assert 0 <= m["first_ready_us"] <= m["first_push_us"] <= m["last_push_us"], (rank, m)
+            assert m["packers_done_us"] is not None, (rank, m)
+            if m["kind"] == DISPATCH_DURING_NOTIFY:
+                assert m["rows_in_us"] is not None and m["first_push_us"] >= m["rows_in_us"], (rank, m)
+                waited += waited_for_rows_us(m)
+            else:
+                assert m["rows_in_us"] is None, (rank, m)
+    assert waited >= 30_000, f"the pushes during notify waited {waited:.0f} us in all for rows delayed 20 ms each"
+
+
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
 def test_ranks_asked_for_their_state_after_a_peers_failure_answer_it_and_none_crashes(world, G, tmp_path):
     """The harness's state request (SIGUSR1) reads each rank's FIFOs, proxy counters and signals from a thread of its

@@ -185,6 +185,19 @@ def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning()
     assert "rank 1 shares its GPU (0000:19:00.0) with rank(s) [0]" in text and "held to 264 blocks" in text
 
 
+def test_ranks_sharing_a_gpu_through_mps_split_the_spinning_share_and_time_sliced_ranks_each_take_it():
+    """Under MPS the ranks' kernels run at once: four ranks of 66 blocks each on a 132-SM H100 left the loopback's
+    copy kernels no SM (session 23), so they split the share; time-sliced contexts (MPS off or unknown) run one at a
+    time and each keeps it. Never below one block."""
+    from uccl_ep_train.internode_transport import SHARED_GPU_SPIN_SM_FRACTION, shared_gpu_spin_blocks
+
+    assert SHARED_GPU_SPIN_SM_FRACTION == 0.5
+    assert shared_gpu_spin_blocks(132, 4, True) == 16
+    assert shared_gpu_spin_blocks(132, 2, True) == 33
+    assert shared_gpu_spin_blocks(132, 4, False) == shared_gpu_spin_blocks(132, 4, None) == 66
+    assert shared_gpu_spin_blocks(2, 8, True) == 1
+
+
 def test_loopback_warns_when_few_hardware_queues_could_put_its_copies_behind_spinning_kernels():
     """CUDA_DEVICE_MAX_CONNECTIONS=1, and MPS without the variable, both stalled the loopback's copies behind the
     backend's spinning kernels on one H200 until the GPU deadline (session 22); 8 (the default) ran, and 8 or 32

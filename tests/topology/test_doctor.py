@@ -170,3 +170,13 @@ def test_few_cuda_hardware_queues_are_flagged_for_loopback_runs_with_the_value_t
         checks["loopback_queues"].detail
     _, checks = _run("p5en", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
     assert checks["loopback_queues"].status == "pass"
+
+
+def test_kernels_built_for_a_gpus_arch_specific_variant_pass_the_build_check_on_that_gpu():
+    """Session 23: on an H100 (9.0) the module built from TORCH_CUDA_ARCH_LIST="9.0a" ("90a") failed native_build
+    with "kernels are built for sm_90a"; sm_90a code runs on every 9.0 GPU. Another number still fails."""
+    assert doctor.kernels_run_on("90a", "90")
+    assert doctor.kernels_run_on("80;90a-real", "90")
+    assert doctor.kernels_run_on("90", "90")
+    assert not doctor.kernels_run_on("90a", "100")
+    assert not doctor.kernels_run_on("80", "90")

@@ -64,6 +64,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "on every rank and "
                         "write rank 0's tables to PATH: torch.profiler by self CPU and self CUDA time, then cProfile "
                         "by own time and, for this package's functions, by cumulative time (where the host steps go)")
+    p.add_argument("--timeline", type=int, default=0, metavar="ROUNDS",
+                   help="after timing, stamp every pack-and-push launch on the GPU over ROUNDS back-to-back forward "
+                        "pairs, then ROUNDS backward pairs, and report per rank and kind of call the median us from "
+                        "the launch's start to: every count row in, the first chunk written, the first and last "
+                        "command pushed (docs/internode.md, 'Kernel timeline'); 0: off")
     p.add_argument("--share-gpu", action="store_true",
                    help="let several ranks share a GPU (e.g. 2 emulated nodes on a 1-GPU machine) to look at the host "
                         "side with --profile: time-sliced GPU timings mean nothing, and there are no baselines "
@@ -312,6 +317,34 @@ def _pairs_vs_ceiling(row: dict, ceiling: float) -> dict:
             for loop in ("in_turn", "training_step", "beside_compute") if f"{loop}_network_GBps" in row}
 
 
+def _kernel_timeline(nat, loops, rounds: int) -> list:
+    """--timeline: the pack-and-push launches' GPU stamps over ``rounds`` back-to-back rounds of each loop (name,
+    calls), every rank's medians by kind of call (kernel_timeline.summarize), in rank order, each kind with
+    median_start_lag_us: how long after the earliest rank's start of the same launch this rank's began
+    (kernel_timeline.start_lags; one clock only where the ranks share a GPU or their timers agree)."""
+    import torch
+    import torch.distributed as dist
+
+    from uccl_ep_train.kernel_timeline import start_lags, summarize
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    nat.start_kernel_timeline(rounds * sum(len(fns) for _, fns in loops))  # one launch per call at most
+    for _, fns in loops:
+        for _ in range(rounds):
+            for fn in fns:
+                fn()
+    launches_by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(launches_by_rank, nat.stop_kernel_timeline())
+    out = []
+    for launches, lags in zip(launches_by_rank, start_lags(launches_by_rank)):
+        by_kind = summarize(launches)
+        for kind, row in by_kind.items():
+            row["median_start_lag_us"] = lags.get(kind)
+        out.append(by_kind)
+    return out
+
+
 def _host_steps(nat) -> dict:
     """The backend's host wall time per call and step so far (us), from its host_timing laps."""
     return {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}
@@ -461,6 +494,10 @@ def run(args) -> int:
 
     if args.profile:
         _profile(args.profile, step, cached, combine)
+    timeline = None
+    if args.timeline > 0:
+        timeline = _kernel_timeline(nat, (("forward", (fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None))),
+                                          ("backward", (cached, combine))), args.timeline)
 
     if args.share_gpu:
         if rank == 0:
@@ -472,6 +509,8 @@ def run(args) -> int:
                       "dispatch_us": t_disp * 1e6, "cached_dispatch_us": t_cached * 1e6,
                       "combine_us": t_comb * 1e6, "host_step_us_by_rank": steps_by_rank,
                       "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()}}
+            if timeline is not None:
+                shared["kernel_timeline_by_rank"] = timeline
             print(json.dumps(shared, indent=1))
             if args.json:
                 with open(args.json, "w") as f:
@@ -604,6 +643,8 @@ def run(args) -> int:
     row["dispatch_network_hop_vs_ceiling"] = row["dispatch_network_hop_GBps"] / ceiling
     row["combine_network_hop_vs_ceiling"] = row["combine_network_hop_GBps"] / ceiling
     row.update(_pairs_vs_ceiling(row, ceiling))
+    if timeline is not None:
+        row["kernel_timeline_by_rank"] = timeline
     if rank == 0:
         print(json.dumps(row, indent=1))
         if args.json:
