@@ -83,12 +83,14 @@ for step in "${steps[@]}"; do
         --fifos 1,2,4,8 --json "$OUT/proxy.json"
       UCCL_EP_CPU_TIMEOUT_SECS=20 run bench_proxy_push 90 python3 -m uccl_ep_train bench proxy --producer gpu \
         --fifos 1,4 --push push --json "$OUT/proxy-push.json" ;;
-    bench_internode)  # EMULATE_NODES (default 2) emulated nodes: NIC uncapped, then capped at 50 GB/s per GPU
+    bench_internode)  # EMULATE_NODES (default 2) emulated nodes: NIC uncapped, then capped at 50 GB/s per GPU, each
+      # with the kernel timeline of 20 rounds (docs/internode.md, "Kernel timeline")
       for n in ${EMULATE_NODES:-2}; do
         run "bench_internode_${n}n" "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" -m uccl_ep_train bench internode \
-          --emulate-nodes "$n" --json "$OUT/internode-${n}n-uncapped.json"
+          --emulate-nodes "$n" --timeline 20 --json "$OUT/internode-${n}n-uncapped.json"
         UCCL_EP_LOOPBACK_BW_GBPS=50 run "bench_internode_${n}n_capped" "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" \
-          -m uccl_ep_train bench internode --emulate-nodes "$n" --json "$OUT/internode-${n}n-capped50.json"
+          -m uccl_ep_train bench internode --emulate-nodes "$n" --timeline 20 \
+          --json "$OUT/internode-${n}n-capped50.json"
       done ;;
     bench_dispatch_emulated)  # the command issue 5 names: bench dispatch --emulate-nodes 2, uncapped then capped at
       # 50 GB/s per GPU; on a 1-GPU machine both ranks share it (--share-gpu: a check that it runs, no timings)
