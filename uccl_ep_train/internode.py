@@ -242,11 +242,15 @@ class NativeInternodeBackend:
             verbs_built=bool(getattr(getattr(_C, "verbs", None), "available", False)))
         default_bytes = comm.DEFAULT_INFLIGHT_BYTES_EFA if self.transport.efa else comm.DEFAULT_INFLIGHT_BYTES
         self.inflight_bytes = t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes
+        # whether this GPU is shared through MPS (None: unknown, or not asked): what the loopback's copies need of
+        # CUDA's queues and of the SMs beside our spinning kernels depends on it
+        loopback_on_gpu = self.device.type == "cuda" and self.transport.name == "loopback"
+        mps = mps_enabled(self.device.index) if loopback_on_gpu else None
         if self.device.type == "cuda":  # no CUDA on the CPU stand-in
             torch.cuda.set_device(self.device)
-            if self.transport.name == "loopback":
-                hazard = loopback_queue_hazard(self.rank, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
-                                               mps_enabled(self.device.index), p.num_threads)
+            if loopback_on_gpu:
+                hazard = loopback_queue_hazard(self.rank, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), mps,
+                                               p.num_threads)
                 if hazard:
                     warnings.warn(hazard, RuntimeWarning, stacklevel=2)
         self._cx = self._k.InternodeContext(
@@ -271,7 +275,7 @@ class NativeInternodeBackend:
             # the copies of those ranks' writes are kernels on this GPU: leave them room beside our spinning grids
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             on_gpu = sum(1 for g in gathered if g[4] == gpu)
-            self._cx.spin_blocks = shared_gpu_spin_blocks(sms, on_gpu, mps_enabled(self.device.index))
+            self._cx.spin_blocks = shared_gpu_spin_blocks(sms, on_gpu, mps)
             warnings.warn(SHARED_GPU_WARNING.format(rank=self.rank, gpu=gpu, others=others,
                                                     blocks=self._cx.spin_blocks), RuntimeWarning, stacklevel=2)
         # Every rank cuts chunks the same way (receivers derive their lanes from it), so the smallest largest write
@@ -363,11 +367,12 @@ class NativeInternodeBackend:
         self.kernel_timeline = KernelTimeline(self._cx, self._k, self.device, launches)
 
     def stop_kernel_timeline(self) -> List[dict]:
-        """Every launch stamped since start_kernel_timeline (kernel_timeline.launch_record); synchronizes."""
+        """Every launch stamped since start_kernel_timeline (kernel_timeline.launch_record), once the stream that ran
+        them drained (with the backend's deadline, not a bare synchronize)."""
         timeline, self.kernel_timeline = self.kernel_timeline, None
         if timeline is None:
             return []
-        torch.cuda.synchronize(self.device)
+        self._drain("the kernel timeline's launches")
         return timeline.stop()
 
     # ---------------------------------------------------------------- host-side steps

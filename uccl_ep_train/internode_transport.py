@@ -80,8 +80,8 @@ LOOPBACK_QUEUE_WARNING = (
     "rank {rank}: the loopback transport makes its network writes as copies on the proxy threads' CUDA streams, and "
     "{why}. Streams then share hardware work queues, so a copy can wait in a queue behind a kernel that spins for that "
     "copy's bytes, and the call fails at the GPU deadline (UCCL_EP_GPU_TIMEOUT_SECS). For runs over the loopback set "
-    "CUDA_DEVICE_MAX_CONNECTIONS={want} or more before CUDA starts, under MPS too. The verbs transport copies nothing on the GPU and is not affected (docs/internode.md, "
-    "\"Hardware work queues\").")
+    "CUDA_DEVICE_MAX_CONNECTIONS={want} or more before CUDA starts, under MPS too. The verbs transport copies nothing "
+    "on the GPU and is not affected (docs/internode.md, \"Hardware work queues\").")
 
 
 def mps_enabled(device_index: int) -> Optional[bool]:
