@@ -375,6 +375,20 @@ class NativeInternodeBackend:
         self._drain("the kernel timeline's launches")
         return timeline.stop()
 
+    def start_wire_log(self, capacity: int) -> None:
+        """Record the emulated wire's busy runs (docs/internode.md, "Wire timeline"): the loopback with a bandwidth
+        cap only (ValueError otherwise)."""
+        if not hasattr(self._cx, "start_wire_log"):
+            raise ValueError("the wire log needs the native module (the CPU stand-in has no emulated wire)")
+        try:
+            self._cx.start_wire_log(int(capacity))
+        except (RuntimeError, ValueError) as e:  # the binding's std::invalid_argument
+            raise ValueError(f"rank {self.rank}: {e}") from None
+
+    def stop_wire_log(self) -> dict:
+        """The runs recorded since start_wire_log: {'runs': [(start_ns, end_ns, bytes, writes)], 'dropped': n}."""
+        return self._cx.stop_wire_log()
+
     # ---------------------------------------------------------------- host-side steps
     def _stream(self) -> int:
         return native.stream_handle(self.device)  # 0 for the CPU stand-in: synchronous, no stream

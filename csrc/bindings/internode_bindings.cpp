@@ -13,6 +13,7 @@
 #include "../kernels/internode.hpp"
 #include "../kernels/internode_plan.hpp"
 #include "bindings/proxy_stats_dict.hpp"
+#include "bindings/wire_log.hpp"
 #endif
 
 namespace py = pybind11;
@@ -264,6 +265,13 @@ void bind_internode(py::module_& m) {
            "stamp each later pack_and_push launch into the next row of stamps (device uint64 [capacity][TIMELINE_WIDTH], "
            "the caller's initial values: UINT64_MAX in start, first_ready and first_push, 0 elsewhere); 0: off")
       .def("timeline_launches", &in::Context::timeline_launches, "rows stamped since set_timeline")
+      .def("start_wire_log", &in::Context::start_wire_log, py::arg("capacity"),
+           "record the emulated wire's busy runs afresh (at most capacity); loopback with a bandwidth cap only")
+      .def("stop_wire_log", [](in::Context& c) {
+        uint64_t dropped = 0;
+        std::vector<WireRun> runs = c.stop_wire_log(&dropped);
+        return wire_log_dict(runs, dropped);
+      }, "stop recording: {'runs': [(start_ns, end_ns, bytes, writes)], 'dropped': n}, on the steady clock")
       .def("fifo_states", [](const in::Context& c) {
         py::list out;
         for (const auto& f : c.fifo_states()) {

@@ -18,6 +18,7 @@
 #include "proxy/selftest.hpp"
 #include "proxy/transport_factory.hpp"
 #include "bindings/proxy_stats_dict.hpp"
+#include "bindings/wire_log.hpp"
 #include "uccl_ep/command.hpp"
 
 #ifdef UCCL_EP_WITH_CUDA
@@ -44,6 +45,7 @@ py::tuple as_tuple(const Command& c) { return py::make_tuple(c.lo, c.hi); }
 struct PyProxy {
   std::shared_ptr<SharedHostMemory> data;
   std::unique_ptr<Proxy> proxy;
+  std::shared_ptr<LoopbackWire> wire;  // the loopback's capped wire (its log), else null
   ~PyProxy() {
     if (!proxy) return;
     proxy->stop();
@@ -317,8 +319,10 @@ void bind_host_core(py::module_& m) {
              spec.verbs.tc = ib_tc;
              spec.verbs.sq_depth = ib_sq_depth;
              spec.verbs.rq_depth = ib_rq_depth;
-             const Proxy::TransportFactory factory = make_transport_factory(spec, rank, world, num_threads, "Proxy");
              auto p = std::make_unique<PyProxy>();
+             if (transport == "loopback" && loopback_bandwidth_gbps > 0)
+               spec.loopback.wire = p->wire = std::make_shared<LoopbackWire>();
+             const Proxy::TransportFactory factory = make_transport_factory(spec, rank, world, num_threads, "Proxy");
              p->data = data;
              p->proxy = std::make_unique<Proxy>(cfg, factory, data->data(), data->bytes(), MemoryKind::kHost);
              return p;
@@ -412,7 +416,21 @@ void bind_host_core(py::module_& m) {
                                     p.proxy->signals(), self);
       }, "A live int64 view of this rank's signal counters.")
       .def_property_readonly("signals_ptr", [](PyProxy& p) { return reinterpret_cast<uintptr_t>(p.proxy->signals()); })
-      .def("stats", [](PyProxy& p, int t) { return proxy_stats_dict(p.proxy->stats(t)); });
+      .def("stats", [](PyProxy& p, int t) { return proxy_stats_dict(p.proxy->stats(t)); })
+      .def("start_wire_log", [](PyProxy& p, size_t capacity) {
+        if (!p.wire) throw py::value_error("start_wire_log: no emulated wire (loopback with loopback_bandwidth_gbps > 0)");
+        p.wire->start_log(capacity);
+      }, py::arg("capacity"), "record the emulated wire's busy runs afresh, at most capacity of them")
+      .def("stop_wire_log", [](PyProxy& p) {
+        if (!p.wire) throw py::value_error("stop_wire_log: no emulated wire");
+        uint64_t dropped = 0;
+        std::vector<WireRun> runs = p.wire->stop_log(&dropped);
+        return wire_log_dict(runs, dropped);
+      }, "stop recording: {'runs': [(start_ns, end_ns, bytes, writes)], 'dropped': n}, on the steady clock");
+  m.def("steady_clock_ns", [] {
+    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count());
+  }, "the steady clock the proxies and the emulated wire stamp with (ns), for windows to compare against them");
 
   // Both selftest entry points run the same thing; the GIL is released while the proxies work.
   auto run_selftest = [](uint64_t commands, int reorder, uint64_t seed, double timeout_secs,

@@ -575,6 +575,8 @@ Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nv
     // than the proxy's in-flight cap would refuse posts the cap allows (comm.proxy_options sizes them the same way).
     const int depth = int(std::max<uint64_t>(1024, p.max_inflight_writes));
     spec.verbs.sq_depth = spec.verbs.rq_depth = depth;
+    if (spec.name == "loopback" && spec.loopback.bandwidth_gbps > 0)
+      spec.loopback.wire = wire_ = std::make_shared<LoopbackWire>();
     const Proxy::TransportFactory factory = make_transport_factory(spec, rank, world, p.num_threads, "internode");
     proxy_ = std::make_unique<Proxy>(cfg, factory, rdma_, size_t(rdma_bytes), MemoryKind::kDevice);
 
@@ -883,6 +885,18 @@ void Context::set_timeline(uintptr_t stamps, int capacity) {
   timeline_ = stamps ? reinterpret_cast<unsigned long long*>(stamps) : nullptr;
   timeline_capacity_ = stamps ? capacity : 0;
   timeline_used_ = 0;
+}
+
+void Context::start_wire_log(size_t capacity) {
+  if (!wire_)
+    throw std::invalid_argument("start_wire_log: no emulated wire (the loopback transport with a bandwidth cap, "
+                                "UCCL_EP_LOOPBACK_BW_GBPS > 0)");
+  wire_->start_log(capacity);
+}
+
+std::vector<WireRun> Context::stop_wire_log(uint64_t* dropped) {
+  if (!wire_) throw std::invalid_argument("stop_wire_log: no emulated wire");
+  return wire_->stop_log(dropped);
 }
 
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>& targets, int phase, uintptr_t stream) {

@@ -17,6 +17,7 @@
 #include "kernels/internode_plan.hpp"  // PackColumn
 #include "kernels/step_failure.hpp"
 #include "proxy/proxy.hpp"  // Proxy, ProxyThreadStats (host-only header)
+#include "transport/loopback.hpp"  // LoopbackWire
 
 namespace uccl_ep::internode {
 
@@ -180,6 +181,9 @@ class Context {
   // uint64 [capacity][kTimelineFields], initialised by the caller), until `capacity` rows are used. 0: off.
   void set_timeline(uintptr_t stamps, int capacity);
   int timeline_launches() const { return timeline_used_; }  // rows stamped since set_timeline
+  // The emulated NIC's busy runs (LoopbackWire): only over the loopback with a bandwidth cap; throws otherwise.
+  void start_wire_log(size_t capacity);
+  std::vector<WireRun> stop_wire_log(uint64_t* dropped);
   // Device address of the error word (for scatter_rows' range check).
   uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
   // The stop flag (StopFlag) for scatter_rows: its device address and the generation to launch with.
@@ -245,6 +249,7 @@ class Context {
   void* rdma_ = nullptr;
   void* nvl_ = nullptr;
   std::unique_ptr<Proxy> proxy_;
+  std::shared_ptr<LoopbackWire> wire_;  // the loopback's capped wire (its log), else null
   void* signals_dev_ = nullptr;      // device view of the proxy's signal counters
   void* mirror_dev_ = nullptr;       // device memory: the counters as a gated kernel's watcher last saw them
   bool signals_registered_ = false;

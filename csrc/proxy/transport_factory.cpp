@@ -29,7 +29,7 @@ Proxy::TransportFactory make_transport_factory(const TransportSpec& spec, int ra
     // The cap is the GPU's NIC: one wire that every thread of this proxy writes through. Splitting it evenly over
     // the threads instead (until session 8) charged a thread with more chunks than the others at its share of the
     // cap while the others idled: 0.84 of the cap on 2x H200 for 114 chunks over 4 threads.
-    if (base.bandwidth_gbps > 0) base.wire = std::make_shared<std::atomic<uint64_t>>(0);
+    if (base.bandwidth_gbps > 0 && !base.wire) base.wire = std::make_shared<LoopbackWire>();
     (void)num_threads;  // shared whatever the thread count
     return [base](int t) -> std::unique_ptr<Transport> {
       LoopbackOptions o = base;

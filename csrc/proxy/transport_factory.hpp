@@ -14,9 +14,9 @@ namespace uccl_ep {
 
 struct TransportSpec {
   std::string name = "loopback";  // "loopback" | "verbs"
-  // Loopback: reorder, delay_us, seed as given. bandwidth_gbps is the cap of the whole proxy (one GPU's NIC); each of
-  // the proxy's threads gets an equal share, because every thread owns an endpoint and all of them share that NIC.
-  // rank, world and thread_index are filled in by make_transport_factory.
+  // Loopback: reorder, delay_us, seed as given. bandwidth_gbps is the cap of the whole proxy (one GPU's NIC): every
+  // thread's endpoint writes through one shared wire, `wire` when the caller gave one (to read its log), else a new
+  // one. rank, world and thread_index are filled in by make_transport_factory.
   LoopbackOptions loopback;
   // Verbs: devices (at least one), gid_index (empty, or one per device), port, sl, tc, queue depths. rank and
   // world_size are filled in by make_transport_factory.

@@ -165,7 +165,7 @@ class LoopbackTransport final : public Transport {
     in_order_ = o.reorder <= 1;
     if (o.bandwidth_gbps > 0) {
       ns_per_byte_ = 1.0 / o.bandwidth_gbps;  // GB/s == bytes/ns
-      if (!o_.wire) o_.wire = std::make_shared<std::atomic<uint64_t>>(0);  // a wire of its own
+      if (!o_.wire) o_.wire = std::make_shared<LoopbackWire>();  // a wire of its own
     }
   }
 
@@ -436,15 +436,8 @@ class LoopbackTransport final : public Transport {
 
   uint64_t schedule(uint64_t now, uint64_t bytes) {
     uint64_t t = now;
-    if (ns_per_byte_ > 0) {
-      const uint64_t cost = uint64_t(double(bytes) * ns_per_byte_);
-      // the wire may be shared with the proxy's other endpoints: claim the next slot of it
-      uint64_t busy = o_.wire->load(std::memory_order_relaxed), next;
-      do {
-        next = std::max(busy, now) + cost;
-      } while (!o_.wire->compare_exchange_weak(busy, next, std::memory_order_relaxed));
-      t = next;
-    }
+    // the wire may be shared with the proxy's other endpoints: claim the next slot of it
+    if (ns_per_byte_ > 0) t = o_.wire->claim(now, uint64_t(double(bytes) * ns_per_byte_), bytes);
     return t + o_.delay_us * 1000;
   }
 
@@ -727,6 +720,49 @@ class LoopbackTransport final : public Transport {
 };
 
 }  // namespace
+
+uint64_t LoopbackWire::claim(uint64_t now_ns, uint64_t cost_ns, uint64_t bytes) {
+  if (!logging_.load(std::memory_order_relaxed)) {
+    uint64_t busy = busy_.load(std::memory_order_relaxed), next;
+    do {
+      next = std::max(busy, now_ns) + cost_ns;
+    } while (!busy_.compare_exchange_weak(busy, next, std::memory_order_relaxed));
+    return next;
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  const uint64_t busy = busy_.load(std::memory_order_relaxed);
+  const uint64_t start = std::max(busy, now_ns), next = start + cost_ns;
+  busy_.store(next, std::memory_order_relaxed);
+  if (!runs_.empty() && runs_.back().end_ns == start) {  // no pause: the same run goes on
+    runs_.back().end_ns = next;
+    runs_.back().bytes += bytes;
+    ++runs_.back().writes;
+  } else if (runs_.size() < capacity_) {
+    runs_.push_back(WireRun{start, next, bytes, 1});
+  } else {
+    if (start != dropped_end_) ++dropped_;  // a run, not each of its writes
+    dropped_end_ = next;
+  }
+  return next;
+}
+
+void LoopbackWire::start_log(size_t capacity) {
+  std::lock_guard<std::mutex> g(mu_);
+  runs_.clear();
+  runs_.reserve(capacity);
+  capacity_ = capacity;
+  dropped_ = dropped_end_ = 0;
+  logging_.store(capacity > 0, std::memory_order_relaxed);
+}
+
+std::vector<WireRun> LoopbackWire::stop_log(uint64_t* dropped) {
+  std::lock_guard<std::mutex> g(mu_);
+  logging_.store(false, std::memory_order_relaxed);
+  if (dropped) *dropped = dropped_;
+  std::vector<WireRun> out;
+  out.swap(runs_);
+  return out;
+}
 
 std::unique_ptr<Transport> make_loopback_transport(const LoopbackOptions& options) {
   return std::make_unique<LoopbackTransport>(options);

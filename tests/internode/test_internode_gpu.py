@@ -351,6 +351,68 @@ def test_the_kernel_timeline_stamps_each_pack_and_push_in_order_and_shows_a_push
     assert waited >= 30_000, f"the pushes during notify waited {waited:.0f} us in all for rows delayed 20 ms each"
 
 
+def _wire_calls(rank, world, G):
+    """A forward pair (dispatch, combine) and a backward pair (cached dispatch, combine), each call timed to the end
+    of its GPU work on the wire's clock; (each call's wire_timeline.call_on_wire, the dispatch's network payload
+    bytes, its record stride's bound)."""
+    from uccl_ep_train import native
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.wire_timeline import CallWindow, call_on_wire, runs_from_log
+
+    clock = native.module().steady_clock_ns
+    nat, _, dev = _backends(rank, world, G)
+    try:
+        T, H, E, K = 2048, 2048, 16, 4
+        g = torch.Generator(device=dev).manual_seed(300 + rank)
+        idx = torch.rand((T, E), device=dev, generator=g).topk(K, dim=1).indices
+        x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        r = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))  # warm: modules, plans
+        nat.combine(r.recv_x, r.handle, None, None)
+        torch.cuda.synchronize()
+        nat.start_wire_log(4096)
+        calls, out = [], {}
+
+        def timed(kind, fn):
+            t0 = clock()
+            res = fn()
+            torch.cuda.synchronize()
+            calls.append(CallWindow(kind, t0, clock()))
+            return res
+
+        r = timed("forward dispatch", lambda: nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None)))
+        out["network_bytes"] = nat.last_traffic.network_bytes
+        timed("forward combine", lambda: nat.combine(r.recv_x, r.handle, None, None))
+        c = timed("backward cached dispatch",
+                  lambda: nat.dispatch(DispatchArgs(x, None, r.handle, None, None, None, None, None, None)))
+        timed("backward combine", lambda: nat.combine(c.recv_x, r.handle, None, None))
+        runs = runs_from_log(nat.stop_wire_log())
+        out["calls"] = {call.kind: call_on_wire(call, runs) for call in calls}
+        out["stride_bound"] = 2 * H + 16 * K + 64  # payload, top-k ids and weights, index fields, padding
+        return out
+    finally:
+        nat.destroy()
+
+
+def test_the_wire_timeline_puts_each_calls_records_on_the_capped_wire_within_the_call():
+    """bench internode --timeline's wire part at backend level (2 x 1, the loopback capped at 5 GB/s): every call of a
+    forward and a backward pair put its own bytes on this rank's wire, each dispatch at least its network payload and
+    at most its records, and the wire was busy for them exactly their bytes over the cap; the parts of each call add
+    up to it."""
+    _need(2)
+    out = run_distributed(_wire_calls, 2, 1, timeout=240, env={"UCCL_EP_LOOPBACK_BW_GBPS": "5"})
+    for rank, got in enumerate(out):
+        payload, per_record = got["network_bytes"], got["stride_bound"] / (2 * 2048)
+        assert payload > 0, (rank, got)
+        for kind, c in got["calls"].items():
+            assert c["wire_bytes"] > 0 and c["wire_start_us"] >= 0, (rank, kind, c)
+            assert c["wire_busy_us"] == pytest.approx(c["wire_bytes"] / 5e3, rel=1e-3, abs=0.01), (rank, kind, c)
+            assert c["wire_end_us"] == pytest.approx(c["wire_start_us"] + c["wire_busy_us"] + c["wire_idle_us"])
+            assert c["wire_end_us"] + c["after_wire_us"] == pytest.approx(c["call_us"]), (rank, kind, c)
+            if kind.endswith("dispatch"):  # + the count rows and the signals' zero-length writes
+                assert payload <= c["wire_bytes"] <= payload * per_record + (1 << 20), (rank, kind, c)
+
+
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
 def test_ranks_asked_for_their_state_after_a_peers_failure_answer_it_and_none_crashes(world, G, tmp_path):
     """The harness's state request (SIGUSR1) reads each rank's FIFOs, proxy counters and signals from a thread of its

@@ -20,6 +20,7 @@ import os
 import resource
 import statistics
 import time
+from typing import Optional
 
 
 def add_parser(sub) -> None:
@@ -68,7 +69,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after timing, stamp every pack-and-push launch on the GPU over ROUNDS back-to-back forward "
                         "pairs, then ROUNDS backward pairs, and report per rank and kind of call the median us from "
                         "the launch's start to: every count row in, the first chunk written, the first and last "
-                        "command pushed (docs/internode.md, 'Kernel timeline'); 0: off")
+                        "command pushed (docs/internode.md, 'Kernel timeline'); with a capped loopback also ROUNDS "
+                        "of each pair timed call by call against the emulated wire's busy runs: per kind of call the "
+                        "median us before its first byte, busy, idle and after its last byte (docs/internode.md, "
+                        "'Wire timeline'); 0: off")
     p.add_argument("--share-gpu", action="store_true",
                    help="let several ranks share a GPU (e.g. 2 emulated nodes on a 1-GPU machine) to look at the host "
                         "side with --profile: time-sliced GPU timings mean nothing, and there are no baselines "
@@ -345,6 +349,39 @@ def _kernel_timeline(nat, loops, rounds: int) -> list:
     return out
 
 
+def _wire_timeline(nat, loops, rounds: int) -> Optional[list]:
+    """--timeline with a capped loopback: ``rounds`` of each loop (name, (first, second)), every call timed to the end
+    of its GPU work on the wire's clock, against this rank's wire runs; every rank's wire_timeline.summarize, in rank
+    order, the kinds named "<loop> <call>". None where the transport has no emulated wire (verbs)."""
+    import torch
+    import torch.distributed as dist
+
+    from uccl_ep_train import native
+    from uccl_ep_train.wire_timeline import CallWindow, runs_from_log, summarize
+
+    clock = native.module().steady_clock_ns
+    names = {"forward": ("dispatch", "combine"), "backward": ("cached dispatch", "combine")}
+    torch.cuda.synchronize()
+    dist.barrier()
+    # a call's writes run back to back unless the senders starve the wire: a few runs per call, room for many more
+    try:
+        nat.start_wire_log(rounds * 64 * sum(len(fns) for _, fns in loops) + 1024)
+    except ValueError:  # the same answer on every rank: one transport for all
+        return None
+    calls = []
+    for loop, fns in loops:
+        for _ in range(rounds):
+            for i, fn in enumerate(fns):
+                t0 = clock()
+                fn()
+                torch.cuda.synchronize()
+                calls.append(CallWindow(f"{loop} {names.get(loop, ('first', 'second'))[i]}", t0, clock()))
+    summary = summarize(calls, runs_from_log(nat.stop_wire_log()))
+    by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, summary)
+    return by_rank
+
+
 def _host_steps(nat) -> dict:
     """The backend's host wall time per call and step so far (us), from its host_timing laps."""
     return {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}
@@ -494,10 +531,13 @@ def run(args) -> int:
 
     if args.profile:
         _profile(args.profile, step, cached, combine)
-    timeline = None
+    timeline = wire = None
     if args.timeline > 0:
-        timeline = _kernel_timeline(nat, (("forward", (fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None))),
-                                          ("backward", (cached, combine))), args.timeline)
+        loops = (("forward", (fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None))),
+                 ("backward", (cached, combine)))
+        timeline = _kernel_timeline(nat, loops, args.timeline)
+        if settings.emulation.loopback_bandwidth_gbps:  # None over verbs: no emulated wire
+            wire = _wire_timeline(nat, loops, args.timeline)
 
     if args.share_gpu:
         if rank == 0:
@@ -511,6 +551,8 @@ def run(args) -> int:
                       "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()}}
             if timeline is not None:
                 shared["kernel_timeline_by_rank"] = timeline
+            if wire is not None:
+                shared["wire_timeline_by_rank"] = wire
             print(json.dumps(shared, indent=1))
             if args.json:
                 with open(args.json, "w") as f:
@@ -645,6 +687,8 @@ def run(args) -> int:
     row.update(_pairs_vs_ceiling(row, ceiling))
     if timeline is not None:
         row["kernel_timeline_by_rank"] = timeline
+    if wire is not None:
+        row["wire_timeline_by_rank"] = wire
     if rank == 0:
         print(json.dumps(row, indent=1))
         if args.json:

@@ -1,0 +1,60 @@
+"""wire_timeline: a call's time split against the emulated wire's busy runs (bench internode --timeline with a capped
+loopback). Synthetic runs and windows, so every part is known exactly."""
+import pytest
+
+from uccl_ep_train.wire_timeline import CallWindow, WireRun, call_on_wire, runs_from_log, summarize
+
+US = 1000  # ns
+
+
+def test_a_call_splits_into_before_its_first_byte_busy_idle_and_after_its_last_byte():
+    # the wire: busy with the last call until 5 us into this one, then this call's writes 20-120 us and 150-300 us
+    runs = [WireRun(-50 * US, 5 * US, 4096, 1), WireRun(20 * US, 120 * US, 1 << 20, 2),
+            WireRun(150 * US, 300 * US, 3 << 19, 3)]
+    got = call_on_wire(CallWindow("dispatch", 0, 340 * US), runs)
+    assert got == {"call_us": 340.0, "carried_in_us": 5.0, "wire_bytes": (1 << 20) + (3 << 19),
+                   "wire_start_us": 20.0, "wire_busy_us": 250.0, "wire_idle_us": 30.0, "wire_end_us": 300.0,
+                   "after_wire_us": 40.0}
+
+
+def test_runs_outside_the_window_do_not_count_and_one_past_its_end_is_cut_at_the_end():
+    runs = [WireRun(-90 * US, -10 * US, 1, 1), WireRun(60 * US, 180 * US, 7, 1), WireRun(400 * US, 500 * US, 9, 1)]
+    got = call_on_wire(CallWindow("combine", 0, 100 * US), runs)
+    assert (got["carried_in_us"], got["wire_start_us"], got["wire_busy_us"], got["wire_end_us"],
+            got["after_wire_us"], got["wire_bytes"]) == (0.0, 60.0, 40.0, 100.0, 0.0, 7)
+
+
+def test_a_call_that_put_nothing_on_the_wire_has_no_wire_times():
+    got = call_on_wire(CallWindow("dispatch", 1000, 2000), [WireRun(0, 1500, 64, 1)])
+    assert got["carried_in_us"] == 0.5 and got["wire_busy_us"] == 0.0 and got["wire_bytes"] == 0
+    assert got["wire_start_us"] is None and got["wire_idle_us"] is None and got["after_wire_us"] is None
+
+
+def test_a_window_that_ends_before_it_starts_is_refused():
+    with pytest.raises(ValueError, match="ends before it starts"):
+        call_on_wire(CallWindow("dispatch", 10, 5), [])
+
+
+def test_summarize_gives_each_kind_its_medians_so_one_slow_call_does_not_move_them():
+    runs, calls = [], []
+    for i, start in enumerate((10, 20, 200)):  # the third call's first byte is late
+        t0 = i * 10_000 * US
+        runs.append(WireRun(t0 + start * US, t0 + (start + 1000) * US, 1 << 20, 2))
+        calls.append(CallWindow("forward dispatch", t0, t0 + (start + 1010) * US))
+        calls.append(CallWindow("forward combine", t0 + 5000 * US, t0 + 6000 * US))  # nothing of its own
+    got = summarize(calls, runs)
+    assert got["forward dispatch"]["calls"] == 3
+    assert got["forward dispatch"]["median_wire_start_us"] == 20.0
+    assert got["forward dispatch"]["median_wire_busy_us"] == 1000.0
+    assert got["forward dispatch"]["median_after_wire_us"] == 10.0
+    assert got["forward dispatch"]["median_wire_bytes"] == 1 << 20
+    assert got["forward combine"]["median_wire_start_us"] is None and got["forward combine"]["calls"] == 3
+
+
+def test_a_log_that_dropped_runs_or_holds_overlapping_ones_is_refused():
+    assert runs_from_log({"runs": [(0, 5, 16, 1), (7, 9, 16, 1)], "dropped": 0}) == [WireRun(0, 5, 16, 1),
+                                                                                   WireRun(7, 9, 16, 1)]
+    with pytest.raises(ValueError, match="dropped 3 runs"):
+        runs_from_log({"runs": [(0, 5, 16, 1)], "dropped": 3})
+    with pytest.raises(ValueError, match="overlap"):
+        runs_from_log({"runs": [(0, 5, 16, 1), (4, 9, 16, 1)], "dropped": 0})

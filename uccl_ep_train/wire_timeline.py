@@ -1,0 +1,98 @@
+"""The emulated NIC's wire beside the calls that used it (docs/internode.md, "Wire timeline").
+
+Under the loopback's bandwidth cap a call can take no less than its bytes over the cap; what it takes beyond that
+was spent before its first byte went out, with the wire idle in between (the senders fed it late), or after its last
+byte landed. The wire records when it was busy (LoopbackWire, csrc/transport/loopback.hpp: runs of back-to-back
+writes on the steady clock); the benchmark records each call's host window on the same clock; this module splits
+each call's time into those parts. A diagnostic of `bench internode --timeline` with a capped loopback: the wire
+takes a mutex per write while it records, and nothing otherwise.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+#: The parts of a call, in us, as call_on_wire reports them, and the bytes it put on the wire.
+PARTS = ("call_us", "carried_in_us", "wire_start_us", "wire_busy_us", "wire_idle_us", "wire_end_us", "after_wire_us",
+         "wire_bytes")
+
+
+@dataclass(frozen=True)
+class WireRun:
+    """A stretch the wire was busy without a pause: [start_ns, end_ns) on the steady clock, and what crossed it."""
+
+    start_ns: int
+    end_ns: int
+    bytes: int
+    writes: int
+
+
+@dataclass(frozen=True)
+class CallWindow:
+    """One call as the host saw it: from its start to the end of its GPU work, on the wire's clock."""
+
+    kind: str
+    start_ns: int
+    end_ns: int
+
+
+def runs_from_log(log: Dict[str, Any]) -> List[WireRun]:
+    """The runs of a stop_wire_log() answer, in time order. A log that dropped runs ran out of room: it would
+    misreport the calls after the gap, so it is refused (start again with a larger capacity)."""
+    if log.get("dropped"):
+        raise ValueError(f"the wire log dropped {log['dropped']} runs: start it with a larger capacity")
+    runs = [WireRun(*map(int, r)) for r in log["runs"]]
+    for a, b in zip(runs, runs[1:]):
+        if b.start_ns < a.end_ns:
+            raise ValueError(f"wire runs overlap or are out of order: {a} then {b}")
+    return runs
+
+
+def call_on_wire(call: CallWindow, runs: Sequence[WireRun]) -> Dict[str, float]:
+    """Where ``call``'s time went on this rank's wire, in us after its start (``runs`` in time order):
+    carried_in_us, the wire still busy with what was posted before the call; wire_start_us, the first byte the call
+    itself put on the wire; wire_busy_us and wire_idle_us, from then to wire_end_us, the wire busy and idle (idle: no
+    write posted, so nothing to carry); after_wire_us, from the last byte to the call's end; wire_bytes, what the runs
+    that began within the call carried (a run that began before it, and whatever joined it without a pause, counts as
+    carried in). A call that put nothing on the wire of its own has None for the wire's times."""
+    if call.end_ns < call.start_ns:
+        raise ValueError(f"call window ends before it starts: {call}")
+    s, e = call.start_ns, call.end_ns
+    inside: List[Tuple[int, int]] = []
+    carried = nbytes = 0
+    for r in runs:
+        if r.end_ns <= s or r.start_ns >= e:
+            continue
+        lo, hi = max(r.start_ns, s), min(r.end_ns, e)
+        if r.start_ns < s:  # the part posted before the call runs on into it
+            carried += hi - lo
+            continue
+        inside.append((lo, hi))
+        nbytes += r.bytes
+    us = 1e-3
+    out: Dict[str, float] = {"call_us": (e - s) * us, "carried_in_us": carried * us, "wire_bytes": nbytes}
+    if not inside:
+        out.update(wire_start_us=None, wire_busy_us=0.0, wire_idle_us=None, wire_end_us=None, after_wire_us=None)
+        return out
+    first, last = inside[0][0], inside[-1][1]
+    busy = sum(hi - lo for lo, hi in inside)
+    out.update(wire_start_us=(first - s) * us, wire_busy_us=busy * us, wire_idle_us=(last - first - busy) * us,
+               wire_end_us=(last - s) * us, after_wire_us=(e - last) * us)
+    return out
+
+
+def summarize(calls: Sequence[CallWindow], runs: Sequence[WireRun]) -> Dict[str, Dict[str, Any]]:
+    """Per kind of call: how many, and the median of each of PARTS over them (None where no call of the kind put
+    anything on the wire). Medians, so that one call slowed by the host does not move the picture."""
+    by_kind: Dict[str, List[Dict[str, float]]] = {}
+    for c in calls:
+        by_kind.setdefault(c.kind, []).append(call_on_wire(c, runs))
+    out: Dict[str, Dict[str, Any]] = {}
+    for kind, rows in by_kind.items():
+        row: Dict[str, Any] = {"calls": len(rows)}
+        for part in PARTS:
+            vals = [r[part] for r in rows if r[part] is not None]
+            row[f"median_{part}"] = round(statistics.median(vals), 1) if vals else None
+        out[kind] = row
+    return out
