@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 #: The parts of a call, in us, as call_on_wire reports them, and the bytes it put on the wire.
 PARTS = ("call_us", "carried_in_us", "wire_start_us", "wire_busy_us", "wire_idle_us", "wire_end_us", "after_wire_us",
-         "wire_bytes")
+         "wire_bytes", "longest_idle_us", "longest_idle_at_us", "bytes_before_longest_idle")
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,15 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun]) -> Dict[str, float]:
     itself put on the wire; wire_busy_us and wire_idle_us, from then to wire_end_us, the wire busy and idle (idle: no
     write posted, so nothing to carry); after_wire_us, from the last byte to the call's end; wire_bytes, what the runs
     that began within the call carried (a run that began before it, and whatever joined it without a pause, counts as
-    carried in). A call that put nothing on the wire of its own has None for the wire's times."""
+    carried in); longest_idle_us, the longest of the idle stretches, longest_idle_at_us where it began and
+    bytes_before_longest_idle what the call had put on the wire by then (a few KiB: the wire waited after the count
+    row for the first records; most of the call: the senders fell behind near the end). A call that put nothing on
+    the wire of its own has None for the wire's times."""
     if call.end_ns < call.start_ns:
         raise ValueError(f"call window ends before it starts: {call}")
     s, e = call.start_ns, call.end_ns
     inside: List[Tuple[int, int]] = []
+    sizes: List[int] = []  # bytes of each run in `inside`
     carried = nbytes = 0
     for r in runs:
         if r.end_ns <= s or r.start_ns >= e:
@@ -69,16 +73,24 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun]) -> Dict[str, float]:
             carried += hi - lo
             continue
         inside.append((lo, hi))
+        sizes.append(r.bytes)
         nbytes += r.bytes
     us = 1e-3
     out: Dict[str, float] = {"call_us": (e - s) * us, "carried_in_us": carried * us, "wire_bytes": nbytes}
     if not inside:
-        out.update(wire_start_us=None, wire_busy_us=0.0, wire_idle_us=None, wire_end_us=None, after_wire_us=None)
+        out.update(wire_start_us=None, wire_busy_us=0.0, wire_idle_us=None, wire_end_us=None, after_wire_us=None,
+                   longest_idle_us=None, longest_idle_at_us=None, bytes_before_longest_idle=None)
         return out
     first, last = inside[0][0], inside[-1][1]
     busy = sum(hi - lo for lo, hi in inside)
+    gap, gap_at, before = 0, None, 0
+    for i in range(1, len(inside)):
+        if inside[i][0] - inside[i - 1][1] > gap:
+            gap, gap_at, before = inside[i][0] - inside[i - 1][1], inside[i - 1][1], sum(sizes[:i])
     out.update(wire_start_us=(first - s) * us, wire_busy_us=busy * us, wire_idle_us=(last - first - busy) * us,
-               wire_end_us=(last - s) * us, after_wire_us=(e - last) * us)
+               wire_end_us=(last - s) * us, after_wire_us=(e - last) * us, longest_idle_us=gap * us,
+               longest_idle_at_us=(gap_at - s) * us if gap_at is not None else None,
+               bytes_before_longest_idle=before if gap_at is not None else None)
     return out
 
 

@@ -14,7 +14,19 @@ def test_a_call_splits_into_before_its_first_byte_busy_idle_and_after_its_last_b
     got = call_on_wire(CallWindow("dispatch", 0, 340 * US), runs)
     assert got == {"call_us": 340.0, "carried_in_us": 5.0, "wire_bytes": (1 << 20) + (3 << 19),
                    "wire_start_us": 20.0, "wire_busy_us": 250.0, "wire_idle_us": 30.0, "wire_end_us": 300.0,
-                   "after_wire_us": 40.0}
+                   "after_wire_us": 40.0, "longest_idle_us": 30.0, "longest_idle_at_us": 120.0,
+                   "bytes_before_longest_idle": 1 << 20}
+
+
+def test_the_longest_idle_stretch_says_where_it_began_and_how_much_the_call_had_sent_by_then():
+    # a count row (64 bytes) at 10 us, the records from 70 us with a 5 us hiccup at 500 us
+    runs = [WireRun(10 * US, 11 * US, 64, 1), WireRun(70 * US, 500 * US, 3 << 20, 6),
+            WireRun(505 * US, 900 * US, 3 << 20, 6)]
+    got = call_on_wire(CallWindow("forward dispatch", 0, 950 * US), runs)
+    assert (got["wire_idle_us"], got["longest_idle_us"], got["longest_idle_at_us"],
+            got["bytes_before_longest_idle"]) == (64.0, 59.0, 11.0, 64)
+    alone = call_on_wire(CallWindow("combine", 0, 950 * US), runs[1:2])
+    assert alone["longest_idle_us"] == 0.0 and alone["longest_idle_at_us"] is None
 
 
 def test_runs_outside_the_window_do_not_count_and_one_past_its_end_is_cut_at_the_end():
