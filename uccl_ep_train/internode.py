@@ -21,7 +21,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -167,6 +167,15 @@ class DispatchShape:
     extents: Tuple[List[int], List[int]]
     arrivals: torch.Tensor  # uint8 [A, stride] view of the receive half
     forward_bases: Optional[torch.Tensor]  # [A, G] int64 on the device (forward_row_bases); None with G = 1
+
+
+class Pending(NamedTuple):
+    """A hop pushed but not awaited (_push_and_gate): its reader launches gated on ``gate`` and closes the hop."""
+
+    gate: Any  # the native ArrivalGate
+    t0: Any  # timing start (_hop_started)
+    slots: List[int]  # the counters the hop's waits name
+    first_row: int = 0  # where the reader starts: the first of the rows already in (unpack_records' first_row)
 
 
 @dataclass
@@ -690,8 +699,8 @@ class NativeInternodeBackend:
 
     def _push_and_gate(self, hop: HopPlan, phase: str, then: Optional[Callable[[], None]] = None,
                        rest: Optional[Callable[[], None]] = None, push: Optional[Callable[[], None]] = None
-                       ) -> Tuple[Any, Any, List[int]]:
-        """Push the table's chunks and return (gate, timing start, counters) instead of waiting: the kernel that reads
+                       ) -> Pending:
+        """Push the table's chunks and return what its reader needs (Pending) instead of waiting: the kernel that reads
         the arrivals takes the gate and waits chunk by chunk (UCCL_EP_GATED_ARRIVALS), so it runs during the hop. The
         caller launches it, then calls ``_gated_done``, which drains as ``_push_and_wait`` does (the gated kernel
         spins as wait_signals did). The hop's gate blocks (dispatch_gate_blocks / combine_gate_blocks) name the
@@ -705,8 +714,8 @@ class NativeInternodeBackend:
             self._expected[slot] += count
         t = self._upload(table) if table else None
         self._keep_w = t  # alive until the gated launch has run (the drain in _gated_done)
-        return self._cx.arrival_gate(t.data_ptr() if t is not None else 0, len(table), hop.per_chunk,
-                                     self._phases[phase]), t0, [slot for slot, _ in hop.waits]
+        return Pending(self._cx.arrival_gate(t.data_ptr() if t is not None else 0, len(table), hop.per_chunk,
+                                             self._phases[phase]), t0, [slot for slot, _ in hop.waits])
 
     def _gated_done(self, phase: str, t0: Any, what: str) -> None:
         self._hop_ended(phase, t0)
@@ -717,8 +726,8 @@ class NativeInternodeBackend:
         instead, so nothing is still landing when the error reaches the caller."""
         if not pending:
             return
-        self._wait_for_targets(pending[2], phase)
-        self._gated_done(phase, pending[1], f"{phase} wait")
+        self._wait_for_targets(pending.slots, phase)
+        self._gated_done(phase, pending.t0, f"{phase} wait")
 
     def _wait_for_targets(self, slots: List[int], phase: str) -> None:
         """wait_signals on this rank's stream until each slot reaches its running target (``_expected``)."""
@@ -879,8 +888,8 @@ class NativeInternodeBackend:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
         forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
         caller reads every final row with one gated unpack next; then, with one GPU per node (the final rows are the
-        arrivals), the hop is not awaited here and ``pending`` is (gate, timing start) for ``_unpack`` and
-        ``_gated_done``; otherwise pending is None and the rows are in. ``h``: the handle of a cached dispatch,
+        arrivals), the hop is not awaited here and ``pending`` (Pending) is for ``_unpack`` and ``_gated_done``;
+        otherwise pending is None and the rows are in. ``h``: the handle of a cached dispatch,
         which keeps the hop's plan. ``packed``: the columns (contiguous), whose records for the other nodes are packed
         already (_pack_during_notify); ``pushed``: and pushed too (_push_during_notify). ``plan_ahead``: host work
         and uploads for between the push and the wait when the hop is awaited here (when pending is returned, the
@@ -937,7 +946,11 @@ class NativeInternodeBackend:
         if G == 1 and gate_ok and self.gated_arrivals:
             pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=push)
             self._lap("dispatch.push")
-            return arrivals[:, :layout.final_bytes], layout, None, A, pending
+            # the reader starts with our own node's records, which are in before any other node's: read in row
+            # order they would wait behind the blocks of the nodes before ours until those had landed, and then
+            # still be left to read after the wire's last byte
+            own_row = (own_block - recv_base) // stride
+            return arrivals[:, :layout.final_bytes], layout, None, A, pending._replace(first_row=own_row)
         self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, hop=hop, rest=rest,
                             then=_chain(own_after_push, plan_ahead), push=push)
         self._lap("dispatch.network")
@@ -1199,9 +1212,9 @@ class NativeInternodeBackend:
             ptr(ids), ptr(weights), layout.column_offsets[ids_column] if K else 0,
             layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
             layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
-            self._stream(), gate=pending[0] if pending else None)
+            self._stream(), gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
         if pending:
-            self._gated_done("dispatch_network", pending[1], "dispatch_network wait")
+            self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
             self._lap("dispatch.network")
 
     @staticmethod
@@ -1557,11 +1570,11 @@ class NativeInternodeBackend:
             plan_ahead()
         self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
-                                  x.dtype == torch.float32, self._stream(), gate=pending[0] if pending else None)
+                                  x.dtype == torch.float32, self._stream(), gate=pending.gate if pending else None)
         if h is self._last_dispatch_handle and self.pack_during_notify and self._notify_via_proxies:  # during the hop
             self._spare_for_packing_during_notify(h.num_tokens)
         if pending:
-            self._gated_done("combine_network", pending[1], "combine_network wait")
+            self._gated_done("combine_network", pending.t0, "combine_network wait")
             self._lap("combine.network")
         else:
             self._settle("combine")

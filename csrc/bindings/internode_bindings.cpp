@@ -161,22 +161,23 @@ void bind_internode(py::module_& m) {
          const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& columns, uintptr_t ids_out,
          uintptr_t weights_out, int64_t ids_offset, int64_t weights_offset, int num_topk, int64_t expert_lo,
          int64_t experts_per_rank, int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset,
-         uintptr_t arrival_out, uintptr_t stream, const in::ArrivalGate* gate) {
+         uintptr_t arrival_out, uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row) {
         std::vector<in::PackColumn> cols;
         for (const auto& [dst, bytes, offset] : columns) cols.push_back(in::PackColumn{dst, bytes, offset});
         in::unpack_records(src, src_stride, num_rows, out_rows, cols,
                            in::UnpackTopk{ids_out, weights_out, ids_offset, weights_offset, num_topk, expert_lo,
                                           experts_per_rank},
-                           src_idx_offset, src_idx_out, arrival_offset, arrival_out, stream, gate);
+                           src_idx_offset, src_idx_out, arrival_offset, arrival_out, stream, gate, first_row);
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("out_rows"), py::arg("columns"),
       py::arg("ids_out"), py::arg("weights_out"), py::arg("ids_offset"), py::arg("weights_offset"),
       py::arg("num_topk"), py::arg("expert_lo"), py::arg("experts_per_rank"), py::arg("src_idx_offset"),
       py::arg("src_idx_out"), py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"),
-      py::arg("gate") = nullptr,
+      py::arg("gate") = nullptr, py::arg("first_row") = 0,
       "the final rows' columns into their outputs, one launch; columns: (output, row bytes, row offset); rows "
       "past num_rows up to out_rows zeroed (ids -1); global expert ids made local, foreign weights zeroed; gate "
-      "(InternodeContext.arrival_gate): each tile of rows first waits for the chunks that carry it");
+      "(InternodeContext.arrival_gate): each tile of rows first waits for the chunks that carry it; first_row: the "
+      "rows are read from there to the end first, then from 0 (a gated reader starts with the rows already in)");
 
   k.attr("GATE_COLUMNS") = int(in::kGateBase);
   py::class_<in::ArrivalGate>(k, "ArrivalGate",

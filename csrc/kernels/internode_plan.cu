@@ -194,7 +194,7 @@ template <bool kGated>
 __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const char* __restrict__ src, long long src_stride, long long n, long long out_rows, PackArgs args,
     UnpackTopk topk, long long src_idx_offset, long long* __restrict__ src_idx_out, long long arrival_offset,
-    long long* __restrict__ arrival_out, ArrivalGate gate) {
+    long long* __restrict__ arrival_out, ArrivalGate gate, long long first_row) {
   constexpr int kTile = kPackThreads / kPackGroup;
   __shared__ bool s_ok;
   if (kGated && blockIdx.x == 0) {  // the watcher (arrival_gate.hpp); the tiles go to the other blocks
@@ -203,12 +203,28 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
   }
   const long long block = blockIdx.x - (kGated ? 1 : 0), grid = gridDim.x - (kGated ? 1 : 0);
   const int lane = threadIdx.x % kPackGroup;
-  for (long long r0 = block * kTile; r0 < out_rows; r0 += grid * kTile) {
-    if constexpr (kGated) {
-      if (r0 < n && !block_gate_rows(gate, r0, (r0 + kTile < n ? r0 + kTile : n) - 1, &s_ok)) return;
+  // The tiles in reading order: rows [first_row, n), then [0, first_row), then the padding rows [n, out_rows). The
+  // grid sweeps them in that order, so a gated reader given the first row of rows that are already in (the own
+  // node's records) reads those first instead of after every row before them has landed.
+  const long long tiles_a = (n - first_row + kTile - 1) / kTile, tiles_b = (first_row + kTile - 1) / kTile;
+  const long long tiles = tiles_a + tiles_b + (out_rows - n + kTile - 1) / kTile;
+  for (long long t = block; t < tiles; t += grid) {
+    long long lo, end;
+    if (t < tiles_a) {
+      lo = first_row + t * kTile;
+      end = lo + kTile < n ? lo + kTile : n;
+    } else if (t < tiles_a + tiles_b) {
+      lo = (t - tiles_a) * kTile;
+      end = lo + kTile < first_row ? lo + kTile : first_row;
+    } else {
+      lo = n + (t - tiles_a - tiles_b) * kTile;
+      end = lo + kTile < out_rows ? lo + kTile : out_rows;
     }
-    const long long r = r0 + threadIdx.x / kPackGroup;
-    if (r >= out_rows) continue;
+    if constexpr (kGated) {
+      if (lo < n && !block_gate_rows(gate, lo, end - 1, &s_ok)) return;
+    }
+    const long long r = lo + threadIdx.x / kPackGroup;
+    if (r >= end) continue;
     const bool real = r < n;
     const char* row = src + r * src_stride;
     for (int c = 0; c < args.num_columns; ++c) {
@@ -328,8 +344,11 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
-                    const ArrivalGate* gate) {
+                    const ArrivalGate* gate, int64_t first_row) {
   if (out_rows < num_rows) throw std::invalid_argument("unpack_records: fewer output rows than rows");
+  if (first_row < 0 || first_row > num_rows)
+    throw std::invalid_argument("unpack_records: first_row " + std::to_string(first_row) + " outside 0.." +
+                                std::to_string(num_rows));
   if (out_rows <= 0) return;
   if (num_rows > 0 && !src) throw std::invalid_argument("unpack_records: null source");
   if (columns.size() > size_t(kMaxPackColumns))
@@ -353,7 +372,7 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
     kernel<<<blocks + (gate ? 1 : 0), kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const char*>(src), src_stride, num_rows, out_rows, args, topk, src_idx_offset,
         reinterpret_cast<long long*>(src_idx_out), arrival_offset, reinterpret_cast<long long*>(arrival_out),
-        gate ? *gate : ArrivalGate{});
+        gate ? *gate : ArrivalGate{}, first_row);
   };
   gate ? launch(unpack_records_kernel<true>) : launch(unpack_records_kernel<false>);
   check_launch("unpack_records");

@@ -87,6 +87,6 @@ struct UnpackTopk {
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
-                    const ArrivalGate* gate = nullptr);
+                    const ArrivalGate* gate = nullptr, int64_t first_row = 0);
 
 }  // namespace uccl_ep::internode

@@ -268,12 +268,15 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
 def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, columns: list, ids_out: int,
                    weights_out: int, ids_offset: int, weights_offset: int, num_topk: int, expert_lo: int,
                    experts_per_rank: int, src_idx_offset: int, src_idx_out: int, arrival_offset: int,
-                   arrival_out: int, stream: int, gate: "ArrivalGate | None" = None) -> None:
+                   arrival_out: int, stream: int, gate: "ArrivalGate | None" = None, first_row: int = 0) -> None:
     """unpack_records_kernel: the final rows' columns into their outputs (zero rows up to ``out_rows``); global
     expert ids made local (-1 elsewhere), the weights of foreign ids zeroed; the int32 src_idx / arrival fields
-    widened to int64 (a negative arrival offset: the row index)."""
+    widened to int64 (a negative arrival offset: the row index). ``first_row`` only orders the kernel's reads: checked
+    here, then all rows are read at once."""
     if out_rows < num_rows:
         raise ValueError("unpack_records: fewer output rows than rows")
+    if not 0 <= first_row <= num_rows:
+        raise ValueError(f"unpack_records: first_row {first_row} outside 0..{num_rows}")
     n = num_rows
     if gate is not None and not gate.wait_rows(range(n)):
         return

@@ -149,11 +149,15 @@ def test_pack_records_kernel_equals_the_torch_pack_with_own_records_in_the_recei
         assert torch.equal(own_dst, own_before), "nothing of ours for our node, yet the receive block was written"
 
 
+@pytest.mark.parametrize("first", [0.0, 0.37, 1.0])
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("n,pad,fp8", [(4096, 0, False), (333, 77, True), (0, 5, False), (1, 0, True)])
-def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and_zero_padding(n, pad, fp8, in_place):
+def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and_zero_padding(n, pad, fp8, in_place,
+                                                                                               first):
     """in_place: the final rows are the arrivals themselves (one GPU per node), rows of the wire stride, and each
-    row's arrival is its index (arrival offset -1)."""
+    row's arrival is its index (arrival offset -1). ``first``: where the reading starts, as a fraction of the rows
+    (first_row: a gated reader starts with the own node's rows); the outputs are the same wherever it starts. A first
+    row outside the rows is refused before any launch."""
     g = torch.Generator().manual_seed(n + pad)
     K, E, lo, L, H, G = 8, 64, 16, 16, 512, 2
     cols = [torch.randn((n, H), generator=g).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)]
@@ -181,8 +185,13 @@ def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and
                       [(o.data_ptr(), nb, off) for o, nb, off in zip(outs, layout.column_bytes, layout.column_offsets)],
                       got_ids.data_ptr(), got_w.data_ptr(), layout.column_offsets[len(payload)],
                       layout.column_offsets[len(payload) + 1], K, lo, L, layout.src_idx_offset, got_src.data_ptr(),
-                      -1 if in_place else layout.arrival_offset, got_arr.data_ptr(), STREAM())
+                      -1 if in_place else layout.arrival_offset, got_arr.data_ptr(), STREAM(),
+                      first_row=int(first * n))
     torch.cuda.synchronize()
+    for bad in (-1, n + 1):
+        with pytest.raises(ValueError, match=f"first_row {bad} outside 0..{n}"):
+            K_.unpack_records(final.data_ptr(), final.stride(0), n, out_rows, [], 0, 0, 0, 0, 0, 0, 0,
+                              layout.src_idx_offset, 0, -1, 0, STREAM(), first_row=bad)
     for c, o in zip(payload, outs):
         o = o.cpu()
         assert torch.equal(_bytes_of(o[:n]), _bytes_of(c)), "payload column differs"
