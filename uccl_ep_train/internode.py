@@ -398,6 +398,25 @@ class NativeInternodeBackend:
         """The runs recorded since start_wire_log: {'runs': [(start_ns, end_ns, bytes, writes)], 'dropped': n}."""
         return self._cx.stop_wire_log()
 
+    def raw_dispatch_hop(self, handle: InternodeHandle, columns: List[torch.Tensor]) -> None:
+        """Benchmarks: the transport alone on a cached dispatch's bytes. The handle's dispatch hop for these columns
+        is pushed as it is -- the same chunks, lanes, commands and waits, of whatever the send area holds -- and
+        awaited, with no packing, no reading of the arrivals and no host planning: what the transport takes to move
+        this call's network bytes, for the benchmark's ratio of each call to it. Every rank calls it together; an
+        entry barrier first (the receive areas get stale bytes, which the next dispatch overwrites). Timed like
+        the calls' hops when ``network_timing`` is set (phase dispatch_network)."""
+        rows = [_dense(c, c.dtype) for c in columns]
+        layout = _record_layout(tuple(_row_bytes(r) for r in rows), self.G)
+        h: InternodeHandle = handle
+        shape = h.dispatch_shapes.get(layout) or self._dispatch_shape(h.counts, h.plan, layout)
+        hop = self._hop_plan(h, ("dispatch", layout.stride),
+                             lambda: self._dispatch_hop(h.counts, h.plan, layout.stride))
+        self._barrier("entry of the raw dispatch hop")
+        # the areas it used are a cached dispatch's: the next calls' barrier rules take it for one
+        self._combined_send_base, self._last_combine, self._synced_since_combine = None, None, True
+        self._last_dispatch_extents = shape.extents
+        self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, "raw dispatch hop", hop=hop)
+
     # ---------------------------------------------------------------- host-side steps
     def _stream(self) -> int:
         return native.stream_handle(self.device)  # 0 for the CPU stand-in: synchronous, no stream

@@ -76,12 +76,15 @@ def test_training_steps_give_every_layer_a_fresh_handle_and_take_the_backward_in
                         ("cached", 6), ("combine", 6, True)]
 
 
-def test_the_quoted_pairs_are_also_given_as_a_fraction_of_the_ceiling():
+def test_the_quoted_pairs_are_also_given_as_a_fraction_of_the_ceiling_and_of_the_raw_transport():
     row = {"in_turn_network_GBps": {"forward_pair": 30.0, "backward_pair": 45.0, "forward_dispatch": 1.0},
            "training_step_network_GBps": {"forward_pair": 20.0, "backward_pair": 40.0}}
-    assert bench._pairs_vs_ceiling(row, 50.0) == {
+    assert bench._pairs_vs(row, 50.0, "ceiling") == {
         "in_turn_pairs_vs_ceiling": {"forward_pair": 0.6, "backward_pair": 0.9},
         "training_step_pairs_vs_ceiling": {"forward_pair": 0.4, "backward_pair": 0.8}}
+    assert bench._pairs_vs(row, 40.0, "raw_transport") == {
+        "in_turn_pairs_vs_raw_transport": {"forward_pair": 0.75, "backward_pair": 1.125},
+        "training_step_pairs_vs_raw_transport": {"forward_pair": 0.5, "backward_pair": 1.0}}
 
 
 class _Stream:

@@ -81,6 +81,54 @@ def test_entry_barriers_are_skipped_after_the_other_kind_of_call_only_where_its_
     assert out == [(0, 0)] * world
 
 
+def _raw_hop(rank, world, G):
+    """A dispatch, then the raw hop of its handle (bench internode's raw transport) with fresh random bytes where the
+    hop's push table reads: every block must land, byte for byte, where its row points on its destination; then the
+    usual calls must still match the reference (the raw hop leaves the barrier rules a cached dispatch would).
+    Returns (blocks this rank received and checked, blocks it sent, compare_cases' count)."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.internode import _record_layout, _row_bytes
+
+    nat, ref = _backends(rank, world, G)
+    try:
+        T, K, E, H = 96 + 13 * rank, 4, 4 * world, 256
+        g = torch.Generator().manual_seed(40 + rank)
+        idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
+        x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        h = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None)).handle
+        stride = _record_layout((_row_bytes(x),), G).stride
+        nat.raw_dispatch_hop(h, [x])  # makes the hop plan; then again with the send area's bytes replaced
+        rows = h.hop_plans[("dispatch", stride)].rows
+        sent = []
+        for dst, local, remote, row_stride, records, *_ in rows:
+            n = row_stride * records
+            nat._rdma[local:local + n] = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+            sent.append((dst, remote, n, hashlib.sha256(nat._rdma[local:local + n].numpy().tobytes()).hexdigest()))
+        nat.raw_dispatch_hop(h, [x])
+        every = [None] * world
+        dist.all_gather_object(every, sent)
+        mine = [(remote, n, digest) for per in every for dst, remote, n, digest in per if dst == rank]
+        for remote, n, digest in mine:
+            got = hashlib.sha256(nat._rdma[remote:remote + n].numpy().tobytes()).hexdigest()
+            assert got == digest, f"rank {rank}: the block at {remote} ({n} bytes) is not what its sender held"
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, ALL[:2], 1, unweighted=True)
+        return len(mine), len(sent), done
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_the_raw_hop_moves_the_send_areas_bytes_where_the_push_table_points_and_later_calls_still_match(world, G):
+    out = run_distributed(_raw_hop, world, G, timeout=120, env=ENV)
+    assert all(received > 0 and sent > 0 and done == 2 for received, sent, done in out), out
+    assert sum(r for r, _, _ in out) == sum(s for _, s, _ in out)
+
+
 def _cases_without_expert_counts(rank, world, G, cases, iters):
     """More experts than a notify row holds (the cap lowered to 1): the receiver counts the received expert ids."""
     from uccl_ep_train import internode

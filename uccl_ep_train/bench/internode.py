@@ -313,11 +313,11 @@ def _compute_spacer(us: float):
     return (lambda: torch.cuda._sleep(cycles)), start.elapsed_time(end) * 1e3
 
 
-def _pairs_vs_ceiling(row: dict, ceiling: float) -> dict:
-    """The training-order pairs' network GB/s (the figures to quote) over the ceiling (the NIC cap, or uncapped the
-    raw copy): {"in_turn_pairs_vs_ceiling": {"forward_pair": ..., "backward_pair": ...}, "training_step_...": ...}."""
-    return {f"{loop}_pairs_vs_ceiling": {f"{p}_pair": row[f"{loop}_network_GBps"][f"{p}_pair"] / ceiling
-                                         for p in ("forward", "backward")}
+def _pairs_vs(row: dict, rate: float, name: str) -> dict:
+    """The training-order pairs' network GB/s (the figures to quote) over ``rate`` (GB/s):
+    {"in_turn_pairs_vs_<name>": {"forward_pair": ..., "backward_pair": ...}, "training_step_...": ...}."""
+    return {f"{loop}_pairs_vs_{name}": {f"{p}_pair": row[f"{loop}_network_GBps"][f"{p}_pair"] / rate
+                                        for p in ("forward", "backward")}
             for loop in ("in_turn", "training_step", "beside_compute") if f"{loop}_network_GBps" in row}
 
 
@@ -461,7 +461,16 @@ def run(args) -> int:
         _wall(fn, args.iters, 0)
     torch.cuda.synchronize()
     hop_ms = {ph: [a.elapsed_time(b) for a, b in ev] for ph, ev in nat.network_timing.items()}
+    # The transport alone on a cached dispatch's bytes (raw_dispatch_hop: its hop pushed as it is, with no packing,
+    # reading or host planning), timed as the hops above: the issue's "loopback transport's raw bandwidth", at the
+    # same write size and lanes as the calls (the raw copy below is one copy of all the bytes, the hardware's).
+    nat.network_timing = {}
+    for _ in range(args.warmup + args.iters):
+        nat.raw_dispatch_hop(handle, [x] + ([scales] if scales is not None else []))
+    torch.cuda.synchronize()
+    raw_hop_ms = [a.elapsed_time(b) for a, b in nat.network_timing.get("dispatch_network", [])][args.warmup:]
     nat.network_timing = None
+    raw_transport_us = statistics.median(raw_hop_ms) * 1e3
     steps_by_rank = [None] * world  # a step one rank spends waiting for the others shows as skew between ranks
     dist.all_gather_object(steps_by_rank, host_steps)
 
@@ -547,7 +556,8 @@ def run(args) -> int:
             shared = {"shared_gpu": True, "world": world, "nodes": args.emulate_nodes, "mps": mps,
                       "note": SHARED_GPU_NOTES[mps],
                       "dispatch_us": t_disp * 1e6, "cached_dispatch_us": t_cached * 1e6,
-                      "combine_us": t_comb * 1e6, "host_step_us_by_rank": steps_by_rank,
+                      "combine_us": t_comb * 1e6, "raw_transport_hop_us": raw_transport_us,
+                      "host_step_us_by_rank": steps_by_rank,
                       "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()}}
             if timeline is not None:
                 shared["kernel_timeline_by_rank"] = timeline
@@ -608,6 +618,7 @@ def run(args) -> int:
         "host_step_us_by_rank": steps_by_rank,
         # median over the timed calls (dispatch: uncached and cached calls together), max over ranks
         "dispatch_network_hop_us": mx(statistics.median(hop_ms.get("dispatch_network", [0.0])) * 1e3),
+        "raw_transport_hop_us": mx(raw_transport_us),
         "combine_network_hop_us": mx(statistics.median(hop_ms.get("combine_network", [0.0])) * 1e3),
         # uncached dispatch then combine, as in a training step; the combine's share is the difference from the
         # dispatch loop (max over ranks of each); how many of those combines skipped their entry barrier (rank 0)
@@ -684,7 +695,10 @@ def run(args) -> int:
     row["combine_network_vs_ceiling"] = row["combine_network_GBps"] / ceiling
     row["dispatch_network_hop_vs_ceiling"] = row["dispatch_network_hop_GBps"] / ceiling
     row["combine_network_hop_vs_ceiling"] = row["combine_network_hop_GBps"] / ceiling
-    row.update(_pairs_vs_ceiling(row, ceiling))
+    row.update(_pairs_vs(row, ceiling, "ceiling"))
+    # ... and over the transport's own rate on the same bytes: what the EP layer (kernels, host steps, gating) keeps
+    row["raw_transport_GBps"] = row["dispatch_network_bytes"] / (row["raw_transport_hop_us"] * 1e3)
+    row.update(_pairs_vs(row, row["raw_transport_GBps"], "raw_transport"))
     if timeline is not None:
         row["kernel_timeline_by_rank"] = timeline
     if wire is not None:
