@@ -722,17 +722,20 @@ class LoopbackTransport final : public Transport {
 }  // namespace
 
 uint64_t LoopbackWire::claim(uint64_t now_ns, uint64_t cost_ns, uint64_t bytes) {
-  if (!logging_.load(std::memory_order_relaxed)) {
+  // The claim itself is lock-free either way (a claim that skipped the mutex while the log was being turned on
+  // must not be overwritten); the mutex only keeps the log in the order the claims succeed.
+  auto take = [&](uint64_t* start) {
     uint64_t busy = busy_.load(std::memory_order_relaxed), next;
     do {
-      next = std::max(busy, now_ns) + cost_ns;
+      *start = std::max(busy, now_ns);
+      next = *start + cost_ns;
     } while (!busy_.compare_exchange_weak(busy, next, std::memory_order_relaxed));
     return next;
-  }
+  };
+  uint64_t start = 0;
+  if (!logging_.load(std::memory_order_relaxed)) return take(&start);
   std::lock_guard<std::mutex> g(mu_);
-  const uint64_t busy = busy_.load(std::memory_order_relaxed);
-  const uint64_t start = std::max(busy, now_ns), next = start + cost_ns;
-  busy_.store(next, std::memory_order_relaxed);
+  const uint64_t next = take(&start);
   if (!runs_.empty() && runs_.back().end_ns == start) {  // no pause: the same run goes on
     runs_.back().end_ns = next;
     runs_.back().bytes += bytes;
