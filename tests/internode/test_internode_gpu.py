@@ -301,6 +301,14 @@ def test_loopback_setup_warns_when_cuda_gives_the_process_one_hardware_queue():
     assert run_distributed(_setup_warnings, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == [[], []]
 
 
+def _random_routing(nat, dev, T, H, E, K, seed):
+    """BF16 tokens routed to K of E experts at random: (x, topk_idx, nat's dispatch layout of them)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    idx = torch.rand((T, E), device=dev, generator=g).topk(K, dim=1).indices
+    x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
+    return x, idx, nat.get_dispatch_layout(idx, E)
+
+
 def _timeline(rank, world, G):
     """A dispatch (pushed after notify), its combine, a dispatch pushed during notify, its combine, a cached dispatch
     and its combine, every pack-and-push launch stamped; the launch records by rank."""
@@ -308,11 +316,7 @@ def _timeline(rank, world, G):
 
     nat, _, dev = _backends(rank, world, G)
     try:
-        T, H, E, K = 512, 256, 16, 4
-        g = torch.Generator(device=dev).manual_seed(100 + rank)
-        idx = torch.rand((T, E), device=dev, generator=g).topk(K, dim=1).indices
-        x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
-        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        x, idx, (tpr, tpn, tpe, itr) = _random_routing(nat, dev, T=512, H=256, E=16, K=4, seed=100 + rank)
         nat.start_kernel_timeline(8)
         for _ in range(2):
             r = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
@@ -362,11 +366,8 @@ def _wire_calls(rank, world, G):
     clock = native.module().steady_clock_ns
     nat, _, dev = _backends(rank, world, G)
     try:
-        T, H, E, K = 2048, 2048, 16, 4
-        g = torch.Generator(device=dev).manual_seed(300 + rank)
-        idx = torch.rand((T, E), device=dev, generator=g).topk(K, dim=1).indices
-        x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
-        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        H = 2048
+        x, idx, (tpr, tpn, tpe, itr) = _random_routing(nat, dev, T=2048, H=H, E=16, K=4, seed=300 + rank)
         r = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))  # warm: modules, plans
         nat.combine(r.recv_x, r.handle, None, None)
         torch.cuda.synchronize()
@@ -388,7 +389,7 @@ def _wire_calls(rank, world, G):
         timed("backward combine", lambda: nat.combine(c.recv_x, r.handle, None, None))
         runs = runs_from_log(nat.stop_wire_log())
         out["calls"] = {call.kind: call_on_wire(call, runs) for call in calls}
-        out["stride_bound"] = 2 * H + 16 * K + 64  # payload, top-k ids and weights, index fields, padding
+        out["stride_bound"] = 2 * H + 16 * idx.size(1) + 64  # payload, top-k ids and weights, index fields, padding
         return out
     finally:
         nat.destroy()
