@@ -88,6 +88,8 @@ def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=Fa
             _same(r0.recv_topk_idx, r1.recv_topk_idx, f"{tag}: topk_idx")
             _same(r0.recv_topk_weights, r1.recv_topk_weights, f"{tag}: topk_weights")
             assert r0.num_recv_tokens_per_expert_list == r1.num_recv_tokens_per_expert_list, tag
+            _same(r0.handle.num_recv_tokens_per_expert, r1.handle.num_recv_tokens_per_expert,
+                  f"{tag}: the handle's tokens per expert (sync-free callers read them on the device)")
             _same(c0.recv_x, c1.recv_x, f"{tag}: cached recv_x")
             _same(x0, x1, f"{tag}: combined_x")
             _same(w0, w1, f"{tag}: combined weights")
