@@ -84,7 +84,8 @@ for step in "${steps[@]}"; do
       UCCL_EP_CPU_TIMEOUT_SECS=20 run bench_proxy_push 90 python3 -m uccl_ep_train bench proxy --producer gpu \
         --fifos 1,4 --push push --json "$OUT/proxy-push.json" ;;
     bench_internode)  # EMULATE_NODES (default 2) emulated nodes: NIC uncapped, then capped at 50 GB/s per GPU, each
-      # with the kernel timeline of 20 rounds (docs/internode.md, "Kernel timeline")
+      # with the kernel timeline of 20 rounds (docs/internode.md, "Kernel timeline"), capped also the wire timeline
+      # ("Wire timeline"); both report the raw transport hop beside the raw copy
       for n in ${EMULATE_NODES:-2}; do
         run "bench_internode_${n}n" "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" -m uccl_ep_train bench internode \
           --emulate-nodes "$n" --timeline 20 --json "$OUT/internode-${n}n-uncapped.json"
