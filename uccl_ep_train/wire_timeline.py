@@ -53,7 +53,8 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun]) -> Dict[str, float]:
     """Where ``call``'s time went on this rank's wire, in us after its start (``runs`` in time order):
     carried_in_us, the wire still busy with what was posted before the call; wire_start_us, the first byte the call
     itself put on the wire; wire_busy_us and wire_idle_us, from then to wire_end_us, the wire busy and idle (idle: no
-    write posted, so nothing to carry); after_wire_us, from the last byte to the call's end; wire_bytes, what the runs
+    write posted, so nothing to carry); after_wire_us, from the last byte to the call's end (negative where the call
+    returned before its own last byte left: it ends when the others' bytes are in); wire_bytes, what the runs
     that began within the call carried (a run that began before it, and whatever joined it without a pause, counts as
     carried in); longest_idle_us, the longest of the idle stretches, longest_idle_at_us where it began and
     bytes_before_longest_idle what the call had put on the wire by then (a few KiB: the wire waited after the count
@@ -68,11 +69,12 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun]) -> Dict[str, float]:
     for r in runs:
         if r.end_ns <= s or r.start_ns >= e:
             continue
-        lo, hi = max(r.start_ns, s), min(r.end_ns, e)
         if r.start_ns < s:  # the part posted before the call runs on into it
-            carried += hi - lo
+            carried += min(r.end_ns, e) - s
             continue
-        inside.append((lo, hi))
+        # whole, also past the call's end: a rank's call ends when the others' bytes have landed, and its own may
+        # still be on its wire then (after_wire_us < 0)
+        inside.append((r.start_ns, r.end_ns))
         sizes.append(r.bytes)
         nbytes += r.bytes
     us = 1e-3

@@ -398,8 +398,9 @@ def _wire_calls(rank, world, G):
 def test_the_wire_timeline_puts_each_calls_records_on_the_capped_wire_within_the_call():
     """bench internode --timeline's wire part at backend level (2 x 1, the loopback capped at 5 GB/s): every call of a
     forward and a backward pair put its own bytes on this rank's wire, each dispatch at least its network payload and
-    at most its records, and the wire was busy for them exactly their bytes over the cap; the parts of each call add
-    up to it."""
+    at most its records, and the wire was busy for them exactly their bytes over the cap (also where a call returned
+    before its own last byte left, its peer's bytes being in: session 24 on 2x H200); the parts of each call add up
+    to it."""
     _need(2)
     out = run_distributed(_wire_calls, 2, 1, timeout=240, env={"UCCL_EP_LOOPBACK_BW_GBPS": "5"})
     for rank, got in enumerate(out):

@@ -29,11 +29,15 @@ def test_the_longest_idle_stretch_says_where_it_began_and_how_much_the_call_had_
     assert alone["longest_idle_us"] == 0.0 and alone["longest_idle_at_us"] is None
 
 
-def test_runs_outside_the_window_do_not_count_and_one_past_its_end_is_cut_at_the_end():
+def test_runs_outside_the_window_do_not_count_and_one_running_past_its_end_counts_whole():
+    # the call returned at 100 us (the others' bytes were in) while its own last byte left at 180 us
     runs = [WireRun(-90 * US, -10 * US, 1, 1), WireRun(60 * US, 180 * US, 7, 1), WireRun(400 * US, 500 * US, 9, 1)]
     got = call_on_wire(CallWindow("combine", 0, 100 * US), runs)
     assert (got["carried_in_us"], got["wire_start_us"], got["wire_busy_us"], got["wire_end_us"],
-            got["after_wire_us"], got["wire_bytes"]) == (0.0, 60.0, 40.0, 100.0, 0.0, 7)
+            got["after_wire_us"], got["wire_bytes"]) == (0.0, 60.0, 120.0, 180.0, -80.0, 7)
+    # ... and the next call finds that tail carried in, up to its own end
+    nxt = call_on_wire(CallWindow("dispatch", 150 * US, 170 * US), runs)
+    assert nxt["carried_in_us"] == 20.0 and nxt["wire_bytes"] == 0
 
 
 def test_a_call_that_put_nothing_on_the_wire_has_no_wire_times():
