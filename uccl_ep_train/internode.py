@@ -1709,15 +1709,10 @@ def _record_layout(column_bytes: Tuple[int, ...], ranks_per_node: int) -> Record
 
 
 def _upload_values(values: Any, dtype: Any, device: torch.device) -> torch.Tensor:
-    """Python ints (a list, or a list of equal rows) as a tensor on ``device``, without waiting for the stream.
-    Built through numpy (torch.tensor on a list costs 2-4x the host time) and copied from pinned memory: from pageable
-    memory the driver may copy synchronously with the stream, and the host then waited for the kernels still running
-    on it -- the push launched just before (on 2x H200 these uploads were a sixth of a dispatch's host work and a
-    fifth of a combine's, py-spy, session 24). torch keeps the pinned block until the copy has run."""
-    host = torch.from_numpy(np.asarray(values, dtype=dtype))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    """Python ints (a list, or a list of equal rows) as a tensor on ``device``, without a stream sync: a pageable
+    non-blocking copy is staged by the driver at once, so the host memory may go right away (a blocking .to()
+    synchronizes the stream). Built through numpy: torch.tensor on a list costs 2-4x the host time."""
+    return torch.from_numpy(np.asarray(values, dtype=dtype)).to(device, non_blocking=True)
 
 
 def _chain(*steps: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
