@@ -421,7 +421,9 @@ class NativeInternodeBackend:
         rows = [_dense(c, c.dtype) for c in columns]
         layout = _record_layout(tuple(_row_bytes(r) for r in rows), self.G)
         h: InternodeHandle = handle
-        shape = h.dispatch_shapes.get(layout) or self._dispatch_shape(h.counts, h.plan, layout)
+        shape = h.dispatch_shapes.get(layout)
+        if shape is None:  # made and checked once per handle and layout, as a cached dispatch keeps it (_move)
+            shape = h.dispatch_shapes[layout] = self._dispatch_shape(h.counts, h.plan, layout)
         hop = self._hop_plan(h, ("dispatch", layout.stride),
                              lambda: self._dispatch_hop(h.counts, h.plan, layout.stride))
         self._barrier("entry of the raw dispatch hop")

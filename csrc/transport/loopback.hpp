@@ -37,7 +37,6 @@ class LoopbackWire {
   void start_log(size_t capacity);
   // The runs recorded since start_log, and how many did not fit; stops recording.
   std::vector<WireRun> stop_log(uint64_t* dropped);
-  uint64_t busy_until() const { return busy_.load(std::memory_order_relaxed); }
 
  private:
   std::atomic<uint64_t> busy_{0};
