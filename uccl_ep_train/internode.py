@@ -211,6 +211,9 @@ class CountRows:
     target: int  # signal[slot] >= target: every other rank's row is in
     ptr: int  # device address of rank 0's row; rank r's at ptr + 8 * r * row_words
     row_words: int
+    # our own row's pushes to the others (device push table, rows), left to the kernel that waits for theirs when the
+    # caller asked (_notify's row_goes_with_then); None: pushed already
+    own_pushes: Optional[Tuple[int, int]] = None
 
 
 @dataclass
@@ -370,6 +373,7 @@ class NativeInternodeBackend:
         self.packs_during_notify = 0  # uncached dispatches that did (tests, benchmarks)
         self.pushes_during_notify = 0  # ... and that pushed them during notify too
         self.packs_and_pushes_during_notify = 0  # launches that did both (_pack_and_push_during_notify)
+        self.count_rows_pushed_with_records = 0  # ... and pushed our count row too (no push_chunks for it)
         self.dispatch_barriers_skipped = 0
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
@@ -536,14 +540,16 @@ class NativeInternodeBackend:
     def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
                 topk_idx: Optional[torch.Tensor] = None,
                 then: Optional[Callable[[torch.Tensor, CountRows], None]] = None,
-                plan: Optional[SendPlan] = None) -> Counts:
+                plan: Optional[SendPlan] = None, row_goes_with_then: bool = False) -> Counts:
         """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) and per (rank,
         slot) (up to NOTIFY_MAX_SLOT_COUNTS) in the rows, a receiver knows its per-expert and per-slot counts from
         notify alone, and neither dispatch nor combine reads anything else back. Every rank makes the same choice:
         the same group, experts and top-k. ``then(row, rows)``: work for while the rows are exchanged, given our own
         count row on the device and where every row lands (through the proxies only); ``plan``: tables for T x N
         records that the count row's launch also fills with our send plan, counted from our own tokens, for ``then``
-        (count_row with send_plan: one launch fewer before a dispatch packed during notify)."""
+        (count_row with send_plan: one launch fewer before a dispatch packed during notify). ``row_goes_with_then``:
+        ``then`` launches a kernel that pushes our row itself (the rows' ``own_pushes``), so no launch pushes it
+        before."""
         carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
         slots = carry and topk_idx is not None and self.R * topk_idx.size(1) <= NOTIFY_MAX_SLOT_COUNTS
         shape = dict(num_experts=tokens_per_expert.numel() if carry else 0,
@@ -554,7 +560,8 @@ class NativeInternodeBackend:
             row = self._notify_views(width)[0]
             self._count_row(row, is_token_in_rank, tpe, topk, plan if then is not None else None)
             return self._notify_through_proxies(width, shape,
-                                                (lambda rows: then(row, rows)) if then is not None else None)
+                                                (lambda rows: then(row, rows)) if then is not None else None,
+                                                row_goes_with_then)
         row = torch.empty(width, dtype=torch.int64, device=self.device)
         self._count_row(row, is_token_in_rank, tpe, topk)
         self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
@@ -660,8 +667,8 @@ class NativeInternodeBackend:
                 self._notify_host[:R * row_bytes] if self._notify_host is not None else None)
         return views
 
-    def _notify_through_proxies(self, words: int, shape: dict, then: Optional[Callable[[CountRows], None]] = None
-                                ) -> Counts:
+    def _notify_through_proxies(self, words: int, shape: dict, then: Optional[Callable[[CountRows], None]] = None,
+                                row_goes_with_then: bool = False) -> Counts:
         """Count exchange in stream order: our row (``words`` int64, already in row ``rank`` of our notify area) goes
         into row ``rank`` of every rank's notify area (one write each, through the proxies), then we wait for every
         other rank's row and copy the matrix to the host. Receiving every row also proves that every rank finished
@@ -671,7 +678,9 @@ class NativeInternodeBackend:
         The rows sit back to back at the width this call uses (the same on every rank: same group, same number of
         experts), not at the area's widest row, so the matrix comes back in one contiguous copy: a strided one
         first gathered it on the device with a kernel of its own. ``then(rows)``: launched between our row's push and
-        the wait for the others', told where the rows land and which counter value proves they did."""
+        the wait for the others', told where the rows land and which counter value proves they did; with
+        ``row_goes_with_then`` it pushes our row itself (``rows.own_pushes``: the push table), one launch fewer before
+        the wire ("Push during notify")."""
         R, base = self.R, self._notify_base
         row_bytes = _align(8 * words)
         own = base + self.rank * row_bytes
@@ -679,12 +688,15 @@ class NativeInternodeBackend:
         rows = [[r, own, own, row_bytes, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
         _, area, host = self._notify_views(words)
         later = None
+        carried = then is not None and row_goes_with_then
         if then is not None:
             # the wait below adds the R - 1 rows to the counter's target after `then`
             landing = CountRows(self._notify_slot, self._expected[self._notify_slot] + R - 1,
-                                self._cx.rdma_ptr + base, row_bytes // 8)
+                                self._cx.rdma_ptr + base, row_bytes // 8,
+                                (self._fixed_table("notify", rows).data_ptr(), len(rows)) if carried else None)
             later = lambda: then(landing)  # noqa: E731
-        self._push_and_wait(rows, [(self._notify_slot, R - 1)], "notify", 1, "notify (count exchange)",
+        self._push_and_wait([] if carried else rows, [(self._notify_slot, R - 1)], "notify", 1,
+                            "notify (count exchange)",
                             fixed=True, drain=True,  # the host reads the rows right below
                             then=later,
                             after_wait=(lambda: host.copy_(area, non_blocking=True)) if host is not None else None)
@@ -772,15 +784,18 @@ class NativeInternodeBackend:
         if not rows:
             return
         if not at:
-            key = (phase, rows[0][3])  # notify rows change width with the number of experts
-            table = self._fixed_tables.get(key) if fixed else None
-            if table is None:
-                table = self._push_table(rows)
-                if fixed:
-                    self._fixed_tables[key] = table
+            table = self._fixed_table(phase, rows) if fixed else self._push_table(rows)
             self._keep = table
             at = table.data_ptr()
         self._cx.push_chunks(at, len(rows), per_chunk, self._phases[phase], self._stream())
+
+    def _fixed_table(self, phase: str, rows: List[List[int]]) -> torch.Tensor:
+        """The device push table of rows that are the same in every call of this phase (barrier, notify), made once."""
+        key = (phase, rows[0][3])  # notify rows change width with the number of experts
+        table = self._fixed_tables.get(key)
+        if table is None:
+            table = self._fixed_tables[key] = self._push_table(rows)
+        return table
 
     def _push_hop(self, hop: HopPlan, phase: str, rest: Optional[Callable[[], None]],
                   push: Optional[Callable[[], None]] = None) -> None:
@@ -1087,8 +1102,9 @@ class NativeInternodeBackend:
                              dispatch_extents(counts, G, stride),
                              self._rdma[recv_base:recv_base + A * stride].view(A, stride), bases)
 
-    def _pack_during_notify(self, row: torch.Tensor, itr: torch.Tensor, cols: List[torch.Tensor], send_top: int,
-                            early: dict, landing: CountRows, tables: SendPlan) -> None:
+    def _pack_during_notify(self, row: torch.Tensor, itr: torch.Tensor, rows: List[torch.Tensor],
+                            layout: RecordLayout, send_top: int, early: dict, landing: CountRows, tables: SendPlan,
+                            fused: Optional[torch.Tensor]) -> None:
         """Pack the records for the other nodes while notify exchanges the counts, where it is safe: the last call
         was a combine of the last dispatch's handle (the caller checks) and our records stay below ``send_top``,
         where that combine's partial sums start in our send half. Why that is enough: every node we sent that
@@ -1100,21 +1116,20 @@ class NativeInternodeBackend:
         send plan into ``tables`` (sized for any counts; _count_row), and pack_records takes them from our count row
         ``row`` on the device. The records' dest rows count from our first token, as always (the forwarder adds the
         other sources' rows: forward_row_bases). The kernels pack nothing when our records would pass ``send_top``;
-        the host learns which it was after notify (_packed_during_notify). Fills ``early`` (layout, rows, tables,
-        send_top), and pushes the records too (_push_during_notify; ``landing``: where the count rows land), adding
-        ``push_launched``."""
+        the host learns which it was after notify (_packed_during_notify). ``rows``: the columns, contiguous
+        (_dense), laid out as ``layout``. Fills ``early`` (layout, rows, tables, send_top), and pushes the records too
+        (_push_during_notify; ``landing``: where the count rows land), adding ``push_launched``; with ``fused`` (the
+        push table, _fused_table_during_notify) in one launch, which also pushes our count row."""
         G, N = self.G, self.N
-        rows = [_dense(c, c.dtype) for c in cols]
-        layout = _record_layout(tuple(_row_bytes(r) for r in rows), G)
         own_counts = row.data_ptr() + 8 * self.R  # our tokens per node: the row's node columns
         capacity = itr.size(0) * N  # a token is one record per node at most
         packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
         early.update(layout=layout, rows=rows, tables=tables, send_top=send_top)
-        table = self._push_table_during_notify(layout.stride) if self.push_during_notify else None
-        if table is not None and self.pack_and_push and table.size(0) <= self._k.PACK_PUSH_MAX_ROWS:
-            self._pack_and_push_during_notify(table, tables, layout, packed, capacity, landing, send_top)
+        if fused is not None:
+            self._pack_and_push_during_notify(fused, tables, layout, packed, capacity, landing, send_top)
             early["push_launched"] = True
             return
+        table = self._push_table_during_notify(layout.stride) if self.push_during_notify else None
         self._k.pack_records(self._cx.rdma_ptr, 0, 0, 0, layout.stride, tables.hop1_token.data_ptr(),
                              tables.dest_rows.data_ptr(), G, capacity, packed, layout.src_idx_offset,
                              layout.dest_rows_offset, self._stream(), node_counts=own_counts, num_nodes=N,
@@ -1137,6 +1152,16 @@ class NativeInternodeBackend:
             table = self._fixed_tables[key] = self._push_table(rows)
         return table
 
+    def _fused_table_during_notify(self, stride: int) -> Optional[torch.Tensor]:
+        """The push table of a dispatch whose records are packed and pushed during notify in one launch
+        (_pack_and_push_during_notify, which then pushes our count row too), or None where that takes two launches:
+        UCCL_EP_PUSH_DURING_NOTIFY=0 or UCCL_EP_PACK_AND_PUSH=0, no other node, or more rows than the kernel takes.
+        Asked before the count row's launch: the notify then pushes no row of its own."""
+        if not (self.push_during_notify and self.pack_and_push):
+            return None
+        table = self._push_table_during_notify(stride)
+        return table if table is not None and table.size(0) <= self._k.PACK_PUSH_MAX_ROWS else None
+
     def _push_during_notify(self, table: torch.Tensor, stride: int, landing: CountRows, send_top: int) -> None:
         """Push the records packed during notify at once, by a kernel that waits on the GPU for every count row
         (``landing``) and places each block from them (push_after_counts; docs/internode.md, "Push during notify"):
@@ -1157,17 +1182,21 @@ class NativeInternodeBackend:
         """The pack and the push during notify in one launch (pack_and_push_after_counts; docs/internode.md, "Push
         during notify"): the records counted from our own row are written, and each chunk leaves once its records
         are written and every count row is in, placed as push_after_counts places it. One launch fewer before the
-        wire, which starts after the first chunks' records instead of after all of them."""
+        wire, which starts after the first chunks' records instead of after all of them. When the rows carry our
+        row's pushes (``landing.own_pushes``) the launch makes them first: one launch fewer again."""
         stride, per = layout.stride, self._per_chunk(layout.stride)
         chunks = send_top // stride // per + table.size(0) + 1  # at most, whatever our counts are
         if self._chunk_ready is None or self._chunk_ready.numel() < chunks:
             self._chunk_ready = torch.zeros(max(chunks, 1024), dtype=torch.int32, device=self.device)
+        own = landing.own_pushes or (0, 0)
         self._cx.pack_and_push_after_counts(
             table.data_ptr(), table.size(0), per, self._cx.rdma_ptr, stride, tables.hop1_token.data_ptr(),
             tables.dest_rows.data_ptr(), self.G, capacity, columns, layout.src_idx_offset, layout.dest_rows_offset,
             landing.slot, landing.target, landing.ptr, landing.row_words, self.half_rdma, send_top,
-            self._chunk_ready.data_ptr(), self._phases["dispatch_network"], self._stream())
+            self._chunk_ready.data_ptr(), self._phases["dispatch_network"], self._stream(),
+            own_row_pushes=own[0], own_row_push_rows=own[1], own_row_push_phase=self._phases["notify"])
         self.packs_and_pushes_during_notify += 1
+        self.count_rows_pushed_with_records += own[1] > 0
         if self.kernel_timeline is not None:
             self.kernel_timeline.note(DISPATCH_DURING_NOTIFY)
         self._lap("dispatch.pack_and_push_during_notify")
@@ -1304,13 +1333,17 @@ class NativeInternodeBackend:
             cols.append(_dense(weights, torch.float32) if weights is not None else
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
         early: dict = {}
-        during = tables = None
+        during = tables = fused = None
         # (`then` of _notify runs only when the counts go through the proxies: no tables for nothing otherwise)
         if combined_send_base is not None and self.pack_during_notify and self._notify_via_proxies:
             tables = self._fresh_plan(T, T * self.N, [])  # written with the count row
+            dense = [_dense(c, c.dtype) for c in cols]
+            layout = _record_layout(tuple(_row_bytes(r) for r in dense), self.G)
+            fused = self._fused_table_during_notify(layout.stride)
             during = lambda row, landing: self._pack_during_notify(  # noqa: E731
-                row, itr, cols, combined_send_base, early, landing, tables)
-        counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during, plan=tables)
+                row, itr, dense, layout, combined_send_base, early, landing, tables, fused)
+        counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during, plan=tables,
+                              row_goes_with_then=fused is not None)
         self._lap("dispatch.notify")
         plan, pushed = self._packed_during_notify(early, counts)
         packed = early["rows"] if plan is not None else None

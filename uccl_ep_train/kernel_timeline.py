@@ -1,9 +1,10 @@
-"""GPU stamps of the pack-and-push launches (docs/internode.md, "Kernel timeline").
+"""GPU stamps of each hop's pack-and-push launch and of its gated reader (docs/internode.md, "Kernel timeline").
 
 Where a hop's time goes before its wire -- waiting for the count rows, writing the first chunk's records, pushing --
-is read from the GPU's global timer here instead of inferred from the host's laps or a profiler's kernel totals. The
-kernel writes the stamps (csrc/kernels/internode.hpp, TimelineField); this module starts and stops that, labels each
-launch with the kind of call that made it, and turns the stamps into microseconds. A diagnostic of
+and after it -- the last chunk landing, the reader finishing its rows -- is read from the GPU's global timer here
+instead of inferred from the host's laps or a profiler's kernel totals. The kernels write the stamps
+(csrc/kernels/timeline.hpp, TimelineField); this module starts and stops that, labels each launch with the kind of
+call that made it, and turns the stamps into microseconds after the launch's start. A diagnostic of
 `bench internode --timeline`: off otherwise, when the kernels pay one test of a null pointer.
 """
 from __future__ import annotations
@@ -19,9 +20,10 @@ DISPATCH = "dispatch"  # a cached dispatch, or an uncached one pushed after noti
 COMBINE = "combine"
 
 #: Fields that hold the earliest stamp of the launch's threads: they start at UINT64_MAX (-1 as int64).
-EARLIEST = ("start", "first_ready", "first_push")
-#: Fields reported in microseconds after the launch's start.
-TIMES = ("rows_in", "first_ready", "first_push", "last_push", "packers_done")
+EARLIEST = ("start", "first_ready", "first_push", "reader_start")
+#: Fields reported in microseconds after the launch's start: the pack-and-push launch's, then its hop's gated reader's
+#: (its start, the watcher seeing the hop's last chunk land, its last block done).
+TIMES = ("rows_in", "first_ready", "first_push", "last_push", "packers_done", "reader_start", "all_in", "reader_end")
 
 
 class KernelTimeline:
@@ -36,7 +38,8 @@ class KernelTimeline:
         self.fields: Sequence[str] = tuple(k.TIMELINE_FIELDS)
         self._stamps = torch.zeros((capacity, int(k.TIMELINE_WIDTH)), dtype=torch.int64, device=device)
         for name in EARLIEST:
-            self._stamps[:, self.fields.index(name)] = -1
+            if name in self.fields:  # (an older module of an A/B run stamps fewer)
+                self._stamps[:, self.fields.index(name)] = -1
         self.kinds: List[str] = []
         cx.set_timeline(self._stamps.data_ptr(), capacity)
 
@@ -59,9 +62,20 @@ def launch_record(kind: str, row: Sequence[int], fields: Sequence[str]) -> Dict[
     start = at["start"]
     out: Dict[str, Any] = {"kind": kind, "start_ns": start if start >= 0 else None, "chunks": at["chunks"]}
     for name in TIMES:
-        v = at[name]
+        v = at.get(name, 0)
         out[f"{name}_us"] = (v - start) / 1e3 if start >= 0 and v > 0 else None
     return out
+
+
+def on_host_clock(launch: Dict[str, Any], name: str, gpu_minus_host_ns: int) -> Optional[int]:
+    """When field ``name`` of ``launch`` (launch_record) happened on the host's steady clock, given the GPU timer's
+    offset from it (the native gpu_timer_minus_steady_ns); None where the launch never stamped it."""
+    if launch["start_ns"] is None:
+        return None
+    if name == "start":
+        return launch["start_ns"] - gpu_minus_host_ns
+    us = launch.get(f"{name}_us")
+    return None if us is None else launch["start_ns"] + round(us * 1e3) - gpu_minus_host_ns
 
 
 def waited_for_rows_us(launch: Dict[str, Any]) -> Optional[float]:

@@ -6,16 +6,22 @@ byte landed. The wire records when it was busy (LoopbackWire, csrc/transport/loo
 writes on the steady clock); the benchmark records each call's host window on the same clock; this module splits
 each call's time into those parts. A diagnostic of `bench internode --timeline` with a capped loopback: the wire
 takes a mutex per write while it records, and nothing otherwise.
+
+With the kernel timeline put on the same clock (kernel_timeline.on_host_clock), the time after a call's last byte
+splits further: until its reader saw the hop's last chunk land (the others' last bytes, and the proxies' signals),
+until the reader finished its rows, and until the host returned (its drain and the rest of the call).
 """
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 #: The parts of a call, in us, as call_on_wire reports them, and the bytes it put on the wire.
 PARTS = ("call_us", "carried_in_us", "wire_start_us", "wire_busy_us", "wire_idle_us", "wire_end_us", "after_wire_us",
          "wire_bytes", "longest_idle_us", "longest_idle_at_us", "bytes_before_longest_idle")
+#: ... and with the call's reader on the same clock (None without one): after_wire_us split in three.
+READER_PARTS = ("all_in_after_wire_us", "reader_after_all_in_us", "return_after_reader_us")
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,36 @@ class CallWindow:
     end_ns: int
 
 
+@dataclass(frozen=True)
+class ReaderStamps:
+    """A call's gated reader on the steady clock: when its watcher saw the hop's last chunk land, and when its last
+    block finished (kernel_timeline fields all_in and reader_end)."""
+
+    all_in_ns: int
+    end_ns: int
+
+
+def readers_in_calls(calls: Sequence[CallWindow], launches: Sequence[Dict[str, Any]],
+                     gpu_minus_host_ns: int) -> List[Optional[ReaderStamps]]:
+    """For each call, the reader stamps of the kernel-timeline launch (kernel_timeline.launch_record) that began within
+    the call's window, the GPU timer mapped to the steady clock with ``gpu_minus_host_ns``; None for a call with no
+    such launch, or whose hop had no gated reader."""
+    from uccl_ep_train.kernel_timeline import on_host_clock
+
+    placed = []
+    for m in launches:
+        start = on_host_clock(m, "start", gpu_minus_host_ns)
+        all_in = on_host_clock(m, "all_in", gpu_minus_host_ns)
+        end = on_host_clock(m, "reader_end", gpu_minus_host_ns)
+        if start is not None and all_in is not None and end is not None:
+            placed.append((start, ReaderStamps(all_in, end)))
+    out: List[Optional[ReaderStamps]] = []
+    for c in calls:
+        inside = [r for start, r in placed if c.start_ns <= start < c.end_ns]
+        out.append(inside[0] if inside else None)
+    return out
+
+
 def runs_from_log(log: Dict[str, Any]) -> List[WireRun]:
     """The runs of a stop_wire_log() answer, in time order. A log that dropped runs ran out of room: it would
     misreport the calls after the gap, so it is refused (start again with a larger capacity)."""
@@ -49,7 +85,8 @@ def runs_from_log(log: Dict[str, Any]) -> List[WireRun]:
     return runs
 
 
-def call_on_wire(call: CallWindow, runs: Sequence[WireRun]) -> Dict[str, float]:
+def call_on_wire(call: CallWindow, runs: Sequence[WireRun], reader: Optional[ReaderStamps] = None
+                 ) -> Dict[str, Any]:
     """Where ``call``'s time went on this rank's wire, in us after its start (``runs`` in time order):
     carried_in_us, the wire still busy with what was posted before the call; wire_start_us, the first byte the call
     itself put on the wire; wire_busy_us and wire_idle_us, from then to wire_end_us, the wire busy and idle (idle: no
@@ -59,7 +96,12 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun]) -> Dict[str, float]:
     carried in); longest_idle_us, the longest of the idle stretches, longest_idle_at_us where it began and
     bytes_before_longest_idle what the call had put on the wire by then (a few KiB: the wire waited after the count
     row for the first records; most of the call: the senders fell behind near the end). A call that put nothing on
-    the wire of its own has None for the wire's times."""
+    the wire of its own has None for the wire's times.
+
+    With the call's ``reader`` (readers_in_calls), READER_PARTS: all_in_after_wire_us, from the call's last byte on
+    its own wire until its reader saw the hop's last chunk land (the other ranks' last bytes; negative when they were
+    in first); reader_after_all_in_us, until the reader's last block finished; return_after_reader_us, until the
+    call returned (the host's drain and what the call does after it). None without a reader."""
     if call.end_ns < call.start_ns:
         raise ValueError(f"call window ends before it starts: {call}")
     s, e = call.start_ns, call.end_ns
@@ -78,7 +120,13 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun]) -> Dict[str, float]:
         sizes.append(r.bytes)
         nbytes += r.bytes
     us = 1e-3
-    out: Dict[str, float] = {"call_us": (e - s) * us, "carried_in_us": carried * us, "wire_bytes": nbytes}
+    out: Dict[str, Any] = {"call_us": (e - s) * us, "carried_in_us": carried * us, "wire_bytes": nbytes}
+    out.update(dict.fromkeys(READER_PARTS))
+    if reader is not None:
+        out.update(reader_after_all_in_us=(reader.end_ns - reader.all_in_ns) * us,
+                   return_after_reader_us=(e - reader.end_ns) * us)
+        if inside:
+            out["all_in_after_wire_us"] = (reader.all_in_ns - inside[-1][1]) * us
     if not inside:
         out.update(wire_start_us=None, wire_busy_us=0.0, wire_idle_us=None, wire_end_us=None, after_wire_us=None,
                    longest_idle_us=None, longest_idle_at_us=None, bytes_before_longest_idle=None)
@@ -96,16 +144,20 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun]) -> Dict[str, float]:
     return out
 
 
-def summarize(calls: Sequence[CallWindow], runs: Sequence[WireRun]) -> Dict[str, Dict[str, Any]]:
-    """Per kind of call: how many, and the median of each of PARTS over them (None where no call of the kind put
-    anything on the wire). Medians, so that one call slowed by the host does not move the picture."""
-    by_kind: Dict[str, List[Dict[str, float]]] = {}
-    for c in calls:
-        by_kind.setdefault(c.kind, []).append(call_on_wire(c, runs))
+def summarize(calls: Sequence[CallWindow], runs: Sequence[WireRun],
+              readers: Optional[Sequence[Optional[ReaderStamps]]] = None) -> Dict[str, Dict[str, Any]]:
+    """Per kind of call: how many, and the median of each of PARTS and READER_PARTS over them (None where no call of
+    the kind has it). ``readers``: one per call (readers_in_calls), or None. Medians, so that one call slowed by the
+    host does not move the picture."""
+    if readers is not None and len(readers) != len(calls):
+        raise ValueError(f"{len(readers)} readers for {len(calls)} calls")
+    by_kind: Dict[str, List[Dict[str, Any]]] = {}
+    for i, c in enumerate(calls):
+        by_kind.setdefault(c.kind, []).append(call_on_wire(c, runs, readers[i] if readers is not None else None))
     out: Dict[str, Dict[str, Any]] = {}
     for kind, rows in by_kind.items():
         row: Dict[str, Any] = {"calls": len(rows)}
-        for part in PARTS:
+        for part in PARTS + READER_PARTS:
             vals = [r[part] for r in rows if r[part] is not None]
             row[f"median_{part}"] = round(statistics.median(vals), 1) if vals else None
         out[kind] = row

@@ -6,10 +6,12 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <variant>
 #include <vector>
 
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#include "../kernels/clock_probe.hpp"
 #include "../kernels/internode.hpp"
 #include "../kernels/internode_plan.hpp"
 #include "bindings/proxy_stats_dict.hpp"
@@ -69,8 +71,17 @@ void bind_internode(py::module_& m) {
   k.attr("PACK_PUSH_MAX_ROWS") = int(in::kPackPushMaxRows);
   // the kernel timeline's fields in their column order (TimelineField), and the row width
   k.attr("TIMELINE_FIELDS") = py::make_tuple("start", "rows_in", "first_ready", "first_push", "last_push",
-                                             "packers_done", "chunks");
+                                             "packers_done", "chunks", "reader_start", "all_in", "reader_end");
   k.attr("TIMELINE_WIDTH") = int(in::kTimelineFields);
+  k.def(
+      "gpu_timer_minus_steady_ns",
+      [](int device, int rounds) {  // (a std::pair: no Python object is made while the GIL is released)
+        const in::ClockOffset o = in::gpu_timer_minus_steady_ns(device, rounds);
+        return std::make_pair(o.gpu_minus_host_ns, o.error_ns);
+      },
+      py::arg("device"), py::arg("rounds") = 8, py::call_guard<py::gil_scoped_release>(),
+      "(GPU global timer - host steady clock, error), ns: what puts the kernel timeline on the wire timeline's "
+      "clock; run with the device idle");
   py::dict phases;
   phases["dispatch_network"] = int(in::kPhaseDispatchNetwork);
   phases["combine_network"] = int(in::kPhaseCombineNetwork);
@@ -333,22 +344,28 @@ void bind_internode(py::module_& m) {
              uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t capacity, const Columns& columns,
              int64_t src_idx_offset, int64_t dest_rows_offset, int64_t slot, int64_t expected, uintptr_t count_rows,
              int64_t row_words, int64_t receive_bytes, int64_t send_limit, uintptr_t ready, int phase,
-             uintptr_t stream) {
+             uintptr_t stream, uintptr_t own_row_pushes, int own_row_push_rows, int own_row_push_phase) {
+            in::CountRowOffsets at = count_row_offsets(slot, expected, count_rows, row_words, ranks_per_node,
+                                                       receive_bytes, send_limit);
+            at.own_row_pushes = own_row_pushes;
+            at.own_row_push_rows = own_row_push_rows;
+            at.own_row_push_phase = own_row_push_phase;
             cx.pack_and_push_after_counts(table, n, chunk_records,
                                           record_job(send, 0, 0, 0, stride, hop1_token, dest_rows, ranks_per_node,
                                                      capacity, columns, src_idx_offset, dest_rows_offset),
-                                          count_row_offsets(slot, expected, count_rows, row_words, ranks_per_node,
-                                                            receive_bytes, send_limit),
-                                          ready, phase, stream);
+                                          at, ready, phase, stream);
           },
           py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("send"), py::arg("stride"),
           py::arg("hop1_token"), py::arg("dest_rows"), py::arg("ranks_per_node"), py::arg("capacity"),
           py::arg("columns"), py::arg("src_idx_offset"), py::arg("dest_rows_offset"), py::arg("slot"),
           py::arg("expected"), py::arg("count_rows"), py::arg("row_words"), py::arg("receive_bytes"),
           py::arg("send_limit"), py::arg("ready"), py::arg("phase"), py::arg("stream"),
+          py::arg("own_row_pushes") = 0, py::arg("own_row_push_rows") = 0, py::arg("own_row_push_phase") = 0,
           "pack_and_push during notify: the records counted from our own count row (capacity: the tables' size; our "
           "own node's not written, none past send_limit bytes), each chunk pushed once its records are written and "
-          "signal[slot] >= expected (every count row in), placed as push_after_counts places it")
+          "signal[slot] >= expected (every count row in), placed as push_after_counts places it. own_row_pushes: "
+          "a push table of own_row_push_rows one-record rows (our count row to each peer), pushed first by the same "
+          "launch (phase own_row_push_phase labels its errors)")
       .def("arrival_gate", &in::Context::arrival_gate, py::arg("table"), py::arg("blocks"),
            py::arg("chunk_records"), py::arg("phase"),
            "a gate for sum_node_partials / unpack_records over this call's arrivals; table: device int64 "

@@ -22,8 +22,9 @@ __device__ inline long long gate_lane_target(const long long* row, int lane, lon
 }
 
 // Block 0 of a gated launch: copy each (block, lane) counter into the mirror as it moves, until every lane has
-// carried its last chunk. The only reads of host memory in a gated launch; the deadline and the host's abort end it
-// like wait_signals, and the stop flag it sets ends the readers' waits.
+// carried its last chunk (then stamped kTlAllIn on the kernel timeline). The only reads of host memory in a gated
+// launch; the deadline and the host's abort end it like wait_signals, and the stop flag it sets ends the readers'
+// waits.
 __device__ inline void gate_watch(const ArrivalGate& g) {
   const int width = kGateBase + g.lanes;
   const int pairs = g.blocks * g.lanes;
@@ -48,7 +49,10 @@ __device__ inline void gate_watch(const ArrivalGate& g) {
         return;
       }
     }
-    if (done) return;
+    if (done) {
+      stamp_latest(g.stamps, kTlAllIn);  // the last of the watcher's threads to see its lanes complete stamps last
+      return;
+    }
     if ((spins & 63) == 0 && ((g.err && *reinterpret_cast<volatile int*>(&g.err->code) != 0) || stopped(g.stop))) {
       set_stop(g.stop);
       return;
@@ -94,6 +98,17 @@ __device__ inline bool block_wait(bool* s_ok, const Wait& wait) {
 // ... for rows [lo, hi] of the gate's row space. False: do not read.
 __device__ inline bool block_gate_rows(const ArrivalGate& g, long long lo, long long hi, bool* s_ok) {
   return block_wait(s_ok, [&] { return gate_wait_rows(g, lo, hi); });
+}
+
+// A gated reader's blocks stamp the kernel timeline: the first to begin, and each as it ends (the last wins). Every
+// thread of the block calls reader_end (it holds a barrier).
+__device__ inline void reader_begins(const ArrivalGate& g) {
+  if (threadIdx.x == 0) stamp_earliest(g.stamps, kTlReaderStart);
+}
+__device__ inline void reader_ends(const ArrivalGate& g) {
+  if (!g.stamps) return;
+  __syncthreads();  // the block's rows are all written
+  if (threadIdx.x == 0) stamp_latest(g.stamps, kTlReaderEnd);
 }
 
 }  // namespace uccl_ep::internode

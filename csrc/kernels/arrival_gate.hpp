@@ -22,6 +22,7 @@
 #include <string>
 
 #include "kernels/step_failure.hpp"  // ErrorWord, StopFlag
+#include "kernels/timeline.hpp"      // TimelineField
 
 namespace uccl_ep::internode {
 
@@ -49,6 +50,9 @@ struct ArrivalGate {
   // Most blocks of the gated reader's grid, watcher aside (0: its own rule): set when ranks share the GPU, whose
   // loopback copies are kernels that a full grid of spinning blocks would starve (Context::set_spin_blocks).
   int max_grid = 0;
+  // The timeline row of this hop's pack_and_push launch (TimelineField), when the kernel timeline is on: the reader
+  // stamps its start, the landing of the hop's last chunk and its end into it. nullptr: off.
+  unsigned long long* stamps = nullptr;
 };
 
 // A gated reader's grid: `blocks`, at most the gate's max_grid when it has one.

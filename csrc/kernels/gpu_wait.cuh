@@ -51,6 +51,14 @@ __device__ inline void poll_pause() {
 #endif
 }
 
+// Kernel timeline stamps (timeline.hpp); `stamps` nullptr: off, and these cost one test.
+__device__ inline void stamp_earliest(unsigned long long* stamps, int field) {
+  if (stamps) atomicMin(stamps + field, static_cast<unsigned long long>(now_ns()));
+}
+__device__ inline void stamp_latest(unsigned long long* stamps, int field) {
+  if (stamps) atomicMax(stamps + field, static_cast<unsigned long long>(now_ns()));
+}
+
 // A counter's value with acquire at system scope (the proxy, a CPU thread, writes it).
 __device__ inline unsigned long long load_counter(const unsigned long long* p) {
   return ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(p));

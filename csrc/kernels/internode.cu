@@ -46,14 +46,6 @@ void check(cudaError_t e, const std::string& what) {
 // wrong rows without an error of their own. Skipping instead leaves the peers' waits to time out naming this rank.
 // Every failure sets the stop flag: report() does, a wait that sees the host's abort does, and abort_waits() does.
 
-// Kernel timeline stamps (TimelineField); `stamps` nullptr: off, and these cost one test.
-__device__ inline void stamp_earliest(unsigned long long* stamps, int field) {
-  if (stamps) atomicMin(stamps + field, static_cast<unsigned long long>(now_ns()));
-}
-__device__ inline void stamp_latest(unsigned long long* stamps, int field) {
-  if (stamps) atomicMax(stamps + field, static_cast<unsigned long long>(now_ns()));
-}
-
 // Records [first, first + count) of a push table row as one WRITE_SIGNAL through FIFO `lane` (its slot: the row's
 // first slot + lane), `remote_shift` bytes past the row's remote offset. False, after reporting, when the command does
 // not encode or the FIFO stays full past the deadline. fifo_push releases at system scope, so the records this thread
@@ -128,6 +120,8 @@ struct CountRowShift {
   int num_ranks, ranks_per_node;
   long long receive_bytes;
   long long send_limit;  // >= 0: the rows' records and local offsets come from our own count row (rows_from_own_row)
+  const long long* own_row_pushes;  // pushed first (CountRowOffsets::own_row_pushes); nullptr: none
+  int own_row_push_rows, own_row_push_phase;
 };
 
 // CountRowOffsets for a launch; none (at == nullptr): rows nullptr, send_limit -1.
@@ -144,6 +138,9 @@ CountRowShift count_row_shift(const CountRowOffsets* at, const void* signals, in
     shift.ranks_per_node = at->ranks_per_node;
     shift.receive_bytes = at->receive_bytes;
     shift.send_limit = at->send_limit;
+    shift.own_row_pushes = reinterpret_cast<const long long*>(at->own_row_pushes);
+    shift.own_row_push_rows = at->own_row_push_rows;
+    shift.own_row_push_phase = at->own_row_push_phase;
   }
   return shift;
 }
@@ -243,6 +240,13 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
       s_chunk0[kPackPushMaxRows];
   __shared__ long long s_n, s_own_first, s_own_count;
   __shared__ bool s_go;
+  if (blockIdx.x == 0 && at.own_row_push_rows > 0 && !stopped(stop)) {
+    // our count row to every peer, before anything else: the pusher below waits for theirs
+    for (int p = threadIdx.x; p < at.own_row_push_rows * num_fifos; p += blockDim.x)
+      if (!push_lane(fifos, num_fifos, at.own_row_pushes + (p / num_fifos) * kPushColumns, p / num_fifos,
+                     p % num_fifos, 1, 0, nullptr, 0, rank, at.own_row_push_phase, timeout_ns, err, stop))
+        break;
+  }
   if (threadIdx.x == 0) {
     stamp_earliest(stamps, kTlStart);
     bool go = !stopped(stop);
@@ -393,6 +397,7 @@ __global__ void __launch_bounds__(kSumThreads) sum_node_partials_kernel(
     const char* __restrict__ src, long long src_stride, const int* __restrict__ row_of, const int4* __restrict__ zero,
     int num_nodes, long long num_tokens, int payload_units, int num_weights, ArrivalGate gate) {
   __shared__ bool s_ok;
+  if constexpr (kGated) reader_begins(gate);
   if (kGated && blockIdx.x == 0) {  // the watcher (arrival_gate.hpp); the tiles go to the other blocks
     gate_watch(gate);
     return;
@@ -438,6 +443,7 @@ __global__ void __launch_bounds__(kSumThreads) sum_node_partials_kernel(
       reinterpret_cast<float*>(out_w + t * out_w_stride)[k] = acc;
     }
   }
+  if constexpr (kGated) reader_ends(gate);
 }
 
 }  // namespace
@@ -790,6 +796,9 @@ void Context::check_count_rows(const CountRowOffsets& at, const std::string& wha
 void Context::push_after_counts(uintptr_t table, int n, int64_t chunk_records, const CountRowOffsets& at, int phase,
                                 uintptr_t stream) {
   check_count_rows(at, "push_after_counts");
+  if (at.own_row_push_rows)
+    throw std::invalid_argument("push_after_counts: push our own count row before it (push_chunks); only "
+                                "pack_and_push_after_counts makes those pushes itself");
   launch_push(table, n, chunk_records, &at, phase, stream);
 }
 
@@ -799,6 +808,7 @@ void Context::launch_push(uintptr_t table, int n, int64_t chunk_records, const C
   if (chunk_records < 1 || uint64_t(chunk_records) > cmd::kMaxValue)
     throw std::invalid_argument("push_chunks: chunk_records must be 1.." + std::to_string(cmd::kMaxValue) +
                                 " (18-bit signal value)");
+  hop_stamps_ = nullptr;  // a hop pushed by push_chunks has no timeline row: its reader stamps none
   const CountRowShift shift = count_row_shift(at, signals_dev_, world_);
   const int threads = 64;
   const int64_t blocks = (int64_t(n) * proxy_->num_fifos() + threads - 1) / threads;
@@ -821,6 +831,13 @@ void Context::pack_and_push_after_counts(uintptr_t table, int n, int64_t chunk_r
   if (job.own_dst || job.own_first || job.own_count)
     throw std::invalid_argument("pack_and_push_after_counts: our own node's records are written after notify "
                                 "(no own_dst)");
+  if (at.own_row_push_rows < 0 || (at.own_row_push_rows > 0 && !at.own_row_pushes))
+    throw std::invalid_argument("pack_and_push_after_counts: own_row_push_rows must be >= 0, with a table when > 0");
+  if (job.num_records <= 0) {  // no launch: the row still has to leave, or the peers wait for it in vain
+    if (at.own_row_push_rows > 0) launch_push(at.own_row_pushes, at.own_row_push_rows, 1, nullptr,
+                                              at.own_row_push_phase, stream);
+    return;
+  }
   launch_pack_and_push(table, n, chunk_records, job, &at, ready, phase, stream);
 }
 
@@ -872,6 +889,7 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
   const int blocks = 1 + int(std::min<int64_t>(job.num_records, spin_blocks_ > 0 ? spin_blocks_ : 1024));
   unsigned long long* stamps = nullptr;
   if (timeline_ && timeline_used_ < timeline_capacity_) stamps = timeline_ + int64_t(kTimelineFields) * timeline_used_++;
+  hop_stamps_ = stamps;
   pack_and_push_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
       chunk_records, j, count_row_shift(at, signals_dev_, world_), reinterpret_cast<int*>(ready), rank_, phase,
@@ -885,6 +903,7 @@ void Context::set_timeline(uintptr_t stamps, int capacity) {
   timeline_ = stamps ? reinterpret_cast<unsigned long long*>(stamps) : nullptr;
   timeline_capacity_ = stamps ? capacity : 0;
   timeline_used_ = 0;
+  hop_stamps_ = nullptr;  // a gate made later must not stamp a row the caller may have freed
 }
 
 void Context::start_wire_log(size_t capacity) {
@@ -919,8 +938,10 @@ void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>& targe
   }
 }
 
-ArrivalGate Context::arrival_gate(uintptr_t table, int blocks, int64_t chunk_records, int phase) const {
+ArrivalGate Context::arrival_gate(uintptr_t table, int blocks, int64_t chunk_records, int phase) {
   ArrivalGate g;
+  g.stamps = hop_stamps_;  // the hop this gate reads was pushed by that launch
+  hop_stamps_ = nullptr;
   g.signals = static_cast<const unsigned long long*>(signals_dev_);
   g.mirror = static_cast<unsigned long long*>(mirror_dev_);
   g.table = reinterpret_cast<const long long*>(table);
@@ -1066,7 +1087,7 @@ void Context::launch_pack_and_push(uintptr_t, int, int64_t, const RecordJob&, co
 void Context::check_count_rows(const CountRowOffsets&, const std::string&) const {}
 void Context::set_timeline(uintptr_t, int) {}
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>&, int, uintptr_t) {}
-ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) const { return ArrivalGate{}; }
+ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) { return ArrivalGate{}; }
 std::string Context::error_message() const { return ""; }
 ErrorWord Context::error_fields() const { return ErrorWord{}; }
 void Context::clear_error() {}

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/arrival_gate.hpp"
+#include "kernels/timeline.hpp"
 #include "kernels/internode_plan.hpp"  // PackColumn
 #include "kernels/step_failure.hpp"
 #include "proxy/proxy.hpp"  // Proxy, ProxyThreadStats (host-only header)
@@ -37,21 +38,6 @@ enum PushColumn : int {
 
 // The most push table rows (destination blocks) pack_and_push takes: its packers keep the rows in shared memory.
 constexpr int kPackPushMaxRows = 256;
-
-// The kernel timeline (docs/internode.md, "Kernel timeline"; `bench internode --timeline`): GPU global-timer stamps
-// (ns) of one pack_and_push launch, so that where its time goes before the wire is read from the GPU itself rather
-// than inferred from host laps. kTlStart, kTlFirstReady and kTlFirstPush start at UINT64_MAX (earliest wins); the
-// others at 0. kTlRowsIn stays 0 when the launch waits for no count row.
-enum TimelineField {
-  kTlStart = 0,        // the first block of the launch began
-  kTlRowsIn = 1,       // every count row was in (pushed during notify only)
-  kTlFirstReady = 2,   // the first chunk's records were all written (stamped by the packer that wrote its last)
-  kTlFirstPush = 3,    // the first command was in a FIFO
-  kTlLastPush = 4,     // the last command was
-  kTlPackersDone = 5,  // the last packer block finished
-  kTlChunks = 6,       // commands pushed (a count, not a time)
-  kTimelineFields = 8,
-};
 
 // The records pack_and_push writes: those of pack_records (internode_plan.hpp) -- record r of num_records at
 // send + r * stride, our own node's [own_first, own_first + own_count) at own_dst instead -- with two more cases for
@@ -82,6 +68,12 @@ struct CountRowOffsets {
   // (one row per other node, records 0, local offsets from the send area's start); each row's records and block
   // come from our own count row, and nothing is pushed when all our records together pass send_limit bytes.
   int64_t send_limit = -1;
+  // Our own count row's pushes (pack_and_push_after_counts only): a push table of one-record rows, each a write of
+  // our row into a peer's notify area, made by the launch before anything else. The row then leaves with the launch
+  // that waits for the others' rows instead of a push_chunks launch of its own before it. 0 rows: pushed already.
+  uintptr_t own_row_pushes = 0;
+  int own_row_push_rows = 0;
+  int own_row_push_phase = 0;
 };
 
 // (slot, expected) pairs one wait_signals launch carries as kernel arguments (more go in further launches).
@@ -178,7 +170,8 @@ class Context {
   }
   int spin_blocks() const { return spin_blocks_; }
   // The kernel timeline (TimelineField): each later pack_and_push launch stamps the next row of `stamps` (device
-  // uint64 [capacity][kTimelineFields], initialised by the caller), until `capacity` rows are used. 0: off.
+  // uint64 [capacity][kTimelineFields], initialised by the caller), until `capacity` rows are used, and so does the
+  // gated reader of the same hop (the next arrival_gate after the launch). 0: off.
   void set_timeline(uintptr_t stamps, int capacity);
   int timeline_launches() const { return timeline_used_; }  // rows stamped since set_timeline
   // The emulated NIC's busy runs (LoopbackWire): only over the loopback with a bandwidth cap; throws otherwise.
@@ -214,8 +207,9 @@ class Context {
   void wait_signals(const std::vector<std::pair<int64_t, int64_t>>& targets, int phase, uintptr_t stream);
   // The gate for a consumer of this call's arrivals (arrival_gate.hpp): `table` (device int64 [blocks][kGateBase +
   // num_fifos]) names the blocks, `chunk_records` is the senders' chunk size; the waits get this rank's counters,
-  // deadline, error word and stop flag. The table must outlive the gated launch.
-  ArrivalGate arrival_gate(uintptr_t table, int blocks, int64_t chunk_records, int phase) const;
+  // deadline, error word and stop flag. The table must outlive the gated launch. With the kernel timeline on, the
+  // gate carries the row of the last pack_and_push launch since the last push_chunks (the hop it reads), once.
+  ArrivalGate arrival_gate(uintptr_t table, int blocks, int64_t chunk_records, int phase);
 
   std::string error_message() const;  // "" when fine
   ErrorWord error_fields() const;     // the raw error word (code 0 when fine)
@@ -246,6 +240,7 @@ class Context {
   int spin_blocks_ = 0;
   unsigned long long* timeline_ = nullptr;
   int timeline_capacity_ = 0, timeline_used_ = 0;
+  unsigned long long* hop_stamps_ = nullptr;  // the last pack_and_push launch's timeline row, for its hop's reader
   void* rdma_ = nullptr;
   void* nvl_ = nullptr;
   std::unique_ptr<Proxy> proxy_;

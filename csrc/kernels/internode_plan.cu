@@ -197,6 +197,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     long long* __restrict__ arrival_out, ArrivalGate gate, long long first_row) {
   constexpr int kTile = kPackThreads / kPackGroup;
   __shared__ bool s_ok;
+  if constexpr (kGated) reader_begins(gate);
   if (kGated && blockIdx.x == 0) {  // the watcher (arrival_gate.hpp); the tiles go to the other blocks
     gate_watch(gate);
     return;
@@ -255,6 +256,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
         arrival_out[r] = arrival_offset < 0 ? r : load_word<kGated>(reinterpret_cast<const int*>(row + arrival_offset));
     }
   }
+  if constexpr (kGated) reader_ends(gate);
 }
 
 }  // namespace

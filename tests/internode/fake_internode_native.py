@@ -470,25 +470,31 @@ class InternodeContext:
                                    hop1_token: int, dest_rows: int, ranks_per_node: int, capacity: int, columns: list,
                                    src_idx_offset: int, dest_rows_offset: int, slot: int, expected: int,
                                    count_rows: int, row_words: int, receive_bytes: int, send_limit: int, ready: int,
-                                   phase: int, stream: int) -> None:
-        """pack_and_push_kernel counting on the device (a CountRowShift with a send limit): the writes of
-        pack_records counting from our own count row (our own node's records not written, none past send_limit),
-        then of push_after_counts with the same table and limit. The chunk counters must be zero at launch and are
-        left zero, as pack_and_push's."""
+                                   phase: int, stream: int, own_row_pushes: int = 0, own_row_push_rows: int = 0,
+                                   own_row_push_phase: int = 0) -> None:
+        """pack_and_push_kernel counting on the device (a CountRowShift with a send limit): our own count row's
+        pushes first when given (own_row_pushes: a table of own_row_push_rows one-record rows, as push_chunks takes
+        it), then the writes of pack_records counting from our own count row (our own node's records not written,
+        none past send_limit), then of push_after_counts with the same table and limit. The chunk counters must be
+        zero at launch and are left zero, as pack_and_push's."""
         if send_limit < 0:
             raise ValueError("pack_and_push_after_counts: give send_limit (the records are counted from our row)")
+        if own_row_push_rows < 0 or (own_row_push_rows > 0 and not own_row_pushes):
+            raise ValueError("pack_and_push_after_counts: own_row_push_rows must be >= 0, with a table when > 0")
+        if capacity <= 0:  # no launch; the row still leaves (push_chunks)
+            self.push_chunks(own_row_pushes, own_row_push_rows, 1, own_row_push_phase, stream)
+            return
         if not 0 < n <= PACK_PUSH_MAX_ROWS:
             raise ValueError(f"pack_and_push: 1..{PACK_PUSH_MAX_ROWS} push table rows, got {n}")
         if not 0 <= send - self.rdma_ptr <= self.rdma_bytes - send_limit:
             raise ValueError("pack_and_push: the records do not lie in this rank's RDMA region")
-        if capacity <= 0:
-            return
         G = ranks_per_node
         own = count_rows + 8 * (self.rank * row_words + self.world)
         if int(_at(ready, 4 * (send_limit // stride // chunk_records + n + 1), torch.int32).count_nonzero()):
             raise RuntimeError("pack_and_push: chunk counters not zero at launch (the kernel would push early)")
         if _stopped(self.stop_flag_ptr, self._generation):
             return
+        self.push_chunks(own_row_pushes, own_row_push_rows, 1, own_row_push_phase, stream)
         pack_records(send, 0, 0, 0, stride, hop1_token, dest_rows, G, capacity, columns, src_idx_offset,
                      dest_rows_offset, stream, node_counts=own, num_nodes=self.world // G, skip_node=self.rank // G,
                      send_limit=send_limit)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 
@@ -295,6 +296,51 @@ def check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_
                                                                      rows_base + 2), e
     assert [cx.signal_value(slot + f) for f in range(2)] == want, "the push went on without the count rows"
     cx.clear_error()
+
+
+def check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends(cx, rdma, dev):
+    """pack_and_push_after_counts given our count row's pushes (the notify's push table) on one rank writing to
+    itself: the row leaves with the launch -- it lands in the rows area and moves its counter once -- also when the
+    launch then sends no record (here our records pass the send limit), and when there is no launch at all (no
+    token: capacity 0). Pushes without a table are refused before any launch. ``rdma``: a uint8 view of cx's RDMA
+    region on ``dev``."""
+    stride, n, per, hint, slot, row_slot = 80, 5, 2, 1, 7, 20
+    recv, rows_at, staging, row_words, cb = 16384, 8192, 12288, 4, 64
+    cuda = dev.type == "cuda"
+    stream = torch.cuda.current_stream().cuda_stream if cuda else 0
+    g = torch.Generator().manual_seed(13)
+    x = torch.randint(0, 256, (n, cb), generator=g, dtype=torch.uint8).to(dev)
+    hop1 = torch.zeros(n, dtype=torch.int64, device=dev)
+    dest = torch.zeros((n, 1), dtype=torch.int64, device=dev)
+    ready = torch.zeros(16, dtype=torch.int32, device=dev)
+    row = torch.randint(1, 1 << 20, (row_words,), generator=g, dtype=torch.int64)
+    row[:2] = n  # n tokens for rank 0 and node 0
+    rdma[staging:staging + 8 * row_words] = row.view(torch.uint8).to(dev)
+    rdma[rows_at:rows_at + 8 * row_words] = 0
+    row_push = torch.tensor([[0, staging, rows_at, 8 * row_words, 1, row_slot, 0]], dtype=torch.int64, device=dev)
+    blank = torch.tensor([[0, 0, recv, stride, 0, slot, hint]], dtype=torch.int64, device=dev)
+    lanes, rows_base = [cx.signal_value(slot + f) for f in range(2)], cx.signal_value(row_slot)
+
+    def launch(capacity, pushes=row_push.data_ptr(), rows=1):
+        cx.pack_and_push_after_counts(blank.data_ptr(), 1, per, cx.rdma_ptr, stride, hop1.data_ptr(), dest.data_ptr(),
+                                      1, capacity, [(x.data_ptr(), cb, 0)], 64, 68, row_slot, rows_base + 1,
+                                      cx.rdma_ptr + rows_at, row_words, 1 << 14, n * stride - 1, ready.data_ptr(), 1,
+                                      stream, own_row_pushes=pushes, own_row_push_rows=rows, own_row_push_phase=6)
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    launch(n)  # our n records pass the send limit (n * stride - 1): only the row goes
+    _await_counters(cx, [row_slot], [rows_base + 1])
+    assert cx.error_fields()["code"] == 0, cx.error_message()
+    assert torch.equal(rdma[rows_at:rows_at + 8 * row_words].cpu(), row.view(torch.uint8)), "the row did not land"
+    assert [cx.signal_value(slot + f) for f in range(2)] == lanes, "records past the send limit left"
+    rdma[rows_at:rows_at + 8 * row_words] = 0
+    launch(0)  # no token, no launch: the row still leaves
+    _await_counters(cx, [row_slot], [rows_base + 2])
+    assert torch.equal(rdma[rows_at:rows_at + 8 * row_words].cpu(), row.view(torch.uint8)), "no row without a launch"
+    with pytest.raises(ValueError, match="own_row_push_rows"):
+        launch(n, pushes=0)
+    assert cx.signal_value(row_slot) == rows_base + 2 and cx.error_fields()["code"] == 0
 
 
 def check_a_gated_unpack_reads_rows_only_after_their_chunks_land(cx, unpack_records, rdma, dev, codes):

@@ -23,6 +23,7 @@ from internode_cases import (ALL, area_too_small_after_a_push_during_notify,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
+                             check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
                              compare_cases, records_past_the_partial_sums)
 
@@ -270,12 +271,13 @@ def test_an_uncached_dispatch_right_after_a_combine_of_the_last_dispatch_packs_d
 
 
 def _pushes_during_notify(rank, world, G, cases):
-    """compare_cases: (pairs compared, dispatches that packed during notify, that pushed during notify too, and
-    launches that did both at once)."""
+    """compare_cases: (pairs compared, dispatches that packed during notify, that pushed during notify too, launches
+    that did both at once, and of those the ones that pushed our count row too)."""
     nat, ref = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
-        return done, nat.packs_during_notify, nat.pushes_during_notify, nat.packs_and_pushes_during_notify
+        return (done, nat.packs_during_notify, nat.pushes_during_notify, nat.packs_and_pushes_during_notify,
+                nat.count_rows_pushed_with_records)
     finally:
         nat.destroy()
 
@@ -288,21 +290,22 @@ def test_records_packed_during_notify_are_pushed_during_notify_with_one_or_sever
     With several GPUs per node the records' dest rows count from their source's first token and the forwarder adds
     the rows of the sources before it (forward_row_bases), so they need no rewrite after notify. With
     UCCL_EP_PUSH_DURING_NOTIFY=0 the push waits for the host's plan. The pack and the push are one launch
-    (pack_and_push_after_counts) unless UCCL_EP_PACK_AND_PUSH=0, which takes two."""
+    (pack_and_push_after_counts), which also pushes our count row to the others (no push of its own before it),
+    unless UCCL_EP_PACK_AND_PUSH=0, which takes two launches after the row's."""
     cases = ALL[:4]
     out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120, env=ENV)
-    for done, packed, pushed, fused in out:
+    for done, packed, pushed, fused, rows in out:
         assert (done, packed) == (len(cases), len(cases) - 1)
         assert 1 <= pushed <= packed, (G, packed, pushed)
-        assert fused == packed, (G, packed, fused)
+        assert fused == packed == rows, (G, packed, fused, rows)
     out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120,
                           env=dict(ENV, UCCL_EP_PACK_AND_PUSH="0"))
-    for done, packed, pushed, fused in out:
-        assert (done, packed, fused) == (len(cases), len(cases) - 1, 0)
+    for done, packed, pushed, fused, rows in out:
+        assert (done, packed, fused, rows) == (len(cases), len(cases) - 1, 0, 0)
         assert 1 <= pushed <= packed, (G, packed, pushed)
     out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120,
                           env=dict(ENV, UCCL_EP_PUSH_DURING_NOTIFY="0"))
-    assert [(done, pushed, fused) for done, _, pushed, fused in out] == [(len(cases), 0, 0)] * world
+    assert [(done, pushed, fused, rows) for done, _, pushed, fused, rows in out] == [(len(cases), 0, 0, 0)] * world
 
 
 def _scenario(rank, world, G, which):
@@ -505,6 +508,15 @@ def test_stand_in_push_after_counts_waits_for_the_count_rows_and_places_each_blo
     try:
         check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them(
             cx, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"), fake.ERROR_CODES)
+    finally:
+        cx.destroy()
+
+
+def test_stand_in_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends():
+    cx = _context()
+    try:
+        check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends(
+            cx, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"))
     finally:
         cx.destroy()
 

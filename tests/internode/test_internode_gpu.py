@@ -38,6 +38,7 @@ from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # 
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
+                             check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
                              compare_cases, records_past_the_partial_sums)
 
@@ -330,8 +331,10 @@ def _timeline(rank, world, G):
 
 def test_the_kernel_timeline_stamps_each_pack_and_push_in_order_and_shows_a_push_held_back_for_late_count_rows():
     """bench internode --timeline at kernel level (2 x 1, every loopback write delayed 20 ms): every pack-and-push
-    launch of the six calls is stamped and labelled by its call; in each, the first chunk is written before it is
-    pushed and the first command before the last; only the dispatch pushed during notify waits for the count rows,
+    launch of the six calls is stamped and labelled by its call, and so is the gated reader of its hop; in each, the
+    first chunk is written before it is pushed and the first command before the last, and the reader starts, sees
+    the last chunk land (a delay after the push) and ends in that order; only the dispatch pushed during notify waits
+    for the count rows,
     which come a write's delay late, so it holds its written first chunk back until they are in. How long each rank
     waits depends on which started first (the later rank's row comes one delay after it started, the earlier rank's
     one delay after the earlier start), but the two waits add up to about two delays."""
@@ -352,6 +355,10 @@ def test_the_kernel_timeline_stamps_each_pack_and_push_in_order_and_shows_a_push
                 waited += waited_for_rows_us(m)
             else:
                 assert m["rows_in_us"] is None, (rank, m)
+            # the hop's gated reader: launched behind the push; its watcher sees the last chunk land after it began
+            # and its blocks end after that (a block may read the last chunk a moment before the watcher stamps: 5 us
+            # of slack)
+            assert 0 < m["reader_start_us"] <= m["all_in_us"] <= m["reader_end_us"] + 5, (rank, m)
     assert waited >= 30_000, f"the pushes during notify waited {waited:.0f} us in all for rows delayed 20 ms each"
 
 
@@ -359,9 +366,11 @@ def _wire_calls(rank, world, G):
     """A forward pair (dispatch, combine) and a backward pair (cached dispatch, combine), each call timed to the end
     of its GPU work on the wire's clock; (each call's wire_timeline.call_on_wire, the dispatch's network payload
     bytes, its record stride's bound)."""
+    import torch.distributed as dist
+
     from uccl_ep_train import native
     from uccl_ep_train.backends import DispatchArgs
-    from uccl_ep_train.wire_timeline import CallWindow, call_on_wire, runs_from_log
+    from uccl_ep_train.wire_timeline import CallWindow, call_on_wire, readers_in_calls, runs_from_log
 
     clock = native.module().steady_clock_ns
     nat, _, dev = _backends(rank, world, G)
@@ -371,10 +380,16 @@ def _wire_calls(rank, world, G):
         r = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))  # warm: modules, plans
         nat.combine(r.recv_x, r.handle, None, None)
         torch.cuda.synchronize()
+        offsets = [nat._k.gpu_timer_minus_steady_ns(dev.index)]
         nat.start_wire_log(4096)
+        nat.start_kernel_timeline(8)
         calls, out = [], {}
 
         def timed(kind, fn):
+            # every rank's last call is over, so no byte of it is still to go on any wire: each call's window holds
+            # its own runs only (back to back, a call that returned before its own last byte left -- its peer's were
+            # in -- would hand its tail to the next one)
+            dist.barrier()
             t0 = clock()
             res = fn()
             torch.cuda.synchronize()
@@ -388,7 +403,11 @@ def _wire_calls(rank, world, G):
                   lambda: nat.dispatch(DispatchArgs(x, None, r.handle, None, None, None, None, None, None)))
         timed("backward combine", lambda: nat.combine(c.recv_x, r.handle, None, None))
         runs = runs_from_log(nat.stop_wire_log())
-        out["calls"] = {call.kind: call_on_wire(call, runs) for call in calls}
+        launches = nat.stop_kernel_timeline()
+        offsets.append(nat._k.gpu_timer_minus_steady_ns(dev.index))
+        out["offsets"] = offsets
+        readers = readers_in_calls(calls, launches, (offsets[0][0] + offsets[1][0]) // 2)
+        out["calls"] = {call.kind: call_on_wire(call, runs, reader) for call, reader in zip(calls, readers)}
         out["stride_bound"] = 2 * H + 16 * idx.size(1) + 64  # payload, top-k ids and weights, index fields, padding
         return out
     finally:
@@ -400,7 +419,9 @@ def test_the_wire_timeline_puts_each_calls_records_on_the_capped_wire_within_the
     forward and a backward pair put its own bytes on this rank's wire, each dispatch at least its network payload and
     at most its records, and the wire was busy for them exactly their bytes over the cap (also where a call returned
     before its own last byte left, its peer's bytes being in: session 24 on 2x H200); the parts of each call add up
-    to it."""
+    to it. The GPU timer's offset from the host clock is known to a few us and steady over the calls, and with it
+    each call's reader lands in the call: it sees the hop's last chunk land within the call and ends before the call
+    returns, the three parts after the wire adding up to the time after it."""
     _need(2)
     out = run_distributed(_wire_calls, 2, 1, timeout=240, env={"UCCL_EP_LOOPBACK_BW_GBPS": "5"})
     for rank, got in enumerate(out):
@@ -413,6 +434,16 @@ def test_the_wire_timeline_puts_each_calls_records_on_the_capped_wire_within_the
             assert c["wire_end_us"] + c["after_wire_us"] == pytest.approx(c["call_us"]), (rank, kind, c)
             if kind.endswith("dispatch"):  # + the count rows and the signals' zero-length writes
                 assert payload <= c["wire_bytes"] <= payload * per_record + (1 << 20), (rank, kind, c)
+            # the reader, on the host clock (the offset's error, a few us, is the tolerance)
+            err = max(e for _, e in got["offsets"]) / 1e3 + 1.0
+            assert c["reader_after_all_in_us"] >= 0 and c["return_after_reader_us"] >= -err, (rank, kind, c)
+            assert c["all_in_after_wire_us"] + c["reader_after_all_in_us"] + c["return_after_reader_us"] == \
+                pytest.approx(c["after_wire_us"], abs=0.01), (rank, kind, c)
+            # the last chunk landed within the call (a wrong offset puts it seconds away)
+            assert -c["wire_end_us"] - err <= c["all_in_after_wire_us"] <= c["after_wire_us"] + err, (rank, kind, c)
+        (before, e0), (after, e1) = got["offsets"]
+        assert e0 < 20_000 and e1 < 20_000, got["offsets"]  # ns: a PCIe round trip, not a scheduling hiccup
+        assert abs(after - before) < e0 + e1 + 50_000, got["offsets"]  # the clocks drift far less in a second
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
@@ -579,6 +610,18 @@ def test_push_after_counts_waits_on_the_gpu_for_the_count_rows_and_places_each_b
         check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them(
             cx, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev,
             dict(native.module().internode.ERROR_CODES))
+    finally:
+        cx.destroy()
+
+
+def test_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends():
+    """The count row's push made by the launch that packs and pushes during notify (one launch fewer before the
+    wire), on one GPU writing to itself: it leaves also when no record does, and without a launch."""
+    cx = _one_rank_context(gpu_timeout_secs=1.0)
+    try:
+        dev = torch.device("cuda", 0)
+        check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends(
+            cx, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev)
     finally:
         cx.destroy()
 

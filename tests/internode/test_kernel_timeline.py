@@ -6,14 +6,16 @@ import torch
 
 from uccl_ep_train import native
 from uccl_ep_train.kernel_timeline import (COMBINE, DISPATCH, DISPATCH_DURING_NOTIFY, EARLIEST, TIMES,
-                                           KernelTimeline, launch_record, start_lags, summarize, waited_for_rows_us)
+                                           KernelTimeline, launch_record, on_host_clock, start_lags, summarize,
+                                           waited_for_rows_us)
 
-FIELDS = ("start", "rows_in", "first_ready", "first_push", "last_push", "packers_done", "chunks")
+FIELDS = ("start", "rows_in", "first_ready", "first_push", "last_push", "packers_done", "chunks", "reader_start",
+          "all_in", "reader_end")
 
 
 class _Module:
     TIMELINE_FIELDS = FIELDS
-    TIMELINE_WIDTH = 8
+    TIMELINE_WIDTH = 10
 
 
 class _Context:
@@ -39,10 +41,10 @@ class _Context:
 def _row(start=1_000_000, **us):
     """A row of stamps: start in ns, the others given in us after it (absent: what the kernel leaves)."""
     values = {"start": start, "rows_in": 0, "first_ready": -1, "first_push": -1, "last_push": 0, "packers_done": 0,
-              "chunks": 0}
+              "chunks": 0, "reader_start": -1, "all_in": 0, "reader_end": 0}
     for name, v in us.items():
         values[name] = v if name == "chunks" else start + int(v * 1000)
-    return [values[f] for f in FIELDS] + [0]
+    return [values[f] for f in FIELDS]
 
 
 def test_the_field_names_are_the_ones_the_native_module_stamps_in_its_column_order():
@@ -84,7 +86,8 @@ def test_times_are_microseconds_after_the_start_and_absent_events_are_none():
     m = launch_record(DISPATCH, _row(first_ready=3.5, first_push=4.0, last_push=90.25, packers_done=80, chunks=7),
                       FIELDS)
     assert m == {"kind": DISPATCH, "start_ns": 1_000_000, "chunks": 7, "rows_in_us": None, "first_ready_us": 3.5,
-                 "first_push_us": 4.0, "last_push_us": 90.25, "packers_done_us": 80.0}
+                 "first_push_us": 4.0, "last_push_us": 90.25, "packers_done_us": 80.0, "reader_start_us": None,
+                 "all_in_us": None, "reader_end_us": None}
     never = launch_record(COMBINE, _row(start=-1), FIELDS)  # a launch whose blocks all returned before stamping
     assert never["start_ns"] is None and all(never[f"{t}_us"] is None for t in TIMES)
 
@@ -124,3 +127,26 @@ def test_start_lags_say_how_long_after_the_earliest_rank_each_rank_began_the_sam
     assert lags[1] == {DISPATCH_DURING_NOTIFY: 60.0, COMBINE: 0.0, DISPATCH: None}  # a launch never started: no lag
     mismatched = [[launch(DISPATCH, 1_000)], [launch(COMBINE, 2_000)]]  # not the same call: nothing to compare
     assert start_lags(mismatched) == [{DISPATCH: None, COMBINE: None}, {DISPATCH: None, COMBINE: None}]
+
+
+def test_a_hops_reader_stamps_its_start_the_last_chunks_landing_and_its_end_in_the_launchs_row():
+    m = launch_record(COMBINE, _row(first_push=3, last_push=70, reader_start=150, all_in=1200.5, reader_end=1210),
+                      FIELDS)
+    assert (m["reader_start_us"], m["all_in_us"], m["reader_end_us"]) == (150.0, 1200.5, 1210.0)
+
+
+def test_a_row_of_an_older_module_without_reader_fields_reads_as_no_reader():
+    old = FIELDS[:7]
+    m = launch_record(DISPATCH, _row(first_push=2)[:7], old)
+    assert m["first_push_us"] == 2.0 and m["reader_end_us"] is None and m["all_in_us"] is None
+
+
+def test_stamps_go_to_the_host_clock_by_the_gpu_timers_offset():
+    m = launch_record(DISPATCH, _row(start=5_000_000, first_push=2, all_in=1000, reader_end=1012.5), FIELDS)
+    offset = 4_000_000  # the GPU timer reads 4 ms ahead of the host's steady clock
+    assert on_host_clock(m, "start", offset) == 1_000_000
+    assert on_host_clock(m, "all_in", offset) == 2_000_000
+    assert on_host_clock(m, "reader_end", offset) == 2_012_500
+    assert on_host_clock(m, "rows_in", offset) is None  # never stamped
+    never = launch_record(DISPATCH, _row(start=-1), FIELDS)
+    assert on_host_clock(never, "start", offset) is None

@@ -2,7 +2,9 @@
 loopback). Synthetic runs and windows, so every part is known exactly."""
 import pytest
 
-from uccl_ep_train.wire_timeline import CallWindow, WireRun, call_on_wire, runs_from_log, summarize
+from uccl_ep_train.kernel_timeline import DISPATCH, launch_record
+from uccl_ep_train.wire_timeline import (READER_PARTS, CallWindow, ReaderStamps, WireRun, call_on_wire,
+                                         readers_in_calls, runs_from_log, summarize)
 
 US = 1000  # ns
 
@@ -15,7 +17,7 @@ def test_a_call_splits_into_before_its_first_byte_busy_idle_and_after_its_last_b
     assert got == {"call_us": 340.0, "carried_in_us": 5.0, "wire_bytes": (1 << 20) + (3 << 19),
                    "wire_start_us": 20.0, "wire_busy_us": 250.0, "wire_idle_us": 30.0, "wire_end_us": 300.0,
                    "after_wire_us": 40.0, "longest_idle_us": 30.0, "longest_idle_at_us": 120.0,
-                   "bytes_before_longest_idle": 1 << 20}
+                   "bytes_before_longest_idle": 1 << 20, **dict.fromkeys(READER_PARTS)}
 
 
 def test_the_longest_idle_stretch_says_where_it_began_and_how_much_the_call_had_sent_by_then():
@@ -74,3 +76,43 @@ def test_a_log_that_dropped_runs_or_holds_overlapping_ones_is_refused():
         runs_from_log({"runs": [(0, 5, 16, 1)], "dropped": 3})
     with pytest.raises(ValueError, match="overlap"):
         runs_from_log({"runs": [(0, 5, 16, 1), (4, 9, 16, 1)], "dropped": 0})
+
+
+def test_the_reader_splits_the_time_after_the_last_byte_into_landing_reading_and_returning():
+    # own last byte at 300 us; the peer's last chunk seen landed at 320, the reader done at 330, the call back at 345
+    runs = [WireRun(20 * US, 300 * US, 1 << 20, 2)]
+    got = call_on_wire(CallWindow("dispatch", 0, 345 * US), runs, ReaderStamps(320 * US, 330 * US))
+    assert (got["after_wire_us"], got["all_in_after_wire_us"], got["reader_after_all_in_us"],
+            got["return_after_reader_us"]) == (45.0, 20.0, 10.0, 15.0)
+    # the others' bytes in before our own last one left: landing before our wire's end
+    early = call_on_wire(CallWindow("dispatch", 0, 345 * US), runs, ReaderStamps(290 * US, 300 * US))
+    assert early["all_in_after_wire_us"] == -10.0
+    # no wire of its own: the reader still splits the end
+    idle = call_on_wire(CallWindow("combine", 0, 100 * US), [], ReaderStamps(50 * US, 60 * US))
+    assert idle["all_in_after_wire_us"] is None and idle["return_after_reader_us"] == 40.0
+
+
+def _launch(start_ns, all_in_us=None, end_us=None):
+    fields = ("start", "rows_in", "first_ready", "first_push", "last_push", "packers_done", "chunks", "reader_start",
+              "all_in", "reader_end")
+    at = {"start": start_ns, "first_ready": -1, "first_push": -1, "reader_start": -1}
+    if all_in_us is not None:
+        at["all_in"] = start_ns + int(all_in_us * US)
+    if end_us is not None:
+        at["reader_end"] = start_ns + int(end_us * US)
+    return launch_record(DISPATCH, [at.get(f, 0) for f in fields], fields)
+
+
+def test_each_call_gets_the_reader_of_the_launch_that_began_in_its_window_on_the_host_clock():
+    offset = 7_000 * US  # GPU timer ahead of the steady clock
+    calls = [CallWindow("a", 0, 1000 * US), CallWindow("b", 2000 * US, 3000 * US), CallWindow("c", 4000 * US, 5000 * US)]
+    launches = [_launch(offset + 50 * US, 900, 910),      # in call a
+                _launch(offset + 2100 * US),              # in call b, but its hop had no gated reader
+                _launch(offset + 6000 * US, 10, 20)]      # in no call
+    got = readers_in_calls(calls, launches, offset)
+    assert got == [ReaderStamps(950 * US, 960 * US), None, None]
+    summary = summarize(calls, [], got)
+    assert summary["a"]["median_return_after_reader_us"] == 40.0
+    assert summary["b"]["median_return_after_reader_us"] is None
+    with pytest.raises(ValueError, match="2 readers for 3 calls"):
+        summarize(calls, [], got[:2])

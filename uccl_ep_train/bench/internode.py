@@ -20,7 +20,7 @@ import os
 import resource
 import statistics
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 
 def add_parser(sub) -> None:
@@ -349,15 +349,24 @@ def _kernel_timeline(nat, loops, rounds: int) -> list:
     return out
 
 
+def _clock_offset(nat) -> Optional[Tuple[int, int]]:
+    """(GPU timer - steady clock, error) in ns for this rank's GPU, or None where the native module lacks the probe
+    (an older tree in an A/B run)."""
+    probe = getattr(nat._k, "gpu_timer_minus_steady_ns", None)
+    return tuple(probe(nat.device.index)) if probe is not None else None
+
+
 def _wire_timeline(nat, loops, rounds: int) -> Optional[list]:
     """--timeline with a capped loopback: ``rounds`` of each loop (name, (first, second)), every call timed to the end
-    of its GPU work on the wire's clock, against this rank's wire runs; every rank's wire_timeline.summarize, in rank
-    order, the kinds named "<loop> <call>". None where the transport has no emulated wire (verbs)."""
+    of its GPU work on the wire's clock, against this rank's wire runs, and its hop's gated reader (kernel timeline)
+    put on the same clock by the GPU timer's offset, probed before and after the calls; every rank's
+    wire_timeline.summarize, in rank order, the kinds named "<loop> <call>", with "clock" (the offsets and their
+    error, ns). None where the transport has no emulated wire (verbs)."""
     import torch
     import torch.distributed as dist
 
     from uccl_ep_train import native
-    from uccl_ep_train.wire_timeline import CallWindow, runs_from_log, summarize
+    from uccl_ep_train.wire_timeline import CallWindow, readers_in_calls, runs_from_log, summarize
 
     clock = native.module().steady_clock_ns
     names = {"forward": ("dispatch", "combine"), "backward": ("cached dispatch", "combine")}
@@ -368,6 +377,10 @@ def _wire_timeline(nat, loops, rounds: int) -> Optional[list]:
         nat.start_wire_log(rounds * 64 * sum(len(fns) for _, fns in loops) + 1024)
     except ValueError:  # the same answer on every rank: one transport for all
         return None
+    before = _clock_offset(nat)
+    n_calls = rounds * sum(len(fns) for _, fns in loops)
+    if before is not None:
+        nat.start_kernel_timeline(n_calls)  # one pack-and-push launch per call at most
     calls = []
     for loop, fns in loops:
         for _ in range(rounds):
@@ -376,7 +389,19 @@ def _wire_timeline(nat, loops, rounds: int) -> Optional[list]:
                 fn()
                 torch.cuda.synchronize()
                 calls.append(CallWindow(f"{loop} {names.get(loop, ('first', 'second'))[i]}", t0, clock()))
-    summary = summarize(calls, runs_from_log(nat.stop_wire_log()))
+    runs = runs_from_log(nat.stop_wire_log())
+    readers = None
+    clock_info = None
+    if before is not None:
+        launches = nat.stop_kernel_timeline()
+        after = _clock_offset(nat)
+        offset = (before[0] + after[0]) // 2
+        readers = readers_in_calls(calls, launches, offset)
+        clock_info = {"gpu_minus_host_ns_before": before[0], "gpu_minus_host_ns_after": after[0],
+                      "error_ns": max(before[1], after[1])}
+    summary = summarize(calls, runs, readers)
+    if clock_info is not None:
+        summary["clock"] = clock_info
     by_rank = [None] * dist.get_world_size()
     dist.all_gather_object(by_rank, summary)
     return by_rank
@@ -638,6 +663,8 @@ def run(args) -> int:
         "spare_send_tables_taken": getattr(nat, "spare_send_tables_taken", None),
         # hops whose records were written and pushed in one launch, by phase (rank 0, the whole run)
         "packs_and_pushes": getattr(nat, "packs_and_pushes", None),
+        # ... and of the uncached dispatches packed and pushed during notify, those whose launch pushed the count row
+        "count_rows_pushed_with_records": getattr(nat, "count_rows_pushed_with_records", None),
     }
     # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
     row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}
