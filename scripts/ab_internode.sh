@@ -7,7 +7,8 @@
 # Device: bash scripts/ab_internode.sh ab-old.tar      (carry ab-old.tar and .whl)
 # Settings: RUNS (default 3) capped pairs at UCCL_EP_LOOPBACK_BW_GBPS=${CAP:-50}, then one uncapped pair; ITERS
 # (default 20) calls per timed loop; VARIANT="NAME=VALUE ..." adds a third run per round: this tree with those
-# settings (e.g. VARIANT=UCCL_EP_PUSH_HEAD=0), and one uncapped at the end. The other revision needs
+# settings (e.g. VARIANT=UCCL_EP_PUSH_HEAD=0), and one uncapped at the end; BENCH_ARGS: more bench options for
+# every run (e.g. "--share-gpu" on one GPU, under MPS started by the caller). The other revision needs
 # `bench internode` to accept this tree's options.
 set -uo pipefail
 tarball=${1:?usage: scripts/ab_internode.sh OLD.tar (made with git archive --prefix=old/)}
@@ -23,7 +24,7 @@ tar -xf "$tarball" -C "$work" && cp uccl_ep_train/bench/internode.py "$work/old/
 bench() {  # bench TAG DIR CAP [NAME=VALUE ...]
   local tag=$1 dir=$2 cap=$3; shift 3
   (cd "$dir" && env "$@" UCCL_EP_LOOPBACK_BW_GBPS=$cap PYTHONPATH="/tmp/site:$dir" timeout 150 torchrun --standalone \
-     --nproc-per-node 2 -m uccl_ep_train bench internode --emulate-nodes 2 --iters "${ITERS:-20}" \
+     --nproc-per-node 2 -m uccl_ep_train bench internode --emulate-nodes 2 --iters "${ITERS:-20}" ${BENCH_ARGS:-} \
      --json "$work/$tag.json" >"$work/$tag.log" 2>&1; local rc=$?; echo "$tag rc=$rc" >>"$OUT/summary.txt"
    [[ $rc == 0 ]] || tail -25 "$work/$tag.log" >>"$OUT/summary.txt")
 }

@@ -44,6 +44,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
 from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
                                                shared_gpu_spin_blocks)
+from uccl_ep_train.upload_staging import UploadStaging
 
 
 def drain_after_waits(setting: str) -> bool:
@@ -331,6 +332,8 @@ class NativeInternodeBackend:
         self._notify_host = (torch.empty(notify_bytes, dtype=torch.uint8, pin_memory=True)
                              if self._notify_via_proxies and self.device.type == "cuda" else None)
         self._notify_view_cache: dict = {}  # _notify_views
+        # small tables go to the device from pinned memory allocated now (a first pinned allocation may synchronize)
+        self._staging = UploadStaging(self.device, self._cx.copy_to_device) if self.device.type == "cuda" else None
         self.half_nvl = self.nvl_bytes // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         if self._cx.num_fifos != self.L:
@@ -488,7 +491,8 @@ class NativeInternodeBackend:
         if self.device.type != "cuda":  # CPU stand-in: every call has completed when it returns
             self._check(what)
             return
-        self._cx.record_drain_mark(self._stream())
+        stream = self._stream()
+        self._cx.record_drain_mark(stream)
         t0 = time.monotonic()
         limit = 2 * self.gpu_timeout + self.cpu_timeout
         aborted = False
@@ -508,6 +512,8 @@ class NativeInternodeBackend:
                         f"{self._cx.error_fields()}; proxy error {self._cx.proxy_error()!r}; "
                         f"{self._proxy_threads()}\n{timeout_hint()}")
                 time.sleep(0 if waited < 2e-3 else 1e-4)
+        if self._staging is not None:  # every upload queued so far has run
+            self._staging.drained(stream)
         self._check(what)
 
     def _settle(self, what: str, drain: Optional[bool] = None) -> None:
@@ -706,9 +712,14 @@ class NativeInternodeBackend:
         return counts_from_rows(mat, R, self.N, **shape)
 
     def _upload(self, rows: Any) -> torch.Tensor:
-        """A small host table (int64) on the device without a stream sync (_upload_values)."""
+        """A small host table (int64) on the device without a stream sync: through the pinned staging area
+        (upload_staging.py), on the CPU stand-in as _upload_values."""
         if isinstance(rows, torch.Tensor):
-            return rows.to(self.device, non_blocking=True)
+            if rows.device.type != "cpu" or self._staging is None:
+                return rows.to(self.device, non_blocking=True)
+            rows = rows.numpy()
+        if self._staging is not None:
+            return self._staging.upload(rows, np.int64, self._stream())
         return _upload_values(rows, np.int64, self.device)
 
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
@@ -1050,13 +1061,15 @@ class NativeInternodeBackend:
         return [("combine", _align(2 * hidden))], later
 
     def _plan_ahead(self, counts: Counts, plan: SendPlan, guesses: list, ahead: PlannedAhead, step: str,
-                    have: Any = ()) -> None:
+                    have: Any = (), upload: bool = True) -> None:
         """Make the shapes and hop plans of the ``guesses`` (see _guesses; none whose hop key is in ``have``) and
         upload their tables, between a hop's push and the launch of what waits for it: the wire is busy then, while
         each of those calls made them at its first use with the GPU idle behind it (~100-200 us of a forward
         combine's host steps on 2x H200). An uncached dispatch plans its handle's next call; the handle's first
         combine the backward's. Before the reader or wait spins, as the call's other uploads there: nothing may be
-        launched after it ("Drains"). A guess whose areas do not fit is skipped: the call that needs it raises."""
+        launched after it ("Drains"). A guess whose areas do not fit is skipped: the call that needs it raises.
+        ``upload`` False: host work only (no CUDA call), for while a gated reader spins; _adopt_plans uploads the
+        tables once the call has drained."""
         G = self.G
         for kind, size in guesses:
             try:
@@ -1065,7 +1078,7 @@ class NativeInternodeBackend:
                     key = ("dispatch", layout.stride)
                     if key in have:
                         continue
-                    ahead.dispatch_shapes[layout] = self._dispatch_shape(counts, plan, layout)
+                    ahead.dispatch_shapes[layout] = self._dispatch_shape(counts, plan, layout, upload)
                     if key not in ahead.hop_plans:  # another guess's layout may share the record size
                         ahead.hop_plans[key] = self._dispatch_hop(counts, plan, layout.stride)
                 else:
@@ -1076,19 +1089,32 @@ class NativeInternodeBackend:
                     ahead.hop_plans[key] = self._combine_hop(counts, size, shape.areas)
             except InternodeError:
                 continue
-        self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows])
+        if upload:
+            self._upload_plans_ahead(ahead)
         self._lap(step)
 
+    def _upload_plans_ahead(self, ahead: PlannedAhead) -> None:
+        """The device tables of plans made ahead without them: the hop plans' in one upload, the forward row bases
+        of the dispatch shapes (several GPUs per node)."""
+        self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows and p.table is None])
+        for layout, shape in ahead.dispatch_shapes.items():
+            if shape.forward_bases is not None and shape.forward_bases.device != self.device:
+                shape.forward_bases = self._upload(shape.forward_bases)
+
     def _adopt_plans(self, h: InternodeHandle, ahead: PlannedAhead) -> None:
-        """The plans made ahead onto the handle."""
+        """The plans made ahead onto the handle, with their device tables (made now where they were planned while a
+        reader spun)."""
+        self._upload_plans_ahead(ahead)
         h.dispatch_shapes.update(ahead.dispatch_shapes)
         h.combine_shapes.update(ahead.combine_shapes)
         h.hop_plans.update(ahead.hop_plans)
         self.plans_made_ahead += len(ahead.hop_plans)
 
-    def _dispatch_shape(self, counts: Counts, plan: SendPlan, layout: RecordLayout) -> DispatchShape:
+    def _dispatch_shape(self, counts: Counts, plan: SendPlan, layout: RecordLayout, upload: bool = True
+                        ) -> DispatchShape:
         """The DispatchShape of these counts and layout, after checking that every rank's areas hold the dispatch
-        (the same answer on every rank: the counts are the same)."""
+        (the same answer on every rank: the counts are the same). ``upload`` False: the forward row bases stay on
+        the host (_upload_plans_ahead takes them to the device)."""
         G, stride = self.G, layout.stride
         tot = counts.totals(G)
         check_area("dispatch send (RDMA)", tot.sends, stride, self.half_rdma, "num_rdma_bytes")
@@ -1096,7 +1122,9 @@ class NativeInternodeBackend:
         check_area("dispatch final rows (NVL)", tot.final_rows, layout.final_bytes, self.half_nvl, "num_nvl_bytes")
         recv_by_node = recv_counts(counts, self.rank, G)
         recv_base, A = self.half_rdma, sum(recv_by_node)
-        bases = self._upload(forward_row_bases(counts, self.rank, G)) if G > 1 else None
+        bases = forward_row_bases(counts, self.rank, G) if G > 1 else None
+        if bases is not None and upload:
+            bases = self._upload(bases)
         return DispatchShape(recv_base + block_offsets(recv_by_node, stride)[self.node],
                              int(plan.hop1_token.numel()) > plan.node_send[self.node],
                              dispatch_extents(counts, G, stride),
@@ -1251,16 +1279,15 @@ class NativeInternodeBackend:
                 ids: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None, ids_column: int = 0,
                 expert_lo: int = 0, experts_per_rank: int = 0, src_idx: Optional[torch.Tensor] = None,
                 arrival: Optional[torch.Tensor] = None, pending: Any = None,
-                plan_ahead: Optional[Callable[[], None]] = None) -> None:
+                while_reading: Optional[Callable[[], None]] = None) -> None:
         """The final rows' columns into ``outs`` (column i into outs[i], padded with zero rows to ``out_rows``) in
         one launch (unpack_records kernel); with ``ids`` / ``weights``, column ``ids_column`` (global expert ids) and
         the next (weights) become local ids (-1 elsewhere and in padding rows) and the weights of local ids (0
         elsewhere); the src_idx and arrival fields into ``src_idx`` / ``arrival``. ``pending`` (from ``_move``): the
-        rows are still landing; the unpack is gated on them and the hop is closed after it, ``plan_ahead`` (host work
-        and uploads) done before its launch."""
-        if pending and plan_ahead is not None:  # before the reader spins: launches after it are not allowed
-            self._lap("dispatch.outputs")
-            plan_ahead()
+        rows are still landing; the unpack is gated on them and the hop is closed after it. ``while_reading``: host
+        work with no CUDA call, run right after the launch (while a gated reader spins: "Drains"), so that the reader
+        reads the rows already in while the host makes the handle and the next calls' plans (on a fast wire that work
+        had held the reader back)."""
         n = final.size(0)
         if out_rows < 0:
             out_rows = n
@@ -1273,6 +1300,9 @@ class NativeInternodeBackend:
             layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
             layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
             self._stream(), gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
+        if while_reading is not None:
+            self._lap("dispatch.unpack")
+            while_reading()
         if pending:
             self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
             self._lap("dispatch.network")
@@ -1355,7 +1385,8 @@ class NativeInternodeBackend:
             ahead = PlannedAhead()
             now, later = self._guesses(tuple(_row_bytes(c) for c in cols[:2 if scales is not None else 1]),
                                        x.size(1), topk_idx.size(1) if topk_idx is not None else 0)
-            plan_ahead = lambda: self._plan_ahead(counts, plan, now, ahead, "dispatch.plan_ahead")  # noqa: E731
+            plan_ahead = lambda upload=True: self._plan_ahead(  # noqa: E731
+                counts, plan, now, ahead, "dispatch.plan_ahead", upload=upload)
         final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
                                                          pushed=pushed, plan_ahead=plan_ahead)
         nrecv = final.size(0)
@@ -1378,21 +1409,30 @@ class NativeInternodeBackend:
             recv_w = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=self.device)
         src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
         arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
-        # Everything that follows from the counts alone is made now, while the hop runs (with one GPU per node the
-        # unpack below is gated and the host then drains): after the drain it added ~100 us per call (session 10).
-        # Copies only, no kernel: a kernel's first launch may load its module, which waits for running kernels, and
-        # push_chunks spins while a FIFO is full ("Drains"); rows_by_local is made by the combine that needs it.
-        raw = recv_expert_counts(counts, self.rank, L) if counts.expert_counts is not None else None
-        aligned = [_align(int(c), args.expert_alignment) for c in raw] if raw is not None else None
-        h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv, num_topk=topk_idx.size(1) if topk_idx is not None else 0,
-                            num_ranks=self.R, expert_major=args.expert_major, is_token_in_rank=itr,
-                            recv_tokens_per_expert=aligned, device=self.device,
-                            counts=counts, plan=plan, num_recv_tokens=nrecv,
-                            recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
-                            expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
-        self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
+        # Everything that follows from the counts alone is made while the hop runs, not after the drain (~100 us per
+        # call there, session 10): the outputs before the reader's launch (an allocation may call into CUDA), the
+        # handle and the next calls' plans right after it, while the reader reads the rows already in (host_work:
+        # with one GPU per node the reader is gated and spins, and nothing may call into CUDA then: "Drains").
+        # rows_by_local is made by the combine that needs it.
+        made: dict = {}
+
+        def host_work() -> None:  # while the reader runs (spins, when gated): no CUDA call
+            raw = recv_expert_counts(counts, self.rank, L) if counts.expert_counts is not None else None
+            aligned = [_align(int(c), args.expert_alignment) for c in raw] if raw is not None else None
+            h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv,
+                                num_topk=topk_idx.size(1) if topk_idx is not None else 0, num_ranks=self.R,
+                                expert_major=args.expert_major, is_token_in_rank=itr, recv_tokens_per_expert=aligned,
+                                device=self.device, counts=counts, plan=plan, num_recv_tokens=nrecv,
+                                recv_src_idx=src_idx, recv_arrival=arrival, fwd_dest_rows=fwd_dest,
+                                expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
+            self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
+            made.update(h=h, raw=raw, aligned=aligned)
+            if pending and plan_ahead is not None:  # (else made between the push and the wait: _move)
+                plan_ahead(False)
+
         self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
-                     arrival, pending, plan_ahead=plan_ahead if pending else None)
+                     arrival, pending, while_reading=host_work)
+        h, raw, aligned = made["h"], made["raw"], made["aligned"]
         if ahead is not None:
             self._adopt_plans(h, ahead)
             h.later_guesses = later
@@ -1613,8 +1653,8 @@ class NativeInternodeBackend:
         pending = ahead = plan_ahead = None
         if h.later_guesses:  # the backward's plans, made while this hop runs
             ahead, later, h.later_guesses = PlannedAhead(), h.later_guesses, None
-            plan_ahead = lambda: self._plan_ahead(h.counts, h.plan, later, ahead, "combine.plan_ahead",  # noqa: E731
-                                                  h.hop_plans)
+            plan_ahead = lambda upload=True: self._plan_ahead(  # noqa: E731
+                h.counts, h.plan, later, ahead, "combine.plan_ahead", h.hop_plans, upload)
         if self.gated_arrivals:  # the sum below reads each token's partial sums as their chunks land
             pending = self._push_and_gate(hop, "combine_network", rest=rest, push=fused)
             self._lap("combine.push")
@@ -1630,13 +1670,13 @@ class NativeInternodeBackend:
         out_w = torch.empty((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
         eb = H * x.element_size()
         self.last_traffic = TrafficReport(shape.nvlink_rows * eb, shape.network_rows * eb, nrecv * eb)
-        if pending and plan_ahead is not None:  # before the gated sum spins
-            plan_ahead()
         self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
                                   x.dtype == torch.float32, self._stream(), gate=pending.gate if pending else None)
         if h is self._last_dispatch_handle and self.pack_during_notify and self._notify_via_proxies:  # during the hop
             self._spare_for_packing_during_notify(h.num_tokens)
+        if pending and plan_ahead is not None:  # host work only while the gated sum spins; uploads after the drain
+            plan_ahead(False)
         if pending:
             self._gated_done("combine_network", pending.t0, "combine_network wait")
             self._lap("combine.network")

@@ -376,6 +376,8 @@ void bind_internode(py::module_& m) {
       .def("record_drain_mark", &in::Context::record_drain_mark, py::arg("stream"),
            "record the context's drain event on `stream` (the end of what it holds now)")
       .def("drain_mark_reached", &in::Context::drain_mark_reached, "whether the GPU passed the last drain mark")
+      .def("copy_to_device", &in::Context::copy_to_device, py::arg("dst"), py::arg("src"), py::arg("bytes"),
+           py::arg("stream"), "bytes from pinned host memory (src) to the device (dst), queued on stream")
       .def("error_message", &in::Context::error_message)
       .def("error_fields", [](const in::Context& c) {
         const in::ErrorWord e = c.error_fields();

@@ -1041,6 +1041,15 @@ void Context::record_drain_mark(uintptr_t stream) {
         "cudaEventRecord of the drain mark");
 }
 
+void Context::copy_to_device(uintptr_t dst, uintptr_t src, int64_t bytes, uintptr_t stream) {
+  if (bytes < 0 || (bytes > 0 && (!dst || !src)))
+    throw std::invalid_argument("copy_to_device: a null address or a negative size");
+  if (bytes == 0) return;
+  check(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), size_t(bytes),
+                        cudaMemcpyHostToDevice, reinterpret_cast<cudaStream_t>(stream)),
+        "cudaMemcpyAsync of a " + std::to_string(bytes) + "-byte table");
+}
+
 bool Context::drain_mark_reached() const {
   if (!drain_event_) throw std::runtime_error("drain_mark_reached: the internode context was destroyed");
   const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(drain_event_));
@@ -1094,6 +1103,9 @@ void Context::clear_error() {}
 void Context::abort_waits() {}
 void Context::record_drain_mark(uintptr_t) {}
 bool Context::drain_mark_reached() const { return true; }
+void Context::copy_to_device(uintptr_t, uintptr_t, int64_t, uintptr_t) {
+  throw std::runtime_error("copy_to_device: the internode path needs a CUDA build");
+}
 
 #endif
 

@@ -223,6 +223,10 @@ class Context {
   // torch.cuda.current_stream() cost ~15 us of host time per drain beside busy proxy threads (session 12).
   void record_drain_mark(uintptr_t stream);
   bool drain_mark_reached() const;
+  // `bytes` from pinned host memory at `src` to device memory at `dst`, queued on `stream` (cudaMemcpyAsync): the
+  // backend's small tables, from a staging area allocated at setup, never a pageable copy the driver may stage
+  // synchronously (uccl_ep_train/upload_staging.py).
+  void copy_to_device(uintptr_t dst, uintptr_t src, int64_t bytes, uintptr_t stream);
   void destroy();  // stops the proxy, unmaps peers, frees memory (idempotent)
 
  private:
