@@ -190,6 +190,7 @@ class Pending(NamedTuple):
     t0: Any  # timing start (_hop_started)
     slots: List[int]  # the counters the hop's waits name
     first_row: int = 0  # where the reader starts: the first of the rows already in (unpack_records' first_row)
+    records: int = 0  # what the hop's waits add up to: its records (chunks' signal values) to land
 
 
 @dataclass
@@ -769,7 +770,18 @@ class NativeInternodeBackend:
         t = self._upload(table) if table else None
         self._keep_w = t  # alive until the gated launch has run (the drain in _gated_done)
         return Pending(self._cx.arrival_gate(t.data_ptr() if t is not None else 0, len(table), hop.per_chunk,
-                                             self._phases[phase]), t0, [slot for slot, _ in hop.waits])
+                                             self._phases[phase]), t0, [slot for slot, _ in hop.waits],
+                       records=sum(count for _, count in hop.waits))
+
+    def _plan_before_reader(self, pending: Any) -> bool:
+        """Where a call's planning for the next calls goes ("Planning ahead"): before its gated reader's launch, with
+        its upload, while at least half of the hop's records are still to land -- the wire is busy for a while yet,
+        so the planning costs nothing there; else after the launch, as host work while the reader reads what is in
+        (its upload after the drain). One read of the hop's counters."""
+        if not pending or not pending.records:
+            return False
+        left = self._cx.signals_short([(slot, self._expected[slot]) for slot in pending.slots])
+        return 2 * left >= pending.records
 
     def _gated_done(self, phase: str, t0: Any, what: str) -> None:
         self._hop_ended(phase, t0)
@@ -1300,12 +1312,14 @@ class NativeInternodeBackend:
             layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
             layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
             self._stream(), gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
-        if while_reading is not None:
-            self._lap("dispatch.unpack")
-            while_reading()
-        if pending:
-            self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
-            self._lap("dispatch.network")
+        try:
+            if while_reading is not None:
+                self._lap("dispatch.unpack")
+                while_reading()
+        finally:  # the reader is drained whatever the host work raised: nothing is left spinning behind an error
+            if pending:
+                self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
+                self._lap("dispatch.network")
 
     @staticmethod
     def _column_view(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor) -> torch.Tensor:
@@ -1415,6 +1429,10 @@ class NativeInternodeBackend:
         # with one GPU per node the reader is gated and spins, and nothing may call into CUDA then: "Drains").
         # rows_by_local is made by the combine that needs it.
         made: dict = {}
+        plan_first = pending is not None and plan_ahead is not None and self._plan_before_reader(pending)
+        if plan_first:
+            self._lap("dispatch.outputs")
+            plan_ahead()
 
         def host_work() -> None:  # while the reader runs (spins, when gated): no CUDA call
             raw = recv_expert_counts(counts, self.rank, L) if counts.expert_counts is not None else None
@@ -1427,7 +1445,7 @@ class NativeInternodeBackend:
                                 expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
             made.update(h=h, raw=raw, aligned=aligned)
-            if pending and plan_ahead is not None:  # (else made between the push and the wait: _move)
+            if pending and plan_ahead is not None and not plan_first:  # (no pending: made in _move, before the wait)
                 plan_ahead(False)
 
         self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
@@ -1670,18 +1688,23 @@ class NativeInternodeBackend:
         out_w = torch.empty((h.num_tokens, kw), dtype=torch.float32, device=dev) if kw else None
         eb = H * x.element_size()
         self.last_traffic = TrafficReport(shape.nvlink_rows * eb, shape.network_rows * eb, nrecv * eb)
+        plan_first = pending is not None and plan_ahead is not None and self._plan_before_reader(pending)
+        if plan_first:
+            plan_ahead()
         self._k.sum_node_partials(combined_x.data_ptr(), out_w.data_ptr() if kw else 0, self._cx.rdma_ptr + c_recv,
                                   cstride, h.plan.row_of.data_ptr(), zero.data_ptr(), self.N, h.num_tokens, pay, kw,
                                   x.dtype == torch.float32, self._stream(), gate=pending.gate if pending else None)
         if h is self._last_dispatch_handle and self.pack_during_notify and self._notify_via_proxies:  # during the hop
             self._spare_for_packing_during_notify(h.num_tokens)
-        if pending and plan_ahead is not None:  # host work only while the gated sum spins; uploads after the drain
-            plan_ahead(False)
-        if pending:
-            self._gated_done("combine_network", pending.t0, "combine_network wait")
-            self._lap("combine.network")
-        else:
-            self._settle("combine")
+        try:
+            if pending and plan_ahead is not None and not plan_first:  # host work only; uploads after the drain
+                plan_ahead(False)
+        finally:  # drained whatever the planning raised
+            if pending:
+                self._gated_done("combine_network", pending.t0, "combine_network wait")
+                self._lap("combine.network")
+            else:
+                self._settle("combine")
         if ahead is not None:
             self._adopt_plans(h, ahead)
         if h is self._last_dispatch_handle:  # the next uncached dispatch may pack during notify

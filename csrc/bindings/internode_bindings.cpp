@@ -268,6 +268,8 @@ void bind_internode(py::module_& m) {
       .def("proxy_error", &in::Context::proxy_error)
       .def("proxy_totals", [](const in::Context& c) { return proxy_stats_dict(c.proxy_totals()); })
       .def("signal_value", &in::Context::signal_value, py::arg("slot"))
+      .def("signals_short", &in::Context::signals_short, py::arg("targets"),
+           "sum over (slot, target) of max(0, target - signal[slot]): e.g. a hop's records still to land")
       .def("proxy_counters", &in::Context::proxy_counters,
            "the proxy threads' published counters, one line per thread (never asks the transport)")
       .def_property("spin_blocks", &in::Context::spin_blocks, &in::Context::set_spin_blocks,

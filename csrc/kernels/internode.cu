@@ -728,6 +728,18 @@ int64_t Context::signal_value(uint32_t slot) const {
   return __atomic_load_n(proxy_->signals() + slot, __ATOMIC_ACQUIRE);
 }
 
+int64_t Context::signals_short(const std::vector<std::pair<int64_t, int64_t>>& targets) const {
+  std::lock_guard<std::mutex> g(diag_mu_);
+  if (destroyed_ || !proxy_) throw std::runtime_error("signals_short: the internode context was destroyed");
+  int64_t left = 0;
+  for (const auto& [slot, target] : targets) {
+    if (slot < 0 || uint64_t(slot) >= num_slots_) throw std::invalid_argument("signals_short: slot out of range");
+    const int64_t v = int64_t(__atomic_load_n(proxy_->signals() + slot, __ATOMIC_ACQUIRE));
+    if (target > v) left += target - v;
+  }
+  return left;
+}
+
 std::vector<Context::FifoState> Context::fifo_states() const {
   std::lock_guard<std::mutex> g(diag_mu_);
   std::vector<FifoState> out;
@@ -1083,6 +1095,7 @@ std::string Context::proxy_error() const { return ""; }
 ProxyThreadStats Context::proxy_totals() const { return {}; }
 uint64_t Context::max_write_bytes() const { return 0; }
 int64_t Context::signal_value(uint32_t) const { return 0; }
+int64_t Context::signals_short(const std::vector<std::pair<int64_t, int64_t>>&) const { return 0; }
 std::vector<Context::FifoState> Context::fifo_states() const { return {}; }
 std::string Context::proxy_counters() const { return ""; }
 void Context::push_chunks(uintptr_t, int, int64_t, int, uintptr_t) {}

@@ -148,6 +148,9 @@ class Context {
   uint64_t max_write_bytes() const;
   // Host read of a signal counter (tests, diagnostics).
   int64_t signal_value(uint32_t slot) const;
+  // How far the counters are from their targets: the sum over (slot, target) of max(0, target - signal[slot]), e.g.
+  // the records of a hop still to land. One read of each host counter, no GPU call.
+  int64_t signals_short(const std::vector<std::pair<int64_t, int64_t>>& targets) const;
   // Per FIFO, for error messages: how many slots kernels reserved (the head in GPU memory), how far the proxy got
   // (published tail), and what the ring holds beyond it (Fifo::Snapshot). head > tail with the slot at the tail
   // empty is a lost push; head == tail means the proxy took every command kernels pushed.

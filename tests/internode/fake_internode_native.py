@@ -684,6 +684,10 @@ class InternodeContext:
     def proxy_totals(self) -> dict:
         return dict(self._totals)
 
+    def signals_short(self, targets: list) -> int:
+        """Context::signals_short: sum over (slot, target) of max(0, target - signal[slot])."""
+        return sum(max(0, int(target) - self.signal_value(int(slot))) for slot, target in targets)
+
     def signal_value(self, slot: int) -> int:
         if not 0 <= slot < self.num_signal_slots:
             raise ValueError("signal_value: slot out of range")

@@ -302,7 +302,8 @@ def check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sen
     """pack_and_push_after_counts given our count row's pushes (the notify's push table) on one rank writing to
     itself: the row leaves with the launch -- it lands in the rows area and moves its counter once -- also when the
     launch then sends no record (here our records pass the send limit), and when there is no launch at all (no
-    token: capacity 0). Pushes without a table are refused before any launch. ``rdma``: a uint8 view of cx's RDMA
+    token: capacity 0). Pushes without a table are refused before any launch. signals_short reads how far counters
+    are from targets (what the backend asks of a hop's counters). ``rdma``: a uint8 view of cx's RDMA
     region on ``dev``."""
     stride, n, per, hint, slot, row_slot = 80, 5, 2, 1, 7, 20
     recv, rows_at, staging, row_words, cb = 16384, 8192, 12288, 4, 64
@@ -331,12 +332,15 @@ def check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sen
 
     launch(n)  # our n records pass the send limit (n * stride - 1): only the row goes
     _await_counters(cx, [row_slot], [rows_base + 1])
+    # how far counters are from targets (a hop's records still to land): past or at a target counts nothing
+    assert cx.signals_short([(row_slot, rows_base + 3), (slot, lanes[0] + 2), (slot + 1, lanes[1] - 1)]) == 4
     assert cx.error_fields()["code"] == 0, cx.error_message()
     assert torch.equal(rdma[rows_at:rows_at + 8 * row_words].cpu(), row.view(torch.uint8)), "the row did not land"
     assert [cx.signal_value(slot + f) for f in range(2)] == lanes, "records past the send limit left"
     rdma[rows_at:rows_at + 8 * row_words] = 0
     launch(0)  # no token, no launch: the row still leaves
     _await_counters(cx, [row_slot], [rows_base + 2])
+    assert cx.signals_short([(row_slot, rows_base + 2)]) == 0
     assert torch.equal(rdma[rows_at:rows_at + 8 * row_words].cpu(), row.view(torch.uint8)), "no row without a launch"
     with pytest.raises(ValueError, match="own_row_push_rows"):
         launch(n, pushes=0)

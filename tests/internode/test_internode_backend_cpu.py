@@ -605,3 +605,31 @@ def test_benchmark_host_timing_splits_notify_into_row_exchange_and_read_back_and
     for name in ("dispatch.entry", "dispatch.notify_row", "dispatch.notify_exchange", "dispatch.notify",
                  "dispatch.network", "dispatch.finish", "combine.entry", "combine.network", "combine.finish"):
         assert steps.get(name) == 1, (name, steps)
+
+
+class _Counters:
+    """InternodeContext's signals_short over fixed counter values."""
+
+    def __init__(self, values):
+        self.values, self.asked = values, []
+
+    def signals_short(self, targets):
+        self.asked.append(list(targets))
+        return sum(max(0, t - self.values[s]) for s, t in targets)
+
+
+def test_planning_goes_before_the_reader_while_at_least_half_the_hops_records_are_still_to_land():
+    """_plan_before_reader: with half or more of a hop's records still to land the wire is busy for a while, and the
+    next calls' planning (with its upload) goes before the reader's launch; with less the reader goes first. The
+    counters' targets are the backend's running ones; no hop, or one with nothing to land, plans after."""
+    from uccl_ep_train.internode import NativeInternodeBackend, Pending
+
+    b = NativeInternodeBackend.__new__(NativeInternodeBackend)  # no context: only the decision is exercised
+    b._expected = [0, 60, 40]
+    pending = Pending(gate=None, t0=None, slots=[1, 2], records=100)
+    for landed, first in (((10, 40), True), ((30, 20), True), ((31, 20), False), ((60, 40), False)):
+        b._cx = _Counters({1: landed[0], 2: landed[1]})
+        assert b._plan_before_reader(pending) is first, landed
+        assert b._cx.asked == [[(1, 60), (2, 40)]]
+    assert b._plan_before_reader(None) is False
+    assert b._plan_before_reader(pending._replace(records=0)) is False
