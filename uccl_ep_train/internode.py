@@ -202,6 +202,8 @@ class PlannedAhead:
     dispatch_shapes: dict = field(default_factory=dict)
     combine_shapes: dict = field(default_factory=dict)
     hop_plans: dict = field(default_factory=dict)
+    # tables written and allocated while a reader spun (UploadStaging.Staged), whose copies _adopt_plans queues
+    staged: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -839,10 +841,13 @@ class NativeInternodeBackend:
     def _push_table(self, rows: List[List[int]]) -> Optional[torch.Tensor]:
         if not rows:
             return None
+        self._check_push_columns(rows)
+        return self._upload(rows)
+
+    def _check_push_columns(self, rows: List[List[int]]) -> None:
         if len(rows[0]) != self._k.PUSH_COLUMNS:
             raise InternodeError(f"push table has {len(rows[0])} columns, the module expects "
                                  f"{self._k.PUSH_COLUMNS} (rebuild _C)")
-        return self._upload(rows)
 
     def _packs_and_pushes(self, hop: HopPlan) -> bool:
         """Whether the hop's records are written and pushed in one launch (_pack_and_push): the setting, and a table
@@ -890,13 +895,20 @@ class NativeInternodeBackend:
                 plan.head_first, plan.head_records, plan.head_rows, plan.tail_rows = first, n, head, tail
         return plan
 
-    def _upload_hop_plans(self, plans: List[HopPlan]) -> None:
+    def _upload_hop_plans(self, plans: List[HopPlan], staged: Optional[list] = None) -> None:
         """The plans' tables (each whole, and its head and tail) to the device in one upload: each upload costs ~10-18
-        us of host time."""
+        us of host time. ``staged``: only written and allocated (UploadStaging.stage: no copy queued, for while a
+        reader spins), the Staged appended to the list for a commit after the drain."""
         rows: List[List[int]] = []
         for p in plans:
             rows += p.rows + p.head_rows + p.tail_rows
-        table = self._push_table(rows)
+        if staged is not None and rows:
+            self._check_push_columns(rows)
+            st = self._staging.stage(rows, np.int64)
+            staged.append(st)
+            table = st.out
+        else:
+            table = self._push_table(rows)
         if table is None:
             return
         row_bytes, at = 8 * self._k.PUSH_COLUMNS, table.data_ptr()
@@ -1101,15 +1113,26 @@ class NativeInternodeBackend:
                     ahead.hop_plans[key] = self._combine_hop(counts, size, shape.areas)
             except InternodeError:
                 continue
-        if upload:
+        if upload or self._staging is None:
             self._upload_plans_ahead(ahead)
+        else:  # while a reader spins: written and allocated now, the copies queued after the drain (_adopt_plans)
+            self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows and p.table is None], ahead.staged)
+            for shape in ahead.dispatch_shapes.values():
+                if shape.forward_bases is not None and shape.forward_bases.device != self.device:
+                    st = self._staging.stage(shape.forward_bases.numpy(), np.int64)
+                    ahead.staged.append(st)
+                    shape.forward_bases = st.out
         self._lap(step)
 
     def _upload_plans_ahead(self, ahead: PlannedAhead) -> None:
-        """The device tables of plans made ahead without them: the hop plans' in one upload, the forward row bases
-        of the dispatch shapes (several GPUs per node)."""
+        """The device tables of plans made ahead: the staged ones' copies queued (one each), and what is still on the
+        host uploaded -- the hop plans' in one upload, the forward row bases of the dispatch shapes (several GPUs per
+        node)."""
+        for st in ahead.staged:
+            self._staging.commit(st, self._stream())
+        ahead.staged.clear()
         self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows and p.table is None])
-        for layout, shape in ahead.dispatch_shapes.items():
+        for shape in ahead.dispatch_shapes.values():
             if shape.forward_bases is not None and shape.forward_bases.device != self.device:
                 shape.forward_bases = self._upload(shape.forward_bases)
 

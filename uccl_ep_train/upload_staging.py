@@ -8,12 +8,16 @@ must not happen while a kernel of ours spins -- and one asynchronous copy per ta
 
 A slot may be written again only once the copy that read it has run. The backend drains its stream after every
 wait, and every copy queued before a drain has run when the drain returns; so the area is reused from its start
-after each drain (``drained``) and filled front to back in between. A full area, or uploads on more than one stream
-since the last drain, fall back to the pageable copy: slower, never wrong.
+after each drain (``drained``) and filled front to back in between. A full area, or a second stream while the first
+one's slots wait for a drain, fall back to the pageable copy: slower, never wrong.
+
+An upload may also be split in two: ``stage`` writes the values and takes the device tensor from torch's cache (no
+copy queued: for while a kernel of ours spins and nothing may be queued behind it), ``commit`` queues the copy later
+(after the drain). No drain frees the area while a staged table waits for its commit.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Set
+from typing import Any, Callable, NamedTuple, Optional, Set
 
 import numpy as np
 import torch
@@ -22,10 +26,20 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
 _ALIGN = 64  # each table starts on its own cache line
 
 
+class Staged(NamedTuple):
+    """A table written but not copied yet (UploadStaging.stage): its device tensor, and where its bytes are -- a slot
+    of the pinned area (``src``, ``nbytes``), or, when the area was full, a host array for a pageable copy."""
+
+    out: torch.Tensor
+    src: int
+    nbytes: int
+    host: Optional[np.ndarray] = None
+
+
 class UploadStaging:
     """A pinned area of ``nbytes`` for the tables one rank uploads between two drains of its stream. ``copy(dst,
     src, nbytes, stream)`` queues a host-to-device copy (the native context's copy_to_device); ``pinned``: allocate
-    the area pinned (False for the CPU stand-in, whose copies are synchronous)."""
+    the area pinned (False for tests on the CPU)."""
 
     def __init__(self, device: torch.device, copy: Callable[[int, int, int, int], None], nbytes: int = 1 << 20,
                  pinned: bool = True) -> None:
@@ -38,31 +52,52 @@ class UploadStaging:
         self._base = self._host.data_ptr()
         self._used = 0
         self._streams: Set[int] = set()  # streams that read slots since the last drain that freed them
-        self.staged = 0  # uploads through the area (tests, benchmarks)
-        self.fallbacks = 0  # uploads that took the pageable copy
+        self._uncommitted = 0  # staged tables whose copy is not queued yet: no drain may free the area
+        self.staged = 0  # tables written into the area (tests, benchmarks)
+        self.fallbacks = 0  # tables copied from pageable memory instead
 
     def upload(self, values: Any, dtype: Any, stream: int) -> torch.Tensor:
-        """``values`` (Python ints: a list, or a list of equal rows) as a ``dtype`` (np.int64 or np.int32) tensor on
-        the device, copied on ``stream`` without a sync. Built through numpy: torch.tensor on a list costs 2-4x."""
+        """``values`` (Python ints: a list, or a list of equal rows; or a numpy array) as a ``dtype`` (np.int64 or
+        np.int32) tensor on the device, copied on ``stream`` without a sync. Built through numpy: torch.tensor on a
+        list costs 2-4x."""
+        return self.commit(self.stage(values, dtype), stream)
+
+    def stage(self, values: Any, dtype: Any) -> Staged:
+        """The first half of ``upload``: the values written into the next slot, their device tensor allocated (from
+        torch's cache); nothing queued on any stream. ``commit`` queues the copy."""
         a = np.ascontiguousarray(values, dtype=dtype)
         out = torch.empty(a.shape, dtype=_TORCH_DTYPES[a.dtype], device=self.device)
-        n = a.nbytes
-        if n == 0:
-            return out
-        start = self._used
-        if start + n > self._bytes.size or (self._streams and stream not in self._streams):
+        n, start = a.nbytes, self._used
+        if n and start + n > self._bytes.size:
+            return Staged(out, 0, n, a)
+        if n:
+            self._bytes[start:start + n] = a.reshape(-1).view(np.uint8)
+            self._used = -(-(start + n) // _ALIGN) * _ALIGN
+            self._uncommitted += 1
+            self.staged += 1
+        return Staged(out, self._base + start if n else 0, n)
+
+    def commit(self, staged: Staged, stream: int) -> torch.Tensor:
+        """Queue a staged table's copy on ``stream``; returns its device tensor. From its slot when the slots read
+        since the last drain are this stream's; else (a second stream, or no room at staging) a pageable copy."""
+        out = staged.out
+        if staged.src:
+            self._uncommitted -= 1
+            if self._streams and stream not in self._streams:  # its slot is then read by nobody: freed by any drain
+                self.fallbacks += 1
+                start = staged.src - self._base
+                return out.copy_(torch.from_numpy(self._bytes[start:start + staged.nbytes].copy()).view(out.dtype)
+                                 .view(out.shape), non_blocking=True)
+            self._copy(out.data_ptr(), staged.src, staged.nbytes, stream)
+            self._streams.add(stream)
+        elif staged.host is not None:
             self.fallbacks += 1
-            return out.copy_(torch.from_numpy(a), non_blocking=True)
-        self._bytes[start:start + n] = a.reshape(-1).view(np.uint8)
-        self._copy(out.data_ptr(), self._base + start, n, stream)
-        self._used = -(-(start + n) // _ALIGN) * _ALIGN
-        self._streams.add(stream)
-        self.staged += 1
+            out.copy_(torch.from_numpy(staged.host), non_blocking=True)
         return out
 
     def drained(self, stream: int) -> None:
         """Everything queued on ``stream`` so far has run: its slots may be written again (unless another stream
-        read slots too, whose copies that drain does not cover)."""
-        if self._streams <= {stream}:
+        read slots too, whose copies that drain does not cover, or a staged table still waits for its commit)."""
+        if self._streams <= {stream} and not self._uncommitted:
             self._used = 0
             self._streams.clear()

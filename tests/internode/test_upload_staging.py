@@ -82,3 +82,31 @@ def test_slots_read_by_one_stream_are_not_freed_by_a_drain_of_another():
 def test_an_area_too_small_for_one_cache_line_is_refused():
     with pytest.raises(ValueError, match="at least 64 bytes"):
         UploadStaging(torch.device("cpu"), lambda *a: None, nbytes=32, pinned=False)
+
+
+def test_a_table_staged_while_nothing_may_be_queued_survives_the_drain_before_its_commit_and_lands():
+    # staged during a kernel's spin: written, allocated, nothing queued; the drain comes; then the copy is queued
+    st, streams = _staging(nbytes=256)
+    first = st.upload([1] * 8, np.int64, stream=1)  # 64 bytes, its copy queued (every table stays referenced)
+    staged = st.stage([[5, 6], [7, 8]], np.int64)
+    assert streams.queued[1] == [streams.queued[1][0]], "staging queued a copy"
+    streams.run(1)
+    st.drained(1)  # must not free the staged slot: its copy is not even queued
+    other = st.upload([9] * 8, np.int64, stream=1)  # lands past the staged slot, not on it
+    out = st.commit(staged, stream=1)
+    streams.run(1)
+    assert out.tolist() == [[5, 6], [7, 8]] and other.tolist() == [9] * 8 and first.tolist() == [1] * 8
+    st.drained(1)  # committed and run: the area is free again
+    again = st.upload([4] * 32, np.int64, stream=1)  # 256 bytes: fits only from the start
+    streams.run(1)
+    assert again.tolist() == [4] * 32 and st.fallbacks == 0
+
+
+def test_a_table_staged_into_a_full_area_is_copied_from_pageable_memory_at_its_commit():
+    st, streams = _staging(nbytes=128)
+    held = st.upload(list(range(16)), np.int64, stream=1)  # fills it
+    staged = st.stage([3, 2, 1], np.int64)
+    assert staged.src == 0 and streams.queued[1][1:] == []
+    out = st.commit(staged, stream=1)
+    streams.run(1)
+    assert out.tolist() == [3, 2, 1] and held.tolist() == list(range(16)) and st.fallbacks == 1
