@@ -778,8 +778,8 @@ class NativeInternodeBackend:
     def _plan_before_reader(self, pending: Any) -> bool:
         """Where a call's planning for the next calls goes ("Planning ahead"): before its gated reader's launch, with
         its upload, while at least half of the hop's records are still to land -- the wire is busy for a while yet,
-        so the planning costs nothing there; else after the launch, as host work while the reader reads what is in
-        (its upload after the drain). One read of the hop's counters."""
+        so the planning costs nothing there; else after the launch, while the reader reads what is in (its tables
+        staged, their copies queued after the drain). One read of the hop's counters."""
         if not pending or not pending.records:
             return False
         left = self._cx.signals_short([(slot, self._expected[slot]) for slot in pending.slots])
@@ -1092,8 +1092,9 @@ class NativeInternodeBackend:
         combine's host steps on 2x H200). An uncached dispatch plans its handle's next call; the handle's first
         combine the backward's. Before the reader or wait spins, as the call's other uploads there: nothing may be
         launched after it ("Drains"). A guess whose areas do not fit is skipped: the call that needs it raises.
-        ``upload`` False: host work only (no CUDA call), for while a gated reader spins; _adopt_plans uploads the
-        tables once the call has drained."""
+        ``upload`` False: for while a gated reader spins, when nothing may be queued behind it ("Drains"): the
+        tables are staged (written into the pinned area, allocated from torch's cache) and _adopt_plans queues their
+        copies once the call has drained."""
         G = self.G
         for kind, size in guesses:
             try:
@@ -1320,9 +1321,9 @@ class NativeInternodeBackend:
         the next (weights) become local ids (-1 elsewhere and in padding rows) and the weights of local ids (0
         elsewhere); the src_idx and arrival fields into ``src_idx`` / ``arrival``. ``pending`` (from ``_move``): the
         rows are still landing; the unpack is gated on them and the hop is closed after it. ``while_reading``: host
-        work with no CUDA call, run right after the launch (while a gated reader spins: "Drains"), so that the reader
-        reads the rows already in while the host makes the handle and the next calls' plans (on a fast wire that work
-        had held the reader back)."""
+        work that queues nothing on the stream, run right after the launch (while a gated reader spins: "Drains"), so
+        that the reader reads the rows already in while the host makes the handle and, where the data is mostly in,
+        the next calls' plans (that work had held the reader back)."""
         n = final.size(0)
         if out_rows < 0:
             out_rows = n
@@ -1457,7 +1458,7 @@ class NativeInternodeBackend:
             self._lap("dispatch.outputs")
             plan_ahead()
 
-        def host_work() -> None:  # while the reader runs (spins, when gated): no CUDA call
+        def host_work() -> None:  # while the reader runs (spins, when gated): nothing queued on the stream
             raw = recv_expert_counts(counts, self.rank, L) if counts.expert_counts is not None else None
             aligned = [_align(int(c), args.expert_alignment) for c in raw] if raw is not None else None
             h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv,
@@ -1720,7 +1721,7 @@ class NativeInternodeBackend:
         if h is self._last_dispatch_handle and self.pack_during_notify and self._notify_via_proxies:  # during the hop
             self._spare_for_packing_during_notify(h.num_tokens)
         try:
-            if pending and plan_ahead is not None and not plan_first:  # host work only; uploads after the drain
+            if pending and plan_ahead is not None and not plan_first:  # staged tables; copies after the drain
                 plan_ahead(False)
         finally:  # drained whatever the planning raised
             if pending:
