@@ -336,7 +336,8 @@ class NativeInternodeBackend:
                              if self._notify_via_proxies and self.device.type == "cuda" else None)
         self._notify_view_cache: dict = {}  # _notify_views
         # small tables go to the device from pinned memory allocated now (a first pinned allocation may synchronize)
-        self._staging = UploadStaging(self.device, self._cx.copy_to_device) if self.device.type == "cuda" else None
+        self._staging = (UploadStaging(self.device, self._cx.copy_to_device)
+                         if self.device.type == "cuda" and s.kernel.pinned_uploads else None)
         self.half_nvl = self.nvl_bytes // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         if self._cx.num_fifos != self.L:

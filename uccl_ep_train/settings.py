@@ -212,6 +212,10 @@ class KernelSettings:
         "and that combine the backward pass's calls (a cached dispatch of a bf16 gradient and of the same columns, a "
         "combine with the top-k weights), so that each starts sooner (docs/internode.md, Planning ahead); 0: each "
         "call plans at its first use", _bool))
+    pinned_uploads: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_PINNED_UPLOADS", "internode: small tables (push tables, gates, plans) go to the device from a pinned "
+        "area allocated at setup (docs/internode.md, Host cost per call); 0: from pageable memory, as before session "
+        "25 (for an A/B)", _bool))
     drain_after_waits: str = field(default="always", metadata=_meta(
         "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
         "never: launch on while the wait spins; it stalled and corrupted cached dispatches on the loopback transport "
