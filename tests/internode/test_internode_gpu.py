@@ -565,6 +565,38 @@ def _one_rank_context(**overrides):
     return cx
 
 
+def test_tables_reach_the_gpu_from_the_pinned_area_also_when_staged_before_a_drain_and_committed_after_it():
+    """UploadStaging with the native copy (copy_to_device) on one GPU: random int64 rows uploaded, an int32 table
+    staged, the stream drained (the area is not freed: the staged table waits), another upload, then the staged
+    table's commit; every table lands exactly and nothing fell back to a pageable copy."""
+    import numpy as np
+
+    from uccl_ep_train.upload_staging import UploadStaging
+
+    cx = _one_rank_context()
+    try:
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        stream = torch.cuda.current_stream().cuda_stream
+        st = UploadStaging(dev, cx.copy_to_device, nbytes=4096)
+        g = torch.Generator().manual_seed(5)
+        rows = torch.randint(-(1 << 40), 1 << 40, (16, 7), generator=g).tolist()
+        a = st.upload(rows, np.int64, stream)
+        staged = st.stage(list(range(100)), np.int32)
+        cx.record_drain_mark(stream)
+        torch.cuda.synchronize()
+        assert cx.drain_mark_reached()
+        st.drained(stream)
+        b = st.upload([[1, 2], [3, 4]], np.int64, stream)
+        c = st.commit(staged, stream)
+        torch.cuda.synchronize()
+        assert a.cpu().tolist() == rows and b.cpu().tolist() == [[1, 2], [3, 4]]
+        assert c.dtype == torch.int32 and c.cpu().tolist() == list(range(100))
+        assert (st.staged, st.fallbacks) == (3, 0)
+    finally:
+        cx.destroy()
+
+
 def test_a_gated_unpack_waits_for_each_chunk_and_a_missing_chunk_times_out_naming_its_lane():
     """The arrival gate at kernel level, on one GPU writing to itself through the loopback (each write delayed 20 ms,
     one at a time): the watcher block, the device mirror and the readers' L2 loads (internode_cases)."""
