@@ -44,15 +44,17 @@ void check(cudaError_t e, const char* what) {
 
 ClockOffset gpu_timer_minus_steady_ns(int device, int rounds) {
   if (rounds < 1) throw std::invalid_argument("gpu_timer_minus_steady_ns: rounds must be >= 1");
-  check(cudaSetDevice(device), "cudaSetDevice");
+  int previous = 0;
+  check(cudaGetDevice(&previous), "cudaGetDevice");
   unsigned long long* host = nullptr;
-  check(cudaHostAlloc(reinterpret_cast<void**>(&host), 3 * sizeof(unsigned long long), cudaHostAllocMapped),
-        "cudaHostAlloc");
-  volatile unsigned long long* w = host;
   cudaStream_t stream = nullptr;
   ClockOffset best{0, -1};
   std::string failure;
   try {
+    check(cudaSetDevice(device), "cudaSetDevice");
+    check(cudaHostAlloc(reinterpret_cast<void**>(&host), 3 * sizeof(unsigned long long), cudaHostAllocMapped),
+          "cudaHostAlloc");
+    volatile unsigned long long* w = host;
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     unsigned long long* dev = nullptr;
     check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0), "cudaHostGetDevicePointer");
@@ -83,7 +85,8 @@ ClockOffset gpu_timer_minus_steady_ns(int device, int rounds) {
     (void)cudaStreamSynchronize(stream);  // the probe gives up within its own second
     (void)cudaStreamDestroy(stream);
   }
-  (void)cudaFreeHost(host);
+  if (host) (void)cudaFreeHost(host);
+  (void)cudaSetDevice(previous);  // the caller's thread keeps its current device
   if (!failure.empty()) throw std::runtime_error(failure);
   return best;
 }
