@@ -85,7 +85,8 @@ for step in "${steps[@]}"; do
         --fifos 1,4 --push push --json "$OUT/proxy-push.json" ;;
     bench_internode)  # EMULATE_NODES (default 2) emulated nodes: NIC uncapped, then capped at 50 GB/s per GPU, each
       # with the kernel timeline of 20 rounds (docs/internode.md, "Kernel timeline"), capped also the wire timeline
-      # ("Wire timeline"); both report the raw transport hop beside the raw copy
+      # ("Wire timeline": each call's time after its last byte split into landing, reader and host return); both
+      # report the raw transport hop beside the raw copy
       for n in ${EMULATE_NODES:-2}; do
         run "bench_internode_${n}n" "${BENCH_INTERNODE_SECS:-150}" "${tr2[@]}" -m uccl_ep_train bench internode \
           --emulate-nodes "$n" --timeline 20 --json "$OUT/internode-${n}n-uncapped.json"
