@@ -1115,28 +1115,27 @@ class NativeInternodeBackend:
                     ahead.hop_plans[key] = self._combine_hop(counts, size, shape.areas)
             except InternodeError:
                 continue
-        if upload or self._staging is None:
-            self._upload_plans_ahead(ahead)
-        else:  # while a reader spins: written and allocated now, the copies queued after the drain (_adopt_plans)
-            self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows and p.table is None], ahead.staged)
-            for shape in ahead.dispatch_shapes.values():
-                if shape.forward_bases is not None and shape.forward_bases.device != self.device:
-                    st = self._staging.stage(shape.forward_bases.numpy(), np.int64)
-                    ahead.staged.append(st)
-                    shape.forward_bases = st.out
+        # while a reader spins: written and allocated now, the copies queued after the drain (_adopt_plans)
+        self._upload_plans_ahead(ahead, stage=not upload and self._staging is not None)
         self._lap(step)
 
-    def _upload_plans_ahead(self, ahead: PlannedAhead) -> None:
-        """The device tables of plans made ahead: the staged ones' copies queued (one each), and what is still on the
-        host uploaded -- the hop plans' in one upload, the forward row bases of the dispatch shapes (several GPUs per
-        node)."""
-        for st in ahead.staged:
-            self._staging.commit(st, self._stream())
-        ahead.staged.clear()
-        self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows and p.table is None])
+    def _upload_plans_ahead(self, ahead: PlannedAhead, stage: bool = False) -> None:
+        """The device tables of plans made ahead that are still on the host -- the hop plans' in one upload, the
+        forward row bases of the dispatch shapes (several GPUs per node) -- after queuing the copies of those staged
+        before; ``stage``: only staged (UploadStaging.stage, into ``ahead.staged``), nothing queued."""
+        if not stage:
+            for st in ahead.staged:
+                self._staging.commit(st, self._stream())
+            ahead.staged.clear()
+        staged = ahead.staged if stage else None
+        self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows and p.table is None], staged)
         for shape in ahead.dispatch_shapes.values():
             if shape.forward_bases is not None and shape.forward_bases.device != self.device:
-                shape.forward_bases = self._upload(shape.forward_bases)
+                if stage:
+                    staged.append(self._staging.stage(shape.forward_bases.numpy(), np.int64))
+                    shape.forward_bases = staged[-1].out
+                else:
+                    shape.forward_bases = self._upload(shape.forward_bases)
 
     def _adopt_plans(self, h: InternodeHandle, ahead: PlannedAhead) -> None:
         """The plans made ahead onto the handle, with their device tables (made now where they were planned while a

@@ -17,7 +17,7 @@ copy queued: for while a kernel of ours spins and nothing may be queued behind i
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Set
+from typing import Any, Callable, NamedTuple, Set
 
 import numpy as np
 import torch
@@ -27,13 +27,14 @@ _ALIGN = 64  # each table starts on its own cache line
 
 
 class Staged(NamedTuple):
-    """A table written but not copied yet (UploadStaging.stage): its device tensor, and where its bytes are -- a slot
-    of the pinned area (``src``, ``nbytes``), or, when the area was full, a host array for a pageable copy."""
+    """A table written but not copied yet (UploadStaging.stage): its device tensor, its slot of the pinned area
+    (``src``, ``nbytes``; src 0: none, the area was full), and the values for a pageable copy where the slot is not
+    used."""
 
     out: torch.Tensor
     src: int
     nbytes: int
-    host: Optional[np.ndarray] = None
+    host: np.ndarray
 
 
 class UploadStaging:
@@ -68,14 +69,13 @@ class UploadStaging:
         a = np.ascontiguousarray(values, dtype=dtype)
         out = torch.empty(a.shape, dtype=_TORCH_DTYPES[a.dtype], device=self.device)
         n, start = a.nbytes, self._used
-        if n and start + n > self._bytes.size:
+        if n == 0 or start + n > self._bytes.size:
             return Staged(out, 0, n, a)
-        if n:
-            self._bytes[start:start + n] = a.reshape(-1).view(np.uint8)
-            self._used = -(-(start + n) // _ALIGN) * _ALIGN
-            self._uncommitted += 1
-            self.staged += 1
-        return Staged(out, self._base + start if n else 0, n)
+        self._bytes[start:start + n] = a.reshape(-1).view(np.uint8)
+        self._used = -(-(start + n) // _ALIGN) * _ALIGN
+        self._uncommitted += 1
+        self.staged += 1
+        return Staged(out, self._base + start, n, a)
 
     def commit(self, staged: Staged, stream: int) -> torch.Tensor:
         """Queue a staged table's copy on ``stream``; returns its device tensor. From its slot when the slots read
@@ -83,14 +83,10 @@ class UploadStaging:
         out = staged.out
         if staged.src:
             self._uncommitted -= 1
-            if self._streams and stream not in self._streams:  # its slot is then read by nobody: freed by any drain
-                self.fallbacks += 1
-                start = staged.src - self._base
-                return out.copy_(torch.from_numpy(self._bytes[start:start + staged.nbytes].copy()).view(out.dtype)
-                                 .view(out.shape), non_blocking=True)
+        if staged.src and not (self._streams and stream not in self._streams):
             self._copy(out.data_ptr(), staged.src, staged.nbytes, stream)
             self._streams.add(stream)
-        elif staged.host is not None:
+        elif staged.nbytes:  # no slot, or another stream's slots wait for a drain (ours is then read by nobody)
             self.fallbacks += 1
             out.copy_(torch.from_numpy(staged.host), non_blocking=True)
         return out
