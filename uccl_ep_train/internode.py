@@ -40,7 +40,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
-    dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks)
+    dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks, READ_DIMS,
+    READ_GO, read_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED)
 from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
                                                shared_gpu_spin_blocks)
@@ -221,6 +222,28 @@ class CountRows:
 
 
 @dataclass
+class ReadingBeforeCounts:
+    """A dispatch whose reader is launched before the host reads the count matrix (docs/internode.md, "Reading before
+    the count read"): its outputs, allocated for ``rows`` rows before any count is known, what the reader needs
+    besides, and, once launched, its hop's timing start. The reader reads only when the count rows say it may
+    (read_before_counts); the host learns which from the same counts after notify."""
+
+    rows: int  # the outputs' rows: num_worst_tokens, or a guess from the last dispatch of this size
+    pad: bool  # padded to ``rows`` (num_worst_tokens), else cut at the rows received
+    layout: RecordLayout
+    payload: List[torch.Tensor]  # the columns whose rows come out whole (x, scales): their dtypes and widths
+    num_topk: int
+    experts_per_rank: int = 0
+    # made at the launch (_launch_reader_before_counts)
+    outs: List[torch.Tensor] = field(default_factory=list)
+    topk_idx: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
+    src_idx: Optional[torch.Tensor] = None
+    arrival: Optional[torch.Tensor] = None
+    t0: Any = None
+
+
+@dataclass
 class CombineShape:
     """What a combine of one handle derives from its counts alone (the same in every combine of the handle with the
     same wire row): records back from each node, where its rows go in every rank's RDMA region, and the rows it moves
@@ -357,6 +380,18 @@ class NativeInternodeBackend:
         self.pack_during_notify = bool(s.kernel.pack_during_notify)
         self.push_during_notify = bool(s.kernel.push_during_notify)
         self.plan_ahead = bool(s.kernel.plan_ahead)
+        self.read_before_counts = bool(s.kernel.read_before_counts)  # docs/internode.md, "Reading before the count read"
+        self.read_slack = float(s.kernel.read_before_counts_slack)
+        self._recv_rows_seen: dict = {}  # tokens -> rows the last uncached dispatch of that size received
+        # the gate table and words a reader before the counts takes from the device (gate_from_count_rows)
+        self._read_gate = torch.zeros((self.N, GATE_FIXED + self.L), dtype=torch.int64, device=self.device)
+        self._read_dims = torch.zeros(READ_DIMS, dtype=torch.int64, device=self.device)
+        self.reads_before_counts = 0  # readers launched before the count read that read (tests, benchmarks)
+        self.reads_before_counts_declined = 0  # ... that the counts sent back to the reader after notify
+        # the outputs of the next such reader, made during a combine's hop: (spec, tensors) (_spare_read_outputs)
+        self._next_read: Optional[tuple] = None
+        self._spare_read_outputs: Optional[tuple] = None
+        self.spare_read_outputs_taken = 0  # (tests, benchmarks)
         self.plans_made_ahead = 0  # hop plans made for a handle's next calls (_plan_ahead; tests, benchmarks)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
@@ -488,15 +523,25 @@ class NativeInternodeBackend:
         except Exception as exc:  # noqa: BLE001 - diagnostics only
             return f"proxy threads: not readable ({exc})"
 
-    def _drain(self, what: str) -> None:
+    def _mark_drain(self) -> bool:
+        """Record the drain mark now, for a ``_drain(marked=True)`` that waits only for what is queued so far
+        (False on the CPU stand-in, where everything has run)."""
+        if self.device.type != "cuda":
+            return False
+        self._cx.record_drain_mark(self._stream())
+        return True
+
+    def _drain(self, what: str, marked: bool = False) -> None:
         """Wait for this rank's stream with a deadline, never an unbounded synchronize. Every GPU wait has its own
         deadline (UCCL_EP_GPU_TIMEOUT_SECS); a proxy that fails meanwhile aborts the GPU waits at once, so the
-        error surfaces in milliseconds instead of after the GPU deadline."""
+        error surfaces in milliseconds instead of after the GPU deadline. ``marked``: only up to the mark
+        _mark_drain recorded (what was queued after it may still run)."""
         if self.device.type != "cuda":  # CPU stand-in: every call has completed when it returns
             self._check(what)
             return
         stream = self._stream()
-        self._cx.record_drain_mark(stream)
+        if not marked:
+            self._cx.record_drain_mark(stream)
         t0 = time.monotonic()
         limit = 2 * self.gpu_timeout + self.cpu_timeout
         aborted = False
@@ -516,7 +561,7 @@ class NativeInternodeBackend:
                         f"{self._cx.error_fields()}; proxy error {self._cx.proxy_error()!r}; "
                         f"{self._proxy_threads()}\n{timeout_hint()}")
                 time.sleep(0 if waited < 2e-3 else 1e-4)
-        if self._staging is not None:  # every upload queued so far has run
+        if self._staging is not None:  # every upload queued before the mark has run (none is queued after one)
             self._staging.drained(stream)
         self._check(what)
 
@@ -550,7 +595,8 @@ class NativeInternodeBackend:
     def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
                 topk_idx: Optional[torch.Tensor] = None,
                 then: Optional[Callable[[torch.Tensor, CountRows], None]] = None,
-                plan: Optional[SendPlan] = None, row_goes_with_then: bool = False) -> Counts:
+                plan: Optional[SendPlan] = None, row_goes_with_then: bool = False,
+                ahead: Optional[Callable[[CountRows], None]] = None) -> Counts:
         """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) and per (rank,
         slot) (up to NOTIFY_MAX_SLOT_COUNTS) in the rows, a receiver knows its per-expert and per-slot counts from
         notify alone, and neither dispatch nor combine reads anything else back. Every rank makes the same choice:
@@ -559,7 +605,8 @@ class NativeInternodeBackend:
         records that the count row's launch also fills with our send plan, counted from our own tokens, for ``then``
         (count_row with send_plan: one launch fewer before a dispatch packed during notify). ``row_goes_with_then``:
         ``then`` launches a kernel that pushes our row itself (the rows' ``own_pushes``), so no launch pushes it
-        before."""
+        before. ``ahead(rows)``: launches queued behind the rows' wait and the matrix's copy, that the host does not
+        wait for before it reads the matrix (a reader launched before the count read; with ``then`` only)."""
         carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
         slots = carry and topk_idx is not None and self.R * topk_idx.size(1) <= NOTIFY_MAX_SLOT_COUNTS
         shape = dict(num_experts=tokens_per_expert.numel() if carry else 0,
@@ -571,7 +618,7 @@ class NativeInternodeBackend:
             self._count_row(row, is_token_in_rank, tpe, topk, plan if then is not None else None)
             return self._notify_through_proxies(width, shape,
                                                 (lambda rows: then(row, rows)) if then is not None else None,
-                                                row_goes_with_then)
+                                                row_goes_with_then, ahead)
         row = torch.empty(width, dtype=torch.int64, device=self.device)
         self._count_row(row, is_token_in_rank, tpe, topk)
         self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
@@ -678,7 +725,8 @@ class NativeInternodeBackend:
         return views
 
     def _notify_through_proxies(self, words: int, shape: dict, then: Optional[Callable[[CountRows], None]] = None,
-                                row_goes_with_then: bool = False) -> Counts:
+                                row_goes_with_then: bool = False,
+                                ahead: Optional[Callable[[CountRows], None]] = None) -> Counts:
         """Count exchange in stream order: our row (``words`` int64, already in row ``rank`` of our notify area) goes
         into row ``rank`` of every rank's notify area (one write each, through the proxies), then we wait for every
         other rank's row and copy the matrix to the host. Receiving every row also proves that every rank finished
@@ -690,14 +738,15 @@ class NativeInternodeBackend:
         first gathered it on the device with a kernel of its own. ``then(rows)``: launched between our row's push and
         the wait for the others', told where the rows land and which counter value proves they did; with
         ``row_goes_with_then`` it pushes our row itself (``rows.own_pushes``: the push table), one launch fewer before
-        the wire ("Push during notify")."""
+        the wire ("Push during notify"). ``ahead(rows)`` (with ``then``): launched behind the wait and the copy, and
+        not waited for before the matrix is read ("Reading before the count read")."""
         R, base = self.R, self._notify_base
         row_bytes = _align(8 * words)
         own = base + self.rank * row_bytes
         self._lap("dispatch.notify_row")  # benchmarks: the count row's launches (and any wait they hide)
         rows = [[r, own, own, row_bytes, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
         _, area, host = self._notify_views(words)
-        later = None
+        later = after = None
         carried = then is not None and row_goes_with_then
         if then is not None:
             # the wait below adds the R - 1 rows to the counter's target after `then`
@@ -705,11 +754,13 @@ class NativeInternodeBackend:
                                 self._cx.rdma_ptr + base, row_bytes // 8,
                                 (self._fixed_table("notify", rows).data_ptr(), len(rows)) if carried else None)
             later = lambda: then(landing)  # noqa: E731
+            after = (lambda: ahead(landing)) if ahead is not None else None  # noqa: E731
         self._push_and_wait([] if carried else rows, [(self._notify_slot, R - 1)], "notify", 1,
                             "notify (count exchange)",
                             fixed=True, drain=True,  # the host reads the rows right below
                             then=later,
-                            after_wait=(lambda: host.copy_(area, non_blocking=True)) if host is not None else None)
+                            after_wait=(lambda: host.copy_(area, non_blocking=True)) if host is not None else None,
+                            unawaited=after)
         self._lap("dispatch.notify_exchange")  # until every peer's row is here: the ranks' skew shows up here
         # a copy of the pinned rows: the next notify overwrites them, and the counts live on in the handle
         mat = (host.clone() if host is not None else area.cpu()).view(torch.int64).view(R, row_bytes // 8)[:, :words]
@@ -731,13 +782,15 @@ class NativeInternodeBackend:
                        then: Optional[Callable[[], None]] = None, hop: Optional[HopPlan] = None,
                        rest: Optional[Callable[[], None]] = None,
                        after_wait: Optional[Callable[[], None]] = None,
-                       push: Optional[Callable[[], None]] = None) -> None:
+                       push: Optional[Callable[[], None]] = None,
+                       unawaited: Optional[Callable[[], None]] = None) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
         launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` are its own), ``rest``
         and ``push``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when the
-        drain returns."""
+        drain returns. ``unawaited``: launches of kernels already loaded queued behind those, which the drain does
+        not wait for (it waits for a mark recorded before them); they must queue no upload."""
         t0 = self._hop_started()
         if hop is not None:
             self._push_hop(hop, phase, rest, push)
@@ -751,6 +804,11 @@ class NativeInternodeBackend:
         if after_wait is not None:
             after_wait()
         self._hop_ended(phase, t0)
+        if unawaited is not None and (self._drain_after_waits if drain is None else drain):
+            marked = self._mark_drain()
+            unawaited()
+            self._drain(what or f"{phase} wait", marked=marked)
+            return
         # Nothing else is launched while wait_signals spins (docs/internode.md, "Drains"): the host drains the
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
         self._settle(what or f"{phase} wait", drain)
@@ -1168,7 +1226,7 @@ class NativeInternodeBackend:
 
     def _pack_during_notify(self, row: torch.Tensor, itr: torch.Tensor, rows: List[torch.Tensor],
                             layout: RecordLayout, send_top: int, early: dict, landing: CountRows, tables: SendPlan,
-                            fused: Optional[torch.Tensor]) -> None:
+                            fused: Optional[torch.Tensor], own_in_place: bool = False) -> None:
         """Pack the records for the other nodes while notify exchanges the counts, where it is safe: the last call
         was a combine of the last dispatch's handle (the caller checks) and our records stay below ``send_top``,
         where that combine's partial sums start in our send half. Why that is enough: every node we sent that
@@ -1183,14 +1241,16 @@ class NativeInternodeBackend:
         the host learns which it was after notify (_packed_during_notify). ``rows``: the columns, contiguous
         (_dense), laid out as ``layout``. Fills ``early`` (layout, rows, tables, send_top), and pushes the records too
         (_push_during_notify; ``landing``: where the count rows land), adding ``push_launched``; with ``fused`` (the
-        push table, _fused_table_during_notify) in one launch, which also pushes our count row."""
+        push table, _fused_table_during_notify) in one launch, which also pushes our count row, and with
+        ``own_in_place`` writes our own node's records too, at their place in the send list, for a reader launched
+        before the count read."""
         G, N = self.G, self.N
         own_counts = row.data_ptr() + 8 * self.R  # our tokens per node: the row's node columns
         capacity = itr.size(0) * N  # a token is one record per node at most
         packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
         early.update(layout=layout, rows=rows, tables=tables, send_top=send_top)
         if fused is not None:
-            self._pack_and_push_during_notify(fused, tables, layout, packed, capacity, landing, send_top)
+            self._pack_and_push_during_notify(fused, tables, layout, packed, capacity, landing, send_top, own_in_place)
             early["push_launched"] = True
             return
         table = self._push_table_during_notify(layout.stride) if self.push_during_notify else None
@@ -1242,7 +1302,7 @@ class NativeInternodeBackend:
 
     def _pack_and_push_during_notify(self, table: torch.Tensor, tables: SendPlan, layout: RecordLayout,
                                      columns: List[Tuple[int, int, int]], capacity: int, landing: CountRows,
-                                     send_top: int) -> None:
+                                     send_top: int, own_in_place: bool = False) -> None:
         """The pack and the push during notify in one launch (pack_and_push_after_counts; docs/internode.md, "Push
         during notify"): the records counted from our own row are written, and each chunk leaves once its records
         are written and every count row is in, placed as push_after_counts places it. One launch fewer before the
@@ -1258,7 +1318,8 @@ class NativeInternodeBackend:
             tables.dest_rows.data_ptr(), self.G, capacity, columns, layout.src_idx_offset, layout.dest_rows_offset,
             landing.slot, landing.target, landing.ptr, landing.row_words, self.half_rdma, send_top,
             self._chunk_ready.data_ptr(), self._phases["dispatch_network"], self._stream(),
-            own_row_pushes=own[0], own_row_push_rows=own[1], own_row_push_phase=self._phases["notify"])
+            own_row_pushes=own[0], own_row_push_rows=own[1], own_row_push_phase=self._phases["notify"],
+            own_in_place=own_in_place)
         self.packs_and_pushes_during_notify += 1
         self.count_rows_pushed_with_records += own[1] > 0
         if self.kernel_timeline is not None:
@@ -1325,17 +1386,9 @@ class NativeInternodeBackend:
         that the reader reads the rows already in while the host makes the handle and, where the data is mostly in,
         the next calls' plans (that work had held the reader back)."""
         n = final.size(0)
-        if out_rows < 0:
-            out_rows = n
-        K = ids.size(1) if ids is not None else 0
-        ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
-        self._k.unpack_records(
-            final.data_ptr(), final.stride(0), n, out_rows,
-            [(o.data_ptr(), layout.column_bytes[i], layout.column_offsets[i]) for i, o in enumerate(outs)],
-            ptr(ids), ptr(weights), layout.column_offsets[ids_column] if K else 0,
-            layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
-            layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
-            self._stream(), gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
+        self._unpack_launch(final.data_ptr(), final.stride(0), n, n if out_rows < 0 else out_rows, layout, outs, ids,
+                            weights, ids_column, expert_lo, experts_per_rank, src_idx, arrival,
+                            gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
         try:
             if while_reading is not None:
                 self._lap("dispatch.unpack")
@@ -1344,6 +1397,128 @@ class NativeInternodeBackend:
             if pending:
                 self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
                 self._lap("dispatch.network")
+
+    def _unpack_launch(self, src: int, src_stride: int, n: int, out_rows: int, layout: RecordLayout,
+                       outs: List[torch.Tensor], ids: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                       ids_column: int, expert_lo: int, experts_per_rank: int, src_idx: Optional[torch.Tensor],
+                       arrival: Optional[torch.Tensor], gate: Any = None, first_row: int = 0, **before: Any) -> None:
+        """The unpack_records launch of _unpack (rows [0, n) at ``src``, ``src_stride`` bytes apart); ``before``: the
+        arguments of a read before the counts (dims, own_src, pad)."""
+        K = ids.size(1) if ids is not None else 0
+        ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
+        self._k.unpack_records(
+            src, src_stride, n, out_rows,
+            [(o.data_ptr(), layout.column_bytes[i], layout.column_offsets[i]) for i, o in enumerate(outs)],
+            ptr(ids), ptr(weights), layout.column_offsets[ids_column] if K else 0,
+            layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
+            layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
+            self._stream(), gate=gate, first_row=first_row, **before)
+
+    # ------------------------------------------------------- reading before the count read
+    def _reading_before_counts(self, args: DispatchArgs, T: int, layout: RecordLayout, pushed_in_one_launch: bool
+                               ) -> Optional[ReadingBeforeCounts]:
+        """Whether this uncached dispatch launches its reader before the host reads the count matrix (docs/internode.md,
+        "Reading before the count read"), and for how many rows: with one GPU per node, a gated reader, the
+        records packed and pushed during notify by one launch (``pushed_in_one_launch``), rank-major outputs, and a
+        row count known before the counts -- num_worst_tokens, or the rows the last dispatch of T tokens received
+        plus UCCL_EP_READ_BEFORE_COUNTS_SLACK (capped by the receive area). None: the reader follows the host's plan."""
+        spare, self._spare_read_outputs = self._spare_read_outputs, None  # taken here or dropped
+        if not (self.read_before_counts and pushed_in_one_launch and self.G == 1 and self.gated_arrivals
+                and not args.expert_major and self.N * self.L <= self._k.READ_MAX_COUNTERS):
+            return None
+        payload = [args.x] + ([args.x_scales] if args.x_scales is not None else [])
+        K = args.topk_idx.size(1) if args.topk_idx is not None else 0
+        # what the combine of this dispatch's handle makes the next dispatch's outputs for (_spare_read_outputs)
+        self._next_read = (T, args.num_worst_tokens, layout.stride,
+                           tuple((c.dtype, tuple(c.shape[1:])) for c in payload), K)
+        spec = self._read_spec(*self._next_read)
+        if spec is None:
+            return None
+        reading = ReadingBeforeCounts(spec[0], bool(args.num_worst_tokens), layout, payload, K,
+                                      args.num_tokens_per_expert.numel() // self.R)
+        if spare is not None and spare[0] == spec:  # made during the last combine's hop
+            self.spare_read_outputs_taken += 1
+            reading.outs, reading.topk_idx, reading.weights, reading.src_idx, reading.arrival = spare[1]
+        return reading
+
+    def _read_spec(self, T: int, worst: int, stride: int, payload: tuple, K: int) -> Optional[tuple]:
+        """(rows, payload dtypes and row shapes, top-k) of the outputs of a read before the counts: num_worst_tokens
+        rows, else the rows the last dispatch of T tokens received plus the slack, capped by the receive area; None
+        before any dispatch of T tokens."""
+        if worst:
+            return worst, payload, K
+        seen = self._recv_rows_seen.get(T)
+        if seen is None:
+            return None
+        return min(math.ceil(seen * (1 + self.read_slack)), self.half_rdma // stride), payload, K
+
+    def _new_read_outputs(self, spec: tuple) -> tuple:
+        """(payload outputs, top-k ids, weights, src_idx, arrival) of ``spec`` (_read_spec), uninitialised."""
+        rows, payload, K = spec
+        dev = self.device
+        outs = [torch.empty((rows,) + shape, dtype=dtype, device=dev) for dtype, shape in payload]
+        ids = torch.empty((rows, K), dtype=torch.int64, device=dev) if K else None
+        w = torch.empty((rows, K), dtype=torch.float32, device=dev) if K else None
+        return (outs, ids, w, torch.empty(rows, dtype=torch.int64, device=dev),
+                torch.empty(rows, dtype=torch.int64, device=dev))
+
+    def _spare_for_reading_before_counts(self) -> None:
+        """Make the outputs of the next dispatch read before the counts now, while the host waits for a combine's
+        hop, shaped as the last such dispatch's (_next_read): 500-700 us of allocations fewer between notify's wait
+        and that reader's launch on one H100 under MPS (the driver is busy there: the proxies' copies, spinning
+        kernels). Taken by the next uncached dispatch if it matches, dropped by it otherwise."""
+        spec = self._read_spec(*self._next_read) if self._next_read is not None else None
+        if spec is not None and (self._spare_read_outputs is None or self._spare_read_outputs[0] != spec):
+            self._spare_read_outputs = (spec, self._new_read_outputs(spec))
+
+    def _launch_reader_before_counts(self, reading: ReadingBeforeCounts, rows_at: CountRows, send_top: int) -> None:
+        """Behind notify's wait (every count row is in) and the matrix's copy: the outputs, then the gate table and
+        the words from the count rows on the device (gate_from_count_rows), then the gated reader taking them
+        (unpack_records with dims), which reads our own node's rows from our send list, where the pack during
+        notify put them. Queues no upload (the drain before the count read does not wait for these launches)."""
+        rows = reading.rows
+        self._lap("dispatch.notify_wait_before_counts")
+        if reading.src_idx is None:  # no spare made during the last combine's hop
+            reading.outs, reading.topk_idx, reading.weights, reading.src_idx, reading.arrival = \
+                self._new_read_outputs((rows, tuple((c.dtype, tuple(c.shape[1:])) for c in reading.payload),
+                                        reading.num_topk))
+        self._lap("dispatch.outputs_before_counts")
+        reading.t0 = self._hop_started()
+        stride = reading.layout.stride
+        self._k.gate_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, self.rank, self.L,
+                                     self._expected[:self.N * self.L], stride, send_top, self.half_rdma, rows,
+                                     self._read_gate.data_ptr(), self._read_dims.data_ptr(), self._stream())
+        gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
+                                     self._phases["dispatch_network"])
+        experts = reading.experts_per_rank
+        self._unpack_launch(self._cx.rdma_ptr + self.half_rdma, stride, rows, rows, reading.layout, reading.outs,
+                            reading.topk_idx, reading.weights, len(reading.payload), self.rank * experts, experts,
+                            reading.src_idx, reading.arrival, gate, dims=self._read_dims.data_ptr(),
+                            own_src=self._cx.rdma_ptr, pad=reading.pad)
+        self._lap("dispatch.reader_before_counts")
+
+    def _reader_read(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int) -> bool:
+        """After notify: whether the reader launched before the count read reads, by its own rule on the same counts
+        (read_before_counts); else it did nothing."""
+        _, words = read_before_counts(counts.rank_counts, counts.node_counts, self.rank, self.L, self._expected,
+                                      reading.layout.stride, send_top, self.half_rdma, reading.rows)
+        return bool(words[READ_GO])
+
+    def _while_reader_before_counts(self, reading: ReadingBeforeCounts, counts: Counts, plan: SendPlan,
+                                    host_work: Callable[[], None]) -> None:
+        """The host's part of a dispatch read before the count read, while its reader spins: the counters' targets
+        (first: they move whatever follows), the area checks, ``host_work``; then the drain, also when those raise."""
+        try:
+            for slot, count in dispatch_waits(counts, self.rank, self.G, self._per_chunk(reading.layout.stride),
+                                              self.L):
+                self._expected[slot] += count
+            self.reads_before_counts += 1
+            self._last_dispatch_extents = self._dispatch_shape(counts, plan, reading.layout, upload=False).extents
+            self._lap("dispatch.unpack")
+            host_work()
+        finally:
+            self._gated_done("dispatch_network", reading.t0, "dispatch_network wait")
+            self._lap("dispatch.network")
 
     @staticmethod
     def _column_view(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor) -> torch.Tensor:
@@ -1366,6 +1541,7 @@ class NativeInternodeBackend:
         self._check("entry of dispatch")
         combined_send_base, self._combined_send_base = self._combined_send_base, None
         if args.handle is not None:  # every rank finished its previous use of the areas ...
+            self._spare_read_outputs = None  # (held no longer: only an uncached dispatch takes it)
             if self._cached_dispatch_needs_barrier(args.handle, [x] + ([scales] if scales is not None else [])):
                 self._barrier("entry of dispatch")
             else:  # ... as the last combine's traffic proves
@@ -1401,19 +1577,27 @@ class NativeInternodeBackend:
             cols.append(_dense(weights, torch.float32) if weights is not None else
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
         early: dict = {}
-        during = tables = fused = None
+        during = tables = fused = reading = None
         # (`then` of _notify runs only when the counts go through the proxies: no tables for nothing otherwise)
         if combined_send_base is not None and self.pack_during_notify and self._notify_via_proxies:
             tables = self._fresh_plan(T, T * self.N, [])  # written with the count row
             dense = [_dense(c, c.dtype) for c in cols]
             layout = _record_layout(tuple(_row_bytes(r) for r in dense), self.G)
             fused = self._fused_table_during_notify(layout.stride)
-            during = lambda row, landing: self._pack_during_notify(  # noqa: E731
-                row, itr, dense, layout, combined_send_base, early, landing, tables, fused)
+            reading = self._reading_before_counts(args, T, layout, fused is not None)
+
+            def during(row: torch.Tensor, landing: CountRows) -> None:
+                self._pack_during_notify(row, itr, dense, layout, combined_send_base, early, landing, tables, fused,
+                                         own_in_place=reading is not None)
         counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during, plan=tables,
-                              row_goes_with_then=fused is not None)
+                              row_goes_with_then=fused is not None,
+                              ahead=(lambda rows: self._launch_reader_before_counts(reading, rows, combined_send_base))
+                              if reading is not None else None)
         self._lap("dispatch.notify")
         plan, pushed = self._packed_during_notify(early, counts)
+        if reading is not None and not self._reader_read(reading, counts, combined_send_base):
+            reading = None  # the reader did nothing: the host plans and reads after notify, as below
+            self.reads_before_counts_declined += 1
         packed = early["rows"] if plan is not None else None
         if plan is None:
             plan = self._send_plan(itr, counts)
@@ -1425,34 +1609,45 @@ class NativeInternodeBackend:
                                        x.size(1), topk_idx.size(1) if topk_idx is not None else 0)
             plan_ahead = lambda upload=True: self._plan_ahead(  # noqa: E731
                 counts, plan, now, ahead, "dispatch.plan_ahead", upload=upload)
-        final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
-                                                         pushed=pushed, plan_ahead=plan_ahead)
-        nrecv = final.size(0)
         worst = args.num_worst_tokens
-        rows = nrecv
-        if worst and not args.expert_major:
-            if nrecv > worst:
-                self._await_pending(pending, "dispatch_network")  # the peers' records land before we give up
-                raise InternodeError(f"rank {self.rank}: received {nrecv} tokens but num_worst_tokens={worst}; "
-                                     "raise num_worst_tokens")
-            rows = worst
         L = args.num_tokens_per_expert.numel() // self.R
         payload = cols[:2 if scales is not None else 1]
-        # one launch takes every column out of the final rows (padded to num_worst_tokens); expert-major gathers the
-        # payload straight from the final rows below instead (one copy)
-        outs = [] if args.expert_major else [_empty_rows(c, rows) for c in payload]
-        recv_topk_idx = recv_w = None
-        if topk_idx is not None:
-            recv_topk_idx = torch.empty((rows, topk_idx.size(1)), dtype=torch.int64, device=self.device)
-            recv_w = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=self.device)
-        src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
-        arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
+        made: dict = {}
+        if reading is not None:
+            nrecv = num_recv_rows(counts, self.rank)
+            rows = worst or nrecv
+            layout, fwd_dest, pending = reading.layout, None, None
+            final = None  # (expert-major, which reads the final rows, is never read before the counts)
+            outs = [o[:rows] for o in reading.outs]
+            recv_topk_idx = reading.topk_idx[:rows] if reading.topk_idx is not None else None
+            recv_w = reading.weights[:rows] if reading.weights is not None else None
+            src_idx, arrival = reading.src_idx[:nrecv], reading.arrival[:nrecv]
+        else:
+            final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
+                                                             pushed=pushed, plan_ahead=plan_ahead)
+            nrecv = final.size(0)
+            rows = nrecv
+            if worst and not args.expert_major:
+                if nrecv > worst:
+                    self._await_pending(pending, "dispatch_network")  # the peers' records land before we give up
+                    raise InternodeError(f"rank {self.rank}: received {nrecv} tokens but num_worst_tokens={worst}; "
+                                         "raise num_worst_tokens")
+                rows = worst
+            # one launch takes every column out of the final rows (padded to num_worst_tokens); expert-major gathers
+            # the payload straight from the final rows below instead (one copy)
+            outs = [] if args.expert_major else [_empty_rows(c, rows) for c in payload]
+            recv_topk_idx = recv_w = None
+            if topk_idx is not None:
+                recv_topk_idx = torch.empty((rows, topk_idx.size(1)), dtype=torch.int64, device=self.device)
+                recv_w = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=self.device)
+            src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
+            arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
+        self._recv_rows_seen[T] = nrecv
         # Everything that follows from the counts alone is made while the hop runs, not after the drain (~100 us per
         # call there, session 10): the outputs before the reader's launch (an allocation may call into CUDA), the
         # handle and the next calls' plans right after it, while the reader reads the rows already in (host_work:
         # with one GPU per node the reader is gated and spins, and nothing may call into CUDA then: "Drains").
         # rows_by_local is made by the combine that needs it.
-        made: dict = {}
         plan_first = pending is not None and plan_ahead is not None and self._plan_before_reader(pending)
         if plan_first:
             self._lap("dispatch.outputs")
@@ -1469,11 +1664,14 @@ class NativeInternodeBackend:
                                 expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
             made.update(h=h, raw=raw, aligned=aligned)
-            if pending and plan_ahead is not None and not plan_first:  # (no pending: made in _move, before the wait)
-                plan_ahead(False)
+            if (pending or reading is not None) and plan_ahead is not None and not plan_first:
+                plan_ahead(False)  # (no pending: made in _move, before the wait)
 
-        self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
-                     arrival, pending, while_reading=host_work)
+        if reading is not None:
+            self._while_reader_before_counts(reading, counts, plan, host_work)
+        else:
+            self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
+                         arrival, pending, while_reading=host_work)
         h, raw, aligned = made["h"], made["raw"], made["aligned"]
         if ahead is not None:
             self._adopt_plans(h, ahead)
@@ -1720,6 +1918,7 @@ class NativeInternodeBackend:
                                   x.dtype == torch.float32, self._stream(), gate=pending.gate if pending else None)
         if h is self._last_dispatch_handle and self.pack_during_notify and self._notify_via_proxies:  # during the hop
             self._spare_for_packing_during_notify(h.num_tokens)
+            self._spare_for_reading_before_counts()
         try:
             if pending and plan_ahead is not None and not plan_first:  # staged tables; copies after the drain
                 plan_ahead(False)

@@ -554,6 +554,34 @@ def gate_lane_target(row: Sequence[int], lane: int, per_chunk: int, num_lanes: i
     return _chunk_threshold(base[lane], c0 + (chunks - 1 - c0) // num_lanes * num_lanes, records, per_chunk, num_lanes)
 
 
+#: The words of a dispatch reader launched before the host read the counts (csrc/kernels/internode_plan.hpp, ReadDim):
+#: go, arrival rows, our own block's first row, gate rows, our own records' first index in our send list and count.
+READ_GO, READ_ROWS, READ_FIRST_ROW, READ_BLOCKS, READ_OWN_FIRST, READ_OWN_COUNT = range(6)
+READ_DIMS = 8
+
+
+def read_before_counts(rank_counts: torch.Tensor, node_counts: torch.Tensor, rank: int, num_lanes: int,
+                       counter_before: Sequence[int], stride: int, send_limit: int, receive_bytes: int,
+                       capacity_rows: int) -> Tuple[List[List[int]], List[int]]:
+    """One GPU per node: what a dispatch's reader launched before the host read the count matrix takes from the count
+    rows on the device (the gate_from_count_rows kernel; docs/internode.md, "Reading before the count read"):
+    (its gate table, as gate_rows makes it from dispatch_gate_blocks, and its READ_DIMS words). It reads only when
+    our records were packed during notify (they fit ``send_limit`` bytes), our arrivals were pushed (they fit
+    ``receive_bytes``) and they fit the ``capacity_rows`` rows of the outputs allocated before the counts were known:
+    the host applies this same rule to the same counts after notify, so it knows whether the reader read."""
+    rc, nc = _host(rank_counts), _host(node_counts)
+    R = rc.shape[0]
+    recv = [int(v) for v in rc[:, rank]]  # blocks by source rank, back to back
+    first = [sum(recv[:s]) for s in range(R)]
+    own_send = [int(v) for v in nc[rank]]  # our records by node, in send-list order
+    n, sent = sum(recv), sum(own_send)
+    table = gate_rows([(first[s], c, s * num_lanes) for s, c in enumerate(recv) if s != rank and c], rank,
+                      num_lanes, counter_before)
+    go = sent * stride <= send_limit and n * stride <= receive_bytes and n <= capacity_rows
+    dims = [int(go), n, first[rank], len(table), sum(own_send[:rank]), own_send[rank]] + [0] * (READ_DIMS - 6)
+    return table, dims
+
+
 @dataclass(frozen=True)
 class CombineAreas:
     """Where one combine's partial sums sit in every rank's RDMA region (byte offsets, per rank): the rows a rank

@@ -207,6 +207,16 @@ class KernelSettings:
         "UCCL_EP_PUSH_DURING_NOTIFY", "internode, one GPU per node: the records packed during notify are pushed "
         "then too, by a kernel that waits on the GPU for every count row and places each block from them "
         "(docs/internode.md, Push during notify); 0: the push waits for the host's plan after notify", _bool))
+    read_before_counts: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_READ_BEFORE_COUNTS", "internode, one GPU per node: a dispatch pushed during notify launches its "
+        "reader before the host reads the count matrix, taking its rows and gate from the count rows on the device, "
+        "into outputs sized from num_worst_tokens or the last dispatch of that size (docs/internode.md, Reading "
+        "before the count read); 0: the reader follows the host's plan", _bool))
+    read_before_counts_slack: float = field(default=0.0625, metadata=_meta(
+        "UCCL_EP_READ_BEFORE_COUNTS_SLACK", "internode: without num_worst_tokens, the rows allocated for a reader "
+        "launched before the count read are the last dispatch's received rows times 1 + this (capped by the "
+        "receive area); a dispatch that receives more is read after notify instead. Spare rows are memory held with "
+        "the outputs", _float(0.0)))
     plan_ahead: bool = field(default=True, metadata=_meta(
         "UCCL_EP_PLAN_AHEAD", "internode: during its network hop an uncached dispatch plans its handle's combine, "
         "and that combine the backward pass's calls (a cached dispatch of a bf16 gradient and of the same columns, a "

@@ -194,9 +194,21 @@ template <bool kGated>
 __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const char* __restrict__ src, long long src_stride, long long n, long long out_rows, PackArgs args,
     UnpackTopk topk, long long src_idx_offset, long long* __restrict__ src_idx_out, long long arrival_offset,
-    long long* __restrict__ arrival_out, ArrivalGate gate, long long first_row) {
+    long long* __restrict__ arrival_out, ArrivalGate gate, long long first_row, const long long* dims,
+    const char* own_src, bool pad) {
   constexpr int kTile = kPackThreads / kPackGroup;
   __shared__ bool s_ok;
+  // read before the counts: our own rows [own_lo, own_hi) are read from our send list, from record own_rec on
+  long long own_lo = 0, own_hi = 0, own_rec = 0;
+  if (dims) {
+    if (!dims[kReadGo]) return;  // the host unpacks after notify instead
+    n = dims[kReadRows];
+    first_row = own_lo = dims[kReadFirstRow];
+    own_hi = own_lo + dims[kReadOwnCount];
+    own_rec = dims[kReadOwnFirst];
+    gate.blocks = int(dims[kReadBlocks]);
+    if (!pad) out_rows = n;
+  }
   if constexpr (kGated) reader_begins(gate);
   if (kGated && blockIdx.x == 0) {  // the watcher (arrival_gate.hpp); the tiles go to the other blocks
     gate_watch(gate);
@@ -227,7 +239,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const long long r = lo + threadIdx.x / kPackGroup;
     if (r >= end) continue;
     const bool real = r < n;
-    const char* row = src + r * src_stride;
+    const char* row = r >= own_lo && r < own_hi ? own_src + (own_rec + r - own_lo) * src_stride : src + r * src_stride;
     for (int c = 0; c < args.num_columns; ++c) {
       const PackColumn& col = args.columns[c];
       char* dst = reinterpret_cast<char*>(col.rows) + r * col.bytes;
@@ -257,6 +269,46 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     }
   }
   if constexpr (kGated) reader_ends(gate);
+}
+
+
+// gate_from_count_rows (internode_plan.hpp): one thread; the rows are small (ranks + nodes words read per rank).
+struct ReadBases {
+  long long v[kReadMaxCounters];
+};
+
+__global__ void gate_from_count_rows_kernel(const long long* rows, long long row_words, int R, int rank, int lanes,
+                                            ReadBases bases, long long stride, long long send_limit,
+                                            long long receive_bytes, long long capacity_rows, long long* table,
+                                            long long* dims) {
+  const long long* own = rows + rank * row_words;
+  long long sent = 0, own_first = 0;
+  for (int m = 0; m < R; ++m) {  // our records by node (= rank: one GPU per node), in send-list order
+    if (m < rank) own_first += own[R + m];
+    sent += own[R + m];
+  }
+  long long n = 0, first_row = 0;
+  int blocks = 0;
+  const int width = kGateBase + lanes;
+  for (int s = 0; s < R; ++s) {  // arrivals: blocks by source rank, back to back
+    const long long c = rows[s * row_words + rank];
+    if (s == rank) first_row = n;
+    if (s != rank && c > 0) {
+      long long* row = table + static_cast<long long>(blocks++) * width;
+      row[kGateFirstRow] = n;
+      row[kGateRecords] = c;
+      row[kGateSlot] = static_cast<long long>(s) * lanes;
+      row[kGateHint] = rank;  // the senders' FIFO hint is the destination node
+      for (int f = 0; f < lanes; ++f) row[kGateBase + f] = bases.v[s * lanes + f];
+    }
+    n += c;
+  }
+  dims[kReadGo] = sent * stride <= send_limit && n * stride <= receive_bytes && n <= capacity_rows;
+  dims[kReadRows] = n;
+  dims[kReadFirstRow] = first_row;
+  dims[kReadBlocks] = blocks;
+  dims[kReadOwnFirst] = own_first;
+  dims[kReadOwnCount] = own[rank];
 }
 
 }  // namespace
@@ -346,8 +398,11 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
-                    const ArrivalGate* gate, int64_t first_row) {
+                    const ArrivalGate* gate, int64_t first_row, const ReadBeforeCounts& before) {
   if (out_rows < num_rows) throw std::invalid_argument("unpack_records: fewer output rows than rows");
+  if (before.dims && (!before.own_src || first_row || arrival_offset >= 0))
+    throw std::invalid_argument("unpack_records: read before the counts needs own_src, no first_row (it comes from "
+                                "the device) and one GPU per node (arrival = row)");
   if (first_row < 0 || first_row > num_rows)
     throw std::invalid_argument("unpack_records: first_row " + std::to_string(first_row) + " outside 0.." +
                                 std::to_string(num_rows));
@@ -374,10 +429,36 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
     kernel<<<blocks + (gate ? 1 : 0), kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const char*>(src), src_stride, num_rows, out_rows, args, topk, src_idx_offset,
         reinterpret_cast<long long*>(src_idx_out), arrival_offset, reinterpret_cast<long long*>(arrival_out),
-        gate ? *gate : ArrivalGate{}, first_row);
+        gate ? *gate : ArrivalGate{}, first_row, reinterpret_cast<const long long*>(before.dims),
+        reinterpret_cast<const char*>(before.own_src), before.pad);
   };
   gate ? launch(unpack_records_kernel<true>) : launch(unpack_records_kernel<false>);
   check_launch("unpack_records");
+}
+
+void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int rank, int num_lanes,
+                          const std::vector<int64_t>& counter_bases, int64_t stride, int64_t send_limit,
+                          int64_t receive_bytes, int64_t capacity_rows, uintptr_t table_out, uintptr_t dims_out,
+                          uintptr_t stream) {
+  if (num_ranks < 1 || rank < 0 || rank >= num_ranks || num_lanes < 1)
+    throw std::invalid_argument("gate_from_count_rows: rank outside 0.." + std::to_string(num_ranks - 1) +
+                                " or no lane");
+  if (row_words < 2 * int64_t(num_ranks))
+    throw std::invalid_argument("gate_from_count_rows: a count row has at least ranks + nodes words (one GPU per "
+                                "node: 2 x ranks)");
+  if (!count_rows || !table_out || !dims_out)
+    throw std::invalid_argument("gate_from_count_rows: null count rows, table or dims");
+  if (counter_bases.size() != size_t(num_ranks) * size_t(num_lanes) || counter_bases.size() > size_t(kReadMaxCounters))
+    throw std::invalid_argument("gate_from_count_rows: give ranks x lanes counter bases, at most " +
+                                std::to_string(kReadMaxCounters) + ", got " + std::to_string(counter_bases.size()));
+  ReadBases bases{};
+  for (size_t i = 0; i < counter_bases.size(); ++i) bases.v[i] = counter_bases[i];
+  if (stride <= 0 || capacity_rows < 0) throw std::invalid_argument("gate_from_count_rows: bad stride or capacity");
+  gate_from_count_rows_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const long long*>(count_rows), row_words, num_ranks, rank, num_lanes,
+      bases, stride, send_limit, receive_bytes, capacity_rows,
+      reinterpret_cast<long long*>(table_out), reinterpret_cast<long long*>(dims_out));
+  check_launch("gate_from_count_rows");
 }
 
 }  // namespace uccl_ep::internode

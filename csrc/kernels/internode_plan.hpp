@@ -84,9 +84,43 @@ struct UnpackTopk {
   int64_t expert_lo = 0;
   int64_t experts_per_rank = 0;
 };
+//
+// Read before the counts (`before`, docs/internode.md "Reading before the count read"): the rows, the first row,
+// the gate's blocks and where our own node's records lie come from the words gate_from_count_rows wrote on the
+// device, not from the host, which has not read the counts yet. num_rows and out_rows are then the outputs'
+// capacity: the reader unpacks only when the words say go (else does nothing), and pads up to out_rows only with
+// `pad` (num_worst_tokens), else stops at the rows.
+struct ReadBeforeCounts {
+  uintptr_t dims = 0;     // device int64 [kReadDims] (ReadDim); 0: not read before the counts
+  uintptr_t own_src = 0;  // our own node's records: record i of our send list at own_src + i * src_stride
+  bool pad = false;
+};
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
-                    const ArrivalGate* gate = nullptr, int64_t first_row = 0);
+                    const ArrivalGate* gate = nullptr, int64_t first_row = 0, const ReadBeforeCounts& before = {});
+
+// The words a reader launched before the host read the counts takes from the device (one GPU per node).
+enum ReadDim : int {
+  kReadGo = 0,        // 1: read; 0: the reader does nothing, and the host unpacks after notify as before
+  kReadRows = 1,      // our arrival rows: every rank's records for us, our own included
+  kReadFirstRow = 2,  // our own block's first row (the reader starts there: those rows are in already)
+  kReadBlocks = 3,    // gate table rows: the other nodes' blocks with records
+  kReadOwnFirst = 4,  // our own records' first index in our send list (where the pack during notify wrote them)
+  kReadOwnCount = 5,
+  kReadDims = 8,
+};
+// From every rank's count row (rank r's at count_rows + 8 * r * row_words: tokens per destination rank, then per
+// destination node) after they all landed, one GPU per node: the dispatch's gate table (gate_rows: a row per other
+// rank sending us records, its counters' bases from counter_bases: every counter's value before this call, lane f
+// of source s at s * num_lanes + f) and the ReadDim words. Go when the pack during notify packed (our records fit
+// send_limit bytes), the others pushed (our arrivals fit receive_bytes) and they fit capacity_rows outputs: the
+// host applies the same rule to the same counts afterwards. One thread. The bases travel as kernel arguments (no
+// upload before the launch), so at most kReadMaxCounters of them (source ranks x lanes).
+constexpr int kReadMaxCounters = 128;
+void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int rank, int num_lanes,
+                          const std::vector<int64_t>& counter_bases, int64_t stride, int64_t send_limit,
+                          int64_t receive_bytes, int64_t capacity_rows, uintptr_t table_out, uintptr_t dims_out,
+                          uintptr_t stream);
 
 }  // namespace uccl_ep::internode

@@ -36,10 +36,11 @@ import torch
 from tests.shared_memory_files import map_file, sweep_leftovers
 
 from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
-                                          CMD_UNIT, GATE_FIXED_COLUMNS, SLOT_PAGE, Counts, RecordLayout,
-                                          gate_lane_target, gate_threshold, local_count_row,
-                                          pack_records as _pack_records, place_blocks, rows_from_own_row,
-                                          send_plan as _send_plan)
+                                          CMD_UNIT, GATE_FIXED_COLUMNS, READ_BLOCKS, READ_DIMS, READ_FIRST_ROW,
+                                          READ_GO, READ_OWN_COUNT, READ_OWN_FIRST, READ_ROWS, SLOT_PAGE, Counts,
+                                          RecordLayout, gate_lane_target, gate_threshold, local_count_row,
+                                          pack_records as _pack_records, place_blocks, read_before_counts,
+                                          rows_from_own_row, send_plan as _send_plan)
 
 PUSH_COLUMNS = 7
 GATE_COLUMNS = GATE_FIXED_COLUMNS
@@ -49,6 +50,7 @@ PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "c
 ERROR_CODES = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5,
                "records_unwritten": 6}
 PACK_PUSH_MAX_ROWS = 256
+READ_MAX_COUNTERS = 128
 _PHASE_NAMES = {1: "dispatch network hop (push_chunks / wait_signals)",
                 2: "combine network hop (push_chunks / wait_signals)",
                 3: "dispatch forward over NVLink (scatter_rows)", 4: "combine gather over NVLink (scatter_rows)",
@@ -226,10 +228,11 @@ def _write_send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ran
 def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride: int, hop1_token: int,
                  dest_rows: int, ranks_per_node: int, num_records: int, columns: list, src_idx_offset: int,
                  dest_rows_offset: int, stream: int, node_counts: int = 0, num_nodes: int = 0, skip_node: int = -1,
-                 send_limit: int = -1) -> None:
+                 send_limit: int = -1, own_in_place: bool = False) -> None:
     """pack_records_kernel: internode_plan.pack_records, the records [own_first, own_first + own_count) at
     ``own_dst`` instead of ``send``; with ``node_counts``, the records counted from them (num_records: the tables'
-    capacity), node ``skip_node``'s not written, and none when all pass ``send_limit`` bytes."""
+    capacity), node ``skip_node``'s not written (with ``own_in_place`` -- pack_and_push_after_counts only -- written
+    at their place in ``send``), and none when all pass ``send_limit`` bytes."""
     n, G = num_records, ranks_per_node
     if node_counts:
         if not 0 <= skip_node < num_nodes:
@@ -244,6 +247,8 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
         if sum(c) * stride > send_limit:
             return
         own_first, own_count, n = sum(c[:skip_node]), c[skip_node], min(n, sum(c))
+        if own_in_place:
+            own_first, own_count = 0, 0
     if n <= 0:
         return
     tokens = _at(hop1_token, 8 * n, torch.int64).clone()
@@ -268,19 +273,39 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
 def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, columns: list, ids_out: int,
                    weights_out: int, ids_offset: int, weights_offset: int, num_topk: int, expert_lo: int,
                    experts_per_rank: int, src_idx_offset: int, src_idx_out: int, arrival_offset: int,
-                   arrival_out: int, stream: int, gate: "ArrivalGate | None" = None, first_row: int = 0) -> None:
+                   arrival_out: int, stream: int, gate: "ArrivalGate | None" = None, first_row: int = 0,
+                   dims: int = 0, own_src: int = 0, pad: bool = False) -> None:
     """unpack_records_kernel: the final rows' columns into their outputs (zero rows up to ``out_rows``); global
     expert ids made local (-1 elsewhere), the weights of foreign ids zeroed; the int32 src_idx / arrival fields
     widened to int64 (a negative arrival offset: the row index). ``first_row`` only orders the kernel's reads: checked
-    here, then all rows are read at once."""
+    here, then all rows are read at once. ``dims`` (gate_from_count_rows' words): read before the counts -- the rows,
+    the gate's blocks and our own rows' place from the device, our own rows from ``own_src`` (our send list), nothing
+    done unless the words say go, padding only with ``pad``."""
     if out_rows < num_rows:
         raise ValueError("unpack_records: fewer output rows than rows")
     if not 0 <= first_row <= num_rows:
         raise ValueError(f"unpack_records: first_row {first_row} outside 0..{num_rows}")
+    if dims and (not own_src or first_row or arrival_offset >= 0):
+        raise ValueError("unpack_records: read before the counts needs own_src, no first_row (it comes from the "
+                         "device) and one GPU per node (arrival = row)")
     n = num_rows
+    own = None
+    if dims:
+        words = _at(dims, 8 * READ_DIMS, torch.int64).tolist()
+        if not words[READ_GO]:
+            return
+        n = words[READ_ROWS]
+        out_rows = out_rows if pad else n
+        own = (words[READ_FIRST_ROW], words[READ_OWN_COUNT], words[READ_OWN_FIRST])
+        if gate is not None:
+            gate.blocks = words[READ_BLOCKS]
     if gate is not None and not gate.wait_rows(range(n)):
         return
     rows = _at(src, (n - 1) * src_stride + src_stride).as_strided((n, src_stride), (src_stride, 1)) if n else None
+    if own is not None and own[1]:  # our own rows come from our send list (as the kernel reads them)
+        lo, count, rec = own
+        rows = rows.clone()
+        rows[lo:lo + count] = _at(own_src + rec * src_stride, count * src_stride).view(count, src_stride)
 
     def field(off: int, nb: int) -> torch.Tensor:
         return rows[:, off:off + nb].contiguous() if n else torch.empty((0, nb), dtype=torch.uint8)
@@ -305,6 +330,33 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
         if out and n:
             val = torch.arange(n) if off < 0 else field(off, 4).view(torch.int32).view(-1).to(torch.int64)
             _at(out, 8 * n, torch.int64).copy_(val)
+
+
+def gate_from_count_rows(count_rows: int, row_words: int, num_ranks: int, rank: int, num_lanes: int,
+                         counter_bases: list, stride: int, send_limit: int, receive_bytes: int, capacity_rows: int,
+                         table_out: int, dims_out: int, stream: int) -> None:
+    """gate_from_count_rows_kernel: internode_plan.read_before_counts on the count rows at ``count_rows``; the gate
+    table to ``table_out``, the words to ``dims_out``."""
+    if num_ranks < 1 or not 0 <= rank < num_ranks or num_lanes < 1:
+        raise ValueError(f"gate_from_count_rows: rank outside 0..{num_ranks - 1} or no lane")
+    if row_words < 2 * num_ranks:
+        raise ValueError("gate_from_count_rows: a count row has at least ranks + nodes words (one GPU per node: "
+                         "2 x ranks)")
+    if not (count_rows and table_out and dims_out):
+        raise ValueError("gate_from_count_rows: null count rows, table or dims")
+    if len(counter_bases) != num_ranks * num_lanes or len(counter_bases) > READ_MAX_COUNTERS:
+        raise ValueError(f"gate_from_count_rows: give ranks x lanes counter bases, at most {READ_MAX_COUNTERS}, got "
+                         f"{len(counter_bases)}")
+    if stride <= 0 or capacity_rows < 0:
+        raise ValueError("gate_from_count_rows: bad stride or capacity")
+    R = num_ranks
+    rows = _at(count_rows, 8 * R * row_words, torch.int64).view(R, row_words)
+    table, dims = read_before_counts(rows[:, :R].clone(), rows[:, R:2 * R].clone(), rank, num_lanes,
+                                     [int(b) for b in counter_bases], stride,
+                                     send_limit, receive_bytes, capacity_rows)
+    _at(dims_out, 8 * READ_DIMS, torch.int64).copy_(torch.tensor(dims, dtype=torch.int64))
+    if table:
+        _at(table_out, 8 * len(table) * len(table[0]), torch.int64).copy_(torch.tensor(table).view(-1))
 
 
 def _encode_error(dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> int:
@@ -471,7 +523,7 @@ class InternodeContext:
                                    src_idx_offset: int, dest_rows_offset: int, slot: int, expected: int,
                                    count_rows: int, row_words: int, receive_bytes: int, send_limit: int, ready: int,
                                    phase: int, stream: int, own_row_pushes: int = 0, own_row_push_rows: int = 0,
-                                   own_row_push_phase: int = 0) -> None:
+                                   own_row_push_phase: int = 0, own_in_place: bool = False) -> None:
         """pack_and_push_kernel counting on the device (a CountRowShift with a send limit): our own count row's
         pushes first when given (own_row_pushes: a table of own_row_push_rows one-record rows, as push_chunks takes
         it), then the writes of pack_records counting from our own count row (our own node's records not written,
@@ -497,7 +549,7 @@ class InternodeContext:
         self.push_chunks(own_row_pushes, own_row_push_rows, 1, own_row_push_phase, stream)
         pack_records(send, 0, 0, 0, stride, hop1_token, dest_rows, G, capacity, columns, src_idx_offset,
                      dest_rows_offset, stream, node_counts=own, num_nodes=self.world // G, skip_node=self.rank // G,
-                     send_limit=send_limit)
+                     send_limit=send_limit, own_in_place=own_in_place)
         self.push_after_counts(table, n, chunk_records, slot, expected, count_rows, row_words, G, receive_bytes,
                                phase, stream, send_limit=send_limit)
 

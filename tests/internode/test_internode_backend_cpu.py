@@ -633,3 +633,39 @@ def test_planning_goes_before_the_reader_while_at_least_half_the_hops_records_ar
         assert b._cx.asked == [[(1, 60), (2, 40)]]
     assert b._plan_before_reader(None) is False
     assert b._plan_before_reader(pending._replace(records=0)) is False
+
+
+def _reads_before_counts(rank, world, G, cases):
+    """compare_cases: (pairs compared, launches that packed and pushed during notify, readers launched before the
+    count read that read, and that the counts sent back to the host's path)."""
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
+        return (done, nat.packs_and_pushes_during_notify, nat.reads_before_counts, nat.reads_before_counts_declined,
+                nat.spare_read_outputs_taken)
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["2x1", "4x1"])
+def test_a_dispatch_pushed_during_notify_reads_before_the_host_reads_the_counts_or_hands_back_and_still_matches(world):
+    """With one GPU per node, an uncached dispatch whose records are packed and pushed during notify launches its reader
+    behind notify's wait, taking its rows, gate and our own records' place from the count rows on the device, into
+    outputs sized before any count is known: num_worst_tokens (the 512-row case), else the rows the last dispatch
+    received plus the slack. Where the counts say it may not (more rows than that: rank 1 after the "empty" case, in
+    which it received nothing), it does nothing and the host reads after notify as before. Every output equals the
+    reference either way; with UCCL_EP_READ_BEFORE_COUNTS=0 no reader goes before the count read. The outputs of
+    the bf16 readers without num_worst_tokens after the second case were made during the hop of the combine before
+    them (that of the first case follows a dispatch that read after notify, which leaves nothing to make; the
+    worst-tokens case has another row count, so it makes its own)."""
+    cases = ALL[:4] + [ALL[7]]  # random, skewed, empty (rank 0 receives everything), dropped, worst tokens
+    out = run_distributed(_reads_before_counts, world, 1, cases, timeout=180, env=ENV)
+    for done, fused, read, declined, spare in out:
+        assert done == len(cases) and fused == len(cases) - 1, (done, fused)
+        assert read + declined == fused, (fused, read, declined)  # every case after the first has a guess
+        assert spare == 2, spare  # the "empty" and "dropped" cases
+    assert out[1][3] >= 1, out  # rank 1: the "dropped" case after receiving nothing
+    assert sum(row[2] for row in out) >= world, out
+    out = run_distributed(_reads_before_counts, world, 1, cases[:3], timeout=180,
+                          env=dict(ENV, UCCL_EP_READ_BEFORE_COUNTS="0"))
+    assert [(read, declined, spare) for _, _, read, declined, spare in out] == [(0, 0, 0)] * world

@@ -260,3 +260,88 @@ def test_send_plan_written_with_the_count_row_and_pack_counted_from_it_on_the_de
             assert torch.equal(send[:S1][remote, off:off + nb], ref[remote, off:off + nb]), f"field at {off} differs"
         assert torch.equal(send[:S1][~remote], before[:S1][~remote]), "our own node's records were written"
         assert torch.equal(send[S1:], before[S1:]), "records were written past the ones counted"
+
+
+@pytest.mark.parametrize("R,rank,lanes", [(2, 0, 4), (2, 1, 1), (4, 2, 3), (8, 0, 2)])
+@pytest.mark.parametrize("limits", ["go", "not_packed", "too_many_rows", "arrivals_too_big"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_a_reader_before_the_count_read_takes_its_gate_rows_and_own_records_from_the_count_rows_on_the_device(
+        R, rank, lanes, limits, pad):
+    """gate_from_count_rows writes the gate table and words internode_plan.read_before_counts defines, from random
+    count rows (one GPU per node: a source with no record for us gets no gate row); unpack_records given those words
+    unpacks the rows they name -- our own block's rows from our send list at our own records' place, every other row
+    from the arrivals -- cut at the rows received or padded with zero rows, and does nothing at all when the words
+    say no (its outputs keep their sentinel)."""
+    from uccl_ep_train.internode_plan import READ_DIMS, READ_GO, read_before_counts
+
+    g = torch.Generator().manual_seed(R * 100 + rank * 10 + lanes)
+    words = 2 * R + 3
+    rows = torch.randint(0, 40, (R, words), generator=g)
+    rows[(rank + 1) % R, rank] = 0  # a source with nothing for us
+    rows[rank, rank] += 1  # our own records: some
+    rows[:, R:2 * R] = rows[:, :R]  # one GPU per node: tokens per node = per rank
+    H, K, E = 256, 4, 8 * R
+    cols = [torch.randn((1, H), generator=g).to(torch.bfloat16), torch.zeros(1, K, dtype=torch.int64),
+            torch.zeros(1, K)]
+    layout = record_layout([_bytes_of(c).size(1) for c in cols], 1)
+    stride = layout.stride
+    n, sent = int(rows[:, rank].sum()), int(rows[rank, R:2 * R].sum())
+    send_limit = sent * stride if limits != "not_packed" else sent * stride - 1
+    receive = n * stride if limits != "arrivals_too_big" else n * stride - 16
+    cap = n + 5 if limits != "too_many_rows" else n - 1
+    bases = torch.randint(0, 1 << 40, (R * lanes,), generator=g)
+    want_table, want_dims = read_before_counts(rows[:, :R], rows[:, R:2 * R], rank, lanes, bases.tolist(), stride,
+                                               send_limit, receive, cap)
+    assert bool(want_dims[READ_GO]) == (limits == "go")
+    d_rows = rows.to(DEV)
+    table = torch.full((R, 4 + lanes), -7, dtype=torch.int64, device=DEV)
+    dims = torch.full((READ_DIMS,), -7, dtype=torch.int64, device=DEV)
+    K_.gate_from_count_rows(d_rows.data_ptr(), words, R, rank, lanes, bases.tolist(), stride, send_limit, receive,
+                            cap, table.data_ptr(), dims.data_ptr(), STREAM())
+    with pytest.raises(ValueError, match="counter bases"):  # one per (source, lane), no more than the kernel takes
+        K_.gate_from_count_rows(d_rows.data_ptr(), words, R, rank, lanes, bases.tolist()[1:], stride, send_limit,
+                                receive, cap, table.data_ptr(), dims.data_ptr(), STREAM())
+    assert dims.cpu().tolist()[:6] == want_dims[:6]
+    assert table.cpu()[:len(want_table)].tolist() == want_table
+
+    # the reader: arrivals (blocks by source, ours left as garbage) and our send list, random record bytes
+    arrivals = torch.randint(0, 255, (max(n, 1), stride), generator=g, dtype=torch.uint8)
+    send = torch.randint(0, 255, (max(sent, 1), stride), generator=g, dtype=torch.uint8)
+    for area in (arrivals, send):
+        ids = torch.randint(-1, E, (area.size(0), K), generator=g)
+        area[:, layout.column_offsets[1]:layout.column_offsets[1] + 8 * K] = ids.view(torch.uint8).view(-1, 8 * K)
+        w = torch.rand((area.size(0), K), generator=g)
+        area[:, layout.column_offsets[2]:layout.column_offsets[2] + 4 * K] = w.view(torch.uint8).view(-1, 4 * K)
+    d_arr, d_send = arrivals.to(DEV), send.to(DEV)
+    capacity = max(cap, 0) + 3
+    out_x = torch.full((capacity, H), 3.0, device=DEV).to(torch.bfloat16)
+    got_ids = torch.full((capacity, K), 99, dtype=torch.int64, device=DEV)
+    got_w = torch.full((capacity, K), 9.0, device=DEV)
+    got_src, got_arr = (torch.full((capacity,), -5, dtype=torch.int64, device=DEV) for _ in range(2))
+    lo_e, epr = 8 * rank, 8
+    K_.unpack_records(d_arr.data_ptr(), stride, capacity, capacity,
+                      [(out_x.data_ptr(), layout.column_bytes[0], layout.column_offsets[0])], got_ids.data_ptr(),
+                      got_w.data_ptr(), layout.column_offsets[1], layout.column_offsets[2], K, lo_e, epr,
+                      layout.src_idx_offset, got_src.data_ptr(), -1, got_arr.data_ptr(), STREAM(),
+                      dims=dims.data_ptr(), own_src=d_send.data_ptr(), pad=pad)
+    torch.cuda.synchronize()
+    if limits != "go":
+        assert (got_ids == 99).all() and (got_src == -5).all(), "a reader told no wrote its outputs"
+        return
+    _, first, _, own_first, own_count = want_dims[1:6]
+    final = arrivals[:n].clone()
+    final[first:first + own_count] = send[own_first:own_first + own_count]
+    x = final[:, :layout.column_bytes[0]].contiguous().view(torch.bfloat16)
+    ids = final[:, layout.column_offsets[1]:layout.column_offsets[1] + 8 * K].contiguous().view(torch.int64)
+    w = final[:, layout.column_offsets[2]:layout.column_offsets[2] + 4 * K].contiguous().view(torch.float32)
+    local = (ids >= lo_e) & (ids < lo_e + epr)
+    src = final[:, layout.src_idx_offset:layout.src_idx_offset + 4].contiguous().view(torch.int32).view(-1)
+    assert torch.equal(out_x[:n].cpu().view(torch.int16), x.view(torch.int16))
+    assert torch.equal(got_ids[:n].cpu(), torch.where(local, ids - lo_e, -1))
+    assert torch.equal(got_w[:n].cpu(), torch.where(local, w, 0.0))
+    assert torch.equal(got_src[:n].cpu(), src.to(torch.int64))
+    assert torch.equal(got_arr[:n].cpu(), torch.arange(n))
+    if pad:  # padded to the outputs' rows: zero payload, ids -1, weights 0
+        assert not out_x[n:].view(torch.int16).any() and (got_ids[n:] == -1).all() and not got_w[n:].any()
+    else:  # cut at the rows received: the rest untouched
+        assert (got_ids[n:] == 99).all() and (got_src[n:] == -5).all()

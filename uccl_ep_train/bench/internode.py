@@ -585,7 +585,10 @@ def run(args) -> int:
                       "dispatch_us": t_disp * 1e6, "cached_dispatch_us": t_cached * 1e6,
                       "combine_us": t_comb * 1e6, "raw_transport_hop_us": raw_transport_us,
                       "host_step_us_by_rank": steps_by_rank,
-                      "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()}}
+                      "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()},
+                      **{k: getattr(nat, k, None) for k in ("packs_and_pushes_during_notify", "reads_before_counts",
+                                                            "reads_before_counts_declined",
+                                                            "spare_read_outputs_taken")}}
             if timeline is not None:
                 shared["kernel_timeline_by_rank"] = timeline
             if wire is not None:
@@ -665,6 +668,10 @@ def run(args) -> int:
         "packs_and_pushes": getattr(nat, "packs_and_pushes", None),
         # ... and of the uncached dispatches packed and pushed during notify, those whose launch pushed the count row
         "count_rows_pushed_with_records": getattr(nat, "count_rows_pushed_with_records", None),
+        # ... and of those, the ones whose reader went before the host read the counts, and the ones it handed back
+        "reads_before_counts": getattr(nat, "reads_before_counts", None),
+        "reads_before_counts_declined": getattr(nat, "reads_before_counts_declined", None),
+        "spare_read_outputs_taken": getattr(nat, "spare_read_outputs_taken", None),
     }
     # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
     row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}
