@@ -240,6 +240,8 @@ class ReadingBeforeCounts:
     weights: Optional[torch.Tensor] = None
     src_idx: Optional[torch.Tensor] = None
     arrival: Optional[torch.Tensor] = None
+    own_columns: List[Tuple[int, int, int]] = field(default_factory=list)  # our columns, as pack_records takes them
+    own_tokens: int = 0  # device address of the send plan's tokens (hop1_token)
     t0: Any = None
 
 
@@ -1226,7 +1228,7 @@ class NativeInternodeBackend:
 
     def _pack_during_notify(self, row: torch.Tensor, itr: torch.Tensor, rows: List[torch.Tensor],
                             layout: RecordLayout, send_top: int, early: dict, landing: CountRows, tables: SendPlan,
-                            fused: Optional[torch.Tensor], own_in_place: bool = False) -> None:
+                            fused: Optional[torch.Tensor]) -> None:
         """Pack the records for the other nodes while notify exchanges the counts, where it is safe: the last call
         was a combine of the last dispatch's handle (the caller checks) and our records stay below ``send_top``,
         where that combine's partial sums start in our send half. Why that is enough: every node we sent that
@@ -1241,16 +1243,14 @@ class NativeInternodeBackend:
         the host learns which it was after notify (_packed_during_notify). ``rows``: the columns, contiguous
         (_dense), laid out as ``layout``. Fills ``early`` (layout, rows, tables, send_top), and pushes the records too
         (_push_during_notify; ``landing``: where the count rows land), adding ``push_launched``; with ``fused`` (the
-        push table, _fused_table_during_notify) in one launch, which also pushes our count row, and with
-        ``own_in_place`` writes our own node's records too, at their place in the send list, for a reader launched
-        before the count read."""
+        push table, _fused_table_during_notify) in one launch, which also pushes our count row."""
         G, N = self.G, self.N
         own_counts = row.data_ptr() + 8 * self.R  # our tokens per node: the row's node columns
         capacity = itr.size(0) * N  # a token is one record per node at most
         packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
         early.update(layout=layout, rows=rows, tables=tables, send_top=send_top)
         if fused is not None:
-            self._pack_and_push_during_notify(fused, tables, layout, packed, capacity, landing, send_top, own_in_place)
+            self._pack_and_push_during_notify(fused, tables, layout, packed, capacity, landing, send_top)
             early["push_launched"] = True
             return
         table = self._push_table_during_notify(layout.stride) if self.push_during_notify else None
@@ -1302,7 +1302,7 @@ class NativeInternodeBackend:
 
     def _pack_and_push_during_notify(self, table: torch.Tensor, tables: SendPlan, layout: RecordLayout,
                                      columns: List[Tuple[int, int, int]], capacity: int, landing: CountRows,
-                                     send_top: int, own_in_place: bool = False) -> None:
+                                     send_top: int) -> None:
         """The pack and the push during notify in one launch (pack_and_push_after_counts; docs/internode.md, "Push
         during notify"): the records counted from our own row are written, and each chunk leaves once its records
         are written and every count row is in, placed as push_after_counts places it. One launch fewer before the
@@ -1318,8 +1318,7 @@ class NativeInternodeBackend:
             tables.dest_rows.data_ptr(), self.G, capacity, columns, layout.src_idx_offset, layout.dest_rows_offset,
             landing.slot, landing.target, landing.ptr, landing.row_words, self.half_rdma, send_top,
             self._chunk_ready.data_ptr(), self._phases["dispatch_network"], self._stream(),
-            own_row_pushes=own[0], own_row_push_rows=own[1], own_row_push_phase=self._phases["notify"],
-            own_in_place=own_in_place)
+            own_row_pushes=own[0], own_row_push_rows=own[1], own_row_push_phase=self._phases["notify"])
         self.packs_and_pushes_during_notify += 1
         self.count_rows_pushed_with_records += own[1] > 0
         if self.kernel_timeline is not None:
@@ -1403,7 +1402,7 @@ class NativeInternodeBackend:
                        ids_column: int, expert_lo: int, experts_per_rank: int, src_idx: Optional[torch.Tensor],
                        arrival: Optional[torch.Tensor], gate: Any = None, first_row: int = 0, **before: Any) -> None:
         """The unpack_records launch of _unpack (rows [0, n) at ``src``, ``src_stride`` bytes apart); ``before``: the
-        arguments of a read before the counts (dims, own_src, pad)."""
+        arguments of a read before the counts (dims, own_columns, own_tokens, pad)."""
         K = ids.size(1) if ids is not None else 0
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
         self._k.unpack_records(
@@ -1474,8 +1473,9 @@ class NativeInternodeBackend:
     def _launch_reader_before_counts(self, reading: ReadingBeforeCounts, rows_at: CountRows, send_top: int) -> None:
         """Behind notify's wait (every count row is in) and the matrix's copy: the outputs, then the gate table and
         the words from the count rows on the device (gate_from_count_rows), then the gated reader taking them
-        (unpack_records with dims), which reads our own node's rows from our send list, where the pack during
-        notify put them. Queues no upload (the drain before the count read does not wait for these launches)."""
+        (unpack_records with dims), which reads our own node's rows straight from our columns at their tokens (the
+        send plan's, written with the count row): they are never packed. Queues no upload (the drain before the count
+        read does not wait for these launches)."""
         rows = reading.rows
         self._lap("dispatch.notify_wait_before_counts")
         if reading.src_idx is None:  # no spare made during the last combine's hop
@@ -1494,7 +1494,7 @@ class NativeInternodeBackend:
         self._unpack_launch(self._cx.rdma_ptr + self.half_rdma, stride, rows, rows, reading.layout, reading.outs,
                             reading.topk_idx, reading.weights, len(reading.payload), self.rank * experts, experts,
                             reading.src_idx, reading.arrival, gate, dims=self._read_dims.data_ptr(),
-                            own_src=self._cx.rdma_ptr, pad=reading.pad)
+                            own_columns=reading.own_columns, own_tokens=reading.own_tokens, pad=reading.pad)
         self._lap("dispatch.reader_before_counts")
 
     def _reader_read(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int) -> bool:
@@ -1585,10 +1585,13 @@ class NativeInternodeBackend:
             layout = _record_layout(tuple(_row_bytes(r) for r in dense), self.G)
             fused = self._fused_table_during_notify(layout.stride)
             reading = self._reading_before_counts(args, T, layout, fused is not None)
+            if reading is not None:  # our own node's rows come straight from these (never packed)
+                reading.own_columns = [(r.data_ptr(), nb, off) for r, nb, off in
+                                       zip(dense, layout.column_bytes, layout.column_offsets) if nb]
+                reading.own_tokens = tables.hop1_token.data_ptr()
 
             def during(row: torch.Tensor, landing: CountRows) -> None:
-                self._pack_during_notify(row, itr, dense, layout, combined_send_base, early, landing, tables, fused,
-                                         own_in_place=reading is not None)
+                self._pack_during_notify(row, itr, dense, layout, combined_send_base, early, landing, tables, fused)
         counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during, plan=tables,
                               row_goes_with_then=fused is not None,
                               ahead=(lambda rows: self._launch_reader_before_counts(reading, rows, combined_send_base))

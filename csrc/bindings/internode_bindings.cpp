@@ -173,27 +173,31 @@ void bind_internode(py::module_& m) {
          uintptr_t weights_out, int64_t ids_offset, int64_t weights_offset, int num_topk, int64_t expert_lo,
          int64_t experts_per_rank, int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset,
          uintptr_t arrival_out, uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, uintptr_t dims,
-         uintptr_t own_src, bool pad) {
+         const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& own_columns, uintptr_t own_tokens, bool pad) {
         std::vector<in::PackColumn> cols;
         for (const auto& [dst, bytes, offset] : columns) cols.push_back(in::PackColumn{dst, bytes, offset});
+        std::vector<in::PackColumn> own;
+        for (const auto& [rows, bytes, offset] : own_columns) own.push_back(in::PackColumn{rows, bytes, offset});
         in::unpack_records(src, src_stride, num_rows, out_rows, cols,
                            in::UnpackTopk{ids_out, weights_out, ids_offset, weights_offset, num_topk, expert_lo,
                                           experts_per_rank},
                            src_idx_offset, src_idx_out, arrival_offset, arrival_out, stream, gate, first_row,
-                           in::ReadBeforeCounts{dims, own_src, pad});
+                           in::ReadBeforeCounts{dims, own_tokens, own, pad});
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("out_rows"), py::arg("columns"),
       py::arg("ids_out"), py::arg("weights_out"), py::arg("ids_offset"), py::arg("weights_offset"),
       py::arg("num_topk"), py::arg("expert_lo"), py::arg("experts_per_rank"), py::arg("src_idx_offset"),
       py::arg("src_idx_out"), py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"),
-      py::arg("gate") = nullptr, py::arg("first_row") = 0, py::arg("dims") = 0, py::arg("own_src") = 0,
+      py::arg("gate") = nullptr, py::arg("first_row") = 0, py::arg("dims") = 0,
+      py::arg("own_columns") = std::vector<std::tuple<uintptr_t, int64_t, int64_t>>{}, py::arg("own_tokens") = 0,
       py::arg("pad") = false,
       "the final rows' columns into their outputs, one launch; columns: (output, row bytes, row offset); rows "
       "past num_rows up to out_rows zeroed (ids -1); global expert ids made local, foreign weights zeroed; gate "
       "(InternodeContext.arrival_gate): each tile of rows first waits for the chunks that carry it; first_row: the "
       "rows are read from there to the end first, then from 0 (a gated reader starts with the rows already in); "
       "dims (gate_from_count_rows' words): read before the counts, num_rows / out_rows being the outputs' "
-      "capacity, our own rows from own_src (our send list), padded to out_rows only with pad");
+      "capacity, our own node's rows straight from our columns (own_columns: (rows, row bytes, offset in the "
+      "record) as pack_records takes them; own_tokens: the send list's tokens), padded to out_rows only with pad");
 
   k.attr("READ_DIMS") = int(in::kReadDims);
   k.attr("READ_MAX_COUNTERS") = int(in::kReadMaxCounters);
@@ -364,17 +368,16 @@ void bind_internode(py::module_& m) {
              uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t capacity, const Columns& columns,
              int64_t src_idx_offset, int64_t dest_rows_offset, int64_t slot, int64_t expected, uintptr_t count_rows,
              int64_t row_words, int64_t receive_bytes, int64_t send_limit, uintptr_t ready, int phase,
-             uintptr_t stream, uintptr_t own_row_pushes, int own_row_push_rows, int own_row_push_phase,
-             bool own_in_place) {
+             uintptr_t stream, uintptr_t own_row_pushes, int own_row_push_rows, int own_row_push_phase) {
             in::CountRowOffsets at = count_row_offsets(slot, expected, count_rows, row_words, ranks_per_node,
                                                        receive_bytes, send_limit);
             at.own_row_pushes = own_row_pushes;
             at.own_row_push_rows = own_row_push_rows;
             at.own_row_push_phase = own_row_push_phase;
-            in::RecordJob job = record_job(send, 0, 0, 0, stride, hop1_token, dest_rows, ranks_per_node, capacity,
-                                           columns, src_idx_offset, dest_rows_offset);
-            job.own_in_place = own_in_place;
-            cx.pack_and_push_after_counts(table, n, chunk_records, job, at, ready, phase, stream);
+            cx.pack_and_push_after_counts(table, n, chunk_records,
+                                          record_job(send, 0, 0, 0, stride, hop1_token, dest_rows, ranks_per_node,
+                                                     capacity, columns, src_idx_offset, dest_rows_offset),
+                                          at, ready, phase, stream);
           },
           py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("send"), py::arg("stride"),
           py::arg("hop1_token"), py::arg("dest_rows"), py::arg("ranks_per_node"), py::arg("capacity"),
@@ -382,10 +385,8 @@ void bind_internode(py::module_& m) {
           py::arg("expected"), py::arg("count_rows"), py::arg("row_words"), py::arg("receive_bytes"),
           py::arg("send_limit"), py::arg("ready"), py::arg("phase"), py::arg("stream"),
           py::arg("own_row_pushes") = 0, py::arg("own_row_push_rows") = 0, py::arg("own_row_push_phase") = 0,
-          py::arg("own_in_place") = false,
           "pack_and_push during notify: the records counted from our own count row (capacity: the tables' size; our "
-          "own node's not written -- with own_in_place written at their place in the send list, never pushed --, "
-          "none past send_limit bytes), each chunk pushed once its records are written and "
+          "own node's not written, none past send_limit bytes), each chunk pushed once its records are written and "
           "signal[slot] >= expected (every count row in), placed as push_after_counts places it. own_row_pushes: "
           "a push table of own_row_push_rows one-record rows (our count row to each peer), pushed first by the same "
           "launch (phase own_row_push_phase labels its errors)")

@@ -219,7 +219,6 @@ __global__ void push_chunks_kernel(const DeviceFifo* fifos, int num_fifos, const
 struct PackPushJob {
   char* send;             // record r at send + r * stride (send_offset bytes into our RDMA region) ...
   char* own_dst;          // ... except our own node's, at own_dst + (r - own_first) * stride
-  bool own_in_place;      // ... or, counted on the device, at send + r * stride as the others (RecordJob)
   long long send_offset;
   long long own_first, own_count, stride, num_records;
   const long long* hop1_token;  // row of every record; nullptr: record r carries row r
@@ -317,12 +316,12 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
   // flight at once: each finishes near the end of the copy, and the first push waited for ~all of it.) Our own
   // node's records go last, and nowhere without own_dst (counted on the device: they are written after notify).
   const long long n = s_n, own_first = s_own_first, own_end = own_first + s_own_count, sent = n - s_own_count;
-  const long long last = job.own_dst || job.own_in_place ? n : sent;
+  const long long last = job.own_dst ? n : sent;
   for (long long w = blockIdx.x - 1; w < last; w += gridDim.x - 1) {
     // the records that are sent first, in order (so the first chunks fill first), our own node's last
     const long long r = w < own_first ? w : (w < sent ? w + s_own_count : own_first + (w - sent));
     const bool own = r >= own_first && r < own_end;
-    char* rec = own && !job.own_in_place ? job.own_dst + (r - own_first) * job.stride : job.send + r * job.stride;
+    char* rec = own ? job.own_dst + (r - own_first) * job.stride : job.send + r * job.stride;
     write_record(rec, job.hop1_token ? job.hop1_token[r] : r, job.args, job.src_idx_offset,
                  job.dest_rows + r * job.G, job.G, job.dest_rows_offset, threadIdx.x, blockDim.x);
     if (own) continue;
@@ -843,7 +842,7 @@ void Context::pack_and_push_after_counts(uintptr_t table, int n, int64_t chunk_r
     throw std::invalid_argument("pack_and_push_after_counts: give send_limit (the records are counted from our row)");
   if (job.own_dst || job.own_first || job.own_count)
     throw std::invalid_argument("pack_and_push_after_counts: our own node's records are written after notify "
-                                "(no own_dst), or in place (own_in_place)");
+                                "(no own_dst)");
   if (at.own_row_push_rows < 0 || (at.own_row_push_rows > 0 && !at.own_row_pushes))
     throw std::invalid_argument("pack_and_push_after_counts: own_row_push_rows must be >= 0, with a table when > 0");
   if (job.num_records <= 0) {  // no launch: the row still has to leave, or the peers wait for it in vain
@@ -880,8 +879,6 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
   PackPushJob j{};
   j.send = reinterpret_cast<char*>(job.send);
   j.own_dst = reinterpret_cast<char*>(job.own_dst);
-  if (job.own_in_place && !at) throw std::invalid_argument("pack_and_push: own_in_place only counted on the device");
-  j.own_in_place = job.own_in_place;
   j.send_offset = send_offset;
   j.own_first = job.own_first;
   j.own_count = job.own_count;

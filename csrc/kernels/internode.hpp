@@ -51,10 +51,6 @@ struct RecordJob {
   int ranks_per_node = 0;
   std::vector<PackColumn> columns;
   int64_t src_idx_offset = -1, dest_rows_offset = 0;
-  // Counted on the device only (pack_and_push_after_counts): our own node's records are written too, at their place
-  // in the send list (send + r * stride), where a reader launched before the host read the counts finds them
-  // (docs/internode.md, "Reading before the count read"). They are never pushed.
-  bool own_in_place = false;
 };
 
 // A push made before the host knows the counts (docs/internode.md, "Push during notify"): the kernel waits until

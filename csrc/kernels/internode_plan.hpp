@@ -89,10 +89,13 @@ struct UnpackTopk {
 // the gate's blocks and where our own node's records lie come from the words gate_from_count_rows wrote on the
 // device, not from the host, which has not read the counts yet. num_rows and out_rows are then the outputs'
 // capacity: the reader unpacks only when the words say go (else does nothing), and pads up to out_rows only with
-// `pad` (num_worst_tokens), else stops at the rows.
+// `pad` (num_worst_tokens), else stops at the rows. Our own node's rows were never packed: each is read straight
+// from the columns (own_columns, as pack_records takes them: every field of the record lies in one) at its token,
+// own_tokens[i] for the i-th record of our send list (its src_idx).
 struct ReadBeforeCounts {
-  uintptr_t dims = 0;     // device int64 [kReadDims] (ReadDim); 0: not read before the counts
-  uintptr_t own_src = 0;  // our own node's records: record i of our send list at own_src + i * src_stride
+  uintptr_t dims = 0;        // device int64 [kReadDims] (ReadDim); 0: not read before the counts
+  uintptr_t own_tokens = 0;  // device int64: the send list's tokens (hop1_token)
+  std::vector<PackColumn> own_columns;
   bool pad = false;
 };
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,

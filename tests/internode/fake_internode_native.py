@@ -228,11 +228,10 @@ def _write_send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ran
 def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride: int, hop1_token: int,
                  dest_rows: int, ranks_per_node: int, num_records: int, columns: list, src_idx_offset: int,
                  dest_rows_offset: int, stream: int, node_counts: int = 0, num_nodes: int = 0, skip_node: int = -1,
-                 send_limit: int = -1, own_in_place: bool = False) -> None:
+                 send_limit: int = -1) -> None:
     """pack_records_kernel: internode_plan.pack_records, the records [own_first, own_first + own_count) at
     ``own_dst`` instead of ``send``; with ``node_counts``, the records counted from them (num_records: the tables'
-    capacity), node ``skip_node``'s not written (with ``own_in_place`` -- pack_and_push_after_counts only -- written
-    at their place in ``send``), and none when all pass ``send_limit`` bytes."""
+    capacity), node ``skip_node``'s not written, and none when all pass ``send_limit`` bytes."""
     n, G = num_records, ranks_per_node
     if node_counts:
         if not 0 <= skip_node < num_nodes:
@@ -247,8 +246,6 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
         if sum(c) * stride > send_limit:
             return
         own_first, own_count, n = sum(c[:skip_node]), c[skip_node], min(n, sum(c))
-        if own_in_place:
-            own_first, own_count = 0, 0
     if n <= 0:
         return
     tokens = _at(hop1_token, 8 * n, torch.int64).clone()
@@ -274,19 +271,19 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
                    weights_out: int, ids_offset: int, weights_offset: int, num_topk: int, expert_lo: int,
                    experts_per_rank: int, src_idx_offset: int, src_idx_out: int, arrival_offset: int,
                    arrival_out: int, stream: int, gate: "ArrivalGate | None" = None, first_row: int = 0,
-                   dims: int = 0, own_src: int = 0, pad: bool = False) -> None:
+                   dims: int = 0, own_columns: tuple = (), own_tokens: int = 0, pad: bool = False) -> None:
     """unpack_records_kernel: the final rows' columns into their outputs (zero rows up to ``out_rows``); global
     expert ids made local (-1 elsewhere), the weights of foreign ids zeroed; the int32 src_idx / arrival fields
     widened to int64 (a negative arrival offset: the row index). ``first_row`` only orders the kernel's reads: checked
     here, then all rows are read at once. ``dims`` (gate_from_count_rows' words): read before the counts -- the rows,
-    the gate's blocks and our own rows' place from the device, our own rows from ``own_src`` (our send list), nothing
-    done unless the words say go, padding only with ``pad``."""
+    the gate's blocks and our own rows' place from the device, our own rows straight from ``own_columns`` at the
+    tokens ``own_tokens`` lists (never packed), nothing done unless the words say go, padding only with ``pad``."""
     if out_rows < num_rows:
         raise ValueError("unpack_records: fewer output rows than rows")
     if not 0 <= first_row <= num_rows:
         raise ValueError(f"unpack_records: first_row {first_row} outside 0..{num_rows}")
-    if dims and (not own_src or first_row or arrival_offset >= 0):
-        raise ValueError("unpack_records: read before the counts needs own_src, no first_row (it comes from the "
+    if dims and (not own_tokens or first_row or arrival_offset >= 0):
+        raise ValueError("unpack_records: read before the counts needs own_tokens, no first_row (it comes from the "
                          "device) and one GPU per node (arrival = row)")
     n = num_rows
     own = None
@@ -302,10 +299,14 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
     if gate is not None and not gate.wait_rows(range(n)):
         return
     rows = _at(src, (n - 1) * src_stride + src_stride).as_strided((n, src_stride), (src_stride, 1)) if n else None
-    if own is not None and own[1]:  # our own rows come from our send list (as the kernel reads them)
+    if own is not None and own[1]:  # our own rows: the records our columns would make at those tokens
         lo, count, rec = own
+        tokens = _at(own_tokens + 8 * rec, 8 * count, torch.int64).clone()
+        T = int(tokens.max()) + 1
         rows = rows.clone()
-        rows[lo:lo + count] = _at(own_src + rec * src_stride, count * src_stride).view(count, src_stride)
+        for ptr, nb, off in own_columns:
+            rows[lo:lo + count, off:off + nb] = _at(ptr, T * nb).view(T, nb)[tokens]
+        rows[lo:lo + count, src_idx_offset:src_idx_offset + 4] = tokens.to(torch.int32).view(-1, 1).view(torch.uint8)
 
     def field(off: int, nb: int) -> torch.Tensor:
         return rows[:, off:off + nb].contiguous() if n else torch.empty((0, nb), dtype=torch.uint8)
@@ -523,7 +524,7 @@ class InternodeContext:
                                    src_idx_offset: int, dest_rows_offset: int, slot: int, expected: int,
                                    count_rows: int, row_words: int, receive_bytes: int, send_limit: int, ready: int,
                                    phase: int, stream: int, own_row_pushes: int = 0, own_row_push_rows: int = 0,
-                                   own_row_push_phase: int = 0, own_in_place: bool = False) -> None:
+                                   own_row_push_phase: int = 0) -> None:
         """pack_and_push_kernel counting on the device (a CountRowShift with a send limit): our own count row's
         pushes first when given (own_row_pushes: a table of own_row_push_rows one-record rows, as push_chunks takes
         it), then the writes of pack_records counting from our own count row (our own node's records not written,
@@ -549,7 +550,7 @@ class InternodeContext:
         self.push_chunks(own_row_pushes, own_row_push_rows, 1, own_row_push_phase, stream)
         pack_records(send, 0, 0, 0, stride, hop1_token, dest_rows, G, capacity, columns, src_idx_offset,
                      dest_rows_offset, stream, node_counts=own, num_nodes=self.world // G, skip_node=self.rank // G,
-                     send_limit=send_limit, own_in_place=own_in_place)
+                     send_limit=send_limit)
         self.push_after_counts(table, n, chunk_records, slot, expected, count_rows, row_words, G, receive_bytes,
                                phase, stream, send_limit=send_limit)
 

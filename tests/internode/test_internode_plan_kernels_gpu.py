@@ -269,9 +269,10 @@ def test_a_reader_before_the_count_read_takes_its_gate_rows_and_own_records_from
         R, rank, lanes, limits, pad):
     """gate_from_count_rows writes the gate table and words internode_plan.read_before_counts defines, from random
     count rows (one GPU per node: a source with no record for us gets no gate row); unpack_records given those words
-    unpacks the rows they name -- our own block's rows from our send list at our own records' place, every other row
-    from the arrivals -- cut at the rows received or padded with zero rows, and does nothing at all when the words
-    say no (its outputs keep their sentinel)."""
+    unpacks the rows they name -- our own block's rows straight from our columns at the send list's tokens (never
+    packed), every other row from the arrivals -- cut at the rows received or padded with zero rows, and does
+    nothing at all when the words say no (its outputs keep their sentinel). A field that lies in none of the
+    columns given is refused before the launch."""
     from uccl_ep_train.internode_plan import READ_DIMS, READ_GO, read_before_counts
 
     g = torch.Generator().manual_seed(R * 100 + rank * 10 + lanes)
@@ -304,42 +305,54 @@ def test_a_reader_before_the_count_read_takes_its_gate_rows_and_own_records_from
     assert dims.cpu().tolist()[:6] == want_dims[:6]
     assert table.cpu()[:len(want_table)].tolist() == want_table
 
-    # the reader: arrivals (blocks by source, ours left as garbage) and our send list, random record bytes
+    # the reader: arrivals (blocks by source, ours left as garbage, random record bytes) and our own columns, from
+    # which our own rows come at the send list's tokens
     arrivals = torch.randint(0, 255, (max(n, 1), stride), generator=g, dtype=torch.uint8)
-    send = torch.randint(0, 255, (max(sent, 1), stride), generator=g, dtype=torch.uint8)
-    for area in (arrivals, send):
-        ids = torch.randint(-1, E, (area.size(0), K), generator=g)
-        area[:, layout.column_offsets[1]:layout.column_offsets[1] + 8 * K] = ids.view(torch.uint8).view(-1, 8 * K)
-        w = torch.rand((area.size(0), K), generator=g)
-        area[:, layout.column_offsets[2]:layout.column_offsets[2] + 4 * K] = w.view(torch.uint8).view(-1, 4 * K)
-    d_arr, d_send = arrivals.to(DEV), send.to(DEV)
+    ids = torch.randint(-1, E, (arrivals.size(0), K), generator=g)
+    arrivals[:, layout.column_offsets[1]:layout.column_offsets[1] + 8 * K] = ids.view(torch.uint8).view(-1, 8 * K)
+    w = torch.rand((arrivals.size(0), K), generator=g)
+    arrivals[:, layout.column_offsets[2]:layout.column_offsets[2] + 4 * K] = w.view(torch.uint8).view(-1, 4 * K)
+    T = 50
+    own_x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    own_ids, own_w = torch.randint(-1, E, (T, K), generator=g), torch.rand((T, K), generator=g)
+    tokens = torch.randint(0, T, (sent,), generator=g)  # the send list's tokens (any, repeats too)
+    own_cols = [own_x.to(DEV), own_ids.to(DEV), own_w.to(DEV)]
+    d_tokens = tokens.to(DEV)
+    d_arr = arrivals.to(DEV)
     capacity = max(cap, 0) + 3
     out_x = torch.full((capacity, H), 3.0, device=DEV).to(torch.bfloat16)
     got_ids = torch.full((capacity, K), 99, dtype=torch.int64, device=DEV)
     got_w = torch.full((capacity, K), 9.0, device=DEV)
     got_src, got_arr = (torch.full((capacity,), -5, dtype=torch.int64, device=DEV) for _ in range(2))
     lo_e, epr = 8 * rank, 8
-    K_.unpack_records(d_arr.data_ptr(), stride, capacity, capacity,
-                      [(out_x.data_ptr(), layout.column_bytes[0], layout.column_offsets[0])], got_ids.data_ptr(),
-                      got_w.data_ptr(), layout.column_offsets[1], layout.column_offsets[2], K, lo_e, epr,
-                      layout.src_idx_offset, got_src.data_ptr(), -1, got_arr.data_ptr(), STREAM(),
-                      dims=dims.data_ptr(), own_src=d_send.data_ptr(), pad=pad)
+    own_columns = [(c.data_ptr(), nb, off) for c, nb, off in zip(own_cols, layout.column_bytes, layout.column_offsets)]
+    unpack = lambda cols: K_.unpack_records(  # noqa: E731
+        d_arr.data_ptr(), stride, capacity, capacity,
+        [(out_x.data_ptr(), layout.column_bytes[0], layout.column_offsets[0])], got_ids.data_ptr(), got_w.data_ptr(),
+        layout.column_offsets[1], layout.column_offsets[2], K, lo_e, epr, layout.src_idx_offset, got_src.data_ptr(),
+        -1, got_arr.data_ptr(), STREAM(), dims=dims.data_ptr(), own_columns=cols, own_tokens=d_tokens.data_ptr(),
+        pad=pad)
+    with pytest.raises(ValueError, match="lies in none of own_columns"):  # the weights' column left out
+        unpack(own_columns[:2])
+    unpack(own_columns)
     torch.cuda.synchronize()
     if limits != "go":
         assert (got_ids == 99).all() and (got_src == -5).all(), "a reader told no wrote its outputs"
         return
     _, first, _, own_first, own_count = want_dims[1:6]
     final = arrivals[:n].clone()
-    final[first:first + own_count] = send[own_first:own_first + own_count]
     x = final[:, :layout.column_bytes[0]].contiguous().view(torch.bfloat16)
     ids = final[:, layout.column_offsets[1]:layout.column_offsets[1] + 8 * K].contiguous().view(torch.int64)
     w = final[:, layout.column_offsets[2]:layout.column_offsets[2] + 4 * K].contiguous().view(torch.float32)
+    src = final[:, layout.src_idx_offset:layout.src_idx_offset + 4].contiguous().view(torch.int32).view(-1).long()
+    mine = tokens[own_first:own_first + own_count]  # our own block: the columns' rows at those tokens
+    x[first:first + own_count], ids[first:first + own_count] = own_x[mine], own_ids[mine]
+    w[first:first + own_count], src[first:first + own_count] = own_w[mine], mine
     local = (ids >= lo_e) & (ids < lo_e + epr)
-    src = final[:, layout.src_idx_offset:layout.src_idx_offset + 4].contiguous().view(torch.int32).view(-1)
     assert torch.equal(out_x[:n].cpu().view(torch.int16), x.view(torch.int16))
     assert torch.equal(got_ids[:n].cpu(), torch.where(local, ids - lo_e, -1))
     assert torch.equal(got_w[:n].cpu(), torch.where(local, w, 0.0))
-    assert torch.equal(got_src[:n].cpu(), src.to(torch.int64))
+    assert torch.equal(got_src[:n].cpu(), src)
     assert torch.equal(got_arr[:n].cpu(), torch.arange(n))
     if pad:  # padded to the outputs' rows: zero payload, ids -1, weights 0
         assert not out_x[n:].view(torch.int16).any() and (got_ids[n:] == -1).all() and not got_w[n:].any()
