@@ -421,6 +421,14 @@ class NativeInternodeBackend:
         self.dispatch_barriers_skipped = 0
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
+        if self.read_before_counts and self.G == 1 and self.N * self.L <= self._k.READ_MAX_COUNTERS:
+            # its kernel's first launch now, with nothing spinning: the first real one queues behind notify's spinning
+            # wait, where a lazy module load might wait for that wait ("Drains"); the zero rows make words only
+            zeros = torch.zeros((self.R, 2 * self.R), dtype=torch.int64, device=self.device)
+            self._k.gate_from_count_rows(zeros.data_ptr(), 2 * self.R, self.R, self.rank, self.L,
+                                         [0] * (self.N * self.L), 16, 0, 0, 0, self._read_gate.data_ptr(),
+                                         self._read_dims.data_ptr(), self._stream())
+            self._drain("setup: the reader-before-counts kernel's first launch")
         self._destroyed = False
         track(self)
         self.last_traffic = None
