@@ -270,16 +270,20 @@ def test_an_uncached_dispatch_right_after_a_combine_of_the_last_dispatch_packs_d
     assert out == [(len(cases), 0, 0, 0, 0)] * world
 
 
-def _pushes_during_notify(rank, world, G, cases):
-    """compare_cases: (pairs compared, dispatches that packed during notify, that pushed during notify too, launches
-    that did both at once, and of those the ones that pushed our count row too)."""
+def _cases_counting(rank, world, G, cases, counters):
+    """compare_cases, then (pairs compared, *the backend's counters named in ``counters``)."""
     nat, ref = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
-        return (done, nat.packs_during_notify, nat.pushes_during_notify, nat.packs_and_pushes_during_notify,
-                nat.count_rows_pushed_with_records)
+        return (done,) + tuple(getattr(nat, c) for c in counters)
     finally:
         nat.destroy()
+
+
+# dispatches that packed during notify, that pushed during notify too, launches that did both at once, and of those
+# the ones that pushed our count row too
+PUSH_COUNTERS = ("packs_during_notify", "pushes_during_notify", "packs_and_pushes_during_notify",
+                 "count_rows_pushed_with_records")
 
 
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 1), (4, 2)], ids=["2x1", "4x1", "2x2"])
@@ -293,17 +297,17 @@ def test_records_packed_during_notify_are_pushed_during_notify_with_one_or_sever
     (pack_and_push_after_counts), which also pushes our count row to the others (no push of its own before it),
     unless UCCL_EP_PACK_AND_PUSH=0, which takes two launches after the row's."""
     cases = ALL[:4]
-    out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120, env=ENV)
+    out = run_distributed(_cases_counting, world, G, cases, PUSH_COUNTERS, timeout=120, env=ENV)
     for done, packed, pushed, fused, rows in out:
         assert (done, packed) == (len(cases), len(cases) - 1)
         assert 1 <= pushed <= packed, (G, packed, pushed)
         assert fused == packed == rows, (G, packed, fused, rows)
-    out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120,
+    out = run_distributed(_cases_counting, world, G, cases, PUSH_COUNTERS, timeout=120,
                           env=dict(ENV, UCCL_EP_PACK_AND_PUSH="0"))
     for done, packed, pushed, fused, rows in out:
         assert (done, packed, fused, rows) == (len(cases), len(cases) - 1, 0, 0)
         assert 1 <= pushed <= packed, (G, packed, pushed)
-    out = run_distributed(_pushes_during_notify, world, G, cases, timeout=120,
+    out = run_distributed(_cases_counting, world, G, cases, PUSH_COUNTERS, timeout=120,
                           env=dict(ENV, UCCL_EP_PUSH_DURING_NOTIFY="0"))
     assert [(done, pushed, fused, rows) for done, _, pushed, fused, rows in out] == [(len(cases), 0, 0, 0)] * world
 
@@ -635,16 +639,10 @@ def test_planning_goes_before_the_reader_while_at_least_half_the_hops_records_ar
     assert b._plan_before_reader(pending._replace(records=0)) is False
 
 
-def _reads_before_counts(rank, world, G, cases):
-    """compare_cases: (pairs compared, launches that packed and pushed during notify, readers launched before the
-    count read that read, and that the counts sent back to the host's path)."""
-    nat, ref = _backends(rank, world, G)
-    try:
-        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
-        return (done, nat.packs_and_pushes_during_notify, nat.reads_before_counts, nat.reads_before_counts_declined,
-                nat.spare_read_outputs_taken)
-    finally:
-        nat.destroy()
+# launches that packed and pushed during notify, readers launched before the count read that read, that handed back
+# to the host's path, and outputs made during a combine's hop that a reader took
+READ_COUNTERS = ("packs_and_pushes_during_notify", "reads_before_counts", "reads_before_counts_declined",
+                 "spare_read_outputs_taken")
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["2x1", "4x1"])
@@ -659,13 +657,13 @@ def test_a_dispatch_pushed_during_notify_reads_before_the_host_reads_the_counts_
     them (that of the first case follows a dispatch that read after notify, which leaves nothing to make; the
     worst-tokens case has another row count, so it makes its own)."""
     cases = ALL[:4] + [ALL[7]]  # random, skewed, empty (rank 0 receives everything), dropped, worst tokens
-    out = run_distributed(_reads_before_counts, world, 1, cases, timeout=180, env=ENV)
+    out = run_distributed(_cases_counting, world, 1, cases, READ_COUNTERS, timeout=180, env=ENV)
     for done, fused, read, declined, spare in out:
         assert done == len(cases) and fused == len(cases) - 1, (done, fused)
         assert read + declined == fused, (fused, read, declined)  # every case after the first has a guess
         assert spare == 2, spare  # the "empty" and "dropped" cases
     assert out[1][3] >= 1, out  # rank 1: the "dropped" case after receiving nothing
     assert sum(row[2] for row in out) >= world, out
-    out = run_distributed(_reads_before_counts, world, 1, cases[:3], timeout=180,
+    out = run_distributed(_cases_counting, world, 1, cases[:3], READ_COUNTERS, timeout=180,
                           env=dict(ENV, UCCL_EP_READ_BEFORE_COUNTS="0"))
     assert [(read, declined, spare) for _, _, read, declined, spare in out] == [(0, 0, 0)] * world
