@@ -1634,7 +1634,7 @@ class NativeInternodeBackend:
             recv_w = reading.weights[:rows] if reading.weights is not None else None
             src_idx, arrival = reading.src_idx[:nrecv], reading.arrival[:nrecv]
         else:
-            final, layout, fwd_dest, A, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
+            final, layout, fwd_dest, _, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
                                                              pushed=pushed, plan_ahead=plan_ahead)
             nrecv = final.size(0)
             rows = nrecv
