@@ -1471,9 +1471,9 @@ class NativeInternodeBackend:
 
     def _spare_for_reading_before_counts(self) -> None:
         """Make the outputs of the next dispatch read before the counts now, while the host waits for a combine's
-        hop, shaped as the last such dispatch's (_next_read): 500-700 us of allocations fewer between notify's wait
-        and that reader's launch on one H100 under MPS (the driver is busy there: the proxies' copies, spinning
-        kernels). Taken by the next uncached dispatch if it matches, dropped by it otherwise."""
+        hop, shaped as the last such dispatch's (_next_read): the call's largest allocations, which may reach
+        cudaMalloc, kept out of the steps between notify's wait and that reader's launch. Taken by the next uncached
+        dispatch if it matches, dropped by it otherwise (and by a cached dispatch)."""
         spec = self._read_spec(*self._next_read) if self._next_read is not None else None
         if spec is not None and (self._spare_read_outputs is None or self._spare_read_outputs[0] != spec):
             self._spare_read_outputs = (spec, self._new_read_outputs(spec))
