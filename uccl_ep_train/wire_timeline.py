@@ -21,7 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 PARTS = ("call_us", "carried_in_us", "wire_start_us", "wire_busy_us", "wire_idle_us", "wire_end_us", "after_wire_us",
          "wire_bytes", "longest_idle_us", "longest_idle_at_us", "bytes_before_longest_idle")
 #: ... and with the call's reader on the same clock (None without one): after_wire_us split in three.
-READER_PARTS = ("all_in_after_wire_us", "reader_after_all_in_us", "return_after_reader_us")
+READER_PARTS = ("all_in_after_wire_us", "reader_after_all_in_us", "return_after_reader_us",
+                "call_returned_after_reader_us", "synchronized_after_return_us")
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,13 @@ class WireRun:
 
 @dataclass(frozen=True)
 class CallWindow:
-    """One call as the host saw it: from its start to the end of its GPU work, on the wire's clock."""
+    """One call as the host saw it: from its start to the end of its GPU work, on the wire's clock; ``returned_ns``:
+    when the call itself returned, before the benchmark synchronized (None: not recorded)."""
 
     kind: str
     start_ns: int
     end_ns: int
+    returned_ns: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,9 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun], reader: Optional[Rea
     With the call's ``reader`` (readers_in_calls), READER_PARTS: all_in_after_wire_us, from the call's last byte on
     its own wire until its reader saw the hop's last chunk land (the other ranks' last bytes; negative when they were
     in first); reader_after_all_in_us, until the reader's last block finished; return_after_reader_us, until the
-    call returned (the host's drain and what the call does after it). None without a reader."""
+    window's end (the host's drain, what the call does after it, and the synchronize after it), split where the
+    call's return was recorded into call_returned_after_reader_us and synchronized_after_return_us (the device's
+    other work: the proxies' copy streams, copies queued after the drain). None without a reader."""
     if call.end_ns < call.start_ns:
         raise ValueError(f"call window ends before it starts: {call}")
     s, e = call.start_ns, call.end_ns
@@ -125,6 +130,9 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun], reader: Optional[Rea
     if reader is not None:
         out.update(reader_after_all_in_us=(reader.end_ns - reader.all_in_ns) * us,
                    return_after_reader_us=(e - reader.end_ns) * us)
+        if call.returned_ns is not None:
+            out.update(call_returned_after_reader_us=(call.returned_ns - reader.end_ns) * us,
+                       synchronized_after_return_us=(e - call.returned_ns) * us)
         if inside:
             out["all_in_after_wire_us"] = (reader.all_in_ns - inside[-1][1]) * us
     if not inside:

@@ -90,6 +90,15 @@ def test_the_reader_splits_the_time_after_the_last_byte_into_landing_reading_and
     # no wire of its own: the reader still splits the end
     idle = call_on_wire(CallWindow("combine", 0, 100 * US), [], ReaderStamps(50 * US, 60 * US))
     assert idle["all_in_after_wire_us"] is None and idle["return_after_reader_us"] == 40.0
+    assert got["call_returned_after_reader_us"] is None  # the call's return not recorded: no split
+
+
+def test_the_time_after_the_reader_splits_at_the_calls_return_into_the_host_and_the_synchronize():
+    # reader done at 330 us, the call back at 338, the benchmark's synchronize over at 345
+    runs = [WireRun(20 * US, 300 * US, 1 << 20, 2)]
+    got = call_on_wire(CallWindow("dispatch", 0, 345 * US, 338 * US), runs, ReaderStamps(320 * US, 330 * US))
+    assert (got["return_after_reader_us"], got["call_returned_after_reader_us"],
+            got["synchronized_after_return_us"]) == (15.0, 8.0, 7.0)
 
 
 def _launch(start_ns, all_in_us=None, end_us=None):

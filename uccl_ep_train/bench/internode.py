@@ -387,8 +387,10 @@ def _wire_timeline(nat, loops, rounds: int) -> Optional[list]:
             for i, fn in enumerate(fns):
                 t0 = clock()
                 fn()
+                returned = clock()
                 torch.cuda.synchronize()
-                calls.append(CallWindow(f"{loop} {names.get(loop, ('first', 'second'))[i]}", t0, clock()))
+                calls.append(CallWindow(f"{loop} {names.get(loop, ('first', 'second'))[i]}", t0, clock(),
+                                        returned))
     runs = runs_from_log(nat.stop_wire_log())
     readers = None
     clock_info = None
