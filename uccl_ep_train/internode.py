@@ -228,21 +228,25 @@ class ReadingBeforeCounts:
     besides, and, once launched, its hop's timing start. The reader reads only when the count rows say it may
     (read_before_counts); the host learns which from the same counts after notify."""
 
-    rows: int  # the outputs' rows: num_worst_tokens, or a guess from the last dispatch of this size
-    pad: bool  # padded to ``rows`` (num_worst_tokens), else cut at the rows received
+    # the outputs' (rows, (dtype, row shape) of each payload column, top-k) (_read_spec); rows: num_worst_tokens,
+    # or a guess from the last dispatch of this size
+    spec: tuple
+    pad: bool  # padded to the rows (num_worst_tokens), else cut at the rows received
     layout: RecordLayout
-    payload: List[torch.Tensor]  # the columns whose rows come out whole (x, scales): their dtypes and widths
-    num_topk: int
-    experts_per_rank: int = 0
-    # made at the launch (_launch_reader_before_counts)
+    experts_per_rank: int
+    own_columns: List[Tuple[int, int, int]]  # our columns, as pack_records takes them (_column_args)
+    own_tokens: int  # device address of the send plan's tokens (hop1_token)
+    # taken from the spare made during the last combine's hop, or made at the launch (_launch_reader_before_counts)
     outs: List[torch.Tensor] = field(default_factory=list)
     topk_idx: Optional[torch.Tensor] = None
     weights: Optional[torch.Tensor] = None
     src_idx: Optional[torch.Tensor] = None
     arrival: Optional[torch.Tensor] = None
-    own_columns: List[Tuple[int, int, int]] = field(default_factory=list)  # our columns, as pack_records takes them
-    own_tokens: int = 0  # device address of the send plan's tokens (hop1_token)
     t0: Any = None
+
+    @property
+    def rows(self) -> int:
+        return self.spec[0]
 
 
 @dataclass
@@ -1074,8 +1078,7 @@ class NativeInternodeBackend:
         # is packed while the head moves: `rest`); else every other node's.
         rest = fused = None
         if packed is None and shape.sends_remote and self._packs_and_pushes(hop):
-            cols = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets)
-                    if nb]
+            cols = _column_args(rows, layout)
             own_first, own_end = own_range
             fused = lambda: self._pack_and_push(  # noqa: E731
                 hop, "dispatch_network", self._cx.rdma_ptr, stride, int(sum(plan.node_send)), cols,
@@ -1255,7 +1258,7 @@ class NativeInternodeBackend:
         G, N = self.G, self.N
         own_counts = row.data_ptr() + 8 * self.R  # our tokens per node: the row's node columns
         capacity = itr.size(0) * N  # a token is one record per node at most
-        packed = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
+        packed = _column_args(rows, layout)
         early.update(layout=layout, rows=rows, tables=tables, send_top=send_top)
         if fused is not None:
             self._pack_and_push_during_notify(fused, tables, layout, packed, capacity, landing, send_top)
@@ -1368,7 +1371,7 @@ class NativeInternodeBackend:
         which go to ``own_offset`` of the RDMA region (their receive block). ``rows``: the columns, contiguous
         (_dense). ``ranges``: which records of the list (by node, see _record_ranges), a launch each."""
         own_first, own = sum(plan.node_send[:self.node]), plan.node_send[self.node]
-        cols = [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
+        cols = _column_args(rows, layout)
         G, stride = self.G, layout.stride
         for lo, hi in ranges:
             if hi <= lo:
@@ -1422,13 +1425,15 @@ class NativeInternodeBackend:
             self._stream(), gate=gate, first_row=first_row, **before)
 
     # ------------------------------------------------------- reading before the count read
-    def _reading_before_counts(self, args: DispatchArgs, T: int, layout: RecordLayout, pushed_in_one_launch: bool
-                               ) -> Optional[ReadingBeforeCounts]:
+    def _reading_before_counts(self, args: DispatchArgs, T: int, layout: RecordLayout, pushed_in_one_launch: bool,
+                               dense: List[torch.Tensor], tables: SendPlan) -> Optional[ReadingBeforeCounts]:
         """Whether this uncached dispatch launches its reader before the host reads the count matrix (docs/internode.md,
         "Reading before the count read"), and for how many rows: with one GPU per node, a gated reader, the
         records packed and pushed during notify by one launch (``pushed_in_one_launch``), rank-major outputs, and a
         row count known before the counts -- num_worst_tokens, or the rows the last dispatch of T tokens received
-        plus UCCL_EP_READ_BEFORE_COUNTS_SLACK (capped by the receive area). None: the reader follows the host's plan."""
+        plus UCCL_EP_READ_BEFORE_COUNTS_SLACK (capped by the receive area). None: the reader follows the host's plan.
+        ``dense``: the columns, contiguous, from which our own node's rows are read (never packed); ``tables``: the
+        send plan the count row's launch writes."""
         spare, self._spare_read_outputs = self._spare_read_outputs, None  # taken here or dropped
         if not (self.read_before_counts and pushed_in_one_launch and self.G == 1 and self.gated_arrivals
                 and not args.expert_major and self.N * self.L <= self._k.READ_MAX_COUNTERS):
@@ -1441,8 +1446,9 @@ class NativeInternodeBackend:
         spec = self._read_spec(*self._next_read)
         if spec is None:
             return None
-        reading = ReadingBeforeCounts(spec[0], bool(args.num_worst_tokens), layout, payload, K,
-                                      args.num_tokens_per_expert.numel() // self.R)
+        reading = ReadingBeforeCounts(spec, bool(args.num_worst_tokens), layout,
+                                      args.num_tokens_per_expert.numel() // self.R, _column_args(dense, layout),
+                                      tables.hop1_token.data_ptr())
         if spare is not None and spare[0] == spec:  # made during the last combine's hop
             self.spare_read_outputs_taken += 1
             reading.outs, reading.topk_idx, reading.weights, reading.src_idx, reading.arrival = spare[1]
@@ -1488,8 +1494,7 @@ class NativeInternodeBackend:
         self._lap("dispatch.notify_wait_before_counts")
         if reading.src_idx is None:  # no spare made during the last combine's hop
             reading.outs, reading.topk_idx, reading.weights, reading.src_idx, reading.arrival = \
-                self._new_read_outputs((rows, tuple((c.dtype, tuple(c.shape[1:])) for c in reading.payload),
-                                        reading.num_topk))
+                self._new_read_outputs(reading.spec)
         self._lap("dispatch.outputs_before_counts")
         reading.t0 = self._hop_started()
         stride = reading.layout.stride
@@ -1500,7 +1505,7 @@ class NativeInternodeBackend:
                                      self._phases["dispatch_network"])
         experts = reading.experts_per_rank
         self._unpack_launch(self._cx.rdma_ptr + self.half_rdma, stride, rows, rows, reading.layout, reading.outs,
-                            reading.topk_idx, reading.weights, len(reading.payload), self.rank * experts, experts,
+                            reading.topk_idx, reading.weights, len(reading.outs), self.rank * experts, experts,
                             reading.src_idx, reading.arrival, gate, dims=self._read_dims.data_ptr(),
                             own_columns=reading.own_columns, own_tokens=reading.own_tokens, pad=reading.pad)
         self._lap("dispatch.reader_before_counts")
@@ -1592,11 +1597,7 @@ class NativeInternodeBackend:
             dense = [_dense(c, c.dtype) for c in cols]
             layout = _record_layout(tuple(_row_bytes(r) for r in dense), self.G)
             fused = self._fused_table_during_notify(layout.stride)
-            reading = self._reading_before_counts(args, T, layout, fused is not None)
-            if reading is not None:  # our own node's rows come straight from these (never packed)
-                reading.own_columns = [(r.data_ptr(), nb, off) for r, nb, off in
-                                       zip(dense, layout.column_bytes, layout.column_offsets) if nb]
-                reading.own_tokens = tables.hop1_token.data_ptr()
+            reading = self._reading_before_counts(args, T, layout, fused is not None, dense, tables)
 
             def during(row: torch.Tensor, landing: CountRows) -> None:
                 self._pack_during_notify(row, itr, dense, layout, combined_send_base, early, landing, tables, fused)
@@ -2038,6 +2039,12 @@ class NativeInternodeBackend:
 def _record_layout(column_bytes: Tuple[int, ...], ranks_per_node: int) -> RecordLayout:
     """record_layout, kept: every cached dispatch asks it for the same few column widths."""
     return record_layout(column_bytes, ranks_per_node)
+
+
+def _column_args(rows: List[torch.Tensor], layout: RecordLayout) -> List[Tuple[int, int, int]]:
+    """The columns (contiguous byte rows, _dense) as the record kernels take them: (rows, row bytes, offset in the
+    record), empty columns left out."""
+    return [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
 
 
 def _upload_values(values: Any, dtype: Any, device: torch.device) -> torch.Tensor:
