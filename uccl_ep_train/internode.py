@@ -399,6 +399,7 @@ class NativeInternodeBackend:
         self._spare_read_outputs: Optional[tuple] = None
         self.spare_read_outputs_taken = 0  # (tests, benchmarks)
         self.plans_made_ahead = 0  # hop plans made for a handle's next calls (_plan_ahead; tests, benchmarks)
+        self.last_drain_ns: Optional[Tuple[int, int]] = None  # the last drain's start and end (wire timeline)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
         # (notify or barrier) since the last combine and its rows stay clear of what the last dispatch filled, whose
@@ -556,6 +557,7 @@ class NativeInternodeBackend:
         stream = self._stream()
         if not marked:
             self._cx.record_drain_mark(stream)
+        began = time.monotonic_ns()
         t0 = time.monotonic()
         limit = 2 * self.gpu_timeout + self.cpu_timeout
         aborted = False
@@ -575,6 +577,8 @@ class NativeInternodeBackend:
                         f"{self._cx.error_fields()}; proxy error {self._cx.proxy_error()!r}; "
                         f"{self._proxy_threads()}\n{timeout_hint()}")
                 time.sleep(0 if waited < 2e-3 else 1e-4)
+        # (CLOCK_MONOTONIC: the clock of the emulated wire's log and the benchmark's call windows)
+        self.last_drain_ns = (began, time.monotonic_ns())
         if self._staging is not None:  # every upload queued before the mark has run (none is queued after one)
             self._staging.drained(stream)
         self._check(what)
@@ -1429,14 +1433,16 @@ class NativeInternodeBackend:
                                dense: List[torch.Tensor], tables: SendPlan) -> Optional[ReadingBeforeCounts]:
         """Whether this uncached dispatch launches its reader before the host reads the count matrix (docs/internode.md,
         "Reading before the count read"), and for how many rows: with one GPU per node, a gated reader, the
-        records packed and pushed during notify by one launch (``pushed_in_one_launch``), rank-major outputs, and a
-        row count known before the counts -- num_worst_tokens, or the rows the last dispatch of T tokens received
-        plus UCCL_EP_READ_BEFORE_COUNTS_SLACK (capped by the receive area). None: the reader follows the host's plan.
+        records packed and pushed during notify by one launch (``pushed_in_one_launch``), and a row count known
+        before the counts -- num_worst_tokens, or the rows the last dispatch of T tokens received plus
+        UCCL_EP_READ_BEFORE_COUNTS_SLACK (capped by the receive area). None: the reader follows the host's plan.
+        The reader's outputs are rank-major; an expert-major receive gathers from them once the counts are known
+        (our own rows are not in the final rows, from which the host's path gathers).
         ``dense``: the columns, contiguous, from which our own node's rows are read (never packed); ``tables``: the
         send plan the count row's launch writes."""
         spare, self._spare_read_outputs = self._spare_read_outputs, None  # taken here or dropped
         if not (self.read_before_counts and pushed_in_one_launch and self.G == 1 and self.gated_arrivals
-                and not args.expert_major and self.N * self.L <= self._k.READ_MAX_COUNTERS):
+                and self.N * self.L <= self._k.READ_MAX_COUNTERS):
             return None
         payload = [args.x] + ([args.x_scales] if args.x_scales is not None else [])
         K = args.topk_idx.size(1) if args.topk_idx is not None else 0
@@ -1446,7 +1452,8 @@ class NativeInternodeBackend:
         spec = self._read_spec(*self._next_read)
         if spec is None:
             return None
-        reading = ReadingBeforeCounts(spec, bool(args.num_worst_tokens), layout,
+        # expert-major: num_worst_tokens bounds the expert-major rows, which the gather from these outputs pads
+        reading = ReadingBeforeCounts(spec, bool(args.num_worst_tokens) and not args.expert_major, layout,
                                       args.num_tokens_per_expert.numel() // self.R, _column_args(dense, layout),
                                       tables.hop1_token.data_ptr())
         if spare is not None and spare[0] == spec:  # made during the last combine's hop
@@ -1627,9 +1634,9 @@ class NativeInternodeBackend:
         made: dict = {}
         if reading is not None:
             nrecv = num_recv_rows(counts, self.rank)
-            rows = worst or nrecv
+            rows = nrecv if args.expert_major else worst or nrecv
             layout, fwd_dest, pending = reading.layout, None, None
-            final = None  # (expert-major, which reads the final rows, is never read before the counts)
+            final = None  # the reader read into rank-major outputs (our own rows were never in the final rows)
             outs = [o[:rows] for o in reading.outs]
             recv_topk_idx = reading.topk_idx[:rows] if reading.topk_idx is not None else None
             recv_w = reading.weights[:rows] if reading.weights is not None else None
@@ -1688,7 +1695,7 @@ class NativeInternodeBackend:
         if ahead is not None:
             self._adopt_plans(h, ahead)
             h.later_guesses = later
-        if args.expert_major:
+        if args.expert_major and reading is None:  # gathered straight from the final rows below (one copy)
             outs = [self._column_view(final, layout, i, c) for i, c in enumerate(payload)]
         recv_x = outs[0]
         recv_scales = outs[1] if scales is not None else None

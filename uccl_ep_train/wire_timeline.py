@@ -22,7 +22,8 @@ PARTS = ("call_us", "carried_in_us", "wire_start_us", "wire_busy_us", "wire_idle
          "wire_bytes", "longest_idle_us", "longest_idle_at_us", "bytes_before_longest_idle")
 #: ... and with the call's reader on the same clock (None without one): after_wire_us split in three.
 READER_PARTS = ("all_in_after_wire_us", "reader_after_all_in_us", "return_after_reader_us",
-                "call_returned_after_reader_us", "synchronized_after_return_us")
+                "call_returned_after_reader_us", "synchronized_after_return_us",
+                "drain_began_after_reader_us", "drained_after_reader_us", "returned_after_drain_us")
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,14 @@ class WireRun:
 @dataclass(frozen=True)
 class CallWindow:
     """One call as the host saw it: from its start to the end of its GPU work, on the wire's clock; ``returned_ns``:
-    when the call itself returned, before the benchmark synchronized (None: not recorded)."""
+    when the call itself returned, before the benchmark synchronized; ``drain_ns``: when the call's last drain of its
+    stream began and when it saw its mark (the backend's last_drain_ns; None: not recorded)."""
 
     kind: str
     start_ns: int
     end_ns: int
     returned_ns: Optional[int] = None
+    drain_ns: Optional[Tuple[int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,10 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun], reader: Optional[Rea
     in first); reader_after_all_in_us, until the reader's last block finished; return_after_reader_us, until the
     window's end (the host's drain, what the call does after it, and the synchronize after it), split where the
     call's return was recorded into call_returned_after_reader_us and synchronized_after_return_us (the device's
-    other work: the proxies' copy streams, copies queued after the drain). None without a reader."""
+    other work: the proxies' copy streams, copies queued after the drain). The first of those splits again at the
+    call's last drain: drain_began_after_reader_us (negative: the host waited for the reader), drained_after_reader_us
+    (when the drain saw its mark: the host's latency to notice the stream's end) and returned_after_drain_us (what the
+    call does after its drain). None without a reader."""
     if call.end_ns < call.start_ns:
         raise ValueError(f"call window ends before it starts: {call}")
     s, e = call.start_ns, call.end_ns
@@ -133,6 +139,11 @@ def call_on_wire(call: CallWindow, runs: Sequence[WireRun], reader: Optional[Rea
         if call.returned_ns is not None:
             out.update(call_returned_after_reader_us=(call.returned_ns - reader.end_ns) * us,
                        synchronized_after_return_us=(e - call.returned_ns) * us)
+        if call.drain_ns is not None and s <= call.drain_ns[0] <= call.drain_ns[1] <= e:  # (a drain of this call)
+            out.update(drain_began_after_reader_us=(call.drain_ns[0] - reader.end_ns) * us,
+                       drained_after_reader_us=(call.drain_ns[1] - reader.end_ns) * us)
+            if call.returned_ns is not None:
+                out["returned_after_drain_us"] = (call.returned_ns - call.drain_ns[1]) * us
         if inside:
             out["all_in_after_wire_us"] = (reader.all_in_ns - inside[-1][1]) * us
     if not inside:

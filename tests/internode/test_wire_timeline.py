@@ -99,6 +99,20 @@ def test_the_time_after_the_reader_splits_at_the_calls_return_into_the_host_and_
     got = call_on_wire(CallWindow("dispatch", 0, 345 * US, 338 * US), runs, ReaderStamps(320 * US, 330 * US))
     assert (got["return_after_reader_us"], got["call_returned_after_reader_us"],
             got["synchronized_after_return_us"]) == (15.0, 8.0, 7.0)
+    assert got["drained_after_reader_us"] is None  # no drain recorded: no split of the host's part
+
+
+def test_the_hosts_part_after_the_reader_splits_at_its_drain_into_noticing_and_the_calls_last_steps():
+    # the drain began at 250 us (the host waited for the reader), saw its mark at 334, the call back at 338
+    runs = [WireRun(20 * US, 300 * US, 1 << 20, 2)]
+    call = CallWindow("dispatch", 0, 345 * US, 338 * US, (250 * US, 334 * US))
+    got = call_on_wire(call, runs, ReaderStamps(320 * US, 330 * US))
+    assert (got["drain_began_after_reader_us"], got["drained_after_reader_us"],
+            got["returned_after_drain_us"]) == (-80.0, 4.0, 4.0)
+    # a drain from before the call (a call that drained nothing) is not this call's
+    stale = call_on_wire(CallWindow("dispatch", 100 * US, 345 * US, 338 * US, (50 * US, 60 * US)), runs,
+                         ReaderStamps(320 * US, 330 * US))
+    assert stale["drained_after_reader_us"] is None and stale["returned_after_drain_us"] is None
 
 
 def _launch(start_ns, all_in_us=None, end_us=None):

@@ -48,6 +48,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--fp8", action="store_true", help="dispatch FP8 payload + scales")
+    p.add_argument("--expert-major", action="store_true",
+                   help="receive grouped by local expert, as Megatron's dispatcher does (UCCL_EP_EXPERT_MAJOR)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rdma-bytes", type=int, default=2 << 30)
@@ -390,7 +392,7 @@ def _wire_timeline(nat, loops, rounds: int) -> Optional[list]:
                 returned = clock()
                 torch.cuda.synchronize()
                 calls.append(CallWindow(f"{loop} {names.get(loop, ('first', 'second'))[i]}", t0, clock(),
-                                        returned))
+                                        returned, getattr(nat, "last_drain_ns", None)))
     runs = runs_from_log(nat.stop_wire_log())
     readers = None
     clock_info = None
@@ -458,14 +460,18 @@ def run(args) -> int:
         scales = torch.rand((T, H // 128), device=dev, generator=g) + 0.5
     w = torch.rand((T, K), device=dev, generator=g)
     tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
-    res = nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w))
+
+    def fresh():  # the arguments of an uncached dispatch
+        return DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w, expert_major=args.expert_major)
+
+    res = nat.dispatch(fresh())
     handle, disp_traffic = res.handle, nat.last_traffic
     y = res.recv_x.to(torch.bfloat16) if not args.fp8 else torch.randn_like(res.recv_x, dtype=torch.bfloat16)
     nat.combine(y, handle, None, None)
     comb_traffic = nat.last_traffic
 
     def dispatch():
-        return nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w))
+        return nat.dispatch(fresh())
 
     def cached():
         return nat.dispatch(DispatchArgs(x, scales, handle, None, None, None, None, None, None))
@@ -507,7 +513,7 @@ def run(args) -> int:
     # (docs/internode.md, "Areas and entry barriers"); the loops above repeat one kind of call, so their combines
     # follow combines and keep it.
     def step():
-        r = nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w))
+        r = nat.dispatch(fresh())
         nat.combine(y, r.handle, None, None)
 
     skipped0 = nat.combine_barriers_skipped
@@ -518,7 +524,7 @@ def run(args) -> int:
     fwd = {}
 
     def fwd_dispatch():
-        fwd["h"] = nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)).handle
+        fwd["h"] = nat.dispatch(fresh()).handle
 
     calls = {}  # seconds per call, by what was timed
     calls["step_dispatch"], calls["step_combine"] = _per_call(
@@ -547,7 +553,7 @@ def run(args) -> int:
     nat.host_timing = {}
     ahead0 = getattr(nat, "plans_made_ahead", 0)  # (older revisions in A/B runs lack it)
     training = _training_steps(
-        lambda: nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)),
+        lambda: nat.dispatch(fresh()),
         lambda r, weighted: nat.combine(y, r.handle, r.recv_topk_weights if weighted else None, None),
         lambda r: nat.dispatch(DispatchArgs(grad, None, r.handle, None, None, None, None, None, None)),
         args.layers, args.iters, args.warmup)
@@ -557,7 +563,7 @@ def run(args) -> int:
     if args.compute_us > 0:
         compute, compute_us = _compute_spacer(args.compute_us)
         beside = _training_steps_beside_compute(
-            lambda: nat.dispatch(DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w)),
+            lambda: nat.dispatch(fresh()),
             lambda r, weighted: nat.combine(y, r.handle, r.recv_topk_weights if weighted else None, None),
             lambda r: nat.dispatch(DispatchArgs(grad, None, r.handle, None, None, None, None, None, None)),
             args.layers, args.iters, args.warmup, compute)
@@ -583,7 +589,7 @@ def run(args) -> int:
 
             mps = mps_enabled(torch.cuda.current_device())
             shared = {"shared_gpu": True, "world": world, "nodes": args.emulate_nodes, "mps": mps,
-                      "note": SHARED_GPU_NOTES[mps],
+                      "expert_major": args.expert_major, "note": SHARED_GPU_NOTES[mps],
                       "dispatch_us": t_disp * 1e6, "cached_dispatch_us": t_cached * 1e6,
                       "combine_us": t_comb * 1e6, "raw_transport_hop_us": raw_transport_us,
                       "host_step_us_by_rank": steps_by_rank,
@@ -631,7 +637,8 @@ def run(args) -> int:
 
     row = {
         "world": world, "ranks_per_node": G, "nodes": args.emulate_nodes, "tokens": T, "hidden": H, "topk": K,
-        "fp8": args.fp8, "loopback_bw_gbps": settings.emulation.loopback_bandwidth_gbps,
+        "fp8": args.fp8, "expert_major": args.expert_major,
+        "loopback_bw_gbps": settings.emulation.loopback_bandwidth_gbps,
         "dispatch_us": mx(t_disp) * 1e6, "cached_dispatch_us": mx(t_cached) * 1e6, "combine_us": mx(t_comb) * 1e6,
         "nccl_all_to_all_us": mx(t_nccl) * 1e6, "raw_copy_us": mx(t_raw) * 1e6,
         "dispatch_logical_bytes": disp_traffic.logical_bytes, "dispatch_network_bytes": disp_traffic.network_bytes,
