@@ -37,8 +37,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     recv_counts, block_offsets, remote_block_offset, num_recv_rows, chunk_records, chunk_bytes, chunk_lanes,
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
     describe_gpu_error, pack_records, forward_row_bases, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
-    NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts, recv_slot_counts,
-    rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, word_columns, CombineAreas, combine_areas,
+    NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts,
+    rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks, READ_DIMS,
     READ_GO, read_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED)
@@ -95,14 +95,13 @@ class InternodeHandle:
     recv_src_idx: Optional[torch.Tensor] = None
     recv_arrival: Optional[torch.Tensor] = None  # [num_recv] int64: row at the forwarder
     fwd_dest_rows: Optional[torch.Tensor] = None  # [A, G] int64 at this rank as forwarder
+    # expert-major (made by the expert-major plan kernel, csrc/kernels/expert_major.hpp): per expert-major row the
+    # received row it copies and its top-k slot (-1: padding); per (received row, slot) its expert-major row (int32,
+    # -1: not local); and the plan's int32 [received rows, 0, raw count per local expert] on the device
     expert_major_token: Optional[torch.Tensor] = None
     expert_major_slot: Optional[torch.Tensor] = None
-    expert_major_pos: Optional[torch.Tensor] = None
-    # the (token, slot) pairs in expert-major order and their rows there: the gathers need no boolean masks
-    expert_major_rows: Optional[torch.Tensor] = None
-    expert_major_rows_token: Optional[torch.Tensor] = None
-    expert_major_rows_slot: Optional[torch.Tensor] = None
-    expert_major_rows_by_slot: Optional[List[torch.Tensor]] = None  # combine: pair indices per top-k slot (cached)
+    slot_of: Optional[torch.Tensor] = None
+    expert_major_info: Optional[torch.Tensor] = None
     expert_alignment: int = 1
     num_worst_tokens: int = 0
     # receive rows grouped by the local index of their source: combine sends row group j back through local GPU j
@@ -400,6 +399,7 @@ class NativeInternodeBackend:
         self.spare_read_outputs_taken = 0  # (tests, benchmarks)
         self.plans_made_ahead = 0  # hop plans made for a handle's next calls (_plan_ahead; tests, benchmarks)
         self.last_drain_ns: Optional[Tuple[int, int]] = None  # the last drain's start and end (wire timeline)
+        self._em_grids: dict = {}  # expert-major kernels' grids (_expert_major_grid)
         self._expected = [0] * (2 * self.N * self.L + 2)  # running targets of the monotone signal counters
         # Entry barrier of combine (docs/internode.md, "Areas"): a combine may skip it when every rank synchronized
         # (notify or barrier) since the last combine and its rows stay clear of what the last dispatch filled, whose
@@ -1540,14 +1540,6 @@ class NativeInternodeBackend:
             self._gated_done("dispatch_network", reading.t0, "dispatch_network wait")
             self._lap("dispatch.network")
 
-    @staticmethod
-    def _column_view(final: torch.Tensor, layout: RecordLayout, i: int, like: torch.Tensor) -> torch.Tensor:
-        """Column i of the final rows in ``like``'s dtype and row shape, as a strided view into the area: for a caller
-        that gathers from it at once (the expert-major receive), since the area is reused by the next call. Rank-major
-        outputs are copied out by _unpack instead."""
-        off, nb = layout.column_offsets[i], layout.column_bytes[i]
-        return word_columns(final, off, nb).view(like.dtype).reshape((final.size(0),) + tuple(like.shape[1:]))
-
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         from uccl_ep_train.reference import _payload_bytes
 
@@ -1576,8 +1568,7 @@ class NativeInternodeBackend:
             final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=not h.expert_major, h=h)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
             if h.expert_major:
-                parts = self._to_expert_major(h, [self._column_view(final, layout, i, c)
-                                                  for i, c in enumerate(cols)])
+                parts = self._expert_major_copy(h, _record_columns(final, layout, len(cols)), cols)
             else:
                 parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
                 self._unpack(final, layout, parts, h.num_recv_rows, pending=pending)
@@ -1588,6 +1579,8 @@ class NativeInternodeBackend:
 
         itr = args.is_token_in_rank
         topk_idx, weights = args.topk_idx, args.topk_weights
+        if args.expert_major and topk_idx is None:
+            raise ValueError("expert_major=True needs topk_idx")
         if itr is None:
             itr = self.get_dispatch_layout(topk_idx, args.num_tokens_per_expert.numel())[3]
         T = x.size(0)
@@ -1695,10 +1688,8 @@ class NativeInternodeBackend:
         if ahead is not None:
             self._adopt_plans(h, ahead)
             h.later_guesses = later
-        if args.expert_major and reading is None:  # gathered straight from the final rows below (one copy)
-            outs = [self._column_view(final, layout, i, c) for i, c in enumerate(payload)]
-        recv_x = outs[0]
-        recv_scales = outs[1] if scales is not None else None
+        recv_x = outs[0] if outs else None
+        recv_scales = outs[1] if scales is not None and outs else None
         if raw is None:
             if topk_idx is not None:  # more experts than a notify row holds: count the received ids (a host sync)
                 # non-local slots count into a spare bin L: no boolean indexing
@@ -1712,17 +1703,14 @@ class NativeInternodeBackend:
             aligned = [_align(int(c), args.expert_alignment) for c in raw]
             h.recv_tokens_per_expert = aligned
         if args.expert_major:
-            self._build_expert_major(h, recv_topk_idx, raw, aligned, worst,
-                                     recv_slot_counts(counts, self.rank) if counts.slot_counts is not None else None)
-            out = self._to_expert_major(h, [recv_x] + ([recv_scales] if recv_scales is not None else []))
+            # from the reader's rank-major rows, or (read after notify) straight from the final rows: one copy
+            sources = (_dense_columns(outs) if reading is not None
+                       else _record_columns(final, layout, len(payload)))
+            recv_topk_idx, recv_w = self._expert_major_plan(h, recv_topk_idx[:nrecv], recv_w[:nrecv], raw, aligned,
+                                                            worst)
+            out = self._expert_major_copy(h, sources, payload)
             recv_x = out[0]
-            recv_scales = out[1] if recv_scales is not None else None
-            pos, tok, slot = h.expert_major_rows, h.expert_major_rows_token, h.expert_major_rows_slot
-            em_w = torch.zeros(h.num_recv_rows, dtype=torch.float32, device=self.device)
-            em_w[pos] = recv_w[tok, slot]
-            em_expert = torch.full((h.num_recv_rows,), -1, dtype=torch.int64, device=self.device)
-            em_expert[pos] = recv_topk_idx[tok, slot]
-            recv_topk_idx, recv_w = em_expert, em_w
+            recv_scales = out[1] if scales is not None else None
         else:
             h.num_recv_rows = rows
         if weights is None:
@@ -1732,48 +1720,54 @@ class NativeInternodeBackend:
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_w, [] if worst else aligned, h,
                               self.last_traffic)
 
-    def _build_expert_major(self, h: InternodeHandle, recv_topk_idx, raw: List[int], aligned: List[int], worst,
-                            slot_sizes: Optional[List[int]] = None) -> None:
-        """Where each (received token, local expert) pair goes in the expert-major rows: experts in order, each
-        segment padded to the alignment, tokens in receive order within it. The sizes come from the host-side counts
-        (``raw``), so nothing here reads the device."""
-        dev = self.device
+    def _expert_major_plan(self, h: InternodeHandle, recv_topk_idx: torch.Tensor, recv_w: torch.Tensor,
+                           raw: List[int], aligned: List[int], worst: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Where each (received token, local expert) pair goes in the expert-major rows -- experts in order, each
+        segment padded to the alignment, tokens in receive order within it -- made on the device by the plan kernel
+        (csrc/kernels/expert_major.hpp) onto the handle; returns the rows' local experts and weights (-1 and 0 on
+        padding). The sizes come from the host-side counts (``raw``), so nothing here reads the device."""
+        dev, nrecv, K = self.device, h.num_recv_tokens, h.num_topk
         rows = sum(aligned)
         if worst:
             if rows > worst:
                 raise InternodeError(f"rank {self.rank}: expert-major receive needs {rows} rows but num_worst_tokens="
                                      f"{worst}; raise num_worst_tokens")
             rows = worst
-        pairs = torch.nonzero_static(recv_topk_idx >= 0, size=sum(raw))  # [P, (token, slot)] in row-major order
-        tok, slot = pairs[:, 0], pairs[:, 1]
-        expert = recv_topk_idx[tok, slot]
-        order = torch.argsort(expert, stable=True)
-        tok, slot, expert = tok[order], slot[order], expert[order]
-        # pair i of expert e (sorted) lands at segment_start[e] + (i - first pair of e)
-        seg, real, shift = 0, 0, []
-        for a, c in zip(aligned, raw):
-            shift.append(seg - real)
-            seg, real = seg + a, real + int(c)
-        pos = self._upload(shift)[expert] + torch.arange(tok.numel(), device=dev)
-        h.expert_major_rows, h.expert_major_rows_token, h.expert_major_rows_slot = pos, tok, slot
-        h.expert_major_token = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        h.expert_major_slot = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        h.expert_major_token[pos], h.expert_major_slot[pos] = tok, slot
-        h.expert_major_pos = torch.full((h.num_recv_tokens, recv_topk_idx.size(1)), -1, dtype=torch.int64, device=dev)
-        h.expert_major_pos[tok, slot] = pos
+        info = _upload_values([nrecv, 0] + [int(c) for c in raw], np.int32, dev) if self._staging is None else \
+            self._staging.upload([nrecv, 0] + [int(c) for c in raw], np.int32, self._stream())
+        token, slot, expert = (torch.empty(rows, dtype=torch.int64, device=dev) for _ in range(3))
+        weights = torch.empty(rows, dtype=torch.float32, device=dev)
+        slot_of = torch.empty((nrecv, K), dtype=torch.int32, device=dev)
+        self._k.expert_major_layout(recv_topk_idx.data_ptr(), recv_w.data_ptr(), info.data_ptr(), nrecv, rows,
+                                    len(raw), h.expert_alignment, K, token.data_ptr(), slot.data_ptr(),
+                                    expert.data_ptr(), weights.data_ptr(), slot_of.data_ptr(),
+                                    self._expert_major_grid("copy"), self._stream())
+        h.expert_major_token, h.expert_major_slot, h.slot_of, h.expert_major_info = token, slot, slot_of, info
         h.num_recv_rows = rows
-        if slot_sizes is not None:  # combine adds slot by slot: the pairs of each slot, sized from notify
-            h.expert_major_rows_by_slot = [torch.nonzero_static(slot == k, size=n).view(-1)
-                                           for k, n in enumerate(slot_sizes)]
+        return expert, weights
 
-    @staticmethod
-    def _to_expert_major(h: InternodeHandle, parts: List[torch.Tensor]) -> List[torch.Tensor]:
-        out = []
-        for t in parts:
-            em = t.new_zeros((h.num_recv_rows,) + tuple(t.shape[1:]))
-            em[h.expert_major_rows] = t[h.expert_major_rows_token]
-            out.append(em)
+    def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor]
+                           ) -> List[torch.Tensor]:
+        """The payload columns (``sources``: each column's first row address and row stride in bytes, rank-major)
+        in the handle's expert-major rows, shaped and typed as ``like`` (x, then the scales if any): one launch."""
+        rows = h.num_recv_rows
+        out = [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device) for t in like]
+        (x_at, x_stride), x_bytes = sources[0], _row_bytes(like[0])
+        s_at, s_stride = sources[1] if len(like) > 1 else (0, 0)
+        num_scales = like[1][0].numel() if len(like) > 1 else 0
+        self._k.expert_major_copy(x_at, x_stride, s_at, s_stride, h.expert_major_info.data_ptr(), h.num_recv_tokens,
+                                  rows, x_bytes, num_scales, h.num_topk, h.slot_of.data_ptr(),
+                                  h.expert_major_token.data_ptr(), out[0].data_ptr(),
+                                  out[1].data_ptr() if len(out) > 1 else 0, self._expert_major_grid("copy"),
+                                  self._stream())
         return out
+
+    def _expert_major_grid(self, kernel: str) -> int:
+        """Blocks of an expert-major kernel that fill the GPU (asked once per kernel: the occupancy API)."""
+        grid = self._em_grids.get(kernel)
+        if grid is None:
+            grid = self._em_grids[kernel] = self._k.expert_major_grid(kernel)
+        return grid
 
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: InternodeHandle, topk_weights: Optional[torch.Tensor], config: Any
@@ -1791,20 +1785,21 @@ class NativeInternodeBackend:
                              f"got {x.dtype} with hidden {H}")
         w = None
         if h.expert_major:
-            if h.expert_major_rows_by_slot is None:  # notify had no slot counts: one host read per handle
-                slot = h.expert_major_rows_slot
-                sizes = torch.bincount(slot, minlength=h.num_topk).tolist()
-                h.expert_major_rows_by_slot = [torch.nonzero_static(slot == k, size=sizes[k]).view(-1)
-                                               for k in range(h.num_topk)]
-            rows = torch.zeros((nrecv, H), dtype=torch.float32, device=dev)
-            # slot by slot, so every token's partial is summed in the reference's order (no two adds race)
-            for sel in h.expert_major_rows_by_slot:
-                rows.index_add_(0, h.expert_major_rows_token[sel], x[h.expert_major_rows[sel]].float())
-            rows = rows.to(x.dtype)  # one partial per (token, rank) in x's dtype, as reference.combine
-            if topk_weights is not None:
-                pos = h.expert_major_pos
-                w = torch.where(pos >= 0, topk_weights[pos.clamp(min=0)].float(),
-                                torch.zeros_like(pos, dtype=torch.float32))
+            if x.size(0) < h.num_recv_rows:
+                raise ValueError(f"combine: x has {x.size(0)} rows but the expert-major handle has {h.num_recv_rows}")
+            # one partial per (token, rank) in x's dtype, its local experts summed in slot order (as reference.combine)
+            x = _dense(x, x.dtype)
+            rows = torch.empty((nrecv, H), dtype=x.dtype, device=dev)
+            ew = _dense(topk_weights, torch.float32) if topk_weights is not None else None
+            if ew is not None:
+                w = torch.empty((nrecv, h.num_topk), dtype=torch.float32, device=dev)
+            if nrecv:  # (a rank that received nothing may still hold num_worst_tokens padding rows)
+                self._k.expert_major_partials(
+                    x.data_ptr(), ew.data_ptr() if ew is not None else 0, h.slot_of.data_ptr(),
+                    h.expert_major_info.data_ptr(), nrecv, H, x.element_size(), h.num_topk, rows.data_ptr(),
+                    w.data_ptr() if w is not None else 0,
+                    self._expert_major_grid("partials_f32" if x.dtype == torch.float32 else "partials_bf16"),
+                    self._stream())
         else:  # (slices and conversions only where needed: each torch call costs host time before the wire)
             rows = x if x.size(0) == nrecv else x[:nrecv]
             if topk_weights is not None:
@@ -2052,6 +2047,18 @@ def _column_args(rows: List[torch.Tensor], layout: RecordLayout) -> List[Tuple[i
     """The columns (contiguous byte rows, _dense) as the record kernels take them: (rows, row bytes, offset in the
     record), empty columns left out."""
     return [(r.data_ptr(), nb, off) for r, nb, off in zip(rows, layout.column_bytes, layout.column_offsets) if nb]
+
+
+def _record_columns(final: torch.Tensor, layout: RecordLayout, n: int) -> List[Tuple[int, int]]:
+    """The first n columns of the records in ``final`` (the final rows: [rows, bytes], the record stride with one GPU
+    per node, the shorter final row with several), as (first row's address, row stride in bytes)."""
+    stride = final.stride(0) * final.element_size()
+    return [(final.data_ptr() + layout.column_offsets[i], stride) for i in range(n)]
+
+
+def _dense_columns(columns: List[torch.Tensor]) -> List[Tuple[int, int]]:
+    """Dense rank-major columns as (first row's address, row bytes)."""
+    return [(c.data_ptr(), _row_bytes(c)) for c in columns]
 
 
 def _upload_values(values: Any, dtype: Any, device: torch.device) -> torch.Tensor:

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -12,6 +13,7 @@
 
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #include "../kernels/clock_probe.hpp"
+#include "../kernels/expert_major.hpp"
 #include "../kernels/internode.hpp"
 #include "../kernels/internode_plan.hpp"
 #include "bindings/proxy_stats_dict.hpp"
@@ -211,6 +213,33 @@ void bind_internode(py::module_& m) {
         "own records' first index and count) of a reader launched before the host read the counts; go when our "
         "records were packed (fit send_limit bytes), our arrivals were pushed (fit receive_bytes) and fit "
         "capacity_rows");
+
+  namespace em = uccl_ep::expert_major;
+  k.attr("EXPERT_MAJOR_MAX_TOPK") = em::kMaxTopk;
+  k.def("expert_major_grid", [](const std::string& kernel) {
+        if (kernel == "copy") return em::whole_gpu_grid(em::kCopy);
+        if (kernel == "partials_bf16") return em::whole_gpu_grid(em::kPartialsBf16);
+        if (kernel == "partials_f32") return em::whole_gpu_grid(em::kPartialsF32);
+        throw std::invalid_argument("expert_major_grid: kernel is copy, partials_bf16 or partials_f32, not " + kernel);
+      }, py::arg("kernel"), "blocks of that expert-major kernel that fill the current device");
+  k.def("expert_major_layout", &em::layout, py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
+        py::arg("recv_info"), py::arg("out_rows"), py::arg("expert_rows"), py::arg("num_local_experts"),
+        py::arg("alignment"), py::arg("topk"), py::arg("em_token"), py::arg("em_slot"), py::arg("em_expert"),
+        py::arg("em_weights"), py::arg("slot_of"), py::arg("tail_blocks"), py::arg("stream"),
+        "the expert-major plan of rank-major received rows (local expert ids, -1 elsewhere; recv_info: int32 "
+        "[received rows, 0, raw count per local expert]): per expert-major row its token, slot, expert and weight, "
+        "and slot_of (int32 [rows, topk]) per (row, k); segments padded to alignment (csrc/kernels/expert_major.hpp)");
+  k.def("expert_major_copy", &em::copy, py::arg("src_x"), py::arg("src_x_stride"), py::arg("src_scales"),
+        py::arg("src_scales_stride"), py::arg("recv_info"), py::arg("out_rows"), py::arg("expert_rows"),
+        py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("topk"), py::arg("slot_of"), py::arg("em_token"),
+        py::arg("out_x"), py::arg("out_scales"), py::arg("grid"), py::arg("stream"),
+        "the payload of the plan: each rank-major row (strides in bytes) to its expert-major rows, rows without a "
+        "token zeroed");
+  k.def("expert_major_partials", &em::partials, py::arg("x"), py::arg("topk_weights"), py::arg("slot_of"),
+        py::arg("recv_info"), py::arg("num_rows"), py::arg("hidden"), py::arg("elem_size"), py::arg("topk"),
+        py::arg("partials"), py::arg("out_topk_weights"), py::arg("grid"), py::arg("stream"),
+        "per rank-major row the sum of its expert-major rows in slot order (fp32, rounded once to x's dtype), and "
+        "the expert-major weights back to their slots");
 
   k.attr("GATE_COLUMNS") = int(in::kGateBase);
   py::class_<in::ArrivalGate>(k, "ArrivalGate",

@@ -18,6 +18,8 @@
 
 #include "intranode.hpp"
 #include "uccl_ep/portability.cuh"
+#include "expert_major.hpp"
+#include "uccl_ep/block_lists.cuh"
 #include "uccl_ep/row_sum.cuh"
 
 namespace uccl_ep::intranode {
@@ -66,23 +68,6 @@ UCCL_HOST_DEVICE char* data_of(void* buffer) { return static_cast<char*>(buffer)
 UCCL_DEVICE int* ctrl_of(void* buffer) { return static_cast<int*>(buffer); }
 UCCL_HOST_DEVICE uint64_t* copy_flags_of(void* buffer) {
   return reinterpret_cast<uint64_t*>(static_cast<int*>(buffer) + kCopyFlagsOffset);
-}
-
-// Exclusive prefix sum of one int per thread over the block; also returns the block total in *total. Every thread of
-// the block must call it (it synchronizes); `scratch` holds blockDim.x ints of shared memory.
-UCCL_DEVICE int block_exclusive_scan(int value, int* scratch, int* total) {
-  scratch[threadIdx.x] = value;
-  __syncthreads();
-  for (int off = 1; off < static_cast<int>(blockDim.x); off <<= 1) {
-    const int v = threadIdx.x >= static_cast<unsigned>(off) ? scratch[threadIdx.x - off] : 0;
-    __syncthreads();
-    scratch[threadIdx.x] += v;
-    __syncthreads();
-  }
-  const int inclusive = scratch[threadIdx.x];
-  *total = scratch[blockDim.x - 1];
-  __syncthreads();  // the caller may reuse scratch at once
-  return inclusive - value;
 }
 
 // ---------------------------------------------------------------- errors
@@ -357,61 +342,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
   }
 }
 
-// Lane 0 of a warp packs the indices i in [0, n) with keep(i) into list[] in increasing order; returns how many.
-// Every lane evaluates keep() for its own indices first, so the loads behind keep() are issued in parallel.
-template <typename Keep>
-UCCL_DEVICE int warp_compact(int n, int lane, int* scratch, int* list, const Keep& keep) {
-  for (int i = lane; i < n; i += kWarpSize) scratch[i] = keep(i);
-  warp_sync();
-  __shared__ int s_count[kWarps];
-  const int warp = threadIdx.x / kWarpSize;
-  if (lane == 0) {
-    int m = 0;
-    for (int i = 0; i < n; ++i)
-      if (scratch[i] >= 0) list[m++] = scratch[i];
-    s_count[warp] = m;
-  }
-  warp_sync();
-  return s_count[warp];
-}
-
 // ---------------------------------------------------------------- combine
-// Expert-major input, local half: rank-major row i (i < min(num_rows, recv_info[0])) becomes the sum of its local
-// experts' rows slot_of[i][k], k in increasing order, in fp32, rounded once to x's dtype; with weights, the
-// expert-major weight of each (row, k) goes back to its slot (0 where k is not local). One partial sum per (token,
-// rank) then crosses the link, as with DeepEP behind Megatron's flex dispatcher (docs/intranode.md, "Combine of
-// expert-major rows"). Why a kernel of its own and not part of combine_send: this pass reads every expert-major row
-// (~470 MB per call at DeepSeek-V3 shape) and is bound by HBM and load latency, so it wants the whole GPU, while the
-// communication kernel is held to `num_sms` SMs; fused, the reduction ran on those few SMs only. Rows past
-// recv_info[0] (sync-free padding) are not touched: combine_send never reads them either.
-template <bool kF32>
-__global__ void __launch_bounds__(kThreads) expert_major_partials_kernel(
-    const int4* __restrict__ x, const float* __restrict__ topk_weights, const int* __restrict__ slot_of,
-    const int* __restrict__ recv_info, int num_rows, int hidden, int topk, int4* __restrict__ partials,
-    float* __restrict__ out_weights) {
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  __shared__ int s_scratch[kWarps][kMaxTopk];
-  __shared__ int s_slots[kWarps][kMaxTopk];
-  const int units = hidden / (kF32 ? 4 : 8);
-  const int rows = min(num_rows, recv_info[0]);
-  const int total_warps = gridDim.x * kWarps;
-  for (int i = blockIdx.x * kWarps + warp; i < rows; i += total_warps) {
-    const int* slots_of_row = slot_of + static_cast<int64_t>(i) * topk;
-    const int n = warp_compact(topk, lane, s_scratch[warp], s_slots[warp], [&](int k) { return slots_of_row[k]; });
-    const int* slots = s_slots[warp];
-    int4* dst = partials + static_cast<int64_t>(i) * units;
-    // Plain stores: combine_send, next on the stream, reads the partials back (some may still be in L2).
-    warp_sum_rows<kF32>(n, units, lane, [&](int j) { return x + static_cast<int64_t>(slots[j]) * units; },
-                        [&](int u, const int4& v) { dst[u] = v; });
-    if (out_weights)
-      for (int k = lane; k < topk; k += kWarpSize) {
-        const int slot = slots_of_row[k];  // expert-major weights are one per row: each goes back to its slot
-        out_weights[static_cast<int64_t>(i) * topk + k] = slot >= 0 ? topk_weights[slot] : 0.0f;
-      }
-    warp_sync();  // s_slots is reused by the next row
-  }
-}
-
 // Row i of this rank's received tokens (rank-major: the dispatch output, or the partials above) goes back to row
 // (recv_src_idx[i], rank) of its source's combine area, in x's dtype, with its rank-major weights [rows, topk].
 // Rows past recv_info[0] (sync-free padding) are not sent.
@@ -457,7 +388,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(
   const int total_warps = gridDim.x * kWarps;
   for (int t = blockIdx.x * kWarps + warp; t < num_tokens; t += total_warps) {
     const bool* mask = in_rank + static_cast<int64_t>(t) * R;
-    const int n = warp_compact(R, lane, s_scratch[warp], s_ranks[warp], [&](int r) { return mask[r] ? r : -1; });
+    const int n = warp_compact<kWarps>(R, lane, s_scratch[warp], s_ranks[warp], [&](int r) { return mask[r] ? r : -1; });
     const int* ranks = s_ranks[warp];
     const int4* rows = reinterpret_cast<const int4*>(base + area.x) + static_cast<int64_t>(t) * R * units;
     int4* out = out_x + static_cast<int64_t>(t) * units;
@@ -517,7 +448,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
   for (int t = blockIdx.x * kWarps + warp; t < num_tokens; t += total_warps) {
     const bool* mask = in_rank + static_cast<int64_t>(t) * R;
     const int* pos = send_pos + static_cast<int64_t>(t) * R;
-    const int n = warp_compact(R, lane, s_scratch[warp], s_ranks[warp], [&](int r) { return mask[r] ? r : -1; });
+    const int n = warp_compact<kWarps>(R, lane, s_scratch[warp], s_ranks[warp], [&](int r) { return mask[r] ? r : -1; });
     const int* ranks = s_ranks[warp];
     for (int j = lane; j < n; j += kWarpSize) {
       const int r = ranks[j];
@@ -558,113 +489,6 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
       }
     }
     warp_sync();  // s_ranks is reused by the next token
-  }
-}
-
-// ---------------------------------------------------------------- expert-major expansion
-// Two kernels. The plan (one block per local expert) scans the received rows in order and gives each (row, k) with
-// recv_topk_idx == expert the next row of the expert's segment (segments start at the aligned prefix of the
-// counts): em_token / em_slot / em_expert / em_weights per expert-major row, slot_of per (row, k); -1 on padding
-// rows. Blocks past the experts share the metadata of the sync-free tail (every row after the last segment): in
-// sync-free mode it can be half the output (65536 worst-case rows for 32768 real ones at DeepSeek-V3 shape on 2
-// ranks). The copy (the local SMs, the whole GPU by default) then moves the payload: each received row is read once and stored to every
-// slot it took, and every row with em_token == -1 is zeroed. It was one kernel whose expert blocks also copied
-// their own segment: ~one block per SM, each source row read once per expert it went to; the expansion took
-// 287 us at DeepSeek-V3 shape on H200 (470 MB written).
-__global__ void __launch_bounds__(kThreads) expert_major_plan_kernel(
-    const int64_t* __restrict__ recv_topk_idx, const float* __restrict__ recv_topk_weights,
-    const int* __restrict__ recv_info, int64_t out_rows, int64_t expert_rows, int num_local_experts, int alignment,
-    int topk, int64_t* __restrict__ em_token, int64_t* __restrict__ em_slot, int64_t* __restrict__ em_expert,
-    float* __restrict__ em_weights, int* __restrict__ slot_of) {
-  const int expert = blockIdx.x;
-  __shared__ int64_t s_begin;
-  __shared__ int s_sum[kThreads];
-  if (threadIdx.x == 0) {  // an expert's segment start; for a tail block, the end of the last segment
-    int64_t begin = 0;
-    for (int l = 0; l < num_local_experts; ++l) {
-      const int64_t padded = (static_cast<int64_t>(recv_info[2 + l]) + alignment - 1) / alignment * alignment;
-      if (l < expert) begin += padded;
-    }
-    s_begin = begin;
-  }
-  __syncthreads();
-  if (expert >= num_local_experts) {  // tail block t of T: rows tail + t*blockDim + thread, strided by T*blockDim
-    const int64_t t = expert - num_local_experts, T = gridDim.x - num_local_experts;
-    for (int64_t p = s_begin + t * blockDim.x + threadIdx.x; p < expert_rows; p += T * blockDim.x) {
-      em_token[p] = -1;
-      em_slot[p] = -1;
-      em_expert[p] = -1;
-      if (em_weights) em_weights[p] = 0.0f;
-    }
-    return;
-  }
-  const int64_t num_recv = min(static_cast<int64_t>(recv_info[0]), out_rows);
-  const int64_t count = recv_info[2 + expert];
-  const int64_t padded = (count + alignment - 1) / alignment * alignment;
-  const int64_t begin = s_begin;
-  int64_t carry = 0;  // rows of this expert found in earlier chunks (the same value in every thread)
-  for (int64_t chunk = 0; chunk < num_recv; chunk += blockDim.x) {
-    const int64_t row = chunk + threadIdx.x;
-    int hit_k = -1;
-    if (row < num_recv)
-      for (int k = 0; k < topk; ++k)
-        if (recv_topk_idx[row * topk + k] == expert) {
-          hit_k = k;
-          break;
-        }
-    int chunk_hits;
-    const int64_t p = begin + carry + block_exclusive_scan(hit_k >= 0 ? 1 : 0, s_sum, &chunk_hits);
-    const bool hit = hit_k >= 0;
-    if (hit && p < expert_rows) {
-      if (slot_of) slot_of[row * topk + hit_k] = static_cast<int>(p);
-      em_token[p] = row;
-      em_slot[p] = hit_k;
-      em_expert[p] = expert;
-      if (em_weights) em_weights[p] = recv_topk_weights[row * topk + hit_k];
-    }
-    carry += chunk_hits;
-  }
-  // Padding rows of this segment (the tail blocks clear what follows the last one).
-  const int64_t pad_end = min(begin + padded, expert_rows);
-  for (int64_t p = begin + count + threadIdx.x; p < pad_end; p += blockDim.x) {
-    em_token[p] = -1;
-    em_slot[p] = -1;
-    em_expert[p] = -1;
-    if (em_weights) em_weights[p] = 0.0f;
-  }
-}
-
-// Payload of the expansion: rank-major row i goes to each of its slots slot_of[i][k] >= 0 (loaded once, stored to
-// all), then every expert-major row the plan left without a token (em_token == -1: segment padding and the sync-free
-// tail) is zeroed.
-__global__ void __launch_bounds__(kThreads) expert_major_copy_kernel(
-    const int4* __restrict__ src_x, const float* __restrict__ src_scales, const int* __restrict__ recv_info,
-    int64_t out_rows, int64_t expert_rows, int hidden_bytes, int num_scales, int topk,
-    const int* __restrict__ slot_of, const int64_t* __restrict__ em_token, int4* __restrict__ out_x,
-    float* __restrict__ out_scales) {
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  __shared__ int s_scratch[kWarps][kMaxTopk];
-  __shared__ int s_slots[kWarps][kMaxTopk];
-  const int units = hidden_bytes / 16;
-  const int64_t num_recv = min(static_cast<int64_t>(recv_info[0]), out_rows);
-  const int64_t total_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int4 zero = make_int4(0, 0, 0, 0);
-  for (int64_t i = blockIdx.x * kWarps + warp; i < num_recv; i += total_warps) {
-    const int* slots_of_row = slot_of + i * topk;
-    const int n = warp_compact(topk, lane, s_scratch[warp], s_slots[warp], [&](int k) { return slots_of_row[k]; });
-    const int* slots = s_slots[warp];
-    warp_copy_v4_to_each<4>(src_x + i * units, units, lane, n,
-                            [&](int j) { return out_x + static_cast<int64_t>(slots[j]) * units; });
-    for (int sc = lane; src_scales != nullptr && sc < num_scales; sc += kWarpSize) {
-      const float v = src_scales[i * num_scales + sc];
-      for (int j = 0; j < n; ++j) out_scales[static_cast<int64_t>(slots[j]) * num_scales + sc] = v;
-    }
-    warp_sync();  // s_slots is reused by the next row
-  }
-  for (int64_t p = blockIdx.x * kWarps + warp; p < expert_rows; p += total_warps) {
-    if (em_token[p] >= 0) continue;
-    for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = zero;
-    for (int sc = lane; out_scales != nullptr && sc < num_scales; sc += kWarpSize) out_scales[p * num_scales + sc] = 0.0f;
   }
 }
 
@@ -730,11 +554,11 @@ Context::Context(int rank, int num_ranks, int64_t num_bytes, int device, double 
       reinterpret_cast<const void*>(dispatch_recv_kernel<4>),
       reinterpret_cast<const void*>(combine_reduce_kernel<false>),
       reinterpret_cast<const void*>(combine_reduce_kernel<true>),
-      reinterpret_cast<const void*>(expert_major_partials_kernel<false>),
-      reinterpret_cast<const void*>(expert_major_partials_kernel<true>),
+      expert_major::kernel_address(expert_major::kPartialsBf16),
+      expert_major::kernel_address(expert_major::kPartialsF32),
       reinterpret_cast<const void*>(combine_reduce_blocks_kernel<false>),
       reinterpret_cast<const void*>(combine_reduce_blocks_kernel<true>),
-      reinterpret_cast<const void*>(expert_major_copy_kernel)};
+      expert_major::kernel_address(expert_major::kCopy)};
   for (int i = 0; i < kLocalKernels; ++i) {
     int per_sm = 0;
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, local_kernels[i], kThreads, 0),
@@ -947,44 +771,23 @@ void Context::expert_major(uintptr_t src_x, uintptr_t src_scales, uintptr_t recv
                            uintptr_t out_x, uintptr_t out_scales, uintptr_t em_token, uintptr_t em_slot,
                            uintptr_t em_expert, uintptr_t em_weights, uintptr_t slot_of, int local_sms,
                            uintptr_t stream) {
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  // The copy reads the slots of every row from slot_of (and the combine of this layout reads them too).
-  // (An empty tensor's address is 0: a rank that received nothing passes no slot_of.)
-  if (slot_of == 0 && out_rows > 0) throw std::invalid_argument("expert_major: slot_of is required");
-  if (out_rows > 0)
-    check(cudaMemsetAsync(reinterpret_cast<void*>(slot_of), 0xff, sizeof(int) * out_rows * topk, s), "memset");
-  if (num_local_experts == 0 || expert_rows == 0) return;
-  // Blocks for the tail after the last segment, one per SM: its length is known on the device only (sync-free
-  // mode: the real row count never reaches the host). Where there is no tail they return at once.
-  expert_major_plan_kernel<<<num_local_experts + sms_, kThreads, 0, s>>>(
-      reinterpret_cast<const int64_t*>(recv_topk_idx), reinterpret_cast<const float*>(recv_topk_weights),
-      reinterpret_cast<const int*>(recv_info), out_rows, expert_rows, num_local_experts, alignment, topk,
-      reinterpret_cast<int64_t*>(em_token), reinterpret_cast<int64_t*>(em_slot), reinterpret_cast<int64_t*>(em_expert),
-      reinterpret_cast<float*>(em_weights), reinterpret_cast<int*>(slot_of));
-  check(cudaGetLastError(), "expert_major_plan_kernel launch");
-  expert_major_copy_kernel<<<local_grid(kLocalExpertCopy, local_sms), kThreads, 0, s>>>(
-      reinterpret_cast<const int4*>(src_x), reinterpret_cast<const float*>(src_scales),
-      reinterpret_cast<const int*>(recv_info), out_rows, expert_rows, hidden_bytes, num_scales, topk,
-      reinterpret_cast<const int*>(slot_of), reinterpret_cast<const int64_t*>(em_token),
-      reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_scales));
-  check(cudaGetLastError(), "expert_major_copy_kernel launch");
+  // the receive area holds the rows densely; one block per SM clears the sync-free tail
+  expert_major::layout(recv_topk_idx, recv_topk_weights, recv_info, out_rows, expert_rows, num_local_experts,
+                       alignment, topk, em_token, em_slot, em_expert, em_weights, slot_of, sms_, stream);
+  if (num_local_experts == 0) return;
+  expert_major::copy(src_x, hidden_bytes, src_scales, 4 * int64_t(num_scales), recv_info, out_rows, expert_rows,
+                     hidden_bytes, num_scales, topk, slot_of, em_token, out_x, out_scales,
+                     local_grid(kLocalExpertCopy, local_sms), stream);
 }
 
 void Context::expert_major_partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t recv_info,
                                     int num_rows, int hidden, int elem_size, int topk, uintptr_t partials,
                                     uintptr_t out_topk_weights, int local_sms, uintptr_t stream) {
   check_combine_shape(hidden, elem_size, topk);
-  if ((topk_weights == 0) != (out_topk_weights == 0))
-    throw std::invalid_argument("expert_major_partials: give both topk_weights and out_topk_weights, or neither");
-  if (num_rows == 0) return;
-  const bool f32 = elem_size == 4;
-  auto kernel = f32 ? expert_major_partials_kernel<true> : expert_major_partials_kernel<false>;
-  // Local work only: local_sms (0: the whole GPU), not num_sms (see the kernel).
-  kernel<<<local_grid(f32 ? kLocalPartialsF32 : kLocalPartialsBf16, local_sms), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const int4*>(x), reinterpret_cast<const float*>(topk_weights),
-      reinterpret_cast<const int*>(slot_of), reinterpret_cast<const int*>(recv_info), num_rows, hidden, topk,
-      reinterpret_cast<int4*>(partials), reinterpret_cast<float*>(out_topk_weights));
-  check(cudaGetLastError(), "expert_major_partials_kernel launch");
+  // Local work only: local_sms (0: the whole GPU), not num_sms (docs/intranode.md, "Combine of expert-major rows").
+  expert_major::partials(x, topk_weights, slot_of, recv_info, num_rows, hidden, elem_size, topk, partials,
+                         out_topk_weights, local_grid(elem_size == 4 ? kLocalPartialsF32 : kLocalPartialsBf16,
+                                                      local_sms), stream);
 }
 
 void Context::combine_send(uintptr_t x, uintptr_t topk_weights, uintptr_t recv_src_idx, uintptr_t rank_prefix_matrix,

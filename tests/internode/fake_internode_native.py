@@ -33,6 +33,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from tests import fake_expert_major
 from tests.shared_memory_files import map_file, sweep_leftovers
 
 from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
@@ -43,6 +44,12 @@ from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_
                                           rows_from_own_row, send_plan as _send_plan)
 
 PUSH_COLUMNS = 7
+# the expert-major kernels (csrc/kernels/expert_major.hpp), shared with the intranode stand-in
+EXPERT_MAJOR_MAX_TOPK = fake_expert_major.MAX_TOPK
+expert_major_grid = fake_expert_major.whole_gpu_grid
+expert_major_layout = fake_expert_major.layout
+expert_major_copy = fake_expert_major.copy
+expert_major_partials = fake_expert_major.partials
 GATE_COLUMNS = GATE_FIXED_COLUMNS
 COUNT_ROW_MAX_BINS = 12288
 PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "combine_gather": 4, "barrier": 5,

@@ -30,6 +30,7 @@ from typing import List, Optional
 
 import torch
 
+from tests import fake_expert_major
 from tests.shared_memory_files import map_file, sweep_leftovers
 
 max_ranks = 128
@@ -459,87 +460,25 @@ class IntranodeContext:
                      out_rows: int, expert_rows: int, num_local_experts: int, alignment: int, hidden_bytes: int,
                      num_scales: int, topk: int, out_x: int, out_scales: int, em_token: int, em_slot: int,
                      em_expert: int, em_weights: int, slot_of: int, local_sms: int, stream: int) -> None:
-        if not slot_of and out_rows > 0:
-            raise ValueError("expert_major: slot_of is required")
-        if out_rows > 0:
-            _at(slot_of, 4 * out_rows * topk, torch.int32).fill_(-1)  # cudaMemsetAsync(0xff)
+        # as Context::expert_major: the plan, then the copy from the dense receive area
+        fake_expert_major.layout(recv_topk_idx, recv_topk_weights, recv_info, out_rows, expert_rows,
+                                 num_local_experts, alignment, topk, em_token, em_slot, em_expert, em_weights,
+                                 slot_of, 1, stream)
         if num_local_experts == 0 or expert_rows == 0:
             return
         self._count("expert_major")
-        L, P = num_local_experts, expert_rows
-        info = _at(recv_info, 4 * (2 + L), torch.int32).tolist()
-        num_recv = min(info[0], out_rows)
-        idx = _at(recv_topk_idx, 8 * out_rows * topk, torch.int64).view(out_rows, topk)[:num_recv]
-        tok, slot, exp = (_at(p, 8 * P, torch.int64) for p in (em_token, em_slot, em_expert))
-        wts = _at(em_weights, 4 * P, torch.float32) if em_weights else None
-        rw = _at(recv_topk_weights, 4 * out_rows * topk, torch.float32).view(out_rows, topk) if em_weights else None
-        so = _at(slot_of, 4 * out_rows * topk, torch.int32).view(out_rows, topk) if slot_of else None
-        ox = _rows(out_x, P, hidden_bytes)
-        sx = _rows(src_x, max(out_rows, 1), hidden_bytes) if src_x else None
-        os_ = _rows(out_scales, P, 4 * num_scales, torch.float32) if num_scales else None
-        ss = _rows(src_scales, max(out_rows, 1), 4 * num_scales, torch.float32) if num_scales and src_scales else None
-        begin = 0
-        for e in range(L):
-            count = info[2 + e]
-            padded = (count + alignment - 1) // alignment * alignment
-            match = idx == e
-            hit = match.any(1)
-            rows = hit.nonzero().flatten()
-            hit_k = match.to(torch.int8).argmax(1)[rows]  # the first k with the expert
-            p = begin + torch.arange(rows.numel())
-            ok = p < P
-            rows, hit_k, p = rows[ok], hit_k[ok], p[ok]
-            if so is not None:
-                so[rows, hit_k] = p.to(torch.int32)
-            tok[p], slot[p], exp[p] = rows, hit_k, e
-            if wts is not None:
-                wts[p] = rw[rows, hit_k]
-            pad_end = P if e == L - 1 else min(begin + padded, P)
-            if begin + count < pad_end:
-                tok[begin + count:pad_end] = -1
-                slot[begin + count:pad_end] = -1
-                exp[begin + count:pad_end] = -1
-                if wts is not None:
-                    wts[begin + count:pad_end] = 0
-            real_end = min(begin + count, pad_end)
-            if begin < real_end:  # payload straight from the source rows (the receive area)
-                src_rows = tok[begin:real_end]
-                if sx is not None:
-                    ox[begin:real_end] = sx[src_rows]
-                if os_ is not None:
-                    os_[begin:real_end] = ss[src_rows]
-            if max(begin, real_end) < pad_end:
-                ox[max(begin, real_end):pad_end] = 0
-                if os_ is not None:
-                    os_[max(begin, real_end):pad_end] = 0
-            begin += padded
+        fake_expert_major.copy(src_x, hidden_bytes, src_scales, 4 * num_scales, recv_info, out_rows, expert_rows,
+                               hidden_bytes, num_scales, topk, slot_of, em_token, out_x, out_scales, 1, stream)
 
     # ---- combine
     def expert_major_partials(self, x: int, topk_weights: int, slot_of: int, recv_info: int, num_rows: int,
                               hidden: int, elem_size: int, topk: int, partials: int, out_topk_weights: int,
                               local_sms: int, stream: int) -> None:
         _check_combine_shape(hidden, elem_size, topk)
-        if (topk_weights == 0) != (out_topk_weights == 0):
-            raise ValueError("expert_major_partials: give both topk_weights and out_topk_weights, or neither")
-        if num_rows == 0:
-            return
-        self._count("expert_major_partials")
-        dt = torch.float32 if elem_size == 4 else torch.bfloat16
-        rows = min(num_rows, int(_at(recv_info, 4, torch.int32)[0]))
-        so = _at(slot_of, 4 * num_rows * topk, torch.int32).view(num_rows, topk)[:rows].to(torch.int64)
-        n_x = int(so.max()) + 1 if so.numel() and int(so.max()) >= 0 else 0
-        xs = _rows(x, n_x, hidden * elem_size, dt) if n_x else None
-        acc = torch.zeros((rows, hidden), dtype=torch.float32)
-        for k in range(topk):  # in k order, fp32 from 0, rounded once
-            sel = (so[:, k] >= 0).nonzero().flatten()
-            if sel.numel():
-                acc[sel] += xs[so[sel, k]].float()
-        _rows(partials, num_rows, hidden * elem_size, dt)[:rows] = acc.to(dt)
-        if out_topk_weights:
-            w = _at(topk_weights, 4 * max(n_x, 1), torch.float32)
-            out = torch.where(so >= 0, w[so.clamp(min=0)] if n_x else torch.zeros_like(so, dtype=torch.float32),
-                              torch.zeros((), dtype=torch.float32))
-            _rows(out_topk_weights, num_rows, 4 * topk, torch.float32)[:rows] = out
+        if num_rows and (topk_weights == 0) == (out_topk_weights == 0):
+            self._count("expert_major_partials")
+        fake_expert_major.partials(x, topk_weights, slot_of, recv_info, num_rows, hidden, elem_size, topk, partials,
+                                   out_topk_weights, 1, stream)
 
     def combine_send(self, x: int, topk_weights: int, recv_src_idx: int, rank_prefix_matrix: int, recv_info: int,
                      num_rows: int, hidden: int, elem_size: int, topk: int, max_src_tokens: int, num_sms: int,

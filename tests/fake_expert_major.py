@@ -1,0 +1,136 @@
+"""CPU stand-ins for the expert-major kernels (csrc/kernels/expert_major.hpp), shared by the intranode and internode
+fakes: the same arguments (device addresses as integers, here CPU memory), the same rows written, so the backends'
+host paths run in CI without a GPU. Streams are ignored: everything runs when called."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+MAX_TOPK = 32
+
+
+def _at(ptr: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A CPU tensor over raw memory: no copy, no ownership."""
+    if nbytes <= 0 or not ptr:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=dtype)
+
+
+def _strided_rows(ptr: int, n: int, stride: int, nbytes: int) -> torch.Tensor:
+    """[n, nbytes] uint8 rows ``stride`` bytes apart."""
+    if n == 0:
+        return torch.empty((0, nbytes), dtype=torch.uint8)
+    return _at(ptr, (n - 1) * stride + nbytes).as_strided((n, nbytes), (stride, 1))
+
+
+def whole_gpu_grid(kernel: str) -> int:
+    if kernel not in ("copy", "partials_bf16", "partials_f32"):
+        raise ValueError(f"expert_major_grid: kernel is copy, partials_bf16 or partials_f32, not {kernel}")
+    return 1
+
+
+def layout(recv_topk_idx: int, recv_topk_weights: int, recv_info: int, out_rows: int, expert_rows: int,
+           num_local_experts: int, alignment: int, topk: int, em_token: int, em_slot: int, em_expert: int,
+           em_weights: int, slot_of: int, tail_blocks: int, stream: int) -> None:
+    if topk > MAX_TOPK:
+        raise ValueError(f"expert_major: top-k above {MAX_TOPK}")
+    if alignment < 1:
+        raise ValueError("expert_major: alignment must be >= 1")
+    if not slot_of and out_rows > 0:
+        raise ValueError("expert_major: slot_of is required")
+    so = _at(slot_of, 4 * out_rows * topk, torch.int32).view(out_rows, topk)
+    so.fill_(-1)  # cudaMemsetAsync(0xff)
+    L, P = num_local_experts, expert_rows
+    if L == 0 or P == 0:
+        return
+    info = _at(recv_info, 4 * (2 + L), torch.int32).tolist()
+    num_recv = min(info[0], out_rows)
+    idx = _at(recv_topk_idx, 8 * num_recv * topk, torch.int64).view(num_recv, topk)
+    tok, slot, exp = (_at(p, 8 * P, torch.int64) for p in (em_token, em_slot, em_expert))
+    wts = _at(em_weights, 4 * P, torch.float32) if em_weights else None
+    rw = _at(recv_topk_weights, 4 * num_recv * topk, torch.float32).view(num_recv, topk) if em_weights else None
+    begin = 0
+    for e in range(L):
+        count = info[2 + e]
+        padded = (count + alignment - 1) // alignment * alignment
+        match = idx == e
+        rows = match.any(1).nonzero().flatten()
+        hit_k = match.to(torch.int8).argmax(1)[rows]  # the first k with the expert
+        p = begin + torch.arange(rows.numel())
+        ok = p < P
+        rows, hit_k, p = rows[ok], hit_k[ok], p[ok]
+        so[rows, hit_k] = p.to(torch.int32)
+        tok[p], slot[p], exp[p] = rows, hit_k, e
+        if wts is not None:
+            wts[p] = rw[rows, hit_k]
+        lo, hi = min(begin + count, P), min(begin + padded, P)
+        begin += padded
+        for t in (tok[lo:hi], slot[lo:hi], exp[lo:hi]):
+            t.fill_(-1)
+        if wts is not None:
+            wts[lo:hi] = 0
+    lo = min(begin, P)  # the tail after the last segment
+    for t in (tok[lo:], slot[lo:], exp[lo:]):
+        t.fill_(-1)
+    if wts is not None:
+        wts[lo:] = 0
+
+
+def copy(src_x: int, src_x_stride: int, src_scales: int, src_scales_stride: int, recv_info: int, out_rows: int,
+         expert_rows: int, hidden_bytes: int, num_scales: int, topk: int, slot_of: int, em_token: int, out_x: int,
+         out_scales: int, grid: int, stream: int) -> None:
+    if topk > MAX_TOPK:
+        raise ValueError(f"expert_major: top-k above {MAX_TOPK}")
+    if hidden_bytes % 16 or src_x % 16 or src_x_stride % 16 or src_x_stride < hidden_bytes:
+        raise ValueError("expert_major: payload rows must be 16-byte aligned, a stride of at least their bytes")
+    if num_scales > 0 and src_scales and (src_scales % 4 or src_scales_stride % 4
+                                          or src_scales_stride < 4 * num_scales):
+        raise ValueError("expert_major: scale rows must be 4-byte aligned, a stride of at least their bytes")
+    if expert_rows == 0:
+        return
+    num_recv = min(int(_at(recv_info, 4, torch.int32)[0]), out_rows)
+    so = _at(slot_of, 4 * out_rows * topk, torch.int32).view(out_rows, topk)[:num_recv].to(torch.int64)
+    ox = _at(out_x, expert_rows * hidden_bytes).view(expert_rows, hidden_bytes)
+    sx = _strided_rows(src_x, num_recv, src_x_stride, hidden_bytes)
+    os_ = _at(out_scales, 4 * expert_rows * num_scales, torch.float32).view(expert_rows, num_scales) \
+        if out_scales and num_scales else None
+    ss = _strided_rows(src_scales, num_recv, src_scales_stride, 4 * num_scales) if os_ is not None else None
+    for k in range(topk):
+        rows = (so[:, k] >= 0).nonzero().flatten()
+        ox[so[rows, k]] = sx[rows]
+        if os_ is not None:
+            os_.view(torch.uint8)[so[rows, k]] = ss[rows]
+    empty = (_at(em_token, 8 * expert_rows, torch.int64) < 0).nonzero().flatten()
+    ox[empty] = 0
+    if os_ is not None:
+        os_[empty] = 0
+
+
+def partials(x: int, topk_weights: int, slot_of: int, recv_info: int, num_rows: int, hidden: int, elem_size: int,
+             topk: int, out: int, out_topk_weights: int, grid: int, stream: int) -> None:
+    if hidden % 8:
+        raise ValueError("expert_major_partials: hidden must be a multiple of 8")
+    if elem_size not in (2, 4):
+        raise ValueError("expert_major_partials: x must be bfloat16 or float32")
+    if topk > MAX_TOPK:
+        raise ValueError(f"expert_major_partials: top-k above {MAX_TOPK}")
+    if (topk_weights == 0) != (out_topk_weights == 0):
+        raise ValueError("expert_major_partials: give both topk_weights and out_topk_weights, or neither")
+    if num_rows == 0:
+        return
+    dt = torch.float32 if elem_size == 4 else torch.bfloat16
+    rows = min(num_rows, int(_at(recv_info, 4, torch.int32)[0]))
+    so = _at(slot_of, 4 * num_rows * topk, torch.int32).view(num_rows, topk)[:rows].to(torch.int64)
+    n_x = int(so.max()) + 1 if so.numel() else 0
+    xs = _at(x, n_x * hidden * elem_size, dt).view(max(n_x, 0), hidden)
+    acc = torch.zeros((rows, hidden), dtype=torch.float32)
+    for k in range(topk):  # in k order, fp32 from 0, rounded once
+        sel = (so[:, k] >= 0).nonzero().flatten()
+        acc[sel] += xs[so[sel, k]].float()
+    _at(out, num_rows * hidden * elem_size, dt).view(num_rows, hidden)[:rows] = acc.to(dt)
+    if out_topk_weights:
+        w = _at(topk_weights, 4 * max(n_x, 1), torch.float32)
+        got = w[so.clamp(min=0)] if n_x else torch.zeros_like(so, dtype=torch.float32)
+        _at(out_topk_weights, 4 * num_rows * topk, torch.float32).view(num_rows, topk)[:rows] = \
+            torch.where(so >= 0, got, torch.zeros((), dtype=torch.float32))
