@@ -1436,13 +1436,13 @@ class NativeInternodeBackend:
         records packed and pushed during notify by one launch (``pushed_in_one_launch``), and a row count known
         before the counts -- num_worst_tokens, or the rows the last dispatch of T tokens received plus
         UCCL_EP_READ_BEFORE_COUNTS_SLACK (capped by the receive area). None: the reader follows the host's plan.
-        The reader's outputs are rank-major; an expert-major receive gathers from them once the counts are known
-        (our own rows are not in the final rows, from which the host's path gathers).
+        Not for an expert-major receive: its expert-major copy reads the final rows, where our own rows would not be
+        (docs/internode.md, "Reading before the count read": measured, it gained nothing there).
         ``dense``: the columns, contiguous, from which our own node's rows are read (never packed); ``tables``: the
         send plan the count row's launch writes."""
         spare, self._spare_read_outputs = self._spare_read_outputs, None  # taken here or dropped
         if not (self.read_before_counts and pushed_in_one_launch and self.G == 1 and self.gated_arrivals
-                and self.N * self.L <= self._k.READ_MAX_COUNTERS):
+                and not args.expert_major and self.N * self.L <= self._k.READ_MAX_COUNTERS):
             return None
         payload = [args.x] + ([args.x_scales] if args.x_scales is not None else [])
         K = args.topk_idx.size(1) if args.topk_idx is not None else 0
@@ -1452,8 +1452,7 @@ class NativeInternodeBackend:
         spec = self._read_spec(*self._next_read)
         if spec is None:
             return None
-        # expert-major: num_worst_tokens bounds the expert-major rows, which the gather from these outputs pads
-        reading = ReadingBeforeCounts(spec, bool(args.num_worst_tokens) and not args.expert_major, layout,
+        reading = ReadingBeforeCounts(spec, bool(args.num_worst_tokens), layout,
                                       args.num_tokens_per_expert.numel() // self.R, _column_args(dense, layout),
                                       tables.hop1_token.data_ptr())
         if spare is not None and spare[0] == spec:  # made during the last combine's hop
@@ -1627,9 +1626,9 @@ class NativeInternodeBackend:
         made: dict = {}
         if reading is not None:
             nrecv = num_recv_rows(counts, self.rank)
-            rows = nrecv if args.expert_major else worst or nrecv
+            rows = worst or nrecv
             layout, fwd_dest, pending = reading.layout, None, None
-            final = None  # the reader read into rank-major outputs (our own rows were never in the final rows)
+            final = None  # (expert-major, which copies from the final rows, is never read before the counts)
             outs = [o[:rows] for o in reading.outs]
             recv_topk_idx = reading.topk_idx[:rows] if reading.topk_idx is not None else None
             recv_w = reading.weights[:rows] if reading.weights is not None else None
@@ -1703,9 +1702,7 @@ class NativeInternodeBackend:
             aligned = [_align(int(c), args.expert_alignment) for c in raw]
             h.recv_tokens_per_expert = aligned
         if args.expert_major:
-            # from the reader's rank-major rows, or (read after notify) straight from the final rows: one copy
-            sources = (_dense_columns(outs) if reading is not None
-                       else _record_columns(final, layout, len(payload)))
+            sources = _record_columns(final, layout, len(payload))  # straight from the final rows: one copy
             recv_topk_idx, recv_w = self._expert_major_plan(h, recv_topk_idx[:nrecv], recv_w[:nrecv], raw, aligned,
                                                             worst)
             out = self._expert_major_copy(h, sources, payload)
@@ -2054,11 +2051,6 @@ def _record_columns(final: torch.Tensor, layout: RecordLayout, n: int) -> List[T
     per node, the shorter final row with several), as (first row's address, row stride in bytes)."""
     stride = final.stride(0) * final.element_size()
     return [(final.data_ptr() + layout.column_offsets[i], stride) for i in range(n)]
-
-
-def _dense_columns(columns: List[torch.Tensor]) -> List[Tuple[int, int]]:
-    """Dense rank-major columns as (first row's address, row bytes)."""
-    return [(c.data_ptr(), _row_bytes(c)) for c in columns]
 
 
 def _upload_values(values: Any, dtype: Any, device: torch.device) -> torch.Tensor:

@@ -670,17 +670,14 @@ def test_a_dispatch_pushed_during_notify_reads_before_the_host_reads_the_counts_
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["2x1", "4x1"])
-def test_an_expert_major_dispatch_reads_before_the_count_read_into_rank_major_rows_and_gathers_from_them(world):
-    """An expert-major receive takes the read before the count read too: the reader fills rank-major outputs (our own
-    rows from our columns, the others' from the arrivals) and the expert-major rows are gathered from them once the
-    counts are known, since our own rows were never packed into the final rows the host's path gathers from. Every
-    output, the tokens per expert and the combine after it equal the reference: random, a rank that receives
-    nothing, dropped experts, FP8 with num_worst_tokens (which bounds the expert-major rows: the reader's rows are
-    not padded to it), and a rank-major dispatch between expert-major ones."""
+def test_an_expert_major_dispatch_reads_after_the_count_read_and_its_rows_match_between_rank_major_ones(world):
+    """An expert-major receive is pushed during notify but never read before the count read: its expert-major copy
+    reads the final rows, where a reader before the counts leaves our own rows out (docs/internode.md, "Reading
+    before the count read"). Its rows, made by the expert-major kernels from the final rows (random, a rank that
+    receives nothing, dropped experts, FP8 with num_worst_tokens), and the rank-major dispatches between them, which
+    do read before the counts, all equal the reference."""
     cases = [ALL[0], ALL[6], ALL[9], ("dropped", False, True, 0, 10), ALL[8], ALL[1], ALL[6]]
     out = run_distributed(_cases_counting, world, 1, cases, READ_COUNTERS, timeout=180, env=ENV)
     for done, fused, read, declined, _ in out:
         assert done == len(cases) and fused == len(cases) - 1, (done, fused)
-        assert read + declined == fused, (fused, read, declined)
-    assert sum(row[2] for row in out) >= 4 * world, out  # most of them read before the counts (10 and 16 of 12, 24)
-    assert all(row[4] >= 1 for row in out), out  # expert-major readers take the outputs made during a combine's hop
+        assert read + declined == 1, (read, declined)  # only the rank-major case after the first (ALL[1])
