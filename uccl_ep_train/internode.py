@@ -37,7 +37,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     recv_counts, block_offsets, remote_block_offset, num_recv_rows, chunk_records, chunk_bytes, chunk_lanes,
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
     describe_gpu_error, pack_records, forward_row_bases, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
-    NOTIFY_MAX_EXPERTS, NOTIFY_MAX_SLOT_COUNTS, notify_row_words, recv_expert_counts,
+    NOTIFY_MAX_EXPERTS, notify_row_words, recv_expert_counts,
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks, READ_DIMS,
@@ -611,14 +611,12 @@ class NativeInternodeBackend:
         self._push_and_wait(rows, [(self._barrier_slot, self.R - 1)], "barrier", 1, what, fixed=True)
 
     def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
-                topk_idx: Optional[torch.Tensor] = None,
                 then: Optional[Callable[[torch.Tensor, CountRows], None]] = None,
                 plan: Optional[SendPlan] = None, row_goes_with_then: bool = False,
                 ahead: Optional[Callable[[CountRows], None]] = None) -> Counts:
-        """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) and per (rank,
-        slot) (up to NOTIFY_MAX_SLOT_COUNTS) in the rows, a receiver knows its per-expert and per-slot counts from
-        notify alone, and neither dispatch nor combine reads anything else back. Every rank makes the same choice:
-        the same group, experts and top-k. ``then(row, rows)``: work for while the rows are exchanged, given our own
+        """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) in the rows, a
+        receiver knows its per-expert counts from notify alone, and neither dispatch nor combine reads anything else
+        back. Every rank makes the same choice: the same group and experts. ``then(row, rows)``: work for while the rows are exchanged, given our own
         count row on the device and where every row lands (through the proxies only); ``plan``: tables for T x N
         records that the count row's launch also fills with our send plan, counted from our own tokens, for ``then``
         (count_row with send_plan: one launch fewer before a dispatch packed during notify). ``row_goes_with_then``:
@@ -626,19 +624,17 @@ class NativeInternodeBackend:
         before. ``ahead(rows)``: launches queued behind the rows' wait and the matrix's copy, that the host does not
         wait for before it reads the matrix (a reader launched before the count read; with ``then`` only)."""
         carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
-        slots = carry and topk_idx is not None and self.R * topk_idx.size(1) <= NOTIFY_MAX_SLOT_COUNTS
-        shape = dict(num_experts=tokens_per_expert.numel() if carry else 0,
-                     num_topk=topk_idx.size(1) if slots else 0)
-        width = self.R + self.N + shape["num_experts"] + self.R * shape["num_topk"]
-        tpe, topk = tokens_per_expert if carry else None, topk_idx if slots else None
+        shape = dict(num_experts=tokens_per_expert.numel() if carry else 0)
+        width = self.R + self.N + shape["num_experts"]
+        tpe = tokens_per_expert if carry else None
         if self._notify_via_proxies:
             row = self._notify_views(width)[0]
-            self._count_row(row, is_token_in_rank, tpe, topk, plan if then is not None else None)
+            self._count_row(row, is_token_in_rank, tpe, plan if then is not None else None)
             return self._notify_through_proxies(width, shape,
                                                 (lambda rows: then(row, rows)) if then is not None else None,
                                                 row_goes_with_then, ahead)
         row = torch.empty(width, dtype=torch.int64, device=self.device)
-        self._count_row(row, is_token_in_rank, tpe, topk)
+        self._count_row(row, is_token_in_rank, tpe)
         self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
         row = row.cpu()
         out = [torch.empty_like(row) for _ in range(self.R)]
@@ -653,13 +649,12 @@ class NativeInternodeBackend:
         return counts_from_rows(torch.stack(out), self.R, self.N, **shape)
 
     def _count_row(self, out: torch.Tensor, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
-                   topk_idx: Optional[torch.Tensor], plan: Optional[SendPlan] = None) -> None:
+                   plan: Optional[SendPlan] = None) -> None:
         """local_count_row into ``out`` (int64 on the device) in one launch (count_row kernel), which also writes our
         send plan into ``plan`` (node bases counted from the tokens); through torch, and the send plan by a launch of
         its own, when the row has more bins than the kernel's shared memory holds."""
-        K = topk_idx.size(1) if topk_idx is not None else 0
-        if self.R + self.N + self.R * K > self._k.COUNT_ROW_MAX_BINS:
-            out.copy_(local_count_row(is_token_in_rank, self.G, tokens_per_expert, topk_idx))
+        if self.R + self.N > self._k.COUNT_ROW_MAX_BINS:
+            out.copy_(local_count_row(is_token_in_rank, self.G, tokens_per_expert))
             if plan is not None:
                 self._send_plan_launch(is_token_in_rank, plan, 0)
             return
@@ -668,11 +663,9 @@ class NativeInternodeBackend:
         if tokens_per_expert is not None:
             tpe = tokens_per_expert if tokens_per_expert.device == self.device else tokens_per_expert.to(self.device)
             tpe = _dense(tpe, tpe.dtype if tpe.dtype in (torch.int32, torch.int64) else torch.int64)
-        topk = _dense(topk_idx, torch.int64) if topk_idx is not None else None
         self._k.count_row(out.data_ptr(), itr.data_ptr(), itr.size(0), self.R, self.G,
                           tpe.data_ptr() if tpe is not None else 0, tpe is not None and tpe.dtype == torch.int64,
-                          tpe.numel() if tpe is not None else 0, topk.data_ptr() if topk is not None else 0, K,
-                          self._stream(), send_plan=self._table_addresses(plan) if plan is not None else None)
+                          tpe.numel() if tpe is not None else 0, self._stream(), send_plan=self._table_addresses(plan) if plan is not None else None)
 
     def _send_plan(self, is_token_in_rank: torch.Tensor, counts: Counts) -> SendPlan:
         """internode_plan.send_plan with its device tables made by one launch (send_plan kernel); the host part (how
@@ -1600,7 +1593,7 @@ class NativeInternodeBackend:
 
             def during(row: torch.Tensor, landing: CountRows) -> None:
                 self._pack_during_notify(row, itr, dense, layout, combined_send_base, early, landing, tables, fused)
-        counts = self._notify(itr, args.num_tokens_per_expert, topk_idx, then=during, plan=tables,
+        counts = self._notify(itr, args.num_tokens_per_expert, then=during, plan=tables,
                               row_goes_with_then=fused is not None,
                               ahead=(lambda rows: self._launch_reader_before_counts(reading, rows, combined_send_base))
                               if reading is not None else None)

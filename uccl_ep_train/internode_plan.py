@@ -16,7 +16,6 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from uccl_ep_train.reference import count_ids
 
 #: Command-format limits (csrc/include/uccl_ep/command.hpp); mirrored here so planning can check without _C.
 CMD_UNIT = 16
@@ -111,27 +110,22 @@ def check_topology(num_ranks: int, ranks_per_node: int, num_lanes: int = 1) -> i
 #: (token, local expert) pairs it gets before any byte moves: the expert-aligned counts of a dispatch then need no
 #: device read after the payload arrived. Beyond it the backend counts the received expert ids on the GPU (one sync).
 NOTIFY_MAX_EXPERTS = 1024
-#: ... and, while ranks x top-k stays within this, every source's tokens per (destination rank, top-k slot): the
-#: receiver then knows how many of its (token, local expert) pairs sit in each slot, which is what an expert-major
-#: combine needs to add them slot by slot without reading the device.
-NOTIFY_MAX_SLOT_COUNTS = 2048
 
 
 def notify_row_words(num_ranks: int, num_nodes: int) -> int:
-    """int64 words a notify row may use: per rank, per node, per expert, per (rank, slot) at their caps."""
-    return num_ranks + num_nodes + NOTIFY_MAX_EXPERTS + NOTIFY_MAX_SLOT_COUNTS
+    """int64 words a notify row may use: per rank, per node, per expert at its cap."""
+    return num_ranks + num_nodes + NOTIFY_MAX_EXPERTS
 
 
 @dataclass
 class Counts:
     """Notify's result, identical on every rank: rank_counts[s, d] tokens of s for rank d; node_counts[s, m] tokens
-    of s that hit node m (each crosses to node m once); expert_counts[s, e] tokens of s routed to expert e;
-    slot_counts[s, d, k] tokens of s whose k-th expert lives on rank d (each None when the rows did not carry it)."""
+    of s that hit node m (each crosses to node m once); expert_counts[s, e] tokens of s routed to expert e (None
+    when the rows did not carry it)."""
 
     rank_counts: torch.Tensor  # [R, R] int64, CPU
     node_counts: torch.Tensor  # [R, N] int64, CPU
     expert_counts: Optional[torch.Tensor] = None  # [R, E] int64, CPU
-    slot_counts: Optional[torch.Tensor] = None  # [R, R, K] int64, CPU
     # Per-rank totals derived once per Counts (every call with a handle reuses them): a Python loop over the ranks
     # that indexes these tensors costs ~1.5 ms per total at 8 nodes x 8 GPUs. They are summed through numpy views of
     # the tensors: a torch op on a tensor this small costs ~5-10 us of host time, a numpy one ~1-2, and an uncached
@@ -175,22 +169,15 @@ class CountTotals:
 
 
 def local_count_row(is_token_in_rank: torch.Tensor, ranks_per_node: int,
-                    tokens_per_expert: Optional[torch.Tensor] = None,
-                    topk_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's contribution to notify: [tokens per destination rank (R) | tokens per destination node (N) |
-    tokens per expert (E, when given: get_dispatch_layout's num_tokens_per_expert) | tokens per (destination rank,
-    top-k slot) (R x K, when ``topk_idx`` is given too; dropped slots count nowhere)]. Device ops only."""
+    tokens per expert (E, when given: get_dispatch_layout's num_tokens_per_expert)]. Device ops only."""
     T, R = is_token_in_rank.shape
     per_rank = is_token_in_rank.sum(0)
     per_node = is_token_in_rank.view(T, R // ranks_per_node, ranks_per_node).any(2).sum(0)
     parts = [per_rank.to(torch.int64), per_node.to(torch.int64)]
     if tokens_per_expert is not None:
         parts.append(tokens_per_expert.to(device=per_rank.device, dtype=torch.int64))
-        if topk_idx is not None:
-            K = topk_idx.size(1)
-            owner = torch.where(topk_idx >= 0, topk_idx // (tokens_per_expert.numel() // R), R)  # R: dropped
-            slot = torch.arange(K, device=topk_idx.device).expand_as(topk_idx)
-            parts.append(count_ids(owner * K + slot, R * K))
     return torch.cat(parts)
 
 
@@ -200,29 +187,18 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" and t.dtype == torch.int64 else t.to(torch.int64).cpu().numpy()
 
 
-def counts_from_rows(rows: torch.Tensor, num_ranks: int, num_nodes: Optional[int] = None, num_experts: int = 0,
-                     num_topk: int = 0) -> Counts:
-    """Split the gathered notify rows [R, R + N (+ E (+ R x K))]; without ``num_nodes`` every column after the
-    ranks' is a node, and without ``num_experts`` every column after the nodes' is an expert. Each part is a
-    contiguous CPU int64 tensor of its own (split through numpy: a third of torch's host time)."""
+def counts_from_rows(rows: torch.Tensor, num_ranks: int, num_nodes: Optional[int] = None, num_experts: int = 0
+                     ) -> Counts:
+    """Split the gathered notify rows [R, R + N (+ E)]; without ``num_nodes`` every column after the ranks' is a
+    node, and without ``num_experts`` every column after the nodes' is an expert. Each part is a contiguous CPU int64
+    tensor of its own (split through numpy: a third of torch's host time)."""
     a = _host(rows)
     R = num_ranks
     N = a.shape[1] - R if num_nodes is None else num_nodes
     E = num_experts or a.shape[1] - R - N
     part = lambda m: torch.from_numpy(np.ascontiguousarray(m))  # noqa: E731  (copies a strided slice, as .contiguous())
     experts = part(a[:, R + N:R + N + E]) if E > 0 else None
-    slots = None
-    if num_topk and a.shape[1] >= R + N + E + R * num_topk:
-        slots = part(a[:, R + N + E:R + N + E + R * num_topk].reshape(R, R, num_topk))
-    return Counts(part(a[:, :R]), part(a[:, R:R + N]), experts, slots)
-
-
-def recv_slot_counts(counts: Counts, rank: int) -> List[int]:
-    """(token, local expert) pairs ``rank`` receives in each top-k slot (every source's tokens whose k-th expert
-    lives on ``rank``): the sizes an expert-major combine adds slot by slot, known from notify alone."""
-    if counts.slot_counts is None:
-        raise InternodeError("the notify rows carried no per-slot counts")
-    return _host(counts.slot_counts)[:, rank, :].sum(0).tolist()
+    return Counts(part(a[:, :R]), part(a[:, R:R + N]), experts)
 
 
 def recv_expert_counts(counts: Counts, rank: int, experts_per_rank: int) -> List[int]:

@@ -121,16 +121,16 @@ void bind_internode(py::module_& m) {
   k.def(
       "count_row",
       [](uintptr_t out, uintptr_t itr, int64_t num_tokens, int num_ranks, int ranks_per_node, uintptr_t tpe,
-         bool tpe_int64, int num_experts, uintptr_t topk_idx, int num_topk, uintptr_t stream,
+         bool tpe_int64, int num_experts, uintptr_t stream,
          std::optional<std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t>> send_plan) {
         in::SendPlanTables t;
         if (send_plan) std::tie(t.dest_row_all, t.hop1_token, t.dest_rows, t.row_of) = *send_plan;
-        in::count_row(out, itr, num_tokens, num_ranks, ranks_per_node, tpe, tpe_int64, num_experts, topk_idx,
-                      num_topk, stream, send_plan ? &t : nullptr);
+        in::count_row(out, itr, num_tokens, num_ranks, ranks_per_node, tpe, tpe_int64, num_experts, stream,
+                      send_plan ? &t : nullptr);
       },
       py::arg("out"), py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"),
       py::arg("ranks_per_node"), py::arg("tokens_per_expert"), py::arg("tpe_int64"), py::arg("num_experts"),
-      py::arg("topk_idx"), py::arg("num_topk"), py::arg("stream"), py::arg("send_plan") = py::none(),
+      py::arg("stream"), py::arg("send_plan") = py::none(),
       "this rank's notify row (internode_plan.local_count_row) as int64 at `out`, one launch; send_plan "
       "(dest_row_all, hop1_token, dest_rows, row_of addresses): the same launch also writes our send plan as "
       "send_plan does with node_base 0");

@@ -27,10 +27,10 @@ void check_launch(const char* what) {
 // Shared-memory histograms, then one write of the int64 row. Contention is on few bins only when R is small, where
 // the loops are short too (T x R items). One block.
 __device__ void count_row_block(long long* __restrict__ out, const bool* __restrict__ itr, long long T, int R, int G,
-                                const void* __restrict__ tpe, bool tpe_int64, int E, const long long* __restrict__ topk,
-                                int K, int* bins /* [R ranks | N nodes | R x K slots] */) {
+                                const void* __restrict__ tpe, bool tpe_int64, int E,
+                                int* bins /* [R ranks | N nodes] */) {
   const int N = R / G;
-  const int nbins = R + N + R * K;
+  const int nbins = R + N;
   for (int i = threadIdx.x; i < nbins; i += blockDim.x) bins[i] = 0;
   __syncthreads();
   for (long long i = threadIdx.x; i < T * R; i += blockDim.x)
@@ -41,18 +41,10 @@ __device__ void count_row_block(long long* __restrict__ out, const bool* __restr
     for (int g = 0; g < G; ++g) hit |= row[g];
     if (hit) atomicAdd(&bins[R + i % N], 1);
   }
-  if (K > 0) {
-    const long long per_rank = E / R;
-    for (long long i = threadIdx.x; i < T * K; i += blockDim.x) {
-      const long long e = topk[i];
-      if (e >= 0 && e < E) atomicAdd(&bins[R + N + int(e / per_rank) * K + int(i % K)], 1);
-    }
-  }
   __syncthreads();
   for (int i = threadIdx.x; i < R + N; i += blockDim.x) out[i] = bins[i];
   for (int i = threadIdx.x; i < E; i += blockDim.x)
     out[R + N + i] = tpe_int64 ? static_cast<const long long*>(tpe)[i] : static_cast<const int*>(tpe)[i];
-  for (int i = threadIdx.x; i < R * K; i += blockDim.x) out[R + N + E + i] = bins[R + N + i];
 }
 
 struct CountRowArgs {
@@ -63,8 +55,6 @@ struct CountRowArgs {
   const void* tpe;
   bool tpe_int64;
   int E;
-  const long long* topk;
-  int K;
 };
 
 // Exclusive prefix of one int per thread over the block (Hillis-Steele in shared memory). Every thread of the block
@@ -161,7 +151,7 @@ __global__ void __launch_bounds__(kPlanThreads) send_plan_kernel(SendPlanArgs a)
 __global__ void __launch_bounds__(kPlanThreads) count_row_kernel(CountRowArgs c, SendPlanArgs p, bool plan) {
   extern __shared__ int shared[];
   if (blockIdx.x == 0)
-    count_row_block(c.out, c.itr, c.T, c.R, c.G, c.tpe, c.tpe_int64, c.E, c.topk, c.K, shared);
+    count_row_block(c.out, c.itr, c.T, c.R, c.G, c.tpe, c.tpe_int64, c.E, shared);
   else if (plan)
     send_plan_block(p, blockIdx.x - 1, shared);
 }
@@ -340,22 +330,20 @@ SendPlanArgs send_plan_args(uintptr_t is_token_in_rank, int64_t num_tokens, int 
 }  // namespace
 
 void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node,
-               uintptr_t tokens_per_expert, bool tpe_int64, int num_experts, uintptr_t topk_idx, int num_topk,
-               uintptr_t stream, const SendPlanTables* plan) {
+               uintptr_t tokens_per_expert, bool tpe_int64, int num_experts, uintptr_t stream,
+               const SendPlanTables* plan) {
   if (num_ranks <= 0 || ranks_per_node <= 0 || num_ranks % ranks_per_node)
     throw std::invalid_argument("count_row: ranks_per_node must divide num_ranks");
   if (num_experts > 0 && (!tokens_per_expert || num_experts % num_ranks))
     throw std::invalid_argument("count_row: the experts must be given and divisible by the ranks");
-  if (num_topk > 0 && (!topk_idx || num_experts <= 0))
-    throw std::invalid_argument("count_row: per-slot counts need topk_idx and the experts");
-  const int64_t bins = num_ranks + num_ranks / ranks_per_node + int64_t(num_ranks) * num_topk;
+  const int64_t bins = num_ranks + num_ranks / ranks_per_node;
   if (bins > kCountRowMaxBins)
     throw std::invalid_argument("count_row: " + std::to_string(bins) + " bins exceed " +
                                 std::to_string(kCountRowMaxBins) + " (use internode_plan.local_count_row)");
   if (num_tokens > 0 && !is_token_in_rank) throw std::invalid_argument("count_row: null is_token_in_rank");
   const CountRowArgs c{reinterpret_cast<long long*>(out), reinterpret_cast<const bool*>(is_token_in_rank), num_tokens,
                        num_ranks, ranks_per_node, reinterpret_cast<const void*>(tokens_per_expert), tpe_int64,
-                       num_experts, reinterpret_cast<const long long*>(topk_idx), num_topk};
+                       num_experts};
   const bool with_plan = plan && num_tokens > 0;
   const SendPlanArgs p = with_plan ? send_plan_args(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, 0, *plan)
                                    : SendPlanArgs{};

@@ -12,7 +12,7 @@
 
 namespace uccl_ep::internode {
 
-// The widest count row count_row writes (its shared-memory bins: per rank, per node, per (rank, slot)).
+// The widest count row count_row counts (its shared-memory bins: per rank, per node).
 constexpr int kCountRowMaxBins = 12288;
 
 // The tables of a send plan (internode_plan.send_plan): dest_row_all (int64 [T, R], -1 = not sent), hop1_token (int64
@@ -22,14 +22,13 @@ struct SendPlanTables {
 };
 
 // This rank's notify row, int64, at `out` (local_count_row): [tokens per destination rank (R) | per destination node
-// (N = R / G) | per expert (E, copied from tokens_per_expert: int32, or int64 with tpe_int64; E = 0: none) | per
-// (destination rank, top-k slot) (R x K from topk_idx, int64 [T, K], -1 and ids >= E count nowhere; K = 0: none)].
+// (N = R / G) | per expert (E, copied from tokens_per_expert: int32, or int64 with tpe_int64; E = 0: none)].
 // is_token_in_rank: bool [T, R], contiguous. One block; with `plan`, one more per node, which write our send plan
 // as send_plan does with no node_base (the send plan of packing during notify; tables sized for T x N
 // records), in the same launch.
 void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, int num_ranks, int ranks_per_node,
-               uintptr_t tokens_per_expert, bool tpe_int64, int num_experts, uintptr_t topk_idx, int num_topk,
-               uintptr_t stream, const SendPlanTables* plan = nullptr);
+               uintptr_t tokens_per_expert, bool tpe_int64, int num_experts, uintptr_t stream,
+               const SendPlanTables* plan = nullptr);
 
 // The device part of send_plan: from is_token_in_rank (bool [T, R]) and node_base (int64 [N]: first send record of
 // each node; 0: counted from is_token_in_rank, the send list running by node), write the tables. One block per node.

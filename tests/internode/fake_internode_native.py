@@ -187,16 +187,14 @@ def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of:
 
 
 def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int,
-              tokens_per_expert: int, tpe_int64: bool, num_experts: int, topk_idx: int, num_topk: int,
-              stream: int, send_plan: Optional[Tuple[int, int, int, int]] = None) -> None:
+              tokens_per_expert: int, tpe_int64: bool, num_experts: int, stream: int, send_plan: Optional[Tuple[int, int, int, int]] = None) -> None:
     """count_row_kernel (csrc/kernels/internode_plan.cu): internode_plan.local_count_row written at ``out``; with
     ``send_plan`` (the four tables' addresses) also our send plan, as send_plan with node_base 0."""
     T, R = num_tokens, num_ranks
     itr = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
     tpe = _at(tokens_per_expert, (8 if tpe_int64 else 4) * num_experts,
               torch.int64 if tpe_int64 else torch.int32) if num_experts else None
-    topk = _at(topk_idx, 8 * T * num_topk, torch.int64).view(T, num_topk) if num_topk else None
-    row = local_count_row(itr, ranks_per_node, tpe, topk)
+    row = local_count_row(itr, ranks_per_node, tpe)
     _at(out, 8 * row.numel(), torch.int64).copy_(row)
     if send_plan is not None:
         _write_send_plan(is_token_in_rank, T, R, ranks_per_node, 0, *send_plan)

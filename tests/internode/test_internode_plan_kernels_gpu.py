@@ -42,26 +42,21 @@ def _layout(R, G, T, K, epr, kind, seed):
 @pytest.mark.parametrize("R,G,T,K,epr", SHAPES)
 def test_count_row_kernel_equals_local_count_row(R, G, T, K, epr, kind):
     idx, tpe, itr, _ = _layout(R, G, T, K, epr, kind, seed=R * 1000 + T)
-    for tpe_in, topk in ((tpe.to(torch.int32), idx), (tpe.to(torch.int64), idx), (tpe.to(torch.int32), None),
-                         (None, None)):
-        want = local_count_row(itr, G, tpe_in, topk)
+    for tpe_in in (tpe.to(torch.int32), tpe.to(torch.int64), None):
+        want = local_count_row(itr, G, tpe_in)
         got = torch.full_like(want, -7)
-        Kk = topk.size(1) if topk is not None else 0
         K_.count_row(got.data_ptr(), itr.data_ptr(), itr.size(0), R, G, tpe_in.data_ptr() if tpe_in is not None else 0,
                      tpe_in is not None and tpe_in.dtype == torch.int64, tpe_in.numel() if tpe_in is not None else 0,
-                     topk.data_ptr() if topk is not None else 0, Kk, STREAM())
+                     STREAM())
         torch.cuda.synchronize()
         assert torch.equal(got, want), f"{kind} R={R} G={G}: count row differs at {(got != want).nonzero()[:4]}"
 
 
 def test_count_row_kernel_refuses_rows_wider_than_its_shared_memory():
-    itr = torch.ones((4, 4096), dtype=torch.bool, device=DEV)
-    tpe = torch.ones(4096, dtype=torch.int32, device=DEV)
-    topk = torch.zeros((4, 8), dtype=torch.int64, device=DEV)
-    out = torch.empty(4096 * 10, dtype=torch.int64, device=DEV)
+    itr = torch.ones((4, 8192), dtype=torch.bool, device=DEV)  # 8192 ranks + 8192 nodes > COUNT_ROW_MAX_BINS
+    out = torch.empty(8192 * 3, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match="bins exceed"):
-        K_.count_row(out.data_ptr(), itr.data_ptr(), 4, 4096, 8, tpe.data_ptr(), False, 4096, topk.data_ptr(), 8,
-                     STREAM())
+        K_.count_row(out.data_ptr(), itr.data_ptr(), 4, 8192, 1, 0, False, 0, STREAM())
 
 
 def _random_counts(itr, R, G, rank, g):
@@ -212,12 +207,12 @@ def test_send_plan_written_with_the_count_row_and_pack_counted_from_it_on_the_de
     """Packing during notify, before the host read anything: the count row's launch also writes our send plan
     (count_row with send_plan; each node's base counted from the tokens) into tables sized for any counts, and
     pack_records takes our tokens per node from our count row on the device. The row must equal local_count_row
-    with the per-expert and per-slot columns, the tables torch's send_plan, and the records
+    with the per-expert columns, the tables torch's send_plan, and the records
     those of the torch pack, except our own node's, which are not written; nothing is written past the records. With
     a send limit one byte below them, nothing at all."""
     idx, tpe, itr, g = _layout(R, G, T, K, epr, kind, seed=R * 53 + T)
     N, rank = R // G, G  # node 1: our own node's records sit between others'
-    want_row = local_count_row(itr, G, tpe, idx)
+    want_row = local_count_row(itr, G, tpe)
     row = torch.full_like(want_row, -7)
     counts = _random_counts(itr, R, G, 0, g)
     want = send_plan(itr, counts, 0, G)
@@ -226,7 +221,7 @@ def test_send_plan_written_with_the_count_row_and_pack_counted_from_it_on_the_de
     got = [torch.full(shape, -7, dtype=dtype, device=DEV) for shape, dtype in
            (((T, R), torch.int64), ((cap,), torch.int64), ((cap, G), torch.int64), ((N, T), torch.int32))]
     K_.count_row(row.data_ptr(), itr.data_ptr(), T, R, G, tpe.data_ptr(), tpe.dtype == torch.int64, tpe.numel(),
-                 idx.data_ptr(), idx.size(1), STREAM(), send_plan=tuple(t.data_ptr() for t in got))
+                 STREAM(), send_plan=tuple(t.data_ptr() for t in got))
     torch.cuda.synchronize()
     assert torch.equal(row, want_row), f"{kind} R={R} G={G}: the count row differs beside the send plan"
     for name, a, b in zip(("dest_row_all", "hop1_token", "dest_rows", "row_of"), got[:1] + [got[1][:S1], got[2][:S1]]

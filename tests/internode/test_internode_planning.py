@@ -390,26 +390,6 @@ def test_nvlink_rows_of_the_traffic_report_follow_from_the_counts_as_from_the_fo
         assert plan.combine_nvlink_rows(counts, rank, G) == back
 
 
-@pytest.mark.parametrize("R,G,skew", [(4, 2, False), (8, 2, True), (6, 3, False)])
-def test_notify_rows_carry_per_slot_counts_equal_to_the_received_local_pairs_of_each_slot(R, G, skew):
-    E, K, N = 8 * R, 4, R // G
-    L = E // R
-    topk = [_topk(r, 33 + 5 * r, K, E, 3, skew) for r in range(R)]
-    layouts = [ref.get_dispatch_layout(t, E, R, G) for t in topk]
-    rows = torch.stack([plan.local_count_row(lay[3], G, lay[2], t) for lay, t in zip(layouts, topk)])
-    counts = plan.counts_from_rows(rows, R, N, num_experts=E, num_topk=K)
-    assert counts.slot_counts.shape == (R, R, K)
-    for dst in range(R):
-        # the oracle: slot k of a token whose k-th expert lives on dst is one (token, local expert) pair there
-        seen = [sum(int(((t[:, k] >= dst * L) & (t[:, k] < (dst + 1) * L)).sum()) for t in topk) for k in range(K)]
-        assert plan.recv_slot_counts(counts, dst) == seen
-        assert sum(seen) == sum(plan.recv_expert_counts(counts, dst, L))
-    plain = plan.counts_from_rows(rows[:, :R + N + E], R, N, num_experts=E, num_topk=K)  # rows without slot counts
-    assert plain.slot_counts is None and plain.expert_counts is not None
-    with pytest.raises(plan.InternodeError, match="no per-slot counts"):
-        plan.recv_slot_counts(plain, 0)
-
-
 @pytest.mark.parametrize("off,nb,dtype", [(0, 64, torch.int64), (8, 24, torch.int64), (4, 12, torch.int32),
                                           (2, 6, torch.int16), (1, 5, torch.uint8)])
 def test_word_columns_is_the_same_bytes_as_the_byte_slice_in_the_widest_words_that_tile_it(off, nb, dtype):
