@@ -1032,14 +1032,14 @@ class NativeInternodeBackend:
         return get_dispatch_layout(topk_idx, num_experts, self.R, self.G)
 
     # ---------------------------------------------------------------- dispatch
-    def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan,
+    def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan, gate_ok: bool = False,
               h: Optional[InternodeHandle] = None, packed: Optional[List[torch.Tensor]] = None,
               pushed: bool = False, plan_ahead: Optional[Callable[[], None]] = None
               ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
-        forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). The caller reads
-        every final row with one gated unpack next: with one GPU per node (the final rows are the arrivals), the hop
-        is not awaited here and ``pending`` (Pending) is for ``_unpack`` and ``_gated_done``;
+        forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
+        caller reads every final row with one gated unpack next; then, with one GPU per node (the final rows are the
+        arrivals), the hop is not awaited here and ``pending`` (Pending) is for ``_unpack`` and ``_gated_done``;
         otherwise pending is None and the rows are in. ``h``: the handle of a cached dispatch,
         which keeps the hop's plan. ``packed``: the columns (contiguous), whose records for the other nodes are packed
         already (_pack_during_notify); ``pushed``: and pushed too (_push_during_notify). ``plan_ahead``: host work
@@ -1093,7 +1093,7 @@ class NativeInternodeBackend:
         push = (lambda: None) if pushed else fused  # pushed during notify: only the waits and gates are left
         arrivals = shape.arrivals
         A = arrivals.size(0)
-        if G == 1 and self.gated_arrivals:
+        if G == 1 and gate_ok and self.gated_arrivals:
             pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=push)
             self._lap("dispatch.push")
             # the reader starts with our own node's records, which are in before any other node's: read in row
@@ -1383,7 +1383,7 @@ class NativeInternodeBackend:
                 ids: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None, ids_column: int = 0,
                 expert_lo: int = 0, experts_per_rank: int = 0, src_idx: Optional[torch.Tensor] = None,
                 arrival: Optional[torch.Tensor] = None, pending: Any = None,
-                while_reading: Optional[Callable[[], None]] = None, slot_of: Optional[torch.Tensor] = None) -> None:
+                while_reading: Optional[Callable[[], None]] = None) -> None:
         """The final rows' columns into ``outs`` (column i into outs[i], padded with zero rows to ``out_rows``) in
         one launch (unpack_records kernel); with ``ids`` / ``weights``, column ``ids_column`` (global expert ids) and
         the next (weights) become local ids (-1 elsewhere and in padding rows) and the weights of local ids (0
@@ -1391,14 +1391,11 @@ class NativeInternodeBackend:
         rows are still landing; the unpack is gated on them and the hop is closed after it. ``while_reading``: host
         work that queues nothing on the stream, run right after the launch (while a gated reader spins: "Drains"), so
         that the reader reads the rows already in while the host makes the handle and, where the data is mostly in,
-        the next calls' plans (that work had held the reader back). ``slot_of`` (an expert-major handle's): the payload
-        goes to the expert-major rows of each row instead (outs have the handle's rows; no padding written)."""
+        the next calls' plans (that work had held the reader back)."""
         n = final.size(0)
-        slots = {"slot_of": slot_of.data_ptr(), "slot_topk": slot_of.size(1)} if slot_of is not None and n else {}
         self._unpack_launch(final.data_ptr(), final.stride(0), n, n if out_rows < 0 else out_rows, layout, outs, ids,
                             weights, ids_column, expert_lo, experts_per_rank, src_idx, arrival,
-                            gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0,
-                            **slots)
+                            gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
         try:
             if while_reading is not None:
                 self._lap("dispatch.unpack")
@@ -1413,8 +1410,7 @@ class NativeInternodeBackend:
                        ids_column: int, expert_lo: int, experts_per_rank: int, src_idx: Optional[torch.Tensor],
                        arrival: Optional[torch.Tensor], gate: Any = None, first_row: int = 0, **before: Any) -> None:
         """The unpack_records launch of _unpack (rows [0, n) at ``src``, ``src_stride`` bytes apart); ``before``: the
-        arguments of a read before the counts (dims, own_columns, own_tokens, pad) or of expert-major outputs
-        (slot_of, slot_topk)."""
+        arguments of a read before the counts (dims, own_columns, own_tokens, pad)."""
         K = ids.size(1) if ids is not None else 0
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
         self._k.unpack_records(
@@ -1561,13 +1557,10 @@ class NativeInternodeBackend:
         if args.handle is not None:
             h: InternodeHandle = args.handle
             cols = [x] + ([scales] if scales is not None else [])
-            # expert-major: the outputs (their padding rows zeroed) before the push, and the gated reader writes each
-            # row to its expert-major rows as it lands (the handle's plan), not a copy after the hop
-            parts = self._expert_major_copy(h, None, cols) if h.expert_major else None
-            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, h=h)
+            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=not h.expert_major, h=h)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
             if h.expert_major:
-                self._unpack(final, layout, parts, pending=pending, slot_of=h.slot_of)
+                parts = self._expert_major_copy(h, _record_columns(final, layout, len(cols)), cols)
             else:
                 parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
                 self._unpack(final, layout, parts, h.num_recv_rows, pending=pending)
@@ -1634,7 +1627,7 @@ class NativeInternodeBackend:
             recv_w = reading.weights[:rows] if reading.weights is not None else None
             src_idx, arrival = reading.src_idx[:nrecv], reading.arrival[:nrecv]
         else:
-            final, layout, fwd_dest, _, pending = self._move(cols, counts, plan, packed=packed,
+            final, layout, fwd_dest, _, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
                                                              pushed=pushed, plan_ahead=plan_ahead)
             nrecv = final.size(0)
             rows = nrecv
@@ -1743,19 +1736,17 @@ class NativeInternodeBackend:
         h.num_recv_rows = rows
         return expert, weights
 
-    def _expert_major_copy(self, h: InternodeHandle, sources: Optional[List[Tuple[int, int]]],
-                           like: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor]
+                           ) -> List[torch.Tensor]:
         """The payload columns (``sources``: each column's first row address and row stride in bytes, rank-major)
-        in the handle's expert-major rows, shaped and typed as ``like`` (x, then the scales if any): one launch.
-        ``sources`` None: only the rows without a token (padding) are zeroed; a reader fills the rest (slot_of)."""
+        in the handle's expert-major rows, shaped and typed as ``like`` (x, then the scales if any): one launch."""
         rows = h.num_recv_rows
         out = [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device) for t in like]
-        x_bytes = _row_bytes(like[0])
+        (x_at, x_stride), x_bytes = sources[0], _row_bytes(like[0])
+        s_at, s_stride = sources[1] if len(like) > 1 else (0, 0)
         num_scales = like[1][0].numel() if len(like) > 1 else 0
-        (x_at, x_stride), (s_at, s_stride) = ((0, x_bytes), (0, 4 * num_scales)) if sources is None else \
-            (sources[0], sources[1] if len(like) > 1 else (0, 0))
-        self._k.expert_major_copy(x_at, x_stride, s_at, s_stride, h.expert_major_info.data_ptr(),
-                                  h.num_recv_tokens if sources is not None else 0, rows, x_bytes, num_scales, h.num_topk, h.slot_of.data_ptr(),
+        self._k.expert_major_copy(x_at, x_stride, s_at, s_stride, h.expert_major_info.data_ptr(), h.num_recv_tokens,
+                                  rows, x_bytes, num_scales, h.num_topk, h.slot_of.data_ptr(),
                                   h.expert_major_token.data_ptr(), out[0].data_ptr(),
                                   out[1].data_ptr() if len(out) > 1 else 0, self._expert_major_grid("copy"),
                                   self._stream())

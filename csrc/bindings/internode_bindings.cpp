@@ -175,8 +175,7 @@ void bind_internode(py::module_& m) {
          uintptr_t weights_out, int64_t ids_offset, int64_t weights_offset, int num_topk, int64_t expert_lo,
          int64_t experts_per_rank, int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset,
          uintptr_t arrival_out, uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, uintptr_t dims,
-         const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& own_columns, uintptr_t own_tokens, bool pad,
-         uintptr_t slot_of, int slot_topk) {
+         const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& own_columns, uintptr_t own_tokens, bool pad) {
         std::vector<in::PackColumn> cols;
         for (const auto& [dst, bytes, offset] : columns) cols.push_back(in::PackColumn{dst, bytes, offset});
         std::vector<in::PackColumn> own;
@@ -185,7 +184,7 @@ void bind_internode(py::module_& m) {
                            in::UnpackTopk{ids_out, weights_out, ids_offset, weights_offset, num_topk, expert_lo,
                                           experts_per_rank},
                            src_idx_offset, src_idx_out, arrival_offset, arrival_out, stream, gate, first_row,
-                           in::ReadBeforeCounts{dims, own_tokens, own, pad}, in::SlotMap{slot_of, slot_topk});
+                           in::ReadBeforeCounts{dims, own_tokens, own, pad});
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("out_rows"), py::arg("columns"),
       py::arg("ids_out"), py::arg("weights_out"), py::arg("ids_offset"), py::arg("weights_offset"),
@@ -193,16 +192,14 @@ void bind_internode(py::module_& m) {
       py::arg("src_idx_out"), py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"),
       py::arg("gate") = nullptr, py::arg("first_row") = 0, py::arg("dims") = 0,
       py::arg("own_columns") = std::vector<std::tuple<uintptr_t, int64_t, int64_t>>{}, py::arg("own_tokens") = 0,
-      py::arg("pad") = false, py::arg("slot_of") = 0, py::arg("slot_topk") = 0,
+      py::arg("pad") = false,
       "the final rows' columns into their outputs, one launch; columns: (output, row bytes, row offset); rows "
       "past num_rows up to out_rows zeroed (ids -1); global expert ids made local, foreign weights zeroed; gate "
       "(InternodeContext.arrival_gate): each tile of rows first waits for the chunks that carry it; first_row: the "
       "rows are read from there to the end first, then from 0 (a gated reader starts with the rows already in); "
       "dims (gate_from_count_rows' words): read before the counts, num_rows / out_rows being the outputs' "
       "capacity, our own node's rows straight from our columns (own_columns: (rows, row bytes, offset in the "
-      "record) as pack_records takes them; own_tokens: the send list's tokens), padded to out_rows only with pad; "
-      "slot_of (int32 [num_rows, slot_topk]): the payload columns go to rows slot_of[r][k] >= 0 instead of row r "
-      "(expert-major outputs; no padding)");
+      "record) as pack_records takes them; own_tokens: the send list's tokens), padded to out_rows only with pad");
 
   k.attr("READ_DIMS") = int(in::kReadDims);
   k.attr("READ_MAX_COUNTERS") = int(in::kReadMaxCounters);

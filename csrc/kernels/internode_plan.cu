@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const char* __restrict__ src, long long src_stride, long long n, long long out_rows, PackArgs args,
     UnpackTopk topk, long long src_idx_offset, long long* __restrict__ src_idx_out, long long arrival_offset,
     long long* __restrict__ arrival_out, ArrivalGate gate, long long first_row, const long long* dims,
-    PackArgs own_cols, const long long* own_tokens, bool pad, const int* __restrict__ slot_of, int slot_topk) {
+    PackArgs own_cols, const long long* own_tokens, bool pad) {
   constexpr int kTile = kPackThreads / kPackGroup;
   __shared__ bool s_ok;
   // read before the counts: our own rows [own_lo, own_hi) come from our columns, at the tokens of our send list's
@@ -244,14 +244,6 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     };
     for (int c = 0; c < args.num_columns; ++c) {
       const PackColumn& col = args.columns[c];
-      if (slot_of) {  // expert-major outputs: to each of the row's slots (no padding rows in this mode)
-        for (int k = 0; k < slot_topk; ++k) {
-          const long long s = slot_of[r * slot_topk + k];
-          if (s >= 0) copy_row<kGated>(reinterpret_cast<char*>(col.rows) + s * col.bytes, field(col.offset),
-                                       col.bytes, lane);
-        }
-        continue;
-      }
       char* dst = reinterpret_cast<char*>(col.rows) + r * col.bytes;
       if (!real) {
         for (long long b = lane; b < col.bytes; b += kPackGroup) dst[b] = 0;
@@ -408,11 +400,8 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
-                    const ArrivalGate* gate, int64_t first_row, const ReadBeforeCounts& before, const SlotMap& slots) {
+                    const ArrivalGate* gate, int64_t first_row, const ReadBeforeCounts& before) {
   if (out_rows < num_rows) throw std::invalid_argument("unpack_records: fewer output rows than rows");
-  if (slots.slot_of && (out_rows != num_rows || before.dims || slots.topk <= 0))
-    throw std::invalid_argument("unpack_records: expert-major outputs (slot_of) take no padding rows, no read "
-                                "before the counts, and a top-k");
   if (before.dims && (!before.own_tokens || first_row || arrival_offset >= 0))
     throw std::invalid_argument("unpack_records: read before the counts needs own_tokens, no first_row (it comes "
                                 "from the device) and one GPU per node (arrival = row)");
@@ -460,8 +449,7 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
         reinterpret_cast<const char*>(src), src_stride, num_rows, out_rows, args, topk, src_idx_offset,
         reinterpret_cast<long long*>(src_idx_out), arrival_offset, reinterpret_cast<long long*>(arrival_out),
         gate ? *gate : ArrivalGate{}, first_row, reinterpret_cast<const long long*>(before.dims), own,
-        reinterpret_cast<const long long*>(before.own_tokens), before.pad,
-        reinterpret_cast<const int*>(slots.slot_of), slots.topk);
+        reinterpret_cast<const long long*>(before.own_tokens), before.pad);
   };
   gate ? launch(unpack_records_kernel<true>) : launch(unpack_records_kernel<false>);
   check_launch("unpack_records");

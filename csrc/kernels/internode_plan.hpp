@@ -97,18 +97,10 @@ struct ReadBeforeCounts {
   std::vector<PackColumn> own_columns;
   bool pad = false;
 };
-// Expert-major outputs (`slots`, a cached dispatch of an expert-major handle): row r's payload columns go to rows
-// slot_of[r][k] >= 0 of their outputs (int32 [num_rows, topk], the expert-major plan's), each loaded once per slot,
-// instead of to row r. No padding is written then (out_rows == num_rows): the plan's padding rows are zeroed apart.
-struct SlotMap {
-  uintptr_t slot_of = 0;  // 0: rank-major outputs
-  int topk = 0;
-};
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
-                    const ArrivalGate* gate = nullptr, int64_t first_row = 0, const ReadBeforeCounts& before = {},
-                    const SlotMap& slots = {});
+                    const ArrivalGate* gate = nullptr, int64_t first_row = 0, const ReadBeforeCounts& before = {});
 
 // The words a reader launched before the host read the counts takes from the device (one GPU per node).
 enum ReadDim : int {

@@ -276,20 +276,15 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
                    weights_out: int, ids_offset: int, weights_offset: int, num_topk: int, expert_lo: int,
                    experts_per_rank: int, src_idx_offset: int, src_idx_out: int, arrival_offset: int,
                    arrival_out: int, stream: int, gate: "ArrivalGate | None" = None, first_row: int = 0,
-                   dims: int = 0, own_columns: tuple = (), own_tokens: int = 0, pad: bool = False,
-                   slot_of: int = 0, slot_topk: int = 0) -> None:
+                   dims: int = 0, own_columns: tuple = (), own_tokens: int = 0, pad: bool = False) -> None:
     """unpack_records_kernel: the final rows' columns into their outputs (zero rows up to ``out_rows``); global
     expert ids made local (-1 elsewhere), the weights of foreign ids zeroed; the int32 src_idx / arrival fields
     widened to int64 (a negative arrival offset: the row index). ``first_row`` only orders the kernel's reads: checked
     here, then all rows are read at once. ``dims`` (gate_from_count_rows' words): read before the counts -- the rows,
     the gate's blocks and our own rows' place from the device, our own rows straight from ``own_columns`` at the
-    tokens ``own_tokens`` lists (never packed), nothing done unless the words say go, padding only with ``pad``.
-    ``slot_of`` (int32 [num_rows, slot_topk]): the payload columns go to rows slot_of[r][k] >= 0, no padding."""
+    tokens ``own_tokens`` lists (never packed), nothing done unless the words say go, padding only with ``pad``."""
     if out_rows < num_rows:
         raise ValueError("unpack_records: fewer output rows than rows")
-    if slot_of and (out_rows != num_rows or dims or slot_topk <= 0):
-        raise ValueError("unpack_records: expert-major outputs (slot_of) take no padding rows, no read before the "
-                         "counts, and a top-k")
     if not 0 <= first_row <= num_rows:
         raise ValueError(f"unpack_records: first_row {first_row} outside 0..{num_rows}")
     if dims and (not own_tokens or first_row or arrival_offset >= 0):
@@ -321,15 +316,7 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
     def field(off: int, nb: int) -> torch.Tensor:
         return rows[:, off:off + nb].contiguous() if n else torch.empty((0, nb), dtype=torch.uint8)
 
-    so = _at(slot_of, 4 * n * slot_topk, torch.int32).view(n, slot_topk).to(torch.int64) if slot_of else None
     for dst, nb, off in columns:
-        if so is not None:  # expert-major outputs: row r to each of its slots
-            top = int(so.max()) + 1 if so.numel() else 0
-            out = _at(dst, top * nb).view(top, nb)
-            for k in range(slot_topk):
-                sel = (so[:, k] >= 0).nonzero().flatten()
-                out[so[sel, k]] = field(off, nb)[sel]
-            continue
         out = _at(dst, out_rows * nb).view(out_rows, nb)
         out[:n] = field(off, nb)
         out[n:] = 0

@@ -200,49 +200,6 @@ def test_unpack_records_kernel_splits_final_rows_into_columns_with_local_ids_and
     assert torch.equal(got_arr.cpu(), torch.arange(n) if in_place else fields[:, 1].to(torch.int64))
 
 
-@pytest.mark.parametrize("n,fp8", [(2048, False), (333, True), (1, False)])
-def test_unpack_records_with_slot_of_writes_each_rows_payload_to_each_of_its_expert_major_rows_and_nothing_else(n,
-                                                                                                             fp8):
-    """A cached dispatch of an expert-major handle: the reader writes row r's payload columns to rows slot_of[r][k]
-    >= 0 of their outputs (each row to 0..K places, every expert-major row from exactly one (row, k)), the rows no
-    slot names are left as they were (the padding, zeroed apart), and the top-k outputs are unchanged in meaning.
-    Padding rows or a read before the counts with slot_of are refused before any launch."""
-    g = torch.Generator().manual_seed(n)
-    K, H = 8, 256
-    cols = [torch.randn((n, H), generator=g).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)]
-    if fp8:
-        cols.append(torch.rand((n, H // 128), generator=g))
-    layout = record_layout([_bytes_of(c).size(1) for c in cols], 1)
-    rows = torch.randint(0, 255, (n, layout.stride), generator=g, dtype=torch.uint8)
-    for c, off, nb in zip(cols, layout.column_offsets, layout.column_bytes):
-        rows[:, off:off + nb] = _bytes_of(c)
-    final = rows.to(DEV)
-    taken = torch.rand((n, K), generator=g) < 0.4  # the (row, k) pairs that are local
-    P = int(taken.sum()) + 7  # and 7 padding rows
-    slot_of = torch.full((n, K), -1, dtype=torch.int32)
-    slot_of[taken] = torch.randperm(P, generator=g)[:int(taken.sum())].to(torch.int32)
-    outs = [torch.full((P,) + tuple(c.shape[1:]), 3, dtype=torch.uint8, device=DEV).view(c.dtype)
-            if c.element_size() == 1 else torch.full((P,) + tuple(c.shape[1:]), 3.0, device=DEV).to(c.dtype)
-            for c in cols]
-    columns = [(o.data_ptr(), nb, off) for o, nb, off in zip(outs, layout.column_bytes, layout.column_offsets)]
-    so = slot_of.to(DEV)
-    K_.unpack_records(final.data_ptr(), final.stride(0), n, n, columns, 0, 0, 0, 0, 0, 0, 0, layout.src_idx_offset, 0,
-                      -1, 0, STREAM(), slot_of=so.data_ptr(), slot_topk=K)
-    torch.cuda.synchronize()
-    for c, o in zip(cols, outs):
-        o = _bytes_of(o.cpu())
-        want = _bytes_of(torch.full((P,) + tuple(c.shape[1:]), 3, dtype=torch.uint8).view(c.dtype) if c.element_size()
-                         == 1 else torch.full((P,) + tuple(c.shape[1:]), 3.0).to(c.dtype)).clone()
-        r, k = taken.nonzero(as_tuple=True)
-        want[slot_of[r, k].to(torch.int64)] = _bytes_of(c)[r]
-        assert torch.equal(o, want), "an expert-major row differs, or a row no slot names was written"
-    for bad in (dict(out_rows=n + 1), dict(dims=final.data_ptr())):
-        with pytest.raises(ValueError, match="expert-major outputs"):
-            K_.unpack_records(final.data_ptr(), final.stride(0), n, bad.get("out_rows", n), columns, 0, 0, 0, 0, 0,
-                              0, 0, layout.src_idx_offset, 0, -1, 0, STREAM(), slot_of=so.data_ptr(), slot_topk=K,
-                              dims=bad.get("dims", 0), own_tokens=final.data_ptr())
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("R,G,T,K,epr", SHAPES[:4])
 def test_send_plan_written_with_the_count_row_and_pack_counted_from_it_on_the_device_equal_the_torch_ones(
