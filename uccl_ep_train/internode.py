@@ -616,8 +616,9 @@ class NativeInternodeBackend:
                 ahead: Optional[Callable[[CountRows], None]] = None) -> Counts:
         """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) in the rows, a
         receiver knows its per-expert counts from notify alone, and neither dispatch nor combine reads anything else
-        back. Every rank makes the same choice: the same group and experts. ``then(row, rows)``: work for while the rows are exchanged, given our own
-        count row on the device and where every row lands (through the proxies only); ``plan``: tables for T x N
+        back. Every rank makes the same choice: the same group and experts. ``then(row, rows)``: work for while the
+        rows are exchanged, given our own count row on the device and where every row lands (through the proxies
+        only); ``plan``: tables for T x N
         records that the count row's launch also fills with our send plan, counted from our own tokens, for ``then``
         (count_row with send_plan: one launch fewer before a dispatch packed during notify). ``row_goes_with_then``:
         ``then`` launches a kernel that pushes our row itself (the rows' ``own_pushes``), so no launch pushes it
@@ -665,7 +666,8 @@ class NativeInternodeBackend:
             tpe = _dense(tpe, tpe.dtype if tpe.dtype in (torch.int32, torch.int64) else torch.int64)
         self._k.count_row(out.data_ptr(), itr.data_ptr(), itr.size(0), self.R, self.G,
                           tpe.data_ptr() if tpe is not None else 0, tpe is not None and tpe.dtype == torch.int64,
-                          tpe.numel() if tpe is not None else 0, self._stream(), send_plan=self._table_addresses(plan) if plan is not None else None)
+                          tpe.numel() if tpe is not None else 0, self._stream(),
+                          send_plan=self._table_addresses(plan) if plan is not None else None)
 
     def _send_plan(self, is_token_in_rank: torch.Tensor, counts: Counts) -> SendPlan:
         """internode_plan.send_plan with its device tables made by one launch (send_plan kernel); the host part (how
@@ -777,16 +779,16 @@ class NativeInternodeBackend:
         mat = (host.clone() if host is not None else area.cpu()).view(torch.int64).view(R, row_bytes // 8)[:, :words]
         return counts_from_rows(mat, R, self.N, **shape)
 
-    def _upload(self, rows: Any) -> torch.Tensor:
-        """A small host table (int64) on the device without a stream sync: through the pinned staging area
-        (upload_staging.py), on the CPU stand-in as _upload_values."""
+    def _upload(self, rows: Any, dtype: Any = np.int64) -> torch.Tensor:
+        """A small host table (int64, or np.int32) on the device without a stream sync: through the pinned staging
+        area (upload_staging.py), on the CPU stand-in as _upload_values."""
         if isinstance(rows, torch.Tensor):
             if rows.device.type != "cpu" or self._staging is None:
                 return rows.to(self.device, non_blocking=True)
             rows = rows.numpy()
         if self._staging is not None:
-            return self._staging.upload(rows, np.int64, self._stream())
-        return _upload_values(rows, np.int64, self.device)
+            return self._staging.upload(rows, dtype, self._stream())
+        return _upload_values(rows, dtype, self.device)
 
     def _push_and_wait(self, rows: List[List[int]], waits: List[Tuple[int, int]], phase: str, per_chunk: int,
                        what: str = "", fixed: bool = False, drain: Optional[bool] = None,
@@ -1723,8 +1725,7 @@ class NativeInternodeBackend:
                 raise InternodeError(f"rank {self.rank}: expert-major receive needs {rows} rows but num_worst_tokens="
                                      f"{worst}; raise num_worst_tokens")
             rows = worst
-        info = _upload_values([nrecv, 0] + [int(c) for c in raw], np.int32, dev) if self._staging is None else \
-            self._staging.upload([nrecv, 0] + [int(c) for c in raw], np.int32, self._stream())
+        info = self._upload([nrecv, 0] + [int(c) for c in raw], np.int32)  # the plan's sizes: recv_info's layout
         token, slot, expert = (torch.empty(rows, dtype=torch.int64, device=dev) for _ in range(3))
         weights = torch.empty(rows, dtype=torch.float32, device=dev)
         slot_of = torch.empty((nrecv, K), dtype=torch.int32, device=dev)
