@@ -385,7 +385,10 @@ class NativeInternodeBackend:
         self.pack_during_notify = bool(s.kernel.pack_during_notify)
         self.push_during_notify = bool(s.kernel.push_during_notify)
         self.plan_ahead = bool(s.kernel.plan_ahead)
-        self.read_before_counts = bool(s.kernel.read_before_counts)  # docs/internode.md, "Reading before the count read"
+        # docs/internode.md, "Reading before the count read": the setting, where it can apply (one GPU per node, the
+        # counters' bases fit the gate kernel's arguments)
+        self.read_before_counts = (bool(s.kernel.read_before_counts) and self.G == 1
+                                   and self.N * self.L <= self._k.READ_MAX_COUNTERS)
         self.read_slack = float(s.kernel.read_before_counts_slack)
         self._recv_rows_seen: dict = {}  # tokens -> rows the last uncached dispatch of that size received
         # the gate table and words a reader before the counts takes from the device (gate_from_count_rows)
@@ -426,7 +429,7 @@ class NativeInternodeBackend:
         self.dispatch_barriers_skipped = 0
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
-        if self.read_before_counts and self.G == 1 and self.N * self.L <= self._k.READ_MAX_COUNTERS:
+        if self.read_before_counts:
             # its kernel's first launch now, with nothing spinning: the first real one queues behind notify's spinning
             # wait, where a lazy module load might wait for that wait ("Drains"); the zero rows make words only
             zeros = torch.zeros((self.R, 2 * self.R), dtype=torch.int64, device=self.device)
@@ -618,9 +621,9 @@ class NativeInternodeBackend:
         receiver knows its per-expert counts from notify alone, and neither dispatch nor combine reads anything else
         back. Every rank makes the same choice: the same group and experts. ``then(row, rows)``: work for while the
         rows are exchanged, given our own count row on the device and where every row lands (through the proxies
-        only); ``plan``: tables for T x N
-        records that the count row's launch also fills with our send plan, counted from our own tokens, for ``then``
-        (count_row with send_plan: one launch fewer before a dispatch packed during notify). ``row_goes_with_then``:
+        only); ``plan``: tables for T x N records that the count row's launch also fills with our send plan, counted
+        from our own tokens, for ``then`` (count_row with send_plan: one launch fewer before a dispatch packed during
+        notify). ``row_goes_with_then``:
         ``then`` launches a kernel that pushes our row itself (the rows' ``own_pushes``), so no launch pushes it
         before. ``ahead(rows)``: launches queued behind the rows' wait and the matrix's copy, that the host does not
         wait for before it reads the matrix (a reader launched before the count read; with ``then`` only)."""
@@ -1436,8 +1439,7 @@ class NativeInternodeBackend:
         ``dense``: the columns, contiguous, from which our own node's rows are read (never packed); ``tables``: the
         send plan the count row's launch writes."""
         spare, self._spare_read_outputs = self._spare_read_outputs, None  # taken here or dropped
-        if not (self.read_before_counts and pushed_in_one_launch and self.G == 1 and self.gated_arrivals
-                and not args.expert_major and self.N * self.L <= self._k.READ_MAX_COUNTERS):
+        if not (self.read_before_counts and pushed_in_one_launch and self.gated_arrivals and not args.expert_major):
             return None
         payload = [args.x] + ([args.x_scales] if args.x_scales is not None else [])
         K = args.topk_idx.size(1) if args.topk_idx is not None else 0
@@ -1732,7 +1734,8 @@ class NativeInternodeBackend:
         self._k.expert_major_layout(recv_topk_idx.data_ptr(), recv_w.data_ptr(), info.data_ptr(), nrecv, rows,
                                     len(raw), h.expert_alignment, K, token.data_ptr(), slot.data_ptr(),
                                     expert.data_ptr(), weights.data_ptr(), slot_of.data_ptr(),
-                                    self._expert_major_grid("copy"), self._stream())
+                                    # blocks clearing the rows after the last segment: only num_worst_tokens has any
+                                    self._expert_major_grid("copy") if worst else 1, self._stream())
         h.expert_major_token, h.expert_major_slot, h.slot_of, h.expert_major_info = token, slot, slot_of, info
         h.num_recv_rows = rows
         return expert, weights

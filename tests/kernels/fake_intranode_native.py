@@ -475,10 +475,10 @@ class IntranodeContext:
                               hidden: int, elem_size: int, topk: int, partials: int, out_topk_weights: int,
                               local_sms: int, stream: int) -> None:
         _check_combine_shape(hidden, elem_size, topk)
-        if num_rows and (topk_weights == 0) == (out_topk_weights == 0):
-            self._count("expert_major_partials")
         fake_expert_major.partials(x, topk_weights, slot_of, recv_info, num_rows, hidden, elem_size, topk, partials,
                                    out_topk_weights, 1, stream)
+        if num_rows:
+            self._count("expert_major_partials")
 
     def combine_send(self, x: int, topk_weights: int, recv_src_idx: int, rank_prefix_matrix: int, recv_info: int,
                      num_rows: int, hidden: int, elem_size: int, topk: int, max_src_tokens: int, num_sms: int,
