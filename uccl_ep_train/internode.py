@@ -202,7 +202,8 @@ class PlannedAhead:
     dispatch_shapes: dict = field(default_factory=dict)
     combine_shapes: dict = field(default_factory=dict)
     hop_plans: dict = field(default_factory=dict)
-    # tables written and allocated while a reader spun (UploadStaging.Staged), whose copies _adopt_plans queues
+    # tables written and allocated while a reader spun (UploadStaging.Staged), whose copies the next call's entry
+    # queues (_adopt_plans)
     staged: list = field(default_factory=list)
 
 
@@ -246,6 +247,22 @@ class ReadingBeforeCounts:
     @property
     def rows(self) -> int:
         return self.spec[0]
+
+
+@dataclass
+class ExpertMajorRows:
+    """An expert-major receive's plan and payload outputs, allocated -- and the plan's sizes uploaded -- before the
+    reader's launch, where an allocation may still call into CUDA ("Drains"), so that after the drain only the plan
+    and copy launches are left (~200-300 us of host steps there under MPS in session 27). Sizes from the counts."""
+
+    rows: int  # expert-major rows: the aligned counts' sum, or num_worst_tokens
+    info: torch.Tensor  # int32 [received rows, 0, raw count per local expert]: recv_info's layout
+    token: torch.Tensor
+    slot: torch.Tensor
+    expert: torch.Tensor
+    weights: torch.Tensor
+    slot_of: torch.Tensor
+    out: List[torch.Tensor]  # the payload columns (x, then the scales if any)
 
 
 @dataclass
@@ -400,6 +417,7 @@ class NativeInternodeBackend:
         self._next_read: Optional[tuple] = None
         self._spare_read_outputs: Optional[tuple] = None
         self.spare_read_outputs_taken = 0  # (tests, benchmarks)
+        self._staged_plans: list = []  # plan tables staged during a reader's spin, copied at the next call's entry
         self.plans_made_ahead = 0  # hop plans made for a handle's next calls (_plan_ahead; tests, benchmarks)
         self.last_drain_ns: Optional[Tuple[int, int]] = None  # the last drain's start and end (wire timeline)
         self._em_grids: dict = {}  # expert-major kernels' grids (_expert_major_grid)
@@ -482,6 +500,7 @@ class NativeInternodeBackend:
         this call's network bytes, for the benchmark's ratio of each call to it. Every rank calls it together; an
         entry barrier first (the receive areas get stale bytes, which the next dispatch overwrites). Timed like
         the calls' hops when ``network_timing`` is set (phase dispatch_network)."""
+        self._commit_staged_plans()
         rows = [_dense(c, c.dtype) for c in columns]
         layout = _record_layout(tuple(_row_bytes(r) for r in rows), self.G)
         h: InternodeHandle = handle
@@ -1192,6 +1211,15 @@ class NativeInternodeBackend:
         self._upload_plans_ahead(ahead, stage=not upload and self._staging is not None)
         self._lap(step)
 
+    def _commit_staged_plans(self) -> None:
+        """Queue the copies of the plan tables staged by an earlier call (_adopt_plans), before any launch of this
+        call: a handle's next call may read them."""
+        if self._staged_plans:
+            stream = self._stream()
+            for st in self._staged_plans:
+                self._staging.commit(st, stream)
+            self._staged_plans = []
+
     def _upload_plans_ahead(self, ahead: PlannedAhead, stage: bool = False) -> None:
         """The device tables of plans made ahead that are still on the host -- the hop plans' in one upload, the
         forward row bases of the dispatch shapes (several GPUs per node) -- after queuing the copies of those staged
@@ -1211,8 +1239,13 @@ class NativeInternodeBackend:
                     shape.forward_bases = self._upload(shape.forward_bases)
 
     def _adopt_plans(self, h: InternodeHandle, ahead: PlannedAhead) -> None:
-        """The plans made ahead onto the handle, with their device tables (made now where they were planned while a
-        reader spun)."""
+        """The plans made ahead onto the handle, with their device tables. Tables staged while a reader spun are
+        copied at the next call's entry (_commit_staged_plans), the first point where a kernel may read them: after
+        the drain the GPU is idle behind every host step, while at the next call's entry it still runs the caller's
+        work in between (the experts, in training); one driver call each, 20-70 us of a forward dispatch's return
+        on 2x H200 in session 26."""
+        self._staged_plans += ahead.staged
+        ahead.staged = []
         self._upload_plans_ahead(ahead)
         h.dispatch_shapes.update(ahead.dispatch_shapes)
         h.combine_shapes.update(ahead.combine_shapes)
@@ -1547,6 +1580,7 @@ class NativeInternodeBackend:
         # it queued after its last wait (unpack, the partial sums) may still run while this call's first launches
         # queue behind it; a drain cost ~100 us per call on 2x H200 (session 8).
         self._check("entry of dispatch")
+        self._commit_staged_plans()
         combined_send_base, self._combined_send_base = self._combined_send_base, None
         if args.handle is not None:  # every rank finished its previous use of the areas ...
             self._spare_read_outputs = None  # (held no longer: only an uncached dispatch takes it)
@@ -1561,10 +1595,13 @@ class NativeInternodeBackend:
         if args.handle is not None:
             h: InternodeHandle = args.handle
             cols = [x] + ([scales] if scales is not None else [])
-            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=not h.expert_major, h=h)
+            em_out: List[torch.Tensor] = []  # expert-major: allocated between the push and the wait, not after it
+            alloc = (lambda: em_out.extend(_empty_rows(c, h.num_recv_rows) for c in cols)) if h.expert_major else None
+            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=not h.expert_major, h=h,
+                                                      plan_ahead=alloc)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
             if h.expert_major:
-                parts = self._expert_major_copy(h, _record_columns(final, layout, len(cols)), cols)
+                parts = self._expert_major_copy(h, _record_columns(final, layout, len(cols)), cols, em_out or None)
             else:
                 parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
                 self._unpack(final, layout, parts, h.num_recv_rows, pending=pending)
@@ -1621,6 +1658,15 @@ class NativeInternodeBackend:
         L = args.num_tokens_per_expert.numel() // self.R
         payload = cols[:2 if scales is not None else 1]
         made: dict = {}
+        em: Optional[ExpertMajorRows] = None
+
+        def expert_sizes() -> Tuple[Optional[List[int]], Optional[List[int]]]:
+            """Raw and aligned received tokens per local expert, from the counts (None: more experts than a notify
+            row holds; counted from the received ids below)."""
+            if counts.expert_counts is None:
+                return None, None
+            raw = recv_expert_counts(counts, self.rank, L)
+            return raw, [_align(int(c), args.expert_alignment) for c in raw]
         if reading is not None:
             nrecv = num_recv_rows(counts, self.rank)
             rows = worst or nrecv
@@ -1650,6 +1696,12 @@ class NativeInternodeBackend:
                 recv_w = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=self.device)
             src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
             arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
+            if args.expert_major and counts.expert_counts is not None:
+                try:
+                    em = self._expert_major_rows(nrecv, topk_idx.size(1), *expert_sizes(), worst, payload)
+                except InternodeError:
+                    self._await_pending(pending, "dispatch_network")  # the peers' records land before we give up
+                    raise
         self._recv_rows_seen[T] = nrecv
         # Everything that follows from the counts alone is made while the hop runs, not after the drain (~100 us per
         # call there, session 10): the outputs before the reader's launch (an allocation may call into CUDA), the
@@ -1662,8 +1714,7 @@ class NativeInternodeBackend:
             plan_ahead()
 
         def host_work() -> None:  # while the reader runs (spins, when gated): nothing queued on the stream
-            raw = recv_expert_counts(counts, self.rank, L) if counts.expert_counts is not None else None
-            aligned = [_align(int(c), args.expert_alignment) for c in raw] if raw is not None else None
+            raw, aligned = expert_sizes()
             h = InternodeHandle(num_tokens=T, num_recv_rows=nrecv,
                                 num_topk=topk_idx.size(1) if topk_idx is not None else 0, num_ranks=self.R,
                                 expert_major=args.expert_major, is_token_in_rank=itr, recv_tokens_per_expert=aligned,
@@ -1700,9 +1751,10 @@ class NativeInternodeBackend:
             h.recv_tokens_per_expert = aligned
         if args.expert_major:
             sources = _record_columns(final, layout, len(payload))  # straight from the final rows: one copy
-            recv_topk_idx, recv_w = self._expert_major_plan(h, recv_topk_idx[:nrecv], recv_w[:nrecv], raw, aligned,
-                                                            worst)
-            out = self._expert_major_copy(h, sources, payload)
+            if em is None:  # sized from the received ids counted above
+                em = self._expert_major_rows(nrecv, topk_idx.size(1), raw, aligned, worst, payload)
+            recv_topk_idx, recv_w = self._expert_major_plan(h, recv_topk_idx[:nrecv], recv_w[:nrecv], em)
+            out = self._expert_major_copy(h, sources, payload, em.out)
             recv_x = out[0]
             recv_scales = out[1] if scales is not None else None
         else:
@@ -1714,13 +1766,12 @@ class NativeInternodeBackend:
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_w, [] if worst else aligned, h,
                               self.last_traffic)
 
-    def _expert_major_plan(self, h: InternodeHandle, recv_topk_idx: torch.Tensor, recv_w: torch.Tensor,
-                           raw: List[int], aligned: List[int], worst: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Where each (received token, local expert) pair goes in the expert-major rows -- experts in order, each
-        segment padded to the alignment, tokens in receive order within it -- made on the device by the plan kernel
-        (csrc/kernels/expert_major.hpp) onto the handle; returns the rows' local experts and weights (-1 and 0 on
-        padding). The sizes come from the host-side counts (``raw``), so nothing here reads the device."""
-        dev, nrecv, K = self.device, h.num_recv_tokens, h.num_topk
+    def _expert_major_rows(self, nrecv: int, topk: int, raw: List[int], aligned: List[int], worst: int,
+                           like: List[torch.Tensor]) -> ExpertMajorRows:
+        """An expert-major receive's plan and payload outputs for these sizes (``raw``: received tokens per local
+        expert; ``aligned``: padded to the alignment; ``like``: the payload columns), and the plan's sizes on the
+        device; raises when the rows exceed num_worst_tokens (``worst``)."""
+        dev = self.device
         rows = sum(aligned)
         if worst:
             if rows > worst:
@@ -1729,23 +1780,35 @@ class NativeInternodeBackend:
             rows = worst
         info = self._upload([nrecv, 0] + [int(c) for c in raw], np.int32)  # the plan's sizes: recv_info's layout
         token, slot, expert = (torch.empty(rows, dtype=torch.int64, device=dev) for _ in range(3))
-        weights = torch.empty(rows, dtype=torch.float32, device=dev)
-        slot_of = torch.empty((nrecv, K), dtype=torch.int32, device=dev)
-        self._k.expert_major_layout(recv_topk_idx.data_ptr(), recv_w.data_ptr(), info.data_ptr(), nrecv, rows,
-                                    len(raw), h.expert_alignment, K, token.data_ptr(), slot.data_ptr(),
-                                    expert.data_ptr(), weights.data_ptr(), slot_of.data_ptr(),
-                                    # blocks clearing the rows after the last segment: only num_worst_tokens has any
-                                    self._expert_major_grid("copy") if worst else 1, self._stream())
-        h.expert_major_token, h.expert_major_slot, h.slot_of, h.expert_major_info = token, slot, slot_of, info
-        h.num_recv_rows = rows
-        return expert, weights
+        return ExpertMajorRows(rows, info, token, slot, expert, torch.empty(rows, dtype=torch.float32, device=dev),
+                               torch.empty((nrecv, topk), dtype=torch.int32, device=dev),
+                               [_empty_rows(t, rows) for t in like])
 
-    def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor]
-                           ) -> List[torch.Tensor]:
+    def _expert_major_plan(self, h: InternodeHandle, recv_topk_idx: torch.Tensor, recv_w: torch.Tensor,
+                           em: ExpertMajorRows) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Where each (received token, local expert) pair goes in the expert-major rows -- experts in order, each
+        segment padded to the alignment, tokens in receive order within it -- made on the device by the plan kernel
+        (csrc/kernels/expert_major.hpp) into ``em`` and onto the handle; returns the rows' local experts and weights
+        (-1 and 0 on padding). The sizes come from the host-side counts, so nothing here reads the device."""
+        self._k.expert_major_layout(recv_topk_idx.data_ptr(), recv_w.data_ptr(), em.info.data_ptr(),
+                                    h.num_recv_tokens, em.rows, em.info.numel() - 2, h.expert_alignment, h.num_topk,
+                                    em.token.data_ptr(), em.slot.data_ptr(), em.expert.data_ptr(),
+                                    em.weights.data_ptr(), em.slot_of.data_ptr(),
+                                    # blocks clearing the rows after the last segment: only num_worst_tokens has any
+                                    self._expert_major_grid("copy") if h.num_worst_tokens else 1, self._stream())
+        h.expert_major_token, h.expert_major_slot, h.slot_of = em.token, em.slot, em.slot_of
+        h.expert_major_info = em.info
+        h.num_recv_rows = em.rows
+        return em.expert, em.weights
+
+    def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor],
+                           out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
         """The payload columns (``sources``: each column's first row address and row stride in bytes, rank-major)
-        in the handle's expert-major rows, shaped and typed as ``like`` (x, then the scales if any): one launch."""
+        in the handle's expert-major rows, into ``out`` (allocated here when None) shaped and typed as ``like`` (x,
+        then the scales if any): one launch."""
         rows = h.num_recv_rows
-        out = [torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device) for t in like]
+        if out is None:
+            out = [_empty_rows(t, rows) for t in like]
         (x_at, x_stride), x_bytes = sources[0], _row_bytes(like[0])
         s_at, s_stride = sources[1] if len(like) > 1 else (0, 0)
         num_scales = like[1][0].numel() if len(like) > 1 else 0
@@ -1769,6 +1832,7 @@ class NativeInternodeBackend:
         from uccl_ep_train.reference import TrafficReport
 
         self._check("entry of combine")  # no drain: see dispatch
+        self._commit_staged_plans()
         self._combined_send_base = None
         self._lap(None)
         h = handle

@@ -449,3 +449,34 @@ def area_too_small_after_a_push_during_notify(nat, ref, dev, rank, world):
     in_step = all(nat._cx.signal_value(s) == nat._expected[s] for s in range(nat.N * nat.L))
     done = compare_cases(nat, ref, dev, rank, world, ALL[:1], 1)
     return err, in_step, nat.pushes_during_notify, done
+
+
+def too_few_worst_rows(nat, ref, dev, rank, world):
+    """A dispatch and its combine, then two uncached dispatches whose receive needs more rows than num_worst_tokens
+    (8): rank-major (the received tokens) and expert-major (the aligned expert-major rows, checked before the reader's
+    launch with its outputs). Returns, per kind, (the error, whether the dispatch counters are at their targets),
+    then the pairs compared by a rank-major and an expert-major case run afterwards."""
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.internode import InternodeError
+
+    E, H = 4 * world, 128
+    g = torch.Generator().manual_seed(rank)
+
+    def dispatch(worst, expert_major):
+        idx = torch.randint(0, E, (64, 2), generator=g)
+        x = torch.randn((64, H), generator=g).to(torch.bfloat16).to(dev)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx.to(dev), E)
+        return nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx.to(dev), torch.rand((64, 2)).to(dev),
+                                         num_worst_tokens=worst, expert_major=expert_major))
+
+    r = dispatch(0, False)
+    nat.combine(r.recv_x, r.handle, None, None)
+    seen = []
+    for expert_major in (False, True):
+        try:
+            dispatch(8, expert_major)
+            err = "no error"
+        except InternodeError as exc:
+            err = str(exc)
+        seen.append((err, all(nat._cx.signal_value(s) == nat._expected[s] for s in range(nat.N * nat.L))))
+    return seen, compare_cases(nat, ref, dev, rank, world, [ALL[0], ALL[6]], 1)

@@ -25,7 +25,7 @@ from internode_cases import (ALL, area_too_small_after_a_push_during_notify,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
                              check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
-                             compare_cases, records_past_the_partial_sums)
+                             compare_cases, records_past_the_partial_sums, too_few_worst_rows)
 
 RDMA = 16 << 20
 NVL = 16 << 20
@@ -316,7 +316,8 @@ def _scenario(rank, world, G, which):
     """One of internode_cases' scenarios on the stand-in, with an RDMA area of 2 MiB."""
     nat, ref = _backends(rank, world, G, rdma=2 << 20)
     try:
-        return dict(past=records_past_the_partial_sums, small=area_too_small_after_a_push_during_notify)[which](
+        return dict(past=records_past_the_partial_sums, small=area_too_small_after_a_push_during_notify,
+                    worst=too_few_worst_rows)[which](
             nat, ref, torch.device("cpu"), rank, world)
     finally:
         nat.destroy()
@@ -346,6 +347,21 @@ def test_an_area_too_small_for_records_pushed_during_notify_raises_on_every_rank
         assert "dispatch receive (RDMA)" in err and "num_rdma_bytes" in err, f"rank {rank}: {err}"
         assert in_step, f"rank {rank}: the dispatch counters are not at their targets after the error"
         assert pushed == 1 and done == 1, (rank, pushed, done)
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_a_receive_past_num_worst_tokens_raises_naming_it_on_every_rank_rank_or_expert_major_and_the_next_calls_match(
+        world, G):
+    """A dispatch whose received tokens (rank-major), or whose aligned expert-major rows (checked with the outputs
+    before the reader's launch), exceed num_worst_tokens raises an InternodeError that says to raise it, after its
+    records have landed (the counters at their targets), and the next rank-major and expert-major calls match."""
+    out = run_distributed(_scenario, world, G, "worst", timeout=120, env=ENV)
+    for rank, (seen, done) in enumerate(out):
+        (rm_err, rm_in_step), (em_err, em_in_step) = seen
+        assert "received" in rm_err and "raise num_worst_tokens" in rm_err, f"rank {rank}: {rm_err}"
+        assert "expert-major receive needs" in em_err and "raise num_worst_tokens" in em_err, f"rank {rank}: {em_err}"
+        assert rm_in_step and em_in_step, f"rank {rank}: the dispatch counters are not at their targets after an error"
+        assert done == 2, (rank, done)
 
 
 def _hop_fields(p):
@@ -402,6 +418,71 @@ def test_a_dispatch_plans_its_handles_next_combine_and_that_combine_the_backward
     assert out == [(True, True, 3, ({}, {}, {}))] * world
     out = run_distributed(_plans_made_ahead, world, G, timeout=120, env=dict(ENV, UCCL_EP_PLAN_AHEAD="0"))
     assert [(same, made) for _, same, made, _ in out] == [(True, 0)] * world
+
+
+def _staged_plans_copied_at_the_next_entry(rank, world, G):
+    """The stand-in backend given a staging area (as on a GPU) whose copies run at once and are logged: after an
+    uncached dispatch whose plans were made while its reader ran (forced), which of its staged tables were copied; their
+    device tables then poisoned, and after the next call (a combine, then a cached dispatch and a combine): whether
+    each was copied at that call's entry, before its first kernel, and how many (case, iteration) pairs matched."""
+    import ctypes
+
+    from uccl_ep_train.upload_staging import UploadStaging
+
+    nat, ref = _backends(rank, world, G)
+    log = []
+
+    def copy(dst, src, nbytes, stream):
+        log.append(dst)
+        ctypes.memmove(dst, src, nbytes)
+
+    nat._staging = UploadStaging(torch.device("cpu"), copy, pinned=False)
+    nat._plan_before_reader = lambda pending: False  # plans made while the reader runs (most of the hop landed)
+    launches = []
+    for name in ("push_chunks", "pack_and_push", "unpack_records", "sum_node_partials", "gather_rows"):
+        if hasattr(nat._k, name):
+            real = getattr(nat._k, name)
+            setattr(nat._k, name, lambda *a, _real=real, _name=name, **k: (launches.append(len(log)), _real(*a, **k))[1])
+    try:
+        from uccl_ep_train.backends import DispatchArgs
+
+        E, K, T, H = 4 * world, 2, 64, 128
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
+        x, w = torch.randn((T, H), generator=g).to(torch.bfloat16), torch.rand((T, K), generator=g)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        res = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
+        staged = [st.out.data_ptr() for st in nat._staged_plans]
+        copied_in_dispatch = [p for p in staged if p in log]
+        for st in nat._staged_plans:
+            st.out.fill_(-1)  # what a table never copied would hold: the combine below would move garbage
+        del launches[:]
+        before = len(log)
+        rtpr, rtpn, rtpe, ritr = ref.get_dispatch_layout(idx, E)
+        ref_res = ref.dispatch(DispatchArgs(x, None, None, rtpr, rtpn, ritr, rtpe, idx, w))
+        got = nat.combine(res.recv_x, res.handle, res.recv_topk_weights, None)
+        want = ref.combine(ref_res.recv_x, ref_res.handle, ref_res.recv_topk_weights, None)
+        first_launch = launches[0] if launches else None
+        copied_at_entry = all(p in log[before:first_launch] for p in staged)
+        same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, ALL[:1] + ALL[6:7], 1)
+        return len(staged), copied_in_dispatch, copied_at_entry, same, done
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 1)], ids=["2x1", "4x1"])  # (only one GPU per node gates dispatch)
+def test_plan_tables_staged_during_a_dispatchs_reader_are_copied_at_the_next_calls_entry_and_outputs_match(world, G):
+    """Plans made while a reader runs are staged (written to the pinned area, nothing queued behind the reader); the
+    dispatch returns without copying them, and the next call queues their copies at its entry, before its first
+    kernel: their device tables, poisoned in between, hold the plans again, and that combine and the calls after it
+    equal the reference."""
+    out = run_distributed(_staged_plans_copied_at_the_next_entry, world, G, timeout=120, env=ENV)
+    for rank, (staged, copied_in_dispatch, copied_at_entry, same, done) in enumerate(out):
+        assert staged >= 1, f"rank {rank}: no plan table was staged during the dispatch's reader"
+        assert copied_in_dispatch == [], f"rank {rank}: the dispatch copied its staged tables itself"
+        assert copied_at_entry, f"rank {rank}: the combine's entry did not copy the staged tables before its kernels"
+        assert same and done == 2, (rank, same, done)
 
 
 @pytest.mark.parametrize("world,G", [(2, 1)], ids=["2x1"])

@@ -40,7 +40,7 @@ from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # 
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
                              check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
-                             compare_cases, records_past_the_partial_sums)
+                             compare_cases, records_past_the_partial_sums, too_few_worst_rows)
 
 RDMA = 64 << 20
 NVL = 64 << 20
@@ -705,7 +705,8 @@ def test_a_wait_on_more_counters_than_one_launch_carries_waits_for_each_and_name
 def _scenario(rank, world, G, which):
     nat, ref, dev = _backends(rank, world, G, rdma=2 << 20)
     try:
-        return dict(past=records_past_the_partial_sums, small=area_too_small_after_a_push_during_notify)[which](
+        return dict(past=records_past_the_partial_sums, small=area_too_small_after_a_push_during_notify,
+                    worst=too_few_worst_rows)[which](
             nat, ref, dev, rank, world)
     finally:
         nat.destroy()
@@ -723,6 +724,17 @@ def test_on_gpus_records_past_the_last_combines_partial_sums_pack_after_notify_a
         assert same, "an output differs from the reference"
         (p0, q0), (p1, q1), (p2, q2) = seen
         assert (p1, q1) == (p0, q0) and (p2, q2) == (p1 + 1, q1 + 1), seen
+
+
+def test_on_gpus_a_receive_past_num_worst_tokens_raises_naming_it_rank_or_expert_major_and_the_next_calls_match():
+    """The GPU twin of the CPU test (2 x 1): rank-major and expert-major receives past num_worst_tokens raise after
+    their records landed, and the next calls match the reference."""
+    _need(2)
+    out = run_distributed(_scenario, 2, 1, "worst", timeout=240)
+    for rank, (seen, done) in enumerate(out):
+        (rm_err, rm_in_step), (em_err, em_in_step) = seen
+        assert "raise num_worst_tokens" in rm_err and "raise num_worst_tokens" in em_err, f"rank {rank}: {seen}"
+        assert rm_in_step and em_in_step and done == 2, (rank, seen, done)
 
 
 def test_on_gpus_an_area_too_small_for_records_pushed_during_notify_raises_on_every_rank_and_the_next_calls_match():
