@@ -1712,6 +1712,10 @@ class NativeInternodeBackend:
         if plan_first:
             self._lap("dispatch.outputs")
             plan_ahead()
+        # An expert-major receive's reader moves no payload (the copy after the drain does), so it ends soon after the
+        # last chunk lands, while planning during it held the drain back (~150-200 us under MPS, session 28): its
+        # plans are made after the copy's launch instead, while the GPU copies.
+        plan_after_copy = args.expert_major and pending is not None and plan_ahead is not None and not plan_first
 
         def host_work() -> None:  # while the reader runs (spins, when gated): nothing queued on the stream
             raw, aligned = expert_sizes()
@@ -1723,7 +1727,7 @@ class NativeInternodeBackend:
                                 expert_alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))
             made.update(h=h, raw=raw, aligned=aligned)
-            if (pending or reading is not None) and plan_ahead is not None and not plan_first:
+            if (pending or reading is not None) and plan_ahead is not None and not plan_first and not plan_after_copy:
                 plan_ahead(False)  # (no pending: made in _move, before the wait)
 
         if reading is not None:
@@ -1732,9 +1736,6 @@ class NativeInternodeBackend:
             self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
                          arrival, pending, while_reading=host_work)
         h, raw, aligned = made["h"], made["raw"], made["aligned"]
-        if ahead is not None:
-            self._adopt_plans(h, ahead)
-            h.later_guesses = later
         recv_x = outs[0] if outs else None
         recv_scales = outs[1] if scales is not None and outs else None
         if raw is None:
@@ -1753,12 +1754,18 @@ class NativeInternodeBackend:
             sources = _record_columns(final, layout, len(payload))  # straight from the final rows: one copy
             if em is None:  # sized from the received ids counted above
                 em = self._expert_major_rows(nrecv, topk_idx.size(1), raw, aligned, worst, payload)
-            recv_topk_idx, recv_w = self._expert_major_plan(h, recv_topk_idx[:nrecv], recv_w[:nrecv], em)
+            # (expert-major is never read before the counts: its top-k outputs have the received rows, no padding)
+            recv_topk_idx, recv_w = self._expert_major_plan(h, recv_topk_idx, recv_w, em)
             out = self._expert_major_copy(h, sources, payload, em.out)
             recv_x = out[0]
             recv_scales = out[1] if scales is not None else None
+            if plan_after_copy:
+                plan_ahead()
         else:
             h.num_recv_rows = rows
+        if ahead is not None:
+            self._adopt_plans(h, ahead)
+            h.later_guesses = later
         if weights is None:
             recv_w = None
         self._last_dispatch_handle = h

@@ -471,6 +471,49 @@ def _staged_plans_copied_at_the_next_entry(rank, world, G):
         nat.destroy()
 
 
+def _expert_major_plans_after_the_copy(rank, world, G):
+    """An expert-major uncached dispatch whose hop was mostly in when its reader launched (forced): the order of the
+    reader's launch, the expert-major copy's launch and the planning of the handle's next combine; whether anything
+    was staged, whether the combine's plan equals the one it would make itself, and the pairs a case run matched."""
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.internode import _align
+
+    nat, ref = _backends(rank, world, G)
+    order = []
+    nat._plan_before_reader = lambda pending: False
+    for name in ("unpack_records", "expert_major_copy"):
+        real = getattr(nat._k, name)
+        setattr(nat._k, name, lambda *a, _real=real, _name=name, **k: (order.append(_name), _real(*a, **k))[1])
+    real_plan = nat._plan_ahead
+    nat._plan_ahead = lambda *a, **k: (order.append("plan_ahead"), real_plan(*a, **k))[1]
+    try:
+        E, K, T, H = 4 * world, 2, 64, 128
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
+        x, w = torch.randn((T, H), generator=g).to(torch.bfloat16), torch.rand((T, K), generator=g)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        res = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w, expert_major=True))
+        key = ("combine", _align(2 * H))
+        p = res.handle.hop_plans.get(key)
+        fresh = nat._combine_hop(res.handle.counts, key[1], nat._combine_shape(res.handle.counts, key[1]).areas)
+        same = p is not None and _hop_fields(p) == _hop_fields(fresh) and p.table is not None
+        staged = len(nat._staged_plans)
+        first = order[:]
+        return first, staged, same, compare_cases(nat, ref, torch.device("cpu"), rank, world, ALL[6:7], 1)
+    finally:
+        nat.destroy()
+
+
+def test_an_expert_major_dispatch_plans_its_next_calls_after_launching_its_copy_when_its_hop_was_mostly_in():
+    """An expert-major dispatch's reader moves no payload and ends soon after the last chunk, so the next calls'
+    plans are not made while it spins (that held its drain back) but after the copy's launch, uploaded at once while
+    the GPU copies: nothing is staged, the combine's plan equals its own, and outputs match."""
+    out = run_distributed(_expert_major_plans_after_the_copy, 2, 1, timeout=120, env=ENV)
+    for rank, (order, staged, same, done) in enumerate(out):
+        assert order == ["unpack_records", "expert_major_copy", "plan_ahead"], f"rank {rank}: {order}"
+        assert staged == 0 and same and done == 1, (rank, staged, same, done)
+
+
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 1)], ids=["2x1", "4x1"])  # (only one GPU per node gates dispatch)
 def test_plan_tables_staged_during_a_dispatchs_reader_are_copied_at_the_next_calls_entry_and_outputs_match(world, G):
     """Plans made while a reader runs are staged (written to the pinned area, nothing queued behind the reader); the
