@@ -368,21 +368,41 @@ def _hop_fields(p):
     return (p.rows, p.waits, p.gate_blocks, p.per_chunk, p.head_first, p.head_records, p.head_rows, p.tail_rows)
 
 
+def _small_step(rank, world):
+    """The planning tests' inputs: 64 tokens of 128 bf16 values, each to 2 of 4 experts per rank, with weights;
+    returns (E, K, H, topk_idx, x, weights)."""
+    E, K, T, H = 4 * world, 2, 64, 128
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
+    x, w = torch.randn((T, H), generator=g).to(torch.bfloat16), torch.rand((T, K), generator=g)
+    return E, K, H, idx, x, w
+
+
+def _uncached_dispatch(b, E, idx, x, w, **kw):
+    from uccl_ep_train.backends import DispatchArgs
+
+    tpr, tpn, tpe, itr = b.get_dispatch_layout(idx, E)
+    return b.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w, **kw))
+
+
+def _log_calls(obj, names, log, entry):
+    """Wrap ``obj``'s methods ``names`` so that each call first appends ``entry(name)`` to ``log``."""
+    for name in names:
+        if hasattr(obj, name):
+            real = getattr(obj, name)
+            setattr(obj, name, lambda *a, _real=real, _name=name, **k: (log.append(entry(_name)), _real(*a, **k))[1])
+
+
 def _plans_made_ahead(rank, world, G):
     """An uncached dispatch (bf16 with top-k weights), then a combine of its handle: the hop plans the handle holds
     after each, whether every plan equals the one its call would make at first use and has its device table, the
     plans made ahead in all, and what a planning guess whose areas do not fit leaves behind."""
-    from uccl_ep_train.backends import DispatchArgs
     from uccl_ep_train.internode import PlannedAhead, _align, _record_layout
 
     nat, _ = _backends(rank, world, G)
     try:
-        E, K, T, H = 4 * world, 2, 64, 128
-        g = torch.Generator().manual_seed(rank)
-        idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
-        x, w = torch.randn((T, H), generator=g).to(torch.bfloat16), torch.rand((T, K), generator=g)
-        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
-        res = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
+        E, K, H, idx, x, w = _small_step(rank, world)
+        res = _uncached_dispatch(nat, E, idx, x, w)
         h = res.handle
         after_dispatch = sorted(h.hop_plans)
         nat.combine(res.recv_x, h, None, None)
@@ -438,28 +458,19 @@ def _staged_plans_copied_at_the_next_entry(rank, world, G):
 
     nat._staging = UploadStaging(torch.device("cpu"), copy, pinned=False)
     nat._plan_before_reader = lambda pending: False  # plans made while the reader runs (most of the hop landed)
-    launches = []
-    for name in ("push_chunks", "pack_and_push", "unpack_records", "sum_node_partials", "gather_rows"):
-        if hasattr(nat._k, name):
-            real = getattr(nat._k, name)
-            setattr(nat._k, name, lambda *a, _real=real, _name=name, **k: (launches.append(len(log)), _real(*a, **k))[1])
+    launches = []  # how many copies had run at each kernel launch
+    _log_calls(nat._k, ("push_chunks", "pack_and_push", "unpack_records", "sum_node_partials", "gather_rows"),
+               launches, lambda name: len(log))
     try:
-        from uccl_ep_train.backends import DispatchArgs
-
-        E, K, T, H = 4 * world, 2, 64, 128
-        g = torch.Generator().manual_seed(rank)
-        idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
-        x, w = torch.randn((T, H), generator=g).to(torch.bfloat16), torch.rand((T, K), generator=g)
-        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
-        res = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
+        E, K, H, idx, x, w = _small_step(rank, world)
+        res = _uncached_dispatch(nat, E, idx, x, w)
         staged = [st.out.data_ptr() for st in nat._staged_plans]
         copied_in_dispatch = [p for p in staged if p in log]
         for st in nat._staged_plans:
             st.out.fill_(-1)  # what a table never copied would hold: the combine below would move garbage
         del launches[:]
         before = len(log)
-        rtpr, rtpn, rtpe, ritr = ref.get_dispatch_layout(idx, E)
-        ref_res = ref.dispatch(DispatchArgs(x, None, None, rtpr, rtpn, ritr, rtpe, idx, w))
+        ref_res = _uncached_dispatch(ref, E, idx, x, w)
         got = nat.combine(res.recv_x, res.handle, res.recv_topk_weights, None)
         want = ref.combine(ref_res.recv_x, ref_res.handle, ref_res.recv_topk_weights, None)
         first_launch = launches[0] if launches else None
@@ -475,24 +486,16 @@ def _expert_major_plans_after_the_copy(rank, world, G):
     """An expert-major uncached dispatch whose hop was mostly in when its reader launched (forced): the order of the
     reader's launch, the expert-major copy's launch and the planning of the handle's next combine; whether anything
     was staged, whether the combine's plan equals the one it would make itself, and the pairs a case run matched."""
-    from uccl_ep_train.backends import DispatchArgs
     from uccl_ep_train.internode import _align
 
     nat, ref = _backends(rank, world, G)
     order = []
     nat._plan_before_reader = lambda pending: False
-    for name in ("unpack_records", "expert_major_copy"):
-        real = getattr(nat._k, name)
-        setattr(nat._k, name, lambda *a, _real=real, _name=name, **k: (order.append(_name), _real(*a, **k))[1])
-    real_plan = nat._plan_ahead
-    nat._plan_ahead = lambda *a, **k: (order.append("plan_ahead"), real_plan(*a, **k))[1]
+    _log_calls(nat._k, ("unpack_records", "expert_major_copy"), order, lambda name: name)
+    _log_calls(nat, ("_plan_ahead",), order, lambda name: "plan_ahead")
     try:
-        E, K, T, H = 4 * world, 2, 64, 128
-        g = torch.Generator().manual_seed(rank)
-        idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
-        x, w = torch.randn((T, H), generator=g).to(torch.bfloat16), torch.rand((T, K), generator=g)
-        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
-        res = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w, expert_major=True))
+        E, K, H, idx, x, w = _small_step(rank, world)
+        res = _uncached_dispatch(nat, E, idx, x, w, expert_major=True)
         key = ("combine", _align(2 * H))
         p = res.handle.hop_plans.get(key)
         fresh = nat._combine_hop(res.handle.counts, key[1], nat._combine_shape(res.handle.counts, key[1]).areas)
