@@ -1222,12 +1222,8 @@ class NativeInternodeBackend:
 
     def _upload_plans_ahead(self, ahead: PlannedAhead, stage: bool = False) -> None:
         """The device tables of plans made ahead that are still on the host -- the hop plans' in one upload, the
-        forward row bases of the dispatch shapes (several GPUs per node) -- after queuing the copies of those staged
-        before; ``stage``: only staged (UploadStaging.stage, into ``ahead.staged``), nothing queued."""
-        if not stage:
-            for st in ahead.staged:
-                self._staging.commit(st, self._stream())
-            ahead.staged.clear()
+        forward row bases of the dispatch shapes (several GPUs per node); ``stage``: only staged (UploadStaging.stage,
+        into ``ahead.staged``, whose copies the next call's entry queues: _adopt_plans), nothing queued."""
         staged = ahead.staged if stage else None
         self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows and p.table is None], staged)
         for shape in ahead.dispatch_shapes.values():
@@ -1660,6 +1656,7 @@ class NativeInternodeBackend:
         made: dict = {}
         em: Optional[ExpertMajorRows] = None
 
+        @functools.cache  # asked by the expert-major outputs before the reader, and by the handle during it
         def expert_sizes() -> Tuple[Optional[List[int]], Optional[List[int]]]:
             """Raw and aligned received tokens per local expert, from the counts (None: more experts than a notify
             row holds; counted from the received ids below)."""
