@@ -15,7 +15,7 @@ trap 'rm -rf "$out"' EXIT
 offload=()
 for a in $archs; do offload+=("--offload-arch=$a"); done
 for src in "$root"/csrc/kernels/layout.cu "$root"/csrc/kernels/intranode.cu "$root"/csrc/kernels/expert_major.cu \
-    "$root"/csrc/kernels/internode_plan.cu \
+    "$root"/csrc/kernels/internode_plan.cu "$root"/csrc/kernels/expert_major_receive.cu \
     "$root"/csrc/kernels/clock_probe.cu; do
   echo "check_hip: $hipcc ${offload[*]} -x hip -c $(basename "$src")"
   HIP_PLATFORM=amd "$hipcc" "${offload[@]}" -std=c++17 -O2 -x hip -I"$root/csrc/include" -Werror=return-type \

@@ -134,3 +134,48 @@ def partials(x: int, topk_weights: int, slot_of: int, recv_info: int, num_rows: 
         got = w[so.clamp(min=0)] if n_x else torch.zeros_like(so, dtype=torch.float32)
         _at(out_topk_weights, 4 * num_rows * topk, torch.float32).view(num_rows, topk)[:rows] = \
             torch.where(so >= 0, got, torch.zeros((), dtype=torch.float32))
+
+
+def pair_ranks(topk_idx: int, num_tokens: int, topk: int, num_experts: int, ranks: int, stream: int) -> None:
+    """pair_ranks_kernel: per (token, slot) naming expert e, the (token, slot) pairs before it naming e; -1 dropped."""
+    if num_tokens < 0 or topk < 0 or num_experts < 1:
+        raise ValueError("expert_major_pair_ranks: needs num_tokens >= 0, topk >= 0 and num_experts >= 1")
+    pairs = num_tokens * topk
+    if pairs == 0:
+        return
+    ids = _at(topk_idx, 8 * pairs, torch.int64)
+    out = _at(ranks, 4 * pairs, torch.int32)
+    valid = (ids >= 0) & (ids < num_experts)
+    hot = torch.nn.functional.one_hot(torch.where(valid, ids, 0), num_experts) * valid.unsqueeze(1)
+    before = hot.cumsum(0) - hot  # pairs before each one, per expert
+    out.copy_(torch.where(valid, before.gather(1, torch.where(valid, ids, 0).unsqueeze(1)).squeeze(1), -1))
+
+
+def pad(recv_info: int, num_local_experts: int, alignment: int, expert_rows: int, hidden_bytes: int,
+        num_scales: int, out_x: int, out_scales: int, em_token: int, em_slot: int, em_expert: int, em_weights: int,
+        grid: int, stream: int) -> None:
+    """expert_major_pad_kernel: the rows no pair fills zeroed, the given plan columns -1 / 0 there."""
+    if alignment < 1:
+        raise ValueError("expert_major_pad: alignment must be >= 1")
+    if not 0 <= num_local_experts <= 4096:
+        raise ValueError(f"expert_major_pad: 0..4096 local experts, not {num_local_experts}")
+    if hidden_bytes % 16 or out_x % 16:
+        raise ValueError("expert_major_pad: payload rows must be 16-byte aligned")
+    if expert_rows == 0:
+        return
+    P = expert_rows
+    counts = _at(recv_info, 4 * (2 + num_local_experts), torch.int32).tolist()[2:]
+    empty = torch.ones(P, dtype=torch.bool)
+    begin = 0
+    for c in counts:
+        empty[begin:min(begin + c, P)] = False
+        begin += (c + alignment - 1) // alignment * alignment
+    rows = empty.nonzero().flatten()
+    _at(out_x, P * hidden_bytes).view(P, hidden_bytes)[rows] = 0
+    if out_scales and num_scales:
+        _at(out_scales, 4 * P * num_scales, torch.float32).view(P, num_scales)[rows] = 0
+    for col in (em_token, em_slot, em_expert):
+        if col:
+            _at(col, 8 * P, torch.int64)[rows] = -1
+    if em_weights:
+        _at(em_weights, 4 * P, torch.float32)[rows] = 0

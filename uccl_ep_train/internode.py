@@ -37,7 +37,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     recv_counts, block_offsets, remote_block_offset, num_recv_rows, chunk_records, chunk_bytes, chunk_lanes,
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
     describe_gpu_error, pack_records, forward_row_bases, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
-    NOTIFY_MAX_EXPERTS, notify_row_words, recv_expert_counts,
+    NOTIFY_MAX_EXPERTS, expert_major_places, notify_row_words, recv_expert_counts,
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks, READ_DIMS,
@@ -263,6 +263,8 @@ class ExpertMajorRows:
     weights: torch.Tensor
     slot_of: torch.Tensor
     out: List[torch.Tensor]  # the payload columns (x, then the scales if any)
+    # written by the reader itself (expert_major_places): where each source's rows and pairs go
+    places: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -407,6 +409,9 @@ class NativeInternodeBackend:
         self.read_before_counts = (bool(s.kernel.read_before_counts) and self.G == 1
                                    and self.N * self.L <= self._k.READ_MAX_COUNTERS)
         self.read_slack = float(s.kernel.read_before_counts_slack)
+        # docs/internode.md, "Expert-major rows in the reader": only where notify carries the per-expert counts
+        self.expert_major_in_reader = bool(s.kernel.expert_major_in_reader)
+        self.expert_major_reads = {"uncached": 0, "cached": 0}  # receives the reader wrote (tests, benchmarks)
         self._recv_rows_seen: dict = {}  # tokens -> rows the last uncached dispatch of that size received
         # the gate table and words a reader before the counts takes from the device (gate_from_count_rows)
         self._read_gate = torch.zeros((self.N, GATE_FIXED + self.L), dtype=torch.int64, device=self.device)
@@ -1593,10 +1598,18 @@ class NativeInternodeBackend:
             cols = [x] + ([scales] if scales is not None else [])
             em_out: List[torch.Tensor] = []  # expert-major: allocated between the push and the wait, not after it
             alloc = (lambda: em_out.extend(_empty_rows(c, h.num_recv_rows) for c in cols)) if h.expert_major else None
-            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=not h.expert_major, h=h,
-                                                      plan_ahead=alloc)
+            in_reader = h.expert_major and self.expert_major_in_reader  # the reader writes the handle's slots
+            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=in_reader or not h.expert_major,
+                                                      h=h, plan_ahead=alloc)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
-            if h.expert_major:
+            if in_reader:
+                if not em_out:  # (gated: _move left the allocation to us, before the reader's launch)
+                    alloc()
+                self._expert_major_pad(h.expert_major_info, h.expert_alignment, h.num_recv_rows, em_out)
+                self._expert_major_read(final, layout, em_out, h.num_recv_rows, h.num_topk, h.slot_of,
+                                        pending=pending)
+                parts = em_out
+            elif h.expert_major:
                 parts = self._expert_major_copy(h, _record_columns(final, layout, len(cols)), cols, em_out or None)
             else:
                 parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
@@ -1613,11 +1626,18 @@ class NativeInternodeBackend:
         if itr is None:
             itr = self.get_dispatch_layout(topk_idx, args.num_tokens_per_expert.numel())[3]
         T = x.size(0)
+        E = args.num_tokens_per_expert.numel()
+        # docs/internode.md, "Expert-major rows in the reader": the records carry each pair's rank among ours of its
+        # expert, and the receiver's per-source counts come with notify (up to NOTIFY_MAX_EXPERTS experts)
+        in_reader = (args.expert_major and self.expert_major_in_reader and topk_idx is not None
+                     and E <= NOTIFY_MAX_EXPERTS)
         cols = [x] + ([scales] if scales is not None else [])
         if topk_idx is not None:
             cols.append(_dense(topk_idx, torch.int64))
             cols.append(_dense(weights, torch.float32) if weights is not None else
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
+            if in_reader:
+                cols.append(self._pair_ranks(cols[-2], E))
         early: dict = {}
         during = tables = fused = reading = None
         # (`then` of _notify runs only when the counts go through the proxies: no tables for nothing otherwise)
@@ -1651,7 +1671,7 @@ class NativeInternodeBackend:
             plan_ahead = lambda upload=True: self._plan_ahead(  # noqa: E731
                 counts, plan, now, ahead, "dispatch.plan_ahead", upload=upload)
         worst = args.num_worst_tokens
-        L = args.num_tokens_per_expert.numel() // self.R
+        L = E // self.R
         payload = cols[:2 if scales is not None else 1]
         made: dict = {}
         em: Optional[ExpertMajorRows] = None
@@ -1688,7 +1708,7 @@ class NativeInternodeBackend:
             # the payload straight from the final rows below instead (one copy)
             outs = [] if args.expert_major else [_empty_rows(c, rows) for c in payload]
             recv_topk_idx = recv_w = None
-            if topk_idx is not None:
+            if topk_idx is not None and not in_reader:  # (the reader writes the expert-major plan instead)
                 recv_topk_idx = torch.empty((rows, topk_idx.size(1)), dtype=torch.int64, device=self.device)
                 recv_w = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=self.device)
             src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
@@ -1699,6 +1719,9 @@ class NativeInternodeBackend:
                 except InternodeError:
                     self._await_pending(pending, "dispatch_network")  # the peers' records land before we give up
                     raise
+                if in_reader:  # the reader's table, and the rows it leaves empty done before it
+                    em.places = self._upload(expert_major_places(counts, self.rank, L, expert_sizes()[1]))
+                    self._expert_major_pad(em.info, args.expert_alignment, em.rows, em.out, em)
         self._recv_rows_seen[T] = nrecv
         # Everything that follows from the counts alone is made while the hop runs, not after the drain (~100 us per
         # call there, session 10): the outputs before the reader's launch (an allocation may call into CUDA), the
@@ -1712,7 +1735,8 @@ class NativeInternodeBackend:
         # An expert-major receive's reader moves no payload (the copy after the drain does), so it ends soon after the
         # last chunk lands, while planning during it held the drain back (~150-200 us under MPS, session 28): its
         # plans are made after the copy's launch instead, while the GPU copies.
-        plan_after_copy = args.expert_major and pending is not None and plan_ahead is not None and not plan_first
+        plan_after_copy = (args.expert_major and not in_reader and pending is not None and plan_ahead is not None
+                           and not plan_first)
 
         def host_work() -> None:  # while the reader runs (spins, when gated): nothing queued on the stream
             raw, aligned = expert_sizes()
@@ -1729,6 +1753,9 @@ class NativeInternodeBackend:
 
         if reading is not None:
             self._while_reader_before_counts(reading, counts, plan, host_work)
+        elif in_reader:
+            self._expert_major_read(final, layout, em.out, em.rows, topk_idx.size(1), em.slot_of, em, L, src_idx,
+                                    arrival, pending, while_reading=host_work)
         else:
             self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
                          arrival, pending, while_reading=host_work)
@@ -1747,7 +1774,11 @@ class NativeInternodeBackend:
                 raw = torch.stack(every).view(self.R, self.R, L)[:, self.rank].sum(0).tolist()
             aligned = [_align(int(c), args.expert_alignment) for c in raw]
             h.recv_tokens_per_expert = aligned
-        if args.expert_major:
+        if in_reader:
+            recv_topk_idx, recv_w = self._adopt_expert_major(h, em)
+            recv_x = em.out[0]
+            recv_scales = em.out[1] if scales is not None else None
+        elif args.expert_major:
             sources = _record_columns(final, layout, len(payload))  # straight from the final rows: one copy
             if em is None:  # sized from the received ids counted above
                 em = self._expert_major_rows(nrecv, topk_idx.size(1), raw, aligned, worst, payload)
@@ -1800,10 +1831,69 @@ class NativeInternodeBackend:
                                     em.weights.data_ptr(), em.slot_of.data_ptr(),
                                     # blocks clearing the rows after the last segment: only num_worst_tokens has any
                                     self._expert_major_grid("copy") if h.num_worst_tokens else 1, self._stream())
+        return self._adopt_expert_major(h, em)
+
+    @staticmethod
+    def _adopt_expert_major(h: InternodeHandle, em: ExpertMajorRows) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The plan in ``em`` onto the handle (its combine and cached dispatches use it); returns the rows' local
+        experts and weights (-1 and 0 on padding)."""
         h.expert_major_token, h.expert_major_slot, h.slot_of = em.token, em.slot, em.slot_of
         h.expert_major_info = em.info
         h.num_recv_rows = em.rows
         return em.expert, em.weights
+
+    def _pair_ranks(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """The records' column for an expert-major receive made by the reader: per (token, slot) naming expert e,
+        how many (token, slot) pairs before it name e (int32, -1 on dropped slots; one launch)."""
+        T, K = topk_idx.shape
+        ranks = torch.empty((T, K), dtype=torch.int32, device=self.device)
+        self._k.expert_major_pair_ranks(topk_idx.data_ptr(), T, K, num_experts, ranks.data_ptr(), self._stream())
+        return ranks
+
+    def _expert_major_pad(self, info: torch.Tensor, alignment: int, rows: int, out: List[torch.Tensor],
+                          em: Optional[ExpertMajorRows] = None) -> None:
+        """The expert-major rows no pair fills (segment padding, the tail up to ``rows``) zeroed in ``out``, and
+        with ``em`` marked empty in its plan; one launch, before the reader, which writes only the other rows."""
+        ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
+        self._k.expert_major_pad(info.data_ptr(), info.numel() - 2, alignment, rows, _row_bytes(out[0]),
+                                 out[1][0].numel() if len(out) > 1 else 0, out[0].data_ptr(),
+                                 ptr(out[1]) if len(out) > 1 else 0, ptr(em and em.token), ptr(em and em.slot),
+                                 ptr(em and em.expert), ptr(em and em.weights), self._expert_major_grid("copy"),
+                                 self._stream())
+
+    def _expert_major_read(self, final: torch.Tensor, layout: RecordLayout, out: List[torch.Tensor], rows: int,
+                           topk: int, slot_of: torch.Tensor, em: Optional[ExpertMajorRows] = None,
+                           experts_per_rank: int = 0, src_idx: Optional[torch.Tensor] = None,
+                           arrival: Optional[torch.Tensor] = None, pending: Any = None,
+                           while_reading: Optional[Callable[[], None]] = None) -> None:
+        """The final rows' payload straight into the expert-major rows ``out`` (``rows`` of them), one launch
+        (expert_major_receive kernel). With ``em`` (uncached) each pair's row comes from its record (global id, pair
+        rank) and ``em.places``, and the reader writes ``em``'s plan and ``slot_of``; without, from ``slot_of``
+        (the handle's). src_idx, arrival, ``pending`` and ``while_reading`` as _unpack's."""
+        n = final.size(0)
+        self.expert_major_reads["uncached" if em is not None else "cached"] += 1
+        ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
+        ids = len(out)  # the top-k ids' column, then the weights and the pair ranks
+        scales = len(out) > 1
+        places = em.places.data_ptr() if em is not None else 0
+        self._k.expert_major_receive(
+            final.data_ptr(), final.stride(0) * final.element_size(), n, layout.column_offsets[0],
+            layout.column_bytes[0], layout.column_offsets[1] if scales else 0, out[1][0].numel() if scales else 0,
+            out[0].data_ptr(), out[1].data_ptr() if scales else 0, rows, topk, em is None, slot_of.data_ptr(),
+            layout.column_offsets[ids] if em else -1, layout.column_offsets[ids + 1] if em else -1,
+            layout.column_offsets[ids + 2] if em else -1, self.rank * experts_per_rank, experts_per_rank, self.R,
+            places, places + 8 * (self.R + 1) if em else 0, ptr(em and em.token), ptr(em and em.slot),
+            ptr(em and em.expert), ptr(em and em.weights), layout.src_idx_offset, ptr(src_idx),
+            layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream(),
+            gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
+        try:
+            if while_reading is not None:
+                self._lap("dispatch.unpack")
+                while_reading()
+        finally:  # the reader is drained whatever the host work raised: nothing is left spinning behind an error
+            if pending:
+                self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
+                self._lap("dispatch.network")
 
     def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor],
                            out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:

@@ -74,7 +74,8 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
     local GPU), plus the notify rows. The price of staging: ring buffers with credits would need far less."""
     G = ranks_per_node
     N = num_ranks // G
-    record = record_layout([hidden * element_size, num_topk * 8, num_topk * 4], G)  # FP8 + scales is narrower
+    # x, top-k ids, weights and (expert-major in the reader) the pairs' ranks; FP8 + scales is narrower
+    record = record_layout([hidden * element_size, num_topk * 8, num_topk * 4, num_topk * 4], G)
     partial = _align(4 * (hidden + num_topk))
     notify = num_ranks * _align(8 * notify_row_words(num_ranks, N))
     rdma = 2 * N * num_tokens * max(record.stride, partial) + notify
@@ -208,6 +209,22 @@ def recv_expert_counts(counts: Counts, rank: int, experts_per_rank: int) -> List
         raise InternodeError("the notify rows carried no per-expert counts")
     lo = rank * experts_per_rank
     return _host(counts.expert_counts)[:, lo:lo + experts_per_rank].sum(0).tolist()
+
+
+def expert_major_places(counts: Counts, rank: int, experts_per_rank: int, aligned: Sequence[int]) -> np.ndarray:
+    """What the reader of an expert-major receive needs to place each arriving (token, local expert) pair from its
+    record alone (csrc/kernels/expert_major_receive.hpp), int64, flat: the final row where each source's rows start
+    ([R + 1], rows run by source rank, the last entry their end), then per (source s, local expert e) the
+    expert-major row of s's first pair of e and how many pairs s sends e ([R, L, 2]). Expert e's segment starts at
+    the sum of the aligned counts before it (``aligned``), and within it the sources follow each other in rank order,
+    so a pair whose sender ranked it j-th among its pairs of e (pair_ranks) lands at that first row + j: the order of
+    the reference's rank-major received rows."""
+    lo = rank * experts_per_rank
+    sent = _host(counts.expert_counts)[:, lo:lo + experts_per_rank]  # [R, L]: pairs of each source per local expert
+    seg = np.cumsum(np.asarray([0] + list(aligned[:-1]), dtype=np.int64))
+    first = seg[None, :] + np.cumsum(sent, 0) - sent
+    rows = np.concatenate([[0], np.cumsum(_host(counts.rank_counts)[:, rank])])
+    return np.concatenate([rows, np.stack([first, sent], -1).reshape(-1)]).astype(np.int64)
 
 
 def rows_by_source_local(counts: Counts, rank: int, ranks_per_node: int,

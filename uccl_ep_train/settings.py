@@ -222,6 +222,11 @@ class KernelSettings:
         "and that combine the backward pass's calls (a cached dispatch of a bf16 gradient and of the same columns, a "
         "combine with the top-k weights), so that each starts sooner (docs/internode.md, Planning ahead); 0: each "
         "call plans at its first use", _bool))
+    expert_major_in_reader: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_EXPERT_MAJOR_IN_READER", "internode: an expert-major dispatch's reader writes each row straight to "
+        "its experts' rows as it lands, the sender having ranked each (token, expert) pair (docs/internode.md, "
+        "Expert-major rows in the reader); 0: rank-major rows first, then the expert-major plan and copy after the "
+        "hop (for an A/B)", _bool))
     pinned_uploads: bool = field(default=True, metadata=_meta(
         "UCCL_EP_PINNED_UPLOADS", "internode: small tables (push tables, gates, plans) go to the device from a pinned "
         "area allocated at setup (docs/internode.md, Host cost per call); 0: from pageable memory, as before session "

@@ -14,6 +14,7 @@
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #include "../kernels/clock_probe.hpp"
 #include "../kernels/expert_major.hpp"
+#include "../kernels/expert_major_receive.hpp"
 #include "../kernels/internode.hpp"
 #include "../kernels/internode_plan.hpp"
 #include "bindings/proxy_stats_dict.hpp"
@@ -240,6 +241,69 @@ void bind_internode(py::module_& m) {
         py::arg("partials"), py::arg("out_topk_weights"), py::arg("grid"), py::arg("stream"),
         "per rank-major row the sum of its expert-major rows in slot order (fp32, rounded once to x's dtype), and "
         "the expert-major weights back to their slots");
+
+  k.def("expert_major_pair_ranks", &em::pair_ranks, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("topk"),
+        py::arg("num_experts"), py::arg("ranks"), py::arg("stream"),
+        "the sender's half of an expert-major receive made by the reader: per (token, slot) naming expert e, how "
+        "many (token, slot) pairs before it name e (int32 [tokens, topk]; -1 on dropped slots)");
+  k.def("expert_major_pad", &em::pad, py::arg("recv_info"), py::arg("num_local_experts"), py::arg("alignment"),
+        py::arg("expert_rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("out_x"),
+        py::arg("out_scales"), py::arg("em_token"), py::arg("em_slot"), py::arg("em_expert"), py::arg("em_weights"),
+        py::arg("grid"), py::arg("stream"),
+        "the expert-major rows no token fills (segment padding, the tail up to expert_rows): payload zeroed, the "
+        "plan's columns -1 / 0 where given (0: not written)");
+  k.def(
+      "expert_major_receive",
+      [](uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t x_offset, int64_t x_bytes,
+         int64_t scales_offset, int64_t num_scales, uintptr_t out_x, uintptr_t out_scales, int64_t expert_rows,
+         int topk, bool slots_given, uintptr_t slot_of, int64_t ids_offset, int64_t weights_offset,
+         int64_t ranks_offset, int64_t expert_lo, int num_local_experts, int num_sources, uintptr_t source_rows,
+         uintptr_t places, uintptr_t em_token, uintptr_t em_slot, uintptr_t em_expert, uintptr_t em_weights,
+         int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out,
+         uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row) {
+        in::ExpertMajorReceive a;
+        a.src = src;
+        a.src_stride = src_stride;
+        a.num_rows = num_rows;
+        a.x_offset = x_offset;
+        a.x_bytes = x_bytes;
+        a.scales_offset = scales_offset;
+        a.num_scales = num_scales;
+        a.out_x = out_x;
+        a.out_scales = out_scales;
+        a.expert_rows = expert_rows;
+        a.topk = topk;
+        a.slots_given = slots_given;
+        a.slot_of = slot_of;
+        a.ids_offset = ids_offset;
+        a.weights_offset = weights_offset;
+        a.ranks_offset = ranks_offset;
+        a.expert_lo = expert_lo;
+        a.num_local_experts = num_local_experts;
+        a.num_sources = num_sources;
+        a.source_rows = source_rows;
+        a.places = places;
+        a.em_token = em_token;
+        a.em_slot = em_slot;
+        a.em_expert = em_expert;
+        a.em_weights = em_weights;
+        a.src_idx_offset = src_idx_offset;
+        a.src_idx_out = src_idx_out;
+        a.arrival_offset = arrival_offset;
+        a.arrival_out = arrival_out;
+        in::expert_major_receive(a, stream, gate, first_row);
+      },
+      py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("x_offset"), py::arg("x_bytes"),
+      py::arg("scales_offset"), py::arg("num_scales"), py::arg("out_x"), py::arg("out_scales"),
+      py::arg("expert_rows"), py::arg("topk"), py::arg("slots_given"), py::arg("slot_of"), py::arg("ids_offset"),
+      py::arg("weights_offset"), py::arg("ranks_offset"), py::arg("expert_lo"), py::arg("num_local_experts"),
+      py::arg("num_sources"), py::arg("source_rows"), py::arg("places"), py::arg("em_token"), py::arg("em_slot"),
+      py::arg("em_expert"), py::arg("em_weights"), py::arg("src_idx_offset"), py::arg("src_idx_out"),
+      py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"), py::arg("gate") = nullptr,
+      py::arg("first_row") = 0,
+      "the final rows straight into expert-major rows, one launch (csrc/kernels/expert_major_receive.hpp): each "
+      "row's payload to the rows of its local experts, from the record's ids and pair ranks (and the plan's columns "
+      "and slot_of written) or, slots_given, from slot_of; gate and first_row as unpack_records'");
 
   k.attr("GATE_COLUMNS") = int(in::kGateBase);
   py::class_<in::ArrivalGate>(k, "ArrivalGate",

@@ -158,6 +158,88 @@ __global__ void __launch_bounds__(kThreads) expert_major_copy_kernel(
   }
 }
 
+// The sender's pair ranks (expert_major.hpp, pair_ranks). Each block owns kRankExperts experts and reads topk_idx
+// once for all of them: one block per expert read the ids 256 times at DeepSeek-V3 shape. Each thread takes a run of
+// consecutive pairs, counts its hits, and a block scan per expert gives each run its first rank.
+constexpr int kRankExperts = 4;
+
+__global__ void __launch_bounds__(kThreads) pair_ranks_kernel(const int64_t* __restrict__ topk_idx, int64_t pairs,
+                                                              int num_experts, int* __restrict__ ranks) {
+  __shared__ int s_sum[kThreads];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kRankExperts;
+  const int64_t per = (pairs + blockDim.x - 1) / blockDim.x;
+  const int64_t lo = min(pairs, threadIdx.x * per), hi = min(pairs, lo + per);
+  const auto mine = [&](int64_t e) { return e >= first && e < first + kRankExperts && e < num_experts; };
+  int next[kRankExperts];
+#pragma unroll
+  for (int x = 0; x < kRankExperts; ++x) next[x] = 0;
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t e = topk_idx[j];
+#pragma unroll
+    for (int x = 0; x < kRankExperts; ++x) next[x] += mine(e) && e - first == x;
+  }
+  int total;
+#pragma unroll
+  for (int x = 0; x < kRankExperts; ++x) next[x] = block_exclusive_scan(next[x], s_sum, &total);
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t e = topk_idx[j];
+    if (mine(e)) {
+#pragma unroll
+      for (int x = 0; x < kRankExperts; ++x)
+        if (e - first == x) ranks[j] = next[x]++;
+    } else if (blockIdx.x == 0 && (e < 0 || e >= num_experts)) {
+      ranks[j] = -1;  // a dropped slot: written by one block, so the record carries no stale bytes
+    }
+  }
+}
+
+// The padding rows of an expert-major receive (expert_major.hpp, pad). Every block first lays out the segments in
+// shared memory (a block scan of the aligned counts); then each warp takes one padding row: item i < L * (A - 1) is
+// expert i / (A - 1)'s (i % (A - 1))-th padding row when it has one, the items after it are the tail's rows, whose
+// length is known on the device only (sync-free mode: the counts never reach the host).
+__global__ void __launch_bounds__(kThreads) expert_major_pad_kernel(
+    const int* __restrict__ recv_info, int num_local_experts, int alignment, int64_t expert_rows, int units,
+    int num_scales, int4* __restrict__ out_x, float* __restrict__ out_scales, int64_t* __restrict__ em_token,
+    int64_t* __restrict__ em_slot, int64_t* __restrict__ em_expert, float* __restrict__ em_weights) {
+  extern __shared__ int64_t s_begin[];  // [L + 1]: each segment's first row, then the end of the last segment
+  __shared__ int s_sum[kThreads];
+  const int L = num_local_experts;
+  int64_t carry = 0;
+  for (int base = 0; base < L; base += blockDim.x) {
+    const int e = base + threadIdx.x;
+    const int padded = e < L ? (recv_info[2 + e] + alignment - 1) / alignment * alignment : 0;
+    int total;
+    const int before = block_exclusive_scan(padded, s_sum, &total);
+    if (e < L) s_begin[e] = carry + before;
+    carry += total;
+  }
+  if (threadIdx.x == 0) s_begin[L] = carry;
+  __syncthreads();
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int64_t per_expert = alignment - 1, expert_items = static_cast<int64_t>(L) * per_expert;
+  const int64_t items = expert_items + (expert_rows > s_begin[L] ? expert_rows - s_begin[L] : 0);
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (int64_t i = blockIdx.x * kWarps + warp; i < items; i += static_cast<int64_t>(gridDim.x) * kWarps) {
+    int64_t p;
+    if (i < expert_items) {
+      const int e = static_cast<int>(i / per_expert);
+      p = s_begin[e] + recv_info[2 + e] + i % per_expert;
+      if (p >= s_begin[e + 1]) continue;  // this expert has fewer padding rows
+    } else {
+      p = s_begin[L] + (i - expert_items);
+    }
+    if (p >= expert_rows) continue;
+    for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = zero;
+    for (int sc = lane; out_scales != nullptr && sc < num_scales; sc += kWarpSize) out_scales[p * num_scales + sc] = 0.0f;
+    if (lane == 0) {
+      if (em_token) em_token[p] = -1;
+      if (em_slot) em_slot[p] = -1;
+      if (em_expert) em_expert[p] = -1;
+      if (em_weights) em_weights[p] = 0.0f;
+    }
+  }
+}
+
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("uccl-ep expert-major: ") + what + ": " + cudaGetErrorString(err));
@@ -221,6 +303,41 @@ void copy(uintptr_t src_x, int64_t src_x_stride, uintptr_t src_scales, int64_t s
       reinterpret_cast<const int*>(slot_of), reinterpret_cast<const int64_t*>(em_token),
       reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_scales));
   check(cudaGetLastError(), "expert_major_copy_kernel launch");
+}
+
+void pair_ranks(uintptr_t topk_idx, int64_t num_tokens, int topk, int num_experts, uintptr_t ranks, uintptr_t stream) {
+  if (num_tokens < 0 || topk < 0 || num_experts < 1)
+    throw std::invalid_argument("expert_major_pair_ranks: needs num_tokens >= 0, topk >= 0 and num_experts >= 1");
+  const int64_t pairs = num_tokens * topk;
+  if (pairs == 0) return;
+  if (!topk_idx || !ranks) throw std::invalid_argument("expert_major_pair_ranks: null topk_idx or ranks");
+  const int blocks = (num_experts + kRankExperts - 1) / kRankExperts;
+  pair_ranks_kernel<<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const int64_t*>(topk_idx), pairs, num_experts, reinterpret_cast<int*>(ranks));
+  check(cudaGetLastError(), "pair_ranks_kernel launch");
+}
+
+// Local experts a pad launch lays out in shared memory (8 bytes each, within the default 48 KiB).
+constexpr int kPadMaxExperts = 4096;
+
+void pad(uintptr_t recv_info, int num_local_experts, int alignment, int64_t expert_rows, int hidden_bytes,
+         int num_scales, uintptr_t out_x, uintptr_t out_scales, uintptr_t em_token, uintptr_t em_slot,
+         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream) {
+  if (alignment < 1) throw std::invalid_argument("expert_major_pad: alignment must be >= 1");
+  if (num_local_experts < 0 || num_local_experts > kPadMaxExperts)
+    throw std::invalid_argument("expert_major_pad: 0.." + std::to_string(kPadMaxExperts) + " local experts, not " +
+                                std::to_string(num_local_experts));
+  if (hidden_bytes % 16 || out_x % 16)
+    throw std::invalid_argument("expert_major_pad: payload rows must be 16-byte aligned");
+  if (expert_rows == 0) return;
+  if (!out_x || !recv_info) throw std::invalid_argument("expert_major_pad: null out_x or recv_info");
+  const size_t shared = sizeof(int64_t) * (num_local_experts + 1);
+  expert_major_pad_kernel<<<grid > 0 ? grid : 1, kThreads, shared, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const int*>(recv_info), num_local_experts, alignment, expert_rows, hidden_bytes / 16,
+      num_scales, reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_scales),
+      reinterpret_cast<int64_t*>(em_token), reinterpret_cast<int64_t*>(em_slot),
+      reinterpret_cast<int64_t*>(em_expert), reinterpret_cast<float*>(em_weights));
+  check(cudaGetLastError(), "expert_major_pad_kernel launch");
 }
 
 void partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t recv_info, int num_rows, int hidden,

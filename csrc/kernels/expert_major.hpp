@@ -43,4 +43,18 @@ void copy(uintptr_t src_x, int64_t src_x_stride, uintptr_t src_scales, int64_t s
 void partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t recv_info, int num_rows, int hidden,
               int elem_size, int topk, uintptr_t partials, uintptr_t out_topk_weights, int grid, uintptr_t stream);
 
+// The sender's half of an expert-major receive made by the reader itself (docs/internode.md, "Expert-major rows in
+// the reader"): for each (token t, slot k) of topk_idx (int64 [num_tokens, topk], global ids) naming expert e in
+// [0, num_experts), ranks[t][k] (int32) = how many (token, slot) pairs before it, in (token, slot) order, name e; -1
+// on dropped slots. A receiver adds where source s's pairs of e start among its expert-major rows and has the row.
+void pair_ranks(uintptr_t topk_idx, int64_t num_tokens, int topk, int num_experts, uintptr_t ranks, uintptr_t stream);
+
+// The rows of an expert-major receive that no token fills: each segment's padding up to the alignment and the tail
+// after the last segment (recv_info: int32 [received rows, 0, raw count per local expert]), up to expert_rows. Their
+// payload (hidden_bytes, a multiple of 16, then num_scales floats) is zeroed; the plan's columns (em_token, em_slot,
+// em_expert: -1; em_weights: 0) are set where given (0: not written, e.g. a cached dispatch that keeps its plan).
+void pad(uintptr_t recv_info, int num_local_experts, int alignment, int64_t expert_rows, int hidden_bytes,
+         int num_scales, uintptr_t out_x, uintptr_t out_scales, uintptr_t em_token, uintptr_t em_slot,
+         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream);
+
 }  // namespace uccl_ep::expert_major

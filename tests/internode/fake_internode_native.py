@@ -50,6 +50,8 @@ expert_major_grid = fake_expert_major.whole_gpu_grid
 expert_major_layout = fake_expert_major.layout
 expert_major_copy = fake_expert_major.copy
 expert_major_partials = fake_expert_major.partials
+expert_major_pair_ranks = fake_expert_major.pair_ranks
+expert_major_pad = fake_expert_major.pad
 GATE_COLUMNS = GATE_FIXED_COLUMNS
 COUNT_ROW_MAX_BINS = 12288
 PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "combine_gather": 4, "barrier": 5,
@@ -336,6 +338,74 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
         if out and n:
             val = torch.arange(n) if off < 0 else field(off, 4).view(torch.int32).view(-1).to(torch.int64)
             _at(out, 8 * n, torch.int64).copy_(val)
+
+
+def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int, x_bytes: int, scales_offset: int,
+                         num_scales: int, out_x: int, out_scales: int, expert_rows: int, topk: int,
+                         slots_given: bool, slot_of: int, ids_offset: int, weights_offset: int, ranks_offset: int,
+                         expert_lo: int, num_local_experts: int, num_sources: int, source_rows: int, places: int,
+                         em_token: int, em_slot: int, em_expert: int, em_weights: int, src_idx_offset: int,
+                         src_idx_out: int, arrival_offset: int, arrival_out: int, stream: int,
+                         gate: "ArrivalGate | None" = None, first_row: int = 0) -> None:
+    """expert_major_receive_kernel: each final row's payload to the expert-major rows of its local experts, placed
+    from the record's ids and pair ranks (the plan's columns and slot_of written), or from slot_of when given;
+    src_idx / arrival as unpack_records. Waits for every row first when gated (``first_row`` only orders reads)."""
+    def bad(what: str) -> None:
+        raise ValueError(f"expert_major_receive: {what}")
+    if not 0 <= topk <= fake_expert_major.MAX_TOPK:
+        bad(f"top-k must be 0..{fake_expert_major.MAX_TOPK}")
+    if not 0 <= first_row <= num_rows:
+        bad(f"first_row {first_row} outside 0..{num_rows}")
+    if x_bytes % 16 or x_offset % 16 or src_stride % 16 or src % 16 or out_x % 16:
+        bad("payload rows must be a multiple of 16 bytes at 16-byte aligned addresses")
+    if not slots_given:
+        if ids_offset < 0 or ids_offset % 8 or ranks_offset < 0 or ranks_offset % 4 or \
+                (em_weights and (weights_offset < 0 or weights_offset % 4)):
+            bad("the records need the ids (8-byte aligned), the pair ranks and, with em_weights, the weights")
+    n, P, K = num_rows, expert_rows, topk
+    if n <= 0:
+        return  # (a rank that receives nothing has empty, null, outputs)
+    if not slots_given:
+        if num_sources < 1 or num_local_experts < 1 or not source_rows or not places:
+            bad("give the sources' first rows and the places of their pairs")
+        if not (em_token and em_slot and em_expert):
+            bad("give em_token, em_slot and em_expert")
+    if gate is not None and not gate.wait_rows(range(n)):
+        return
+    rows = _at(src, (n - 1) * src_stride + src_stride).as_strided((n, src_stride), (src_stride, 1))
+    so = _at(slot_of, 4 * n * K, torch.int32).view(n, K)
+    if not slots_given:
+        ids = rows[:, ids_offset:ids_offset + 8 * K].contiguous().view(torch.int64) - expert_lo
+        ranks = rows[:, ranks_offset:ranks_offset + 4 * K].contiguous().view(torch.int32).to(torch.int64)
+        starts = _at(source_rows, 8 * (num_sources + 1), torch.int64)
+        L = num_local_experts
+        table = _at(places, 16 * num_sources * L, torch.int64).view(num_sources, L, 2)
+        source = torch.searchsorted(starts, torch.arange(n), right=True) - 1
+        local = (ids >= 0) & (ids < L)
+        e = ids.clamp(0, L - 1)
+        first, count = table[source.unsqueeze(1), e, 0], table[source.unsqueeze(1), e, 1]
+        p = first + ranks
+        ok = local & (ranks >= 0) & (ranks < count) & (p < P)
+        so.copy_(torch.where(ok, p, -1).to(torch.int32))
+        r, k = ok.nonzero(as_tuple=True)
+        q = p[r, k]
+        _at(em_token, 8 * P, torch.int64)[q] = r
+        _at(em_slot, 8 * P, torch.int64)[q] = k
+        _at(em_expert, 8 * P, torch.int64)[q] = e[r, k]
+        if em_weights:
+            w = rows[:, weights_offset:weights_offset + 4 * K].contiguous().view(torch.float32)
+            _at(em_weights, 4 * P, torch.float32)[q] = w[r, k]
+    slots = so.to(torch.int64)
+    r, k = (slots >= 0).nonzero(as_tuple=True)
+    q = slots[r, k]
+    _at(out_x, P * x_bytes).view(P, x_bytes)[q] = rows[r, x_offset:x_offset + x_bytes]
+    if out_scales and num_scales:
+        _at(out_scales, 4 * P * num_scales).view(P, 4 * num_scales)[q] = \
+            rows[r, scales_offset:scales_offset + 4 * num_scales]
+    for off, out in ((src_idx_offset, src_idx_out), (arrival_offset, arrival_out)):
+        if out:
+            val = torch.arange(n) if off < 0 else rows[:, off:off + 4].contiguous().view(torch.int32).view(-1)
+            _at(out, 8 * n, torch.int64).copy_(val.to(torch.int64))
 
 
 def gate_from_count_rows(count_rows: int, row_words: int, num_ranks: int, rank: int, num_lanes: int,

@@ -37,6 +37,9 @@ ALL = [(k, fp8, em, worst, i) for i, (k, fp8, em, worst) in enumerate([
     ("dropped", False, False, 0), ("random", True, False, 0), ("dropped", True, False, 0),
     ("random", False, True, 0), ("random", False, False, 512), ("random", True, True, 2048),
     ("empty", False, True, 0)])]  # (a rank that receives nothing hands expert-major kernels empty tensors)
+# expert-major cases beyond ALL's: skewed routing, dropped experts with FP8, and num_worst_tokens without FP8
+EXPERT_MAJOR_CASES = [ALL[6], ("skewed", False, True, 0, 11), ALL[9], ("dropped", False, True, 0, 10), ALL[8],
+                      ("dropped", True, True, 0, 12), ("random", False, True, 512, 13)]
 
 
 def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=False):

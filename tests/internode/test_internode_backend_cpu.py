@@ -18,7 +18,7 @@ import torch
 from tests.distributed import run_distributed
 
 import fake_internode_native as fake
-from internode_cases import (ALL, area_too_small_after_a_push_during_notify,
+from internode_cases import (ALL, EXPERT_MAJOR_CASES, area_too_small_after_a_push_during_notify,
                              check_a_failed_rank_sends_and_forwards_nothing,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
@@ -482,16 +482,17 @@ def _staged_plans_copied_at_the_next_entry(rank, world, G):
         nat.destroy()
 
 
-def _expert_major_plans_after_the_copy(rank, world, G):
+def _expert_major_plans(rank, world, G):
     """An expert-major uncached dispatch whose hop was mostly in when its reader launched (forced): the order of the
-    reader's launch, the expert-major copy's launch and the planning of the handle's next combine; whether anything
-    was staged, whether the combine's plan equals the one it would make itself, and the pairs a case run matched."""
+    reader's launch (rank-major unpack or the expert-major reader), the expert-major copy's launch and the planning of
+    the handle's next combine; whether anything was staged, whether the combine's plan equals the one it would make
+    itself, and the pairs a case run matched."""
     from uccl_ep_train.internode import _align
 
     nat, ref = _backends(rank, world, G)
     order = []
     nat._plan_before_reader = lambda pending: False
-    _log_calls(nat._k, ("unpack_records", "expert_major_copy"), order, lambda name: name)
+    _log_calls(nat._k, ("unpack_records", "expert_major_copy", "expert_major_receive"), order, lambda name: name)
     _log_calls(nat, ("_plan_ahead",), order, lambda name: "plan_ahead")
     try:
         E, K, H, idx, x, w = _small_step(rank, world)
@@ -507,14 +508,43 @@ def _expert_major_plans_after_the_copy(rank, world, G):
         nat.destroy()
 
 
-def test_an_expert_major_dispatch_plans_its_next_calls_after_launching_its_copy_when_its_hop_was_mostly_in():
-    """An expert-major dispatch's reader moves no payload and ends soon after the last chunk, so the next calls'
-    plans are not made while it spins (that held its drain back) but after the copy's launch, uploaded at once while
-    the GPU copies: nothing is staged, the combine's plan equals its own, and outputs match."""
-    out = run_distributed(_expert_major_plans_after_the_copy, 2, 1, timeout=120, env=ENV)
+def test_an_expert_major_dispatch_read_rank_major_plans_its_next_calls_after_launching_its_copy():
+    """UCCL_EP_EXPERT_MAJOR_IN_READER=0: the reader moves no payload and ends soon after the last chunk, so the next
+    calls' plans are not made while it spins (that held its drain back) but after the copy's launch, uploaded at once
+    while the GPU copies: nothing is staged, the combine's plan equals its own, and outputs match."""
+    out = run_distributed(_expert_major_plans, 2, 1, timeout=120, env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER="0"))
     for rank, (order, staged, same, done) in enumerate(out):
         assert order == ["unpack_records", "expert_major_copy", "plan_ahead"], f"rank {rank}: {order}"
         assert staged == 0 and same and done == 1, (rank, staged, same, done)
+
+
+def test_an_expert_major_dispatch_whose_reader_writes_the_expert_rows_plans_its_next_calls_while_the_reader_runs():
+    """By default the reader moves the payload into the expert-major rows itself, so it runs as long as the wire and
+    the next calls' plans are made after its launch, while it runs, as a rank-major dispatch's are; no copy follows
+    it; the combine's plan equals its own and outputs match."""
+    out = run_distributed(_expert_major_plans, 2, 1, timeout=120, env=ENV)
+    for rank, (order, _, same, done) in enumerate(out):
+        assert order == ["expert_major_receive", "plan_ahead"], f"rank {rank}: {order}"
+        assert same and done == 1, (rank, same, done)
+
+
+@pytest.mark.parametrize("in_reader", ["1", "0"], ids=["reader", "copy"])
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
+def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_its_rows_or_a_copy_follows(
+        world, G, in_reader):
+    """Expert-major receives -- random, skewed, a rank that receives nothing, dropped experts, FP8 with and without
+    num_worst_tokens -- written by the reader from each record's pair ranks (UCCL_EP_EXPERT_MAJOR_IN_READER=1, and
+    cached ones from the handle's slots) or by the plan and copy after the hop (0): every output of compare_cases
+    (dispatch, cached dispatch, combine, again after a combine) equals the reference bit for bit, and the counters
+    show which path ran."""
+    env = dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader)
+    out = run_distributed(_cases_counting, world, G, EXPERT_MAJOR_CASES, ("expert_major_reads",), timeout=180,
+                          env=env)
+    n = len(EXPERT_MAJOR_CASES)
+    for done, reads in out:
+        assert done == n, done
+        # per case: an uncached dispatch, then two cached ones
+        assert reads == ({"uncached": n, "cached": 2 * n} if in_reader == "1" else {"uncached": 0, "cached": 0})
 
 
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 1)], ids=["2x1", "4x1"])  # (only one GPU per node gates dispatch)

@@ -34,7 +34,7 @@ if not (native.available() and hasattr(native.module(), "internode")):
 from tests.distributed import run_distributed  # noqa: E402
 
 from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # noqa: E402  (shared with
-                             check_a_failed_rank_sends_and_forwards_nothing,
+                             EXPERT_MAJOR_CASES, check_a_failed_rank_sends_and_forwards_nothing,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
@@ -95,6 +95,35 @@ def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, 
                                                                       "UCCL_EP_GPU_TIMEOUT_SECS": "60"})
     assert all(done == len(ALL) * 2 for done, _ in out)
     assert sum(st["commands"] for _, st in out) > 0, "no command went through the proxies"
+
+
+def _expert_major_cases(rank, world, G, cases):
+    nat, ref, dev = _backends(rank, world, G)
+    try:
+        return compare_cases(nat, ref, dev, rank, world, cases, 1), dict(nat.expert_major_reads)
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("in_reader", ["1", "0"], ids=["reader", "copy"])
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_on_gpus_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_its_rows_or_a_copy_follows(
+        world, G, in_reader):
+    """Expert-major receives (random, skewed, a rank that receives nothing, dropped experts, FP8 with and without
+    num_worst_tokens) written by the gated reader as the chunks land, from each record's pair ranks, and cached ones
+    from the handle's slots (UCCL_EP_EXPERT_MAJOR_IN_READER=1), or by the plan and copy after the hop (0): every output
+    equals the reference bit for bit. The reader's runs use a reordering transport with small chunks, so that its
+    tiles wait on many chunks landing out of order."""
+    _need(world)
+    env = {"UCCL_EP_EXPERT_MAJOR_IN_READER": in_reader, "UCCL_EP_CPU_TIMEOUT_SECS": "60",
+           "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    if in_reader == "1":
+        env.update(UCCL_EP_LOOPBACK_REORDER="8", UCCL_IB_MAX_INFLIGHT_BYTES="16384", UCCL_EP_LOOPBACK_SEED="3")
+    out = run_distributed(_expert_major_cases, world, G, EXPERT_MAJOR_CASES, timeout=420, env=env)
+    n = len(EXPERT_MAJOR_CASES)
+    for done, reads in out:
+        assert done == n, done
+        assert reads == ({"uncached": n, "cached": 2 * n} if in_reader == "1" else {"uncached": 0, "cached": 0})
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)

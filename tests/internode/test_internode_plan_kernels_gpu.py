@@ -353,3 +353,48 @@ def test_a_reader_before_the_count_read_takes_its_gate_rows_and_own_records_from
         assert not out_x[n:].view(torch.int16).any() and (got_ids[n:] == -1).all() and not got_w[n:].any()
     else:  # cut at the rows received: the rest untouched
         assert (got_ids[n:] == 99).all() and (got_src[n:] == -5).all()
+
+
+@pytest.mark.parametrize("T,K,E", [(4096, 8, 256), (333, 4, 6), (1, 2, 3), (0, 8, 16)])
+def test_pair_ranks_kernel_ranks_each_pair_among_the_earlier_pairs_of_its_expert_and_marks_dropped_slots(T, K, E):
+    """expert_major_pair_ranks against its definition, over ids with dropped slots (-1), duplicate experts within a
+    token and expert counts that are no multiple of a block's four experts: rank = the (token, slot) pairs before it
+    in (token, slot) order that name the same expert; -1 on a dropped slot."""
+    g = torch.Generator().manual_seed(T + K + E)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    idx[torch.rand((T, K), generator=g) < 0.1] = -1
+    flat = idx.view(-1)
+    want = torch.full_like(flat, -1)
+    for e in range(E):
+        hit = (flat == e).nonzero().flatten()
+        want[hit] = torch.arange(hit.numel())
+    got = torch.full((T, K), 12345, dtype=torch.int32, device=DEV)  # (poisoned: every entry must be written)
+    K_.expert_major_pair_ranks(idx.to(DEV).data_ptr(), T, K, E, got.data_ptr(), STREAM())
+    assert torch.equal(got.cpu().view(-1).to(torch.int64), want)
+
+
+@pytest.mark.parametrize("counts,alignment,rows", [([5, 0, 9, 1], 4, 24), ([5, 0, 9, 1], 4, 40), ([3, 3], 1, 6),
+                                                   ([0, 0, 0], 8, 16), ([130] * 700, 128, 700 * 256)])
+def test_pad_kernel_zeroes_exactly_the_rows_no_pair_fills_and_marks_them_empty_in_the_plan(counts, alignment, rows):
+    """expert_major_pad: each segment's padding up to the alignment and the tail up to the rows (sync-free mode) are
+    zeroed, with their plan columns -1 / 0; every row a pair fills keeps its bytes (poisoned before). More local
+    experts than a block has threads take the scan's later chunks."""
+    L, H, S = len(counts), 64, 3
+    filled = torch.zeros(rows, dtype=torch.bool)
+    begin = 0
+    for c in counts:
+        filled[begin:begin + c] = True
+        begin += (c + alignment - 1) // alignment * alignment
+    info = torch.tensor([sum(counts), 0] + counts, dtype=torch.int32, device=DEV)
+    x = torch.full((rows, H), 7, dtype=torch.uint8, device=DEV)
+    sc = torch.full((rows, S), 2.5, device=DEV)
+    cols = [torch.full((rows,), 9, dtype=torch.int64, device=DEV) for _ in range(3)]
+    w = torch.full((rows,), 0.25, device=DEV)
+    K_.expert_major_pad(info.data_ptr(), L, alignment, rows, H, S, x.data_ptr(), sc.data_ptr(),
+                        *(c.data_ptr() for c in cols), w.data_ptr(), 4, STREAM())
+    f = filled.to(DEV)
+    assert torch.equal(x, torch.where(f[:, None], 7, 0).to(torch.uint8))
+    assert torch.equal(sc, torch.where(f[:, None], 2.5, 0.0).expand(rows, S))
+    for c in cols:
+        assert torch.equal(c, torch.where(f, 9, -1))
+    assert torch.equal(w, torch.where(f, 0.25, 0.0))

@@ -243,13 +243,16 @@ UCCL_DEVICE void warp_copy_v4(int4* __restrict__ dst, const int4* __restrict__ s
 }
 
 // The same, loading each unit once and storing it to `num_dst` rows: dst_of(j) is the j-th destination row.
-template <int kUnroll = 4, typename DstOf>
+// kCoherent: the source may be landing while the kernel runs (a gated reader of arrivals): L2 loads (ld_cg_v4), never
+// the non-coherent path, which may serve a line cached before the row landed.
+template <int kUnroll = 4, bool kCoherent = false, typename DstOf>
 UCCL_DEVICE void warp_copy_v4_to_each(const int4* __restrict__ src, int n, int lane, int num_dst, const DstOf& dst_of) {
+  const auto load = [](const int4* p) { if constexpr (kCoherent) return ld_cg_v4(p); else return ld_nc_v4(p); };
   int i = lane;
   for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
     int4 buf[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) buf[u] = ld_nc_v4(src + i + u * kWarpSize);
+    for (int u = 0; u < kUnroll; ++u) buf[u] = load(src + i + u * kWarpSize);
     for (int j = 0; j < num_dst; ++j) {
       int4* dst = dst_of(j);
 #pragma unroll
@@ -257,7 +260,7 @@ UCCL_DEVICE void warp_copy_v4_to_each(const int4* __restrict__ src, int n, int l
     }
   }
   for (; i < n; i += kWarpSize) {
-    const int4 v = ld_nc_v4(src + i);
+    const int4 v = load(src + i);
     for (int j = 0; j < num_dst; ++j) st_na_v4(dst_of(j) + i, v);
   }
 }

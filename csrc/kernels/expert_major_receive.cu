@@ -1,0 +1,155 @@
+// The internode reader of an expert-major receive (expert_major_receive.hpp): each final row's payload goes straight to
+// the expert-major rows of its local experts while later rows are still on the wire, so no copy of the whole receive
+// follows the hop (docs/internode.md, "Expert-major rows in the reader").
+#include "kernels/expert_major_receive.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "uccl_ep/block_lists.cuh"
+#include "uccl_ep/portability.cuh"
+
+#include "kernels/arrival_gate.cuh"
+#include "kernels/expert_major.hpp"  // kMaxTopk
+#include "kernels/record_copy.cuh"   // kPackThreads, load_word
+
+namespace uccl_ep::internode {
+namespace {
+
+constexpr int kWarps = kPackThreads / kWarpSize;  // a row per warp: its payload goes to up to top-k rows
+using expert_major::kMaxTopk;
+
+// The source of final row r: the last s with source_rows[s] <= r (a source without rows shares its start with the
+// next one, which is the one holding r).
+__device__ __forceinline__ int source_of(const long long* source_rows, int num_sources, long long r) {
+  int lo = 0, hi = num_sources - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (source_rows[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Row r by one warp: its expert-major rows (from the record's ids and ranks, or the handle's slot_of), the plan's
+// columns at each of them when they are made here, then the payload loaded once and stored to each.
+template <bool kGated>
+__device__ void read_row(const ExpertMajorReceive& a, long long r, int lane, int* scratch, int* slots) {
+  const char* row = reinterpret_cast<const char*>(a.src) + r * a.src_stride;
+  int* slot_of = reinterpret_cast<int*>(a.slot_of) + r * a.topk;
+  const int s = a.slots_given ? 0 : source_of(reinterpret_cast<const long long*>(a.source_rows), a.num_sources, r);
+  const int m = warp_compact<kWarps>(a.topk, lane, scratch, slots, [&](int k) -> int {
+    if (a.slots_given) return slot_of[k];
+    int p = -1;
+    const long long e = load_word<kGated>(reinterpret_cast<const long long*>(row + a.ids_offset) + k) - a.expert_lo;
+    if (e >= 0 && e < a.num_local_experts) {
+      const int rank = load_word<kGated>(reinterpret_cast<const int*>(row + a.ranks_offset) + k);
+      const long long* place = reinterpret_cast<const long long*>(a.places) + (s * a.num_local_experts + e) * 2;
+      // a rank past the source's count (counts that do not match the ids) is dropped, never written out of bounds
+      if (rank >= 0 && rank < place[1] && place[0] + rank < a.expert_rows) {
+        const long long q = place[0] + rank;
+        p = static_cast<int>(q);
+        reinterpret_cast<long long*>(a.em_token)[q] = r;
+        reinterpret_cast<long long*>(a.em_slot)[q] = k;
+        reinterpret_cast<long long*>(a.em_expert)[q] = e;
+        if (a.em_weights)
+          reinterpret_cast<float*>(a.em_weights)[q] =
+              load_word<kGated>(reinterpret_cast<const float*>(row + a.weights_offset) + k);
+      }
+    }
+    slot_of[k] = p;
+    return p;
+  });
+  const int units = static_cast<int>(a.x_bytes / 16);
+  int4* out_x = reinterpret_cast<int4*>(a.out_x);
+  warp_copy_v4_to_each<4, kGated>(reinterpret_cast<const int4*>(row + a.x_offset), units, lane, m,
+                                  [&](int j) { return out_x + static_cast<long long>(slots[j]) * units; });
+  float* out_scales = reinterpret_cast<float*>(a.out_scales);
+  for (int sc = lane; out_scales != nullptr && sc < a.num_scales; sc += kWarpSize) {
+    const float v = load_word<kGated>(reinterpret_cast<const float*>(row + a.scales_offset) + sc);
+    for (int j = 0; j < m; ++j) out_scales[static_cast<long long>(slots[j]) * a.num_scales + sc] = v;
+  }
+  if (lane == 0) {
+    if (a.src_idx_out)
+      reinterpret_cast<long long*>(a.src_idx_out)[r] = load_word<kGated>(reinterpret_cast<const int*>(row + a.src_idx_offset));
+    if (a.arrival_out)
+      reinterpret_cast<long long*>(a.arrival_out)[r] =
+          a.arrival_offset < 0 ? r : load_word<kGated>(reinterpret_cast<const int*>(row + a.arrival_offset));
+  }
+  warp_sync();  // slots is reused by the warp's next row
+}
+
+// A tile of kWarps rows per block step; with a gate, block 0 watches the counters (arrival_gate.cuh) and each tile
+// waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as unpack_records'.
+template <bool kGated>
+__global__ void __launch_bounds__(kPackThreads) expert_major_receive_kernel(ExpertMajorReceive a, ArrivalGate gate,
+                                                                            long long first_row) {
+  __shared__ int s_scratch[kWarps][kMaxTopk];
+  __shared__ int s_slots[kWarps][kMaxTopk];
+  __shared__ bool s_ok;
+  if constexpr (kGated) reader_begins(gate);
+  if (kGated && blockIdx.x == 0) {
+    gate_watch(gate);
+    return;
+  }
+  const long long block = blockIdx.x - (kGated ? 1 : 0), grid = gridDim.x - (kGated ? 1 : 0);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const long long n = a.num_rows;
+  const long long tiles_a = (n - first_row + kWarps - 1) / kWarps, tiles_b = (first_row + kWarps - 1) / kWarps;
+  for (long long t = block; t < tiles_a + tiles_b; t += grid) {
+    long long lo, end;
+    if (t < tiles_a) {
+      lo = first_row + t * kWarps;
+      end = lo + kWarps < n ? lo + kWarps : n;
+    } else {
+      lo = (t - tiles_a) * kWarps;
+      end = lo + kWarps < first_row ? lo + kWarps : first_row;
+    }
+    if constexpr (kGated) {
+      if (!block_gate_rows(gate, lo, end - 1, &s_ok)) return;
+    }
+    if (lo + warp < end) read_row<kGated>(a, lo + warp, lane, s_scratch[warp], s_slots[warp]);
+  }
+  if constexpr (kGated) reader_ends(gate);
+}
+
+void check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("internode: ") + what + " launch failed: " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const ArrivalGate* gate, int64_t first_row) {
+  const auto bad = [](const std::string& what) { throw std::invalid_argument("expert_major_receive: " + what); };
+  if (a.topk < 0 || a.topk > kMaxTopk) bad("top-k must be 0.." + std::to_string(kMaxTopk));
+  if (first_row < 0 || first_row > a.num_rows)
+    bad("first_row " + std::to_string(first_row) + " outside 0.." + std::to_string(a.num_rows));
+  if (a.x_bytes % 16 || a.x_offset % 16 || a.src_stride % 16 || a.src % 16 || a.out_x % 16)
+    bad("payload rows must be a multiple of 16 bytes at 16-byte aligned addresses");
+  if (a.num_scales > 0 && a.out_scales && (a.scales_offset % 4 || a.out_scales % 4)) bad("misaligned scales");
+  if (a.src_idx_offset % 4 || (a.arrival_offset >= 0 && a.arrival_offset % 4)) bad("misaligned record layout");
+  if (!a.slots_given) {
+    if (a.ids_offset < 0 || a.ids_offset % 8 || a.ranks_offset < 0 || a.ranks_offset % 4 ||
+        (a.em_weights && (a.weights_offset < 0 || a.weights_offset % 4)))
+      bad("the records need the ids (8-byte aligned), the pair ranks and, with em_weights, the weights");
+  }
+  if (a.num_rows <= 0) return;  // (a rank that receives nothing has empty, null, outputs)
+  if (!a.slots_given) {
+    if (a.num_sources < 1 || a.num_local_experts < 1 || !a.source_rows || !a.places)
+      bad("give the sources' first rows and the places of their pairs");
+    if (!a.em_token || !a.em_slot || !a.em_expert) bad("give em_token, em_slot and em_expert");
+  }
+  if (!a.src || !a.out_x || (a.topk > 0 && !a.slot_of)) bad("null source, output or slot_of");
+  check_gate(gate, "expert_major_receive");
+  const int blocks = gated_grid(int(std::min<int64_t>((a.num_rows + kWarps - 1) / kWarps, 1024)), gate);
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks + (gate ? 1 : 0), kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+        a, gate ? *gate : ArrivalGate{}, first_row);
+  };
+  gate ? launch(expert_major_receive_kernel<true>) : launch(expert_major_receive_kernel<false>);
+  check_launch("expert_major_receive");
+}
+
+}  // namespace uccl_ep::internode
