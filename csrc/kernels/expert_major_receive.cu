@@ -12,12 +12,16 @@
 
 #include "kernels/arrival_gate.cuh"
 #include "kernels/expert_major.hpp"  // kMaxTopk
-#include "kernels/record_copy.cuh"   // kPackThreads, load_word
+#include "kernels/record_copy.cuh"   // load_word
 
 namespace uccl_ep::internode {
 namespace {
 
-constexpr int kWarps = kPackThreads / kWarpSize;  // a row per warp: its payload goes to up to top-k rows
+// A row per warp: its payload goes to up to top-k rows. Blocks of 1024 threads, not unpack_records' 256: where ranks
+// share a GPU the gated readers are held to a few blocks (Context::set_spin_blocks), and at 256 threads those kept
+// too few rows in flight to follow the wire (~470 us behind the last chunk under MPS, session 29).
+constexpr int kReceiveThreads = 1024;
+constexpr int kWarps = kReceiveThreads / kWarpSize;
 using expert_major::kMaxTopk;
 
 // The source of final row r: the last s with source_rows[s] <= r (a source without rows shares its start with the
@@ -82,7 +86,7 @@ __device__ void read_row(const ExpertMajorReceive& a, long long r, int lane, int
 // A tile of kWarps rows per block step; with a gate, block 0 watches the counters (arrival_gate.cuh) and each tile
 // waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as unpack_records'.
 template <bool kGated>
-__global__ void __launch_bounds__(kPackThreads) expert_major_receive_kernel(ExpertMajorReceive a, ArrivalGate gate,
+__global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(ExpertMajorReceive a, ArrivalGate gate,
                                                                             long long first_row) {
   __shared__ int s_scratch[kWarps][kMaxTopk];
   __shared__ int s_slots[kWarps][kMaxTopk];
@@ -145,7 +149,7 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
   check_gate(gate, "expert_major_receive");
   const int blocks = gated_grid(int(std::min<int64_t>((a.num_rows + kWarps - 1) / kWarps, 1024)), gate);
   auto launch = [&](auto kernel) {
-    kernel<<<blocks + (gate ? 1 : 0), kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+    kernel<<<blocks + (gate ? 1 : 0), kReceiveThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         a, gate ? *gate : ArrivalGate{}, first_row);
   };
   gate ? launch(expert_major_receive_kernel<true>) : launch(expert_major_receive_kernel<false>);

@@ -393,7 +393,7 @@ def test_pad_kernel_zeroes_exactly_the_rows_no_pair_fills_and_marks_them_empty_i
     K_.expert_major_pad(info.data_ptr(), L, alignment, rows, H, S, x.data_ptr(), sc.data_ptr(),
                         *(c.data_ptr() for c in cols), w.data_ptr(), 4, STREAM())
     f = filled.to(DEV)
-    assert torch.equal(x, torch.where(f[:, None], 7, 0).to(torch.uint8))
+    assert torch.equal(x, torch.where(f[:, None], 7, 0).to(torch.uint8).expand(rows, H))
     assert torch.equal(sc, torch.where(f[:, None], 2.5, 0.0).expand(rows, S))
     for c in cols:
         assert torch.equal(c, torch.where(f, 9, -1))
