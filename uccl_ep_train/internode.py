@@ -249,6 +249,15 @@ class ReadingBeforeCounts:
         return self.spec[0]
 
 
+def reads_expert_major_rows(mode: str, spin_blocks: int) -> bool:
+    """Whether an expert-major dispatch's reader writes the expert-major rows itself (UCCL_EP_EXPERT_MAJOR_IN_READER:
+    auto, always, never). auto: only where the gated readers may take the whole GPU; where ranks share one they are
+    held to ``spin_blocks`` blocks, and with that few the reader fell ~400 us behind the wire while the copy after
+    the hop takes the whole GPU (session 29, one H100 under MPS: docs/internode.md, "Expert-major rows in the
+    reader")."""
+    return mode == "always" or (mode == "auto" and not spin_blocks)
+
+
 @dataclass
 class ExpertMajorRows:
     """An expert-major receive's plan and payload outputs, allocated -- and the plan's sizes uploaded -- before the
@@ -409,8 +418,9 @@ class NativeInternodeBackend:
         self.read_before_counts = (bool(s.kernel.read_before_counts) and self.G == 1
                                    and self.N * self.L <= self._k.READ_MAX_COUNTERS)
         self.read_slack = float(s.kernel.read_before_counts_slack)
-        # docs/internode.md, "Expert-major rows in the reader": only where notify carries the per-expert counts
-        self.expert_major_in_reader = bool(s.kernel.expert_major_in_reader)
+        # docs/internode.md, "Expert-major rows in the reader" (where notify carries the per-expert counts): by
+        # default not where ranks share a GPU, whose readers are held to a few blocks (spin_blocks)
+        self.expert_major_in_reader = reads_expert_major_rows(s.kernel.expert_major_in_reader, self._cx.spin_blocks)
         self.expert_major_reads = {"uncached": 0, "cached": 0}  # receives the reader wrote (tests, benchmarks)
         self._recv_rows_seen: dict = {}  # tokens -> rows the last uncached dispatch of that size received
         # the gate table and words a reader before the counts takes from the device (gate_from_count_rows)

@@ -230,7 +230,8 @@ __global__ void __launch_bounds__(kThreads) expert_major_pad_kernel(
     }
     if (p >= expert_rows) continue;
     for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = zero;
-    for (int sc = lane; out_scales != nullptr && sc < num_scales; sc += kWarpSize) out_scales[p * num_scales + sc] = 0.0f;
+    for (int sc = lane; out_scales != nullptr && sc < num_scales; sc += kWarpSize)
+      out_scales[p * num_scales + sc] = 0.0f;
     if (lane == 0) {
       if (em_token) em_token[p] = -1;
       if (em_slot) em_slot[p] = -1;

@@ -75,7 +75,8 @@ __device__ void read_row(const ExpertMajorReceive& a, long long r, int lane, int
   }
   if (lane == 0) {
     if (a.src_idx_out)
-      reinterpret_cast<long long*>(a.src_idx_out)[r] = load_word<kGated>(reinterpret_cast<const int*>(row + a.src_idx_offset));
+      reinterpret_cast<long long*>(a.src_idx_out)[r] =
+          load_word<kGated>(reinterpret_cast<const int*>(row + a.src_idx_offset));
     if (a.arrival_out)
       reinterpret_cast<long long*>(a.arrival_out)[r] =
           a.arrival_offset < 0 ? r : load_word<kGated>(reinterpret_cast<const int*>(row + a.arrival_offset));

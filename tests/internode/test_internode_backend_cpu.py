@@ -509,10 +509,11 @@ def _expert_major_plans(rank, world, G):
 
 
 def test_an_expert_major_dispatch_read_rank_major_plans_its_next_calls_after_launching_its_copy():
-    """UCCL_EP_EXPERT_MAJOR_IN_READER=0: the reader moves no payload and ends soon after the last chunk, so the next
-    calls' plans are not made while it spins (that held its drain back) but after the copy's launch, uploaded at once
-    while the GPU copies: nothing is staged, the combine's plan equals its own, and outputs match."""
-    out = run_distributed(_expert_major_plans, 2, 1, timeout=120, env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER="0"))
+    """UCCL_EP_EXPERT_MAJOR_IN_READER=never: the reader moves no payload and ends soon after the last chunk, so the
+    next calls' plans are not made while it spins (that held its drain back) but after the copy's launch, uploaded at
+    once while the GPU copies: nothing is staged, the combine's plan equals its own, and outputs match."""
+    env = dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER="never")
+    out = run_distributed(_expert_major_plans, 2, 1, timeout=120, env=env)
     for rank, (order, staged, same, done) in enumerate(out):
         assert order == ["unpack_records", "expert_major_copy", "plan_ahead"], f"rank {rank}: {order}"
         assert staged == 0 and same and done == 1, (rank, staged, same, done)
@@ -528,15 +529,15 @@ def test_an_expert_major_dispatch_whose_reader_writes_the_expert_rows_plans_its_
         assert same and done == 1, (rank, same, done)
 
 
-@pytest.mark.parametrize("in_reader", ["1", "0"], ids=["reader", "copy"])
+@pytest.mark.parametrize("in_reader", ["always", "never"], ids=["reader", "copy"])
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
 def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_its_rows_or_a_copy_follows(
         world, G, in_reader):
     """Expert-major receives -- random, skewed, a rank that receives nothing, dropped experts, FP8 with and without
-    num_worst_tokens -- written by the reader from each record's pair ranks (UCCL_EP_EXPERT_MAJOR_IN_READER=1, and
-    cached ones from the handle's slots) or by the plan and copy after the hop (0): every output of compare_cases
-    (dispatch, cached dispatch, combine, again after a combine) equals the reference bit for bit, and the counters
-    show which path ran."""
+    num_worst_tokens -- written by the reader from each record's pair ranks (UCCL_EP_EXPERT_MAJOR_IN_READER=always,
+    and cached ones from the handle's slots) or by the plan and copy after the hop (never): every output of
+    compare_cases (dispatch, cached dispatch, combine, again after a combine) equals the reference bit for bit, and
+    the counters show which path ran."""
     env = dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader)
     out = run_distributed(_cases_counting, world, G, EXPERT_MAJOR_CASES, ("expert_major_reads",), timeout=180,
                           env=env)
@@ -544,7 +545,20 @@ def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_
     for done, reads in out:
         assert done == n, done
         # per case: an uncached dispatch, then two cached ones
-        assert reads == ({"uncached": n, "cached": 2 * n} if in_reader == "1" else {"uncached": 0, "cached": 0})
+        assert reads == ({"uncached": n, "cached": 2 * n} if in_reader == "always" else {"uncached": 0, "cached": 0})
+
+
+def test_by_default_the_reader_writes_expert_major_rows_only_where_it_may_take_the_whole_gpu():
+    """UCCL_EP_EXPERT_MAJOR_IN_READER=auto: a GPU per rank (no spin cap) reads into the expert-major rows; ranks that
+    share a GPU, whose readers are held to a few blocks, copy after the hop; always and never hold either way; the
+    backend made with the default settings (no shared GPU here) takes the reader."""
+    from uccl_ep_train.internode import reads_expert_major_rows
+
+    assert reads_expert_major_rows("auto", 0) and not reads_expert_major_rows("auto", 33)
+    assert reads_expert_major_rows("always", 33) and reads_expert_major_rows("always", 0)
+    assert not reads_expert_major_rows("never", 0) and not reads_expert_major_rows("never", 33)
+    out = run_distributed(_cases_counting, 2, 1, [ALL[6]], ("expert_major_reads",), timeout=120, env=ENV)
+    assert [reads for _, reads in out] == [{"uncached": 1, "cached": 2}] * 2
 
 
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 1)], ids=["2x1", "4x1"])  # (only one GPU per node gates dispatch)

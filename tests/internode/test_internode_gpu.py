@@ -105,25 +105,25 @@ def _expert_major_cases(rank, world, G, cases):
         nat.destroy()
 
 
-@pytest.mark.parametrize("in_reader", ["1", "0"], ids=["reader", "copy"])
+@pytest.mark.parametrize("in_reader", ["always", "never"], ids=["reader", "copy"])
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
 def test_on_gpus_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_its_rows_or_a_copy_follows(
         world, G, in_reader):
     """Expert-major receives (random, skewed, a rank that receives nothing, dropped experts, FP8 with and without
     num_worst_tokens) written by the gated reader as the chunks land, from each record's pair ranks, and cached ones
-    from the handle's slots (UCCL_EP_EXPERT_MAJOR_IN_READER=1), or by the plan and copy after the hop (0): every output
-    equals the reference bit for bit. The reader's runs use a reordering transport with small chunks, so that its
-    tiles wait on many chunks landing out of order."""
+    from the handle's slots (UCCL_EP_EXPERT_MAJOR_IN_READER=always), or by the plan and copy after the hop (never):
+    every output equals the reference bit for bit. The reader's runs use a reordering transport with small chunks, so
+    that its tiles wait on many chunks landing out of order."""
     _need(world)
     env = {"UCCL_EP_EXPERT_MAJOR_IN_READER": in_reader, "UCCL_EP_CPU_TIMEOUT_SECS": "60",
            "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
-    if in_reader == "1":
+    if in_reader == "always":
         env.update(UCCL_EP_LOOPBACK_REORDER="8", UCCL_IB_MAX_INFLIGHT_BYTES="16384", UCCL_EP_LOOPBACK_SEED="3")
     out = run_distributed(_expert_major_cases, world, G, EXPERT_MAJOR_CASES, timeout=420, env=env)
     n = len(EXPERT_MAJOR_CASES)
     for done, reads in out:
         assert done == n, done
-        assert reads == ({"uncached": n, "cached": 2 * n} if in_reader == "1" else {"uncached": 0, "cached": 0})
+        assert reads == ({"uncached": n, "cached": 2 * n} if in_reader == "always" else {"uncached": 0, "cached": 0})
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
