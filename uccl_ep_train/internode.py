@@ -1445,11 +1445,17 @@ class NativeInternodeBackend:
         self._unpack_launch(final.data_ptr(), final.stride(0), n, n if out_rows < 0 else out_rows, layout, outs, ids,
                             weights, ids_column, expert_lo, experts_per_rank, src_idx, arrival,
                             gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
+        self._while_reader(pending, while_reading)
+
+    def _while_reader(self, pending: Any, while_reading: Optional[Callable[[], None]]) -> None:
+        """After a dispatch reader's launch: ``while_reading`` (host work that queues nothing), then, with ``pending``
+        (a gated reader), the hop closed: the reader is drained whatever the host work raised, so nothing is left
+        spinning behind an error."""
         try:
             if while_reading is not None:
                 self._lap("dispatch.unpack")
                 while_reading()
-        finally:  # the reader is drained whatever the host work raised: nothing is left spinning behind an error
+        finally:
             if pending:
                 self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
                 self._lap("dispatch.network")
@@ -1896,14 +1902,7 @@ class NativeInternodeBackend:
             ptr(em and em.expert), ptr(em and em.weights), layout.src_idx_offset, ptr(src_idx),
             layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream(),
             gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
-        try:
-            if while_reading is not None:
-                self._lap("dispatch.unpack")
-                while_reading()
-        finally:  # the reader is drained whatever the host work raised: nothing is left spinning behind an error
-            if pending:
-                self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
-                self._lap("dispatch.network")
+        self._while_reader(pending, while_reading)
 
     def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor],
                            out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
