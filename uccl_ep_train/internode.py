@@ -249,13 +249,16 @@ class ReadingBeforeCounts:
         return self.spec[0]
 
 
-def reads_expert_major_rows(mode: str, spin_blocks: int) -> bool:
+def reads_expert_major_rows(mode: str, spin_blocks: int, cached: bool) -> bool:
     """Whether an expert-major dispatch's reader writes the expert-major rows itself (UCCL_EP_EXPERT_MAJOR_IN_READER:
-    auto, always, never). auto: only where the gated readers may take the whole GPU; where ranks share one they are
-    held to ``spin_blocks`` blocks, and with that few the reader fell ~400 us behind the wire while the copy after
-    the hop takes the whole GPU (session 29, one H100 under MPS: docs/internode.md, "Expert-major rows in the
-    reader")."""
-    return mode == "always" or (mode == "auto" and not spin_blocks)
+    auto, always, never). auto: always where the gated readers may take the whole GPU. Where ranks share one they are
+    held to ``spin_blocks`` blocks, which copy slower than the full grid of the copy after the hop, so there only a
+    cached dispatch's reader does: it starts as its pack-and-push launch ends, with a third of the hop still to land,
+    and returned ~150-300 us sooner than the copy after it. An uncached dispatch's reader starts only once the host
+    has read the counts and planned the receive, which under MPS took until the hop's last chunk had landed; left
+    to copy everything then, it returned ~200-400 us later than the copy (sessions 29-30, one H100 under MPS:
+    docs/internode.md, "Expert-major rows in the reader")."""
+    return mode == "always" or (mode == "auto" and (cached or not spin_blocks))
 
 
 @dataclass
@@ -419,8 +422,10 @@ class NativeInternodeBackend:
                                    and self.N * self.L <= self._k.READ_MAX_COUNTERS)
         self.read_slack = float(s.kernel.read_before_counts_slack)
         # docs/internode.md, "Expert-major rows in the reader" (where notify carries the per-expert counts): by
-        # default not where ranks share a GPU, whose readers are held to a few blocks (spin_blocks)
-        self.expert_major_in_reader = reads_expert_major_rows(s.kernel.expert_major_in_reader, self._cx.spin_blocks)
+        # default every one, except uncached ones where ranks share a GPU (their readers are held to spin_blocks)
+        self.expert_major_in_reader = {  # by kind of dispatch
+            kind: reads_expert_major_rows(s.kernel.expert_major_in_reader, self._cx.spin_blocks, kind == "cached")
+            for kind in ("uncached", "cached")}
         self.expert_major_reads = {"uncached": 0, "cached": 0}  # receives the reader wrote (tests, benchmarks)
         self._recv_rows_seen: dict = {}  # tokens -> rows the last uncached dispatch of that size received
         # the gate table and words a reader before the counts takes from the device (gate_from_count_rows)
@@ -1614,7 +1619,7 @@ class NativeInternodeBackend:
             cols = [x] + ([scales] if scales is not None else [])
             em_out: List[torch.Tensor] = []  # expert-major: allocated between the push and the wait, not after it
             alloc = (lambda: em_out.extend(_empty_rows(c, h.num_recv_rows) for c in cols)) if h.expert_major else None
-            in_reader = h.expert_major and self.expert_major_in_reader  # the reader writes the handle's slots
+            in_reader = h.expert_major and self.expert_major_in_reader["cached"]  # the reader writes the handle's slots
             final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=in_reader or not h.expert_major,
                                                       h=h, plan_ahead=alloc)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
@@ -1645,7 +1650,7 @@ class NativeInternodeBackend:
         E = args.num_tokens_per_expert.numel()
         # docs/internode.md, "Expert-major rows in the reader": the records carry each pair's rank among ours of its
         # expert, and the receiver's per-source counts come with notify (up to NOTIFY_MAX_EXPERTS experts)
-        in_reader = (args.expert_major and self.expert_major_in_reader and topk_idx is not None
+        in_reader = (args.expert_major and self.expert_major_in_reader["uncached"] and topk_idx is not None
                      and E <= NOTIFY_MAX_EXPERTS)
         cols = [x] + ([scales] if scales is not None else [])
         if topk_idx is not None:

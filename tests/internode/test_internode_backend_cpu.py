@@ -529,34 +529,60 @@ def test_an_expert_major_dispatch_whose_reader_writes_the_expert_rows_plans_its_
         assert same and done == 1, (rank, same, done)
 
 
-@pytest.mark.parametrize("in_reader", ["always", "never"], ids=["reader", "copy"])
+def _cases_counting_as_on_a_shared_gpu(rank, world, G, cases, counters):
+    """_cases_counting with the expert-major choice UCCL_EP_EXPERT_MAJOR_IN_READER=auto makes where ranks share a GPU
+    (held to 33 spinning blocks, as two ranks under MPS on an H100): the stand-in has no grid to share."""
+    from uccl_ep_train.internode import reads_expert_major_rows
+
+    nat, ref = _backends(rank, world, G)
+    try:
+        nat.expert_major_in_reader = {kind: reads_expert_major_rows("auto", 33, kind == "cached")
+                                      for kind in ("uncached", "cached")}
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
+        return (done,) + tuple(getattr(nat, c) for c in counters)
+    finally:
+        nat.destroy()
+
+
+# per case: an uncached dispatch, then two cached ones; which of them the reader wrote
+READS = {"always": lambda n: {"uncached": n, "cached": 2 * n}, "never": lambda n: {"uncached": 0, "cached": 0},
+         "shared-auto": lambda n: {"uncached": 0, "cached": 2 * n}}
+
+
+@pytest.mark.parametrize("in_reader", ["always", "never", "shared-auto"], ids=["reader", "copy", "copy-then-reader"])
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
 def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_its_rows_or_a_copy_follows(
         world, G, in_reader):
     """Expert-major receives -- random, skewed, a rank that receives nothing, dropped experts, FP8 with and without
     num_worst_tokens -- written by the reader from each record's pair ranks (UCCL_EP_EXPERT_MAJOR_IN_READER=always,
-    and cached ones from the handle's slots) or by the plan and copy after the hop (never): every output of
-    compare_cases (dispatch, cached dispatch, combine, again after a combine) equals the reference bit for bit, and
-    the counters show which path ran."""
-    env = dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader)
-    out = run_distributed(_cases_counting, world, G, EXPERT_MAJOR_CASES, ("expert_major_reads",), timeout=180,
-                          env=env)
+    and cached ones from the handle's slots), by the plan and copy after the hop (never), or, as auto has it where
+    ranks share a GPU, by the copy for the uncached dispatch and the reader from the slots the plan made for the
+    cached ones: every output of compare_cases (dispatch, cached dispatch, combine, again after a combine) equals the
+    reference bit for bit, and the counters show which path ran."""
+    if in_reader == "shared-auto":
+        out = run_distributed(_cases_counting_as_on_a_shared_gpu, world, G, EXPERT_MAJOR_CASES,
+                              ("expert_major_reads",), timeout=180, env=ENV)
+    else:
+        out = run_distributed(_cases_counting, world, G, EXPERT_MAJOR_CASES, ("expert_major_reads",), timeout=180,
+                              env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader))
     n = len(EXPERT_MAJOR_CASES)
     for done, reads in out:
         assert done == n, done
-        # per case: an uncached dispatch, then two cached ones
-        assert reads == ({"uncached": n, "cached": 2 * n} if in_reader == "always" else {"uncached": 0, "cached": 0})
+        assert reads == READS[in_reader](n)
 
 
-def test_by_default_the_reader_writes_expert_major_rows_only_where_it_may_take_the_whole_gpu():
-    """UCCL_EP_EXPERT_MAJOR_IN_READER=auto: a GPU per rank (no spin cap) reads into the expert-major rows; ranks that
-    share a GPU, whose readers are held to a few blocks, copy after the hop; always and never hold either way; the
-    backend made with the default settings (no shared GPU here) takes the reader."""
+def test_by_default_the_reader_writes_expert_major_rows_except_uncached_ones_where_ranks_share_a_gpu():
+    """UCCL_EP_EXPERT_MAJOR_IN_READER=auto: a GPU per rank (no spin cap) reads every expert-major receive into its
+    rows; ranks that share a GPU, whose readers are held to a few blocks, do so only in cached dispatches (whose
+    reader starts with the hop) and copy after an uncached one's hop; always and never hold either way; the backend
+    made with the default settings (no shared GPU here) takes the reader for both."""
     from uccl_ep_train.internode import reads_expert_major_rows
 
-    assert reads_expert_major_rows("auto", 0) and not reads_expert_major_rows("auto", 33)
-    assert reads_expert_major_rows("always", 33) and reads_expert_major_rows("always", 0)
-    assert not reads_expert_major_rows("never", 0) and not reads_expert_major_rows("never", 33)
+    for cached in (False, True):
+        assert reads_expert_major_rows("auto", 0, cached)
+        assert reads_expert_major_rows("always", 33, cached) and reads_expert_major_rows("always", 0, cached)
+        assert not reads_expert_major_rows("never", 0, cached) and not reads_expert_major_rows("never", 33, cached)
+    assert reads_expert_major_rows("auto", 33, cached=True) and not reads_expert_major_rows("auto", 33, cached=False)
     out = run_distributed(_cases_counting, 2, 1, [ALL[6]], ("expert_major_reads",), timeout=120, env=ENV)
     assert [reads for _, reads in out] == [{"uncached": 1, "cached": 2}] * 2
 

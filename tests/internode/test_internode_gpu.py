@@ -100,18 +100,19 @@ def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, 
 def _expert_major_cases(rank, world, G, cases):
     nat, ref, dev = _backends(rank, world, G)
     try:
-        return compare_cases(nat, ref, dev, rank, world, cases, 1), dict(nat.expert_major_reads)
+        return compare_cases(nat, ref, dev, rank, world, cases, 1), dict(nat.expert_major_reads), nat._cx.spin_blocks
     finally:
         nat.destroy()
 
 
-@pytest.mark.parametrize("in_reader", ["always", "never"], ids=["reader", "copy"])
+@pytest.mark.parametrize("in_reader", ["always", "never", "auto"], ids=["reader", "copy", "auto"])
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
 def test_on_gpus_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_its_rows_or_a_copy_follows(
         world, G, in_reader):
     """Expert-major receives (random, skewed, a rank that receives nothing, dropped experts, FP8 with and without
     num_worst_tokens) written by the gated reader as the chunks land, from each record's pair ranks, and cached ones
-    from the handle's slots (UCCL_EP_EXPERT_MAJOR_IN_READER=always), or by the plan and copy after the hop (never):
+    from the handle's slots (UCCL_EP_EXPERT_MAJOR_IN_READER=always), or by the plan and copy after the hop (never),
+    or as auto picks (where ranks share a GPU: the copy for uncached receives, the reader for cached ones):
     every output equals the reference bit for bit. The reader's runs use a reordering transport with small chunks, so
     that its tiles wait on many chunks landing out of order."""
     _need(world)
@@ -121,9 +122,11 @@ def test_on_gpus_an_expert_major_receive_equals_the_reference_whether_the_reader
         env.update(UCCL_EP_LOOPBACK_REORDER="8", UCCL_IB_MAX_INFLIGHT_BYTES="16384", UCCL_EP_LOOPBACK_SEED="3")
     out = run_distributed(_expert_major_cases, world, G, EXPERT_MAJOR_CASES, timeout=420, env=env)
     n = len(EXPERT_MAJOR_CASES)
-    for done, reads in out:
+    for done, reads, spin_blocks in out:
         assert done == n, done
-        assert reads == ({"uncached": n, "cached": 2 * n} if in_reader == "always" else {"uncached": 0, "cached": 0})
+        uncached = in_reader == "always" or (in_reader == "auto" and not spin_blocks)
+        cached = in_reader in ("always", "auto")
+        assert reads == {"uncached": n if uncached else 0, "cached": 2 * n if cached else 0}, (reads, spin_blocks)
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
