@@ -191,6 +191,10 @@ class Pending(NamedTuple):
     slots: List[int]  # the counters the hop's waits name
     first_row: int = 0  # where the reader starts: the first of the rows already in (unpack_records' first_row)
     records: int = 0  # what the hop's waits add up to: its records (chunks' signal values) to land
+    # our own node's rows, never packed, for the reader to take from the columns (docs/internode.md, "Own rows from
+    # the columns"): (first row, count, first record, tokens, columns) as unpack_records' `own`; None: packed
+    own: Optional[tuple] = None
+    own_columns: Any = None  # the columns' tensors, alive until the reader's launch
 
 
 @dataclass
@@ -421,6 +425,8 @@ class NativeInternodeBackend:
         self.read_before_counts = (bool(s.kernel.read_before_counts) and self.G == 1
                                    and self.N * self.L <= self._k.READ_MAX_COUNTERS)
         self.read_slack = float(s.kernel.read_before_counts_slack)
+        self.own_rows_from_columns = bool(s.kernel.own_rows_from_columns)  # docs/internode.md, "Own rows from ..."
+        self.own_rows_read_from_columns = 0  # gated readers that did (tests, benchmarks)
         # docs/internode.md, "Expert-major rows in the reader" (where notify carries the per-expert counts): by
         # default every one, except uncached ones where ranks share a GPU (their readers are held to spin_blocks)
         self.expert_major_in_reader = {  # by kind of dispatch
@@ -1078,7 +1084,7 @@ class NativeInternodeBackend:
     # ---------------------------------------------------------------- dispatch
     def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan, gate_ok: bool = False,
               h: Optional[InternodeHandle] = None, packed: Optional[List[torch.Tensor]] = None,
-              pushed: bool = False, plan_ahead: Optional[Callable[[], None]] = None
+              pushed: bool = False, plan_ahead: Optional[Callable[[], None]] = None, own_from_columns: bool = False
               ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
         forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
@@ -1088,7 +1094,8 @@ class NativeInternodeBackend:
         which keeps the hop's plan. ``packed``: the columns (contiguous), whose records for the other nodes are packed
         already (_pack_during_notify); ``pushed``: and pushed too (_push_during_notify). ``plan_ahead``: host work
         and uploads for between the push and the wait when the hop is awaited here (when pending is returned, the
-        caller runs it before it launches the gated reader)."""
+        caller runs it before it launches the gated reader). ``own_from_columns``: the gated reader can take our own
+        node's rows from the columns (pending.own): then, where it is gated, they are not packed."""
         G = self.G
         # contiguous byte rows, alive until the pack launches below
         rows = packed if packed is not None else [_dense(c, c.dtype) for c in columns]
@@ -1109,6 +1116,9 @@ class NativeInternodeBackend:
         # The own node's records never cross the network: they are packed straight into their receive block, and
         # after the push, so that the push waits only for the records it sends (at 2 nodes, half the packing).
         own_block = shape.own_block
+        gated = G == 1 and gate_ok and self.gated_arrivals
+        # docs/internode.md, "Own rows from the columns": the gated reader takes our own rows from the columns instead
+        own_unpacked = gated and own_from_columns and self.own_rows_from_columns and self._own_readable(rows, layout)
 
         hop = self._hop_plan(h, ("dispatch", stride), lambda: self._dispatch_hop(counts, plan, stride),
                              on_device=not pushed)
@@ -1123,27 +1133,35 @@ class NativeInternodeBackend:
             own_first, own_end = own_range
             fused = lambda: self._pack_and_push(  # noqa: E731
                 hop, "dispatch_network", self._cx.rdma_ptr, stride, int(sum(plan.node_send)), cols,
-                (own_first, own_end - own_first, self._cx.rdma_ptr + own_block), plan.hop1_token.data_ptr(),
+                (own_first, own_end - own_first, 0 if own_unpacked else self._cx.rdma_ptr + own_block),
+                plan.hop1_token.data_ptr(),
                 plan.dest_rows.data_ptr(), G, layout.src_idx_offset, layout.dest_rows_offset)
-        elif not shape.sends_remote:
-            pack([own_range])  # every record is our own node's: nothing crosses the network
+        elif not shape.sends_remote:  # every record is our own node's: nothing crosses the network
+            if not own_unpacked:
+                pack([own_range])
         elif packed is None and hop.head_records:
             pack([(hop.head_first, hop.head_first + hop.head_records)])
             rest = lambda: pack(hop.rest_of(others))  # noqa: E731
         elif packed is None:
             pack(others)
         self._lap("dispatch.pack")
-        own_after_push = (lambda: pack([own_range])) if shape.sends_remote and fused is None else None
+        own_after_push = ((lambda: pack([own_range])) if shape.sends_remote and fused is None and not own_unpacked
+                          else None)
         push = (lambda: None) if pushed else fused  # pushed during notify: only the waits and gates are left
         arrivals = shape.arrivals
         A = arrivals.size(0)
-        if G == 1 and gate_ok and self.gated_arrivals:
+        if gated:
             pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=push)
             self._lap("dispatch.push")
             # the reader starts with our own node's records, which are in before any other node's: read in row
             # order they would wait behind the blocks of the nodes before ours until those had landed, and then
             # still be left to read after the wire's last byte
             own_row = (own_block - recv_base) // stride
+            if own_unpacked:
+                self.own_rows_read_from_columns += 1
+                own = (own_row, own_range[1] - own_range[0], own_range[0], plan.hop1_token.data_ptr(),
+                       _column_args(rows, layout))
+                pending = pending._replace(own=own, own_columns=rows)
             return arrivals[:, :layout.final_bytes], layout, None, A, pending._replace(first_row=own_row)
         self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, hop=hop, rest=rest,
                             then=_chain(own_after_push, plan_ahead), push=push)
@@ -1166,6 +1184,14 @@ class NativeInternodeBackend:
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
         return final, layout, fwd_dest, A, None
+
+    @staticmethod
+    def _own_readable(rows: List[torch.Tensor], layout: RecordLayout) -> bool:
+        """Whether a reader can take our own rows from these columns (contiguous, _dense; the payload first): each at
+        an address its loads may use at every row -- the payload's 16-byte words, the others' elements -- as the
+        records' fields are; a sliced input may not be, and its own rows are packed as before."""
+        need = [16] + [r.element_size() for r in rows[1:]]
+        return all(r.data_ptr() % a == 0 and b % a == 0 for r, b, a in zip(rows, layout.column_bytes, need))
 
     def _dispatch_hop(self, counts: Counts, plan: SendPlan, stride: int) -> HopPlan:
         """The network hop of a dispatch of records of ``stride`` bytes, cut into a head and a tail (the records are
@@ -1449,7 +1475,8 @@ class NativeInternodeBackend:
         n = final.size(0)
         self._unpack_launch(final.data_ptr(), final.stride(0), n, n if out_rows < 0 else out_rows, layout, outs, ids,
                             weights, ids_column, expert_lo, experts_per_rank, src_idx, arrival,
-                            gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
+                            gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0,
+                            own=pending.own if pending else None)
         self._while_reader(pending, while_reading)
 
     def _while_reader(self, pending: Any, while_reading: Optional[Callable[[], None]]) -> None:
@@ -1470,7 +1497,7 @@ class NativeInternodeBackend:
                        ids_column: int, expert_lo: int, experts_per_rank: int, src_idx: Optional[torch.Tensor],
                        arrival: Optional[torch.Tensor], gate: Any = None, first_row: int = 0, **before: Any) -> None:
         """The unpack_records launch of _unpack (rows [0, n) at ``src``, ``src_stride`` bytes apart); ``before``: the
-        arguments of a read before the counts (dims, own_columns, own_tokens, pad)."""
+        arguments of a read before the counts (dims, pad) and of our own rows read from the columns (own)."""
         K = ids.size(1) if ids is not None else 0
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
         self._k.unpack_records(
@@ -1564,8 +1591,8 @@ class NativeInternodeBackend:
         experts = reading.experts_per_rank
         self._unpack_launch(self._cx.rdma_ptr + self.half_rdma, stride, rows, rows, reading.layout, reading.outs,
                             reading.topk_idx, reading.weights, len(reading.outs), self.rank * experts, experts,
-                            reading.src_idx, reading.arrival, gate, dims=self._read_dims.data_ptr(),
-                            own_columns=reading.own_columns, own_tokens=reading.own_tokens, pad=reading.pad)
+                            reading.src_idx, reading.arrival, gate, dims=self._read_dims.data_ptr(), pad=reading.pad,
+                            own=(0, 0, 0, reading.own_tokens, reading.own_columns))
         self._lap("dispatch.reader_before_counts")
 
     def _reader_read(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int) -> bool:
@@ -1620,8 +1647,9 @@ class NativeInternodeBackend:
             em_out: List[torch.Tensor] = []  # expert-major: allocated between the push and the wait, not after it
             alloc = (lambda: em_out.extend(_empty_rows(c, h.num_recv_rows) for c in cols)) if h.expert_major else None
             in_reader = h.expert_major and self.expert_major_in_reader["cached"]  # the reader writes the handle's slots
-            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=in_reader or not h.expert_major,
-                                                      h=h, plan_ahead=alloc)
+            reads_all = in_reader or not h.expert_major  # (the copy after the hop reads the final rows instead)
+            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=reads_all, h=h,
+                                                      plan_ahead=alloc, own_from_columns=reads_all)
             self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
             if in_reader:
                 if not em_out:  # (gated: _move left the allocation to us, before the reader's launch)
@@ -1715,8 +1743,10 @@ class NativeInternodeBackend:
             recv_w = reading.weights[:rows] if reading.weights is not None else None
             src_idx, arrival = reading.src_idx[:nrecv], reading.arrival[:nrecv]
         else:
+            # (an expert-major copy after the hop reads the final rows: our own among them)
             final, layout, fwd_dest, _, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
-                                                             pushed=pushed, plan_ahead=plan_ahead)
+                                                             pushed=pushed, plan_ahead=plan_ahead,
+                                                             own_from_columns=in_reader or not args.expert_major)
             nrecv = final.size(0)
             rows = nrecv
             if worst and not args.expert_major:
@@ -1906,7 +1936,8 @@ class NativeInternodeBackend:
             places, places + 8 * (self.R + 1) if em else 0, ptr(em and em.token), ptr(em and em.slot),
             ptr(em and em.expert), ptr(em and em.weights), layout.src_idx_offset, ptr(src_idx),
             layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream(),
-            gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0)
+            gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0,
+            own=pending.own if pending else None)
         self._while_reader(pending, while_reading)
 
     def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor],

@@ -212,6 +212,10 @@ class KernelSettings:
         "reader before the host reads the count matrix, taking its rows and gate from the count rows on the device, "
         "into outputs sized from num_worst_tokens or the last dispatch of that size (docs/internode.md, Reading "
         "before the count read); 0: the reader follows the host's plan", _bool))
+    own_rows_from_columns: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_OWN_ROWS_FROM_COLUMNS", "internode, one GPU per node: a dispatch's gated reader takes our own "
+        "node's rows straight from the input columns, so the sender never packs them (docs/internode.md, Own rows "
+        "from the columns); 0: they are packed into the receive area and read from there", _bool))
     read_before_counts_slack: float = field(default=0.0625, metadata=_meta(
         "UCCL_EP_READ_BEFORE_COUNTS_SLACK", "internode: without num_worst_tokens, the rows allocated for a reader "
         "launched before the count read are the last dispatch's received rows times 1 + this (capped by the "

@@ -30,6 +30,21 @@ namespace {
 
 namespace in = uccl_ep::internode;
 using Columns = std::vector<std::tuple<uintptr_t, int64_t, int64_t>>;  // (rows, row bytes, offset in the record)
+// internode_plan.hpp OwnRows as Python gives it: (first row, count, first record, tokens, columns); None: none
+using OwnRowsArg = std::optional<std::tuple<int64_t, int64_t, int64_t, uintptr_t, Columns>>;
+
+in::OwnRows own_rows(const OwnRowsArg& arg) {
+  in::OwnRows own;
+  if (!arg) return own;
+  const auto& [first_row, count, first_record, tokens, columns] = *arg;
+  own.first_row = first_row;
+  own.count = count;
+  own.first_record = first_record;
+  own.tokens = tokens;
+  if (!tokens) throw std::invalid_argument("own rows: give the send list's tokens");
+  for (const auto& [rows, bytes, offset] : columns) own.columns.push_back(in::PackColumn{rows, bytes, offset});
+  return own;
+}
 
 in::RecordJob record_job(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride,
                          uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
@@ -176,31 +191,29 @@ void bind_internode(py::module_& m) {
          uintptr_t weights_out, int64_t ids_offset, int64_t weights_offset, int num_topk, int64_t expert_lo,
          int64_t experts_per_rank, int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset,
          uintptr_t arrival_out, uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, uintptr_t dims,
-         const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& own_columns, uintptr_t own_tokens, bool pad) {
+         bool pad, const OwnRowsArg& own) {
         std::vector<in::PackColumn> cols;
         for (const auto& [dst, bytes, offset] : columns) cols.push_back(in::PackColumn{dst, bytes, offset});
-        std::vector<in::PackColumn> own;
-        for (const auto& [rows, bytes, offset] : own_columns) own.push_back(in::PackColumn{rows, bytes, offset});
         in::unpack_records(src, src_stride, num_rows, out_rows, cols,
                            in::UnpackTopk{ids_out, weights_out, ids_offset, weights_offset, num_topk, expert_lo,
                                           experts_per_rank},
                            src_idx_offset, src_idx_out, arrival_offset, arrival_out, stream, gate, first_row,
-                           in::ReadBeforeCounts{dims, own_tokens, own, pad});
+                           in::ReadBeforeCounts{dims, pad}, own_rows(own));
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("out_rows"), py::arg("columns"),
       py::arg("ids_out"), py::arg("weights_out"), py::arg("ids_offset"), py::arg("weights_offset"),
       py::arg("num_topk"), py::arg("expert_lo"), py::arg("experts_per_rank"), py::arg("src_idx_offset"),
       py::arg("src_idx_out"), py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"),
-      py::arg("gate") = nullptr, py::arg("first_row") = 0, py::arg("dims") = 0,
-      py::arg("own_columns") = std::vector<std::tuple<uintptr_t, int64_t, int64_t>>{}, py::arg("own_tokens") = 0,
-      py::arg("pad") = false,
+      py::arg("gate") = nullptr, py::arg("first_row") = 0, py::arg("dims") = 0, py::arg("pad") = false,
+      py::arg("own") = py::none(),
       "the final rows' columns into their outputs, one launch; columns: (output, row bytes, row offset); rows "
       "past num_rows up to out_rows zeroed (ids -1); global expert ids made local, foreign weights zeroed; gate "
       "(InternodeContext.arrival_gate): each tile of rows first waits for the chunks that carry it; first_row: the "
       "rows are read from there to the end first, then from 0 (a gated reader starts with the rows already in); "
       "dims (gate_from_count_rows' words): read before the counts, num_rows / out_rows being the outputs' "
-      "capacity, our own node's rows straight from our columns (own_columns: (rows, row bytes, offset in the "
-      "record) as pack_records takes them; own_tokens: the send list's tokens), padded to out_rows only with pad");
+      "capacity, padded to out_rows only with pad; own (first row, count, first record, the send list's tokens, "
+      "columns as pack_records takes them): our own node's rows, never packed, read from the columns (read before "
+      "the counts, where they lie comes from dims)");
 
   k.attr("READ_DIMS") = int(in::kReadDims);
   k.attr("READ_MAX_COUNTERS") = int(in::kReadMaxCounters);
@@ -260,7 +273,7 @@ void bind_internode(py::module_& m) {
          int64_t ranks_offset, int64_t expert_lo, int num_local_experts, int num_sources, uintptr_t source_rows,
          uintptr_t places, uintptr_t em_token, uintptr_t em_slot, uintptr_t em_expert, uintptr_t em_weights,
          int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out,
-         uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row) {
+         uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, const OwnRowsArg& own) {
         in::ExpertMajorReceive a;
         a.src = src;
         a.src_stride = src_stride;
@@ -291,7 +304,7 @@ void bind_internode(py::module_& m) {
         a.src_idx_out = src_idx_out;
         a.arrival_offset = arrival_offset;
         a.arrival_out = arrival_out;
-        in::expert_major_receive(a, stream, gate, first_row);
+        in::expert_major_receive(a, stream, gate, first_row, own_rows(own));
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("x_offset"), py::arg("x_bytes"),
       py::arg("scales_offset"), py::arg("num_scales"), py::arg("out_x"), py::arg("out_scales"),
@@ -300,10 +313,10 @@ void bind_internode(py::module_& m) {
       py::arg("num_sources"), py::arg("source_rows"), py::arg("places"), py::arg("em_token"), py::arg("em_slot"),
       py::arg("em_expert"), py::arg("em_weights"), py::arg("src_idx_offset"), py::arg("src_idx_out"),
       py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"), py::arg("gate") = nullptr,
-      py::arg("first_row") = 0,
+      py::arg("first_row") = 0, py::arg("own") = py::none(),
       "the final rows straight into expert-major rows, one launch (csrc/kernels/expert_major_receive.hpp): each "
       "row's payload to the rows of its local experts, from the record's ids and pair ranks (and the plan's columns "
-      "and slot_of written) or, slots_given, from slot_of; gate and first_row as unpack_records'");
+      "and slot_of written) or, slots_given, from slot_of; gate, first_row and own as unpack_records'");
 
   k.attr("GATE_COLUMNS") = int(in::kGateBase);
   py::class_<in::ArrivalGate>(k, "ArrivalGate",

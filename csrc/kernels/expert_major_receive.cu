@@ -38,16 +38,23 @@ __device__ __forceinline__ int source_of(const long long* source_rows, int num_s
 // Row r by one warp: its expert-major rows (from the record's ids and ranks, or the handle's slot_of), the plan's
 // columns at each of them when they are made here, then the payload loaded once and stored to each.
 template <bool kGated>
-__device__ void read_row(const ExpertMajorReceive& a, long long r, int lane, int* scratch, int* slots) {
+__device__ void read_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, long long r, int lane, int* scratch,
+                         int* slots) {
   const char* row = reinterpret_cast<const char*>(a.src) + r * a.src_stride;
+  // byte `off` of row r's record: in the arrivals, or (our own rows, never packed) in the column holding it
+  const bool own_row = own.holds(r);
+  const long long token = own_row ? own.token(r) : 0;
+  const auto field = [&](long long off) -> const char* {
+    return own_row ? own.field(token, off, row + off) : row + off;
+  };
   int* slot_of = reinterpret_cast<int*>(a.slot_of) + r * a.topk;
   const int s = a.slots_given ? 0 : source_of(reinterpret_cast<const long long*>(a.source_rows), a.num_sources, r);
   const int m = warp_compact<kWarps>(a.topk, lane, scratch, slots, [&](int k) -> int {
     if (a.slots_given) return slot_of[k];
     int p = -1;
-    const long long e = load_word<kGated>(reinterpret_cast<const long long*>(row + a.ids_offset) + k) - a.expert_lo;
+    const long long e = load_word<kGated>(reinterpret_cast<const long long*>(field(a.ids_offset)) + k) - a.expert_lo;
     if (e >= 0 && e < a.num_local_experts) {
-      const int rank = load_word<kGated>(reinterpret_cast<const int*>(row + a.ranks_offset) + k);
+      const int rank = load_word<kGated>(reinterpret_cast<const int*>(field(a.ranks_offset)) + k);
       const long long* place = reinterpret_cast<const long long*>(a.places) + (s * a.num_local_experts + e) * 2;
       // a rank past the source's count (counts that do not match the ids) is dropped, never written out of bounds
       if (rank >= 0 && rank < place[1] && place[0] + rank < a.expert_rows) {
@@ -58,7 +65,7 @@ __device__ void read_row(const ExpertMajorReceive& a, long long r, int lane, int
         reinterpret_cast<long long*>(a.em_expert)[q] = e;
         if (a.em_weights)
           reinterpret_cast<float*>(a.em_weights)[q] =
-              load_word<kGated>(reinterpret_cast<const float*>(row + a.weights_offset) + k);
+              load_word<kGated>(reinterpret_cast<const float*>(field(a.weights_offset)) + k);
       }
     }
     slot_of[k] = p;
@@ -66,17 +73,18 @@ __device__ void read_row(const ExpertMajorReceive& a, long long r, int lane, int
   });
   const int units = static_cast<int>(a.x_bytes / 16);
   int4* out_x = reinterpret_cast<int4*>(a.out_x);
-  warp_copy_v4_to_each<4, kGated>(reinterpret_cast<const int4*>(row + a.x_offset), units, lane, m,
+  warp_copy_v4_to_each<4, kGated>(reinterpret_cast<const int4*>(field(a.x_offset)), units, lane, m,
                                   [&](int j) { return out_x + static_cast<long long>(slots[j]) * units; });
   float* out_scales = reinterpret_cast<float*>(a.out_scales);
+  const float* scales = out_scales != nullptr ? reinterpret_cast<const float*>(field(a.scales_offset)) : nullptr;
   for (int sc = lane; out_scales != nullptr && sc < a.num_scales; sc += kWarpSize) {
-    const float v = load_word<kGated>(reinterpret_cast<const float*>(row + a.scales_offset) + sc);
+    const float v = load_word<kGated>(scales + sc);
     for (int j = 0; j < m; ++j) out_scales[static_cast<long long>(slots[j]) * a.num_scales + sc] = v;
   }
   if (lane == 0) {
     if (a.src_idx_out)
       reinterpret_cast<long long*>(a.src_idx_out)[r] =
-          load_word<kGated>(reinterpret_cast<const int*>(row + a.src_idx_offset));
+          own_row ? token : load_word<kGated>(reinterpret_cast<const int*>(row + a.src_idx_offset));
     if (a.arrival_out)
       reinterpret_cast<long long*>(a.arrival_out)[r] =
           a.arrival_offset < 0 ? r : load_word<kGated>(reinterpret_cast<const int*>(row + a.arrival_offset));
@@ -87,8 +95,8 @@ __device__ void read_row(const ExpertMajorReceive& a, long long r, int lane, int
 // A tile of kWarps rows per block step; with a gate, block 0 watches the counters (arrival_gate.cuh) and each tile
 // waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as unpack_records'.
 template <bool kGated>
-__global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(ExpertMajorReceive a, ArrivalGate gate,
-                                                                            long long first_row) {
+__global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(ExpertMajorReceive a, OwnRowsArgs own,
+                                                                            ArrivalGate gate, long long first_row) {
   __shared__ int s_scratch[kWarps][kMaxTopk];
   __shared__ int s_slots[kWarps][kMaxTopk];
   __shared__ bool s_ok;
@@ -113,7 +121,7 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
     if constexpr (kGated) {
       if (!block_gate_rows(gate, lo, end - 1, &s_ok)) return;
     }
-    if (lo + warp < end) read_row<kGated>(a, lo + warp, lane, s_scratch[warp], s_slots[warp]);
+    if (lo + warp < end) read_row<kGated>(a, own, lo + warp, lane, s_scratch[warp], s_slots[warp]);
   }
   if constexpr (kGated) reader_ends(gate);
 }
@@ -126,7 +134,8 @@ void check_launch(const char* what) {
 
 }  // namespace
 
-void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const ArrivalGate* gate, int64_t first_row) {
+void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const ArrivalGate* gate, int64_t first_row,
+                          const OwnRows& own) {
   const auto bad = [](const std::string& what) { throw std::invalid_argument("expert_major_receive: " + what); };
   if (a.topk < 0 || a.topk > kMaxTopk) bad("top-k must be 0.." + std::to_string(kMaxTopk));
   if (first_row < 0 || first_row > a.num_rows)
@@ -140,6 +149,14 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
         (a.em_weights && (a.weights_offset < 0 || a.weights_offset % 4)))
       bad("the records need the ids (8-byte aligned), the pair ranks and, with em_weights, the weights");
   }
+  if (own.tokens && a.arrival_offset >= 0) bad("own rows from the columns only with one GPU per node (arrival = row)");
+  if (own.first_row + own.count > a.num_rows && own.count > 0) bad("our own rows end past the rows");
+  const int64_t k = a.topk, ids = a.slots_given ? 0 : 8 * k, ranks = a.slots_given ? 0 : 4 * k;
+  const OwnRowsArgs own_args = own_rows_args(
+      own, {{a.x_offset, a.x_bytes, 16}, {a.scales_offset, a.out_scales ? 4 * a.num_scales : 0, 4},
+            {a.ids_offset, ids, 8}, {a.ranks_offset, ranks, 4},
+            {a.weights_offset, a.em_weights && !a.slots_given ? 4 * k : 0, 4}},
+      "expert_major_receive");
   if (a.num_rows <= 0) return;  // (a rank that receives nothing has empty, null, outputs)
   if (!a.slots_given) {
     if (a.num_sources < 1 || a.num_local_experts < 1 || !a.source_rows || !a.places)
@@ -151,7 +168,7 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
   const int blocks = gated_grid(int(std::min<int64_t>((a.num_rows + kWarps - 1) / kWarps, 1024)), gate);
   auto launch = [&](auto kernel) {
     kernel<<<blocks + (gate ? 1 : 0), kReceiveThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-        a, gate ? *gate : ArrivalGate{}, first_row);
+        a, own_args, gate ? *gate : ArrivalGate{}, first_row);
   };
   gate ? launch(expert_major_receive_kernel<true>) : launch(expert_major_receive_kernel<false>);
   check_launch("expert_major_receive");

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/arrival_gate.hpp"
+#include "kernels/internode_plan.hpp"  // OwnRows
 
 namespace uccl_ep::internode {
 
@@ -37,8 +38,9 @@ struct ExpertMajorReceive {
 
 // One launch, asynchronous on `stream`; with `gate`, each tile of rows first waits for the chunks that carry it and
 // rows are read from `first_row` to the end first, then from 0 (unpack_records' order). The padding rows are
-// expert_major::pad's; the reader writes only rows that a pair fills.
+// expert_major::pad's; the reader writes only rows that a pair fills. `own` (one GPU per node): our own node's rows
+// were never packed, and each field of theirs is read from our columns (internode_plan.hpp, OwnRows).
 void expert_major_receive(const ExpertMajorReceive& job, uintptr_t stream, const ArrivalGate* gate = nullptr,
-                          int64_t first_row = 0);
+                          int64_t first_row = 0, const OwnRows& own = {});
 
 }  // namespace uccl_ep::internode

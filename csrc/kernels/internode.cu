@@ -869,7 +869,8 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
     throw std::invalid_argument("pack_and_push: misaligned record layout");
   if (job.own_first < 0 || job.own_count < 0 || job.own_first + job.own_count > job.num_records)
     throw std::invalid_argument("pack_and_push: our own node's records must lie within the records");
-  if (job.own_count > 0 && !job.own_dst) throw std::invalid_argument("pack_and_push: own records without a destination");
+  // (own_count > 0 without own_dst: our own node's records are not written; the reader takes those rows from the
+  // columns, internode_plan.hpp OwnRows)
   if (job.ranks_per_node > 0 && !job.dest_rows) throw std::invalid_argument("pack_and_push: no final rows");
   const int64_t send_offset = int64_t(job.send) - int64_t(reinterpret_cast<uintptr_t>(rdma_));
   // counted on the device, nothing is written past the send limit (num_records is only the tables' capacity)

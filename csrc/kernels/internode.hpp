@@ -40,7 +40,8 @@ enum PushColumn : int {
 constexpr int kPackPushMaxRows = 256;
 
 // The records pack_and_push writes: those of pack_records (internode_plan.hpp) -- record r of num_records at
-// send + r * stride, our own node's [own_first, own_first + own_count) at own_dst instead -- with two more cases for
+// send + r * stride, our own node's [own_first, own_first + own_count) at own_dst instead (own_dst 0: not written, the
+// reader taking them from the columns, internode_plan.hpp OwnRows) -- with two more cases for
 // combine's rows: hop1_token 0 (record r carries row r of every column) and src_idx_offset < 0 (no index fields;
 // ranks_per_node 0: no final rows either). `send` must lie in this rank's RDMA region: the push table's offsets
 // name the records by their place there.

@@ -185,12 +185,12 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const char* __restrict__ src, long long src_stride, long long n, long long out_rows, PackArgs args,
     UnpackTopk topk, long long src_idx_offset, long long* __restrict__ src_idx_out, long long arrival_offset,
     long long* __restrict__ arrival_out, ArrivalGate gate, long long first_row, const long long* dims,
-    PackArgs own_cols, const long long* own_tokens, bool pad) {
+    OwnRowsArgs own, bool pad) {
   constexpr int kTile = kPackThreads / kPackGroup;
   __shared__ bool s_ok;
-  // read before the counts: our own rows [own_lo, own_hi) come from our columns, at the tokens of our send list's
-  // records own_rec.. (they were never packed)
-  long long own_lo = 0, own_hi = 0, own_rec = 0;
+  // our own rows [own_lo, own_hi) come from our columns, at the tokens of our send list's records own_rec.. (they
+  // were never packed); read before the counts, where they lie comes from the words
+  long long own_lo = own.first_row, own_hi = own.first_row + own.count, own_rec = own.first_record;
   if (dims) {
     if (!dims[kReadGo]) return;  // the host unpacks after notify instead
     n = dims[kReadRows];
@@ -229,18 +229,12 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     }
     const long long r = lo + threadIdx.x / kPackGroup;
     if (r >= end) continue;
-    const bool real = r < n, own = r >= own_lo && r < own_hi;
-    const long long token = own ? own_tokens[own_rec + r - own_lo] : 0;
+    const bool real = r < n, own_row = r >= own_lo && r < own_hi;
+    const long long token = own_row ? own.tokens[own_rec + r - own_lo] : 0;
     const char* row = src + r * src_stride;
     // byte `off` of row r's record: in the arrivals, or (our own) in the column holding it, at the row's token
     const auto field = [&](long long off) -> const char* {
-      if (!own) return row + off;
-      for (int j = 0; j < own_cols.num_columns; ++j) {
-        const PackColumn& c = own_cols.columns[j];
-        if (off >= c.offset && off < c.offset + c.bytes)
-          return reinterpret_cast<const char*>(c.rows) + token * c.bytes + (off - c.offset);
-      }
-      return row + off;  // not reached: the host checks that every field read lies in a column
+      return own_row ? own.field(token, off, row + off) : row + off;
     };
     for (int c = 0; c < args.num_columns; ++c) {
       const PackColumn& col = args.columns[c];
@@ -267,7 +261,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     }
     if (real && lane == 0) {
       if (src_idx_out)
-        src_idx_out[r] = own ? token : load_word<kGated>(reinterpret_cast<const int*>(row + src_idx_offset));
+        src_idx_out[r] = own_row ? token : load_word<kGated>(reinterpret_cast<const int*>(row + src_idx_offset));
       if (arrival_out)
         arrival_out[r] = arrival_offset < 0 ? r : load_word<kGated>(reinterpret_cast<const int*>(row + arrival_offset));
     }
@@ -400,28 +394,22 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
-                    const ArrivalGate* gate, int64_t first_row, const ReadBeforeCounts& before) {
+                    const ArrivalGate* gate, int64_t first_row, const ReadBeforeCounts& before,
+                    const OwnRows& own) {
   if (out_rows < num_rows) throw std::invalid_argument("unpack_records: fewer output rows than rows");
-  if (before.dims && (!before.own_tokens || first_row || arrival_offset >= 0))
-    throw std::invalid_argument("unpack_records: read before the counts needs own_tokens, no first_row (it comes "
-                                "from the device) and one GPU per node (arrival = row)");
-  PackArgs own{};
-  if (before.dims) {  // every field the reader takes from a record must lie in one of our columns
-    if (before.own_columns.size() > size_t(kMaxPackColumns))
-      throw std::invalid_argument("unpack_records: at most " + std::to_string(kMaxPackColumns) + " own columns");
-    own.num_columns = int(before.own_columns.size());
-    for (size_t i = 0; i < before.own_columns.size(); ++i) own.columns[i] = before.own_columns[i];
-    const auto within = [&](int64_t off, int64_t bytes) {
-      if (bytes <= 0) return true;
-      for (const PackColumn& c : before.own_columns)
-        if (c.rows && off >= c.offset && off + bytes <= c.offset + c.bytes) return true;
-      return false;
-    };
-    bool ok = within(topk.ids_offset, topk.num_topk > 0 ? 8 * int64_t(topk.num_topk) : 0) &&
-              within(topk.weights_offset, topk.weights_out && topk.num_topk > 0 ? 4 * int64_t(topk.num_topk) : 0);
-    for (const PackColumn& c : columns) ok = ok && within(c.offset, c.bytes);
-    if (!ok) throw std::invalid_argument("unpack_records: a field read before the counts lies in none of own_columns");
-  }
+  if (before.dims && (!own.tokens || first_row || arrival_offset >= 0))
+    throw std::invalid_argument("unpack_records: read before the counts needs our own rows' tokens, no first_row (it "
+                                "comes from the device) and one GPU per node (arrival = row)");
+  if (own.tokens && arrival_offset >= 0)
+    throw std::invalid_argument("unpack_records: own rows from the columns only with one GPU per node (arrival = row)");
+  if (own.tokens && !before.dims && own.first_row + own.count > num_rows)
+    throw std::invalid_argument("unpack_records: our own rows end past the rows");
+  // every field the reader takes from a record must lie in one of our columns (copy_row takes any alignment)
+  std::vector<OwnField> fields{{topk.ids_offset, topk.num_topk > 0 ? 8 * int64_t(topk.num_topk) : 0, 8},
+                               {topk.weights_offset, topk.weights_out && topk.num_topk > 0 ? 4 * int64_t(topk.num_topk)
+                                                                                          : 0, 4}};
+  for (const PackColumn& c : columns) fields.push_back({c.offset, c.bytes, 1});
+  const OwnRowsArgs own_args = own_rows_args(own, fields, "unpack_records");
   if (first_row < 0 || first_row > num_rows)
     throw std::invalid_argument("unpack_records: first_row " + std::to_string(first_row) + " outside 0.." +
                                 std::to_string(num_rows));
@@ -448,8 +436,8 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
     kernel<<<blocks + (gate ? 1 : 0), kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const char*>(src), src_stride, num_rows, out_rows, args, topk, src_idx_offset,
         reinterpret_cast<long long*>(src_idx_out), arrival_offset, reinterpret_cast<long long*>(arrival_out),
-        gate ? *gate : ArrivalGate{}, first_row, reinterpret_cast<const long long*>(before.dims), own,
-        reinterpret_cast<const long long*>(before.own_tokens), before.pad);
+        gate ? *gate : ArrivalGate{}, first_row, reinterpret_cast<const long long*>(before.dims), own_args,
+        before.pad);
   };
   gate ? launch(unpack_records_kernel<true>) : launch(unpack_records_kernel<false>);
   check_launch("unpack_records");

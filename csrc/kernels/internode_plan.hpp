@@ -88,19 +88,28 @@ struct UnpackTopk {
 // the gate's blocks and where our own node's records lie come from the words gate_from_count_rows wrote on the
 // device, not from the host, which has not read the counts yet. num_rows and out_rows are then the outputs'
 // capacity: the reader unpacks only when the words say go (else does nothing), and pads up to out_rows only with
-// `pad` (num_worst_tokens), else stops at the rows. Our own node's rows were never packed: each is read straight
-// from the columns (own_columns, as pack_records takes them: every field of the record lies in one) at its token,
-// own_tokens[i] for the i-th record of our send list (its src_idx).
+// `pad` (num_worst_tokens), else stops at the rows. Our own node's rows were never packed: the reader takes them
+// from the columns (`own`, below), its place in the rows from the words.
 struct ReadBeforeCounts {
-  uintptr_t dims = 0;        // device int64 [kReadDims] (ReadDim); 0: not read before the counts
-  uintptr_t own_tokens = 0;  // device int64: the send list's tokens (hop1_token)
-  std::vector<PackColumn> own_columns;
+  uintptr_t dims = 0;  // device int64 [kReadDims] (ReadDim); 0: not read before the counts
   bool pad = false;
+};
+//
+// Our own node's rows read from the columns (`own`, one GPU per node: docs/internode.md, "Own rows from the columns"):
+// final rows [first_row, first_row + count) are our send list's records first_record.., which were never packed, so
+// each field is read from the column holding it (columns as pack_records takes them) at the record's token,
+// tokens[first_record + i] (the send plan's hop1_token), and the row's src_idx is that token. Read before the
+// counts, first_row, count and first_record come from the device words instead.
+struct OwnRows {
+  int64_t first_row = 0, count = 0, first_record = 0;
+  uintptr_t tokens = 0;  // device int64
+  std::vector<PackColumn> columns;
 };
 void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t out_rows,
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
-                    const ArrivalGate* gate = nullptr, int64_t first_row = 0, const ReadBeforeCounts& before = {});
+                    const ArrivalGate* gate = nullptr, int64_t first_row = 0, const ReadBeforeCounts& before = {},
+                    const OwnRows& own = {});
 
 // The words a reader launched before the host read the counts takes from the device (one GPU per node).
 enum ReadDim : int {

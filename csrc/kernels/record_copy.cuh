@@ -3,6 +3,10 @@
 // alignment allows. One definition, so the fused pack_and_push writes exactly the bytes pack_records does.
 #pragma once
 
+#include <stdexcept>
+#include <string>
+#include <vector>
+
 #include "uccl_ep/portability.cuh"
 
 #include "kernels/arrival_gate.cuh"
@@ -69,6 +73,62 @@ __device__ __forceinline__ void write_record(char* rec, long long t, const PackA
   if (src_idx_offset >= 0 && lane == 0) *reinterpret_cast<int*>(rec + src_idx_offset) = int(t);
   for (int g = lane; g < G; g += width)
     reinterpret_cast<int*>(rec + dest_rows_offset)[g] = int(dest_rows_of_record[g]);
+}
+
+// OwnRows (internode_plan.hpp) as a kernel takes it: our own node's final rows [first_row, first_row + count) come
+// from the columns at the tokens of our send list's records first_record.. (count 0: none).
+struct OwnRowsArgs {
+  long long first_row, count, first_record;
+  const long long* tokens;
+  PackArgs columns;
+
+  __device__ __forceinline__ bool holds(long long r) const { return r >= first_row && r < first_row + count; }
+  __device__ __forceinline__ long long token(long long r) const { return tokens[first_record + r - first_row]; }
+  // byte `off` of the record our columns would make at `token`; `fallback` where no column holds it (the host checks
+  // that every field a reader takes lies in one: own_rows_args)
+  __device__ __forceinline__ const char* field(long long token, long long off, const char* fallback) const {
+    for (int j = 0; j < columns.num_columns; ++j) {
+      const PackColumn& c = columns.columns[j];
+      if (off >= c.offset && off < c.offset + c.bytes)
+        return reinterpret_cast<const char*>(c.rows) + token * c.bytes + (off - c.offset);
+    }
+    return fallback;
+  }
+};
+
+// A field of the record that a reader takes, and the alignment its loads need (bytes 0: not taken).
+struct OwnField {
+  int64_t offset, bytes, align;
+};
+
+// The kernel's OwnRowsArgs from the host's OwnRows, checked: at most kMaxPackColumns columns, and every field the
+// reader takes within one column, at an address its loads may use at every token. `what` names the caller.
+inline OwnRowsArgs own_rows_args(const OwnRows& own, const std::vector<OwnField>& fields, const char* what) {
+  OwnRowsArgs a{};
+  a.first_row = own.first_row;
+  a.count = own.count;
+  a.first_record = own.first_record;
+  a.tokens = reinterpret_cast<const long long*>(own.tokens);
+  if (!own.tokens) return a;  // none: every row is read from the records
+  const std::string who(what);
+  if (own.first_row < 0 || own.count < 0 || own.first_record < 0)
+    throw std::invalid_argument(who + ": negative own rows");
+  if (own.columns.size() > size_t(kMaxPackColumns))
+    throw std::invalid_argument(who + ": at most " + std::to_string(kMaxPackColumns) + " own columns");
+  a.columns.num_columns = int(own.columns.size());
+  for (size_t i = 0; i < own.columns.size(); ++i) a.columns.columns[i] = own.columns[i];
+  for (const OwnField& f : fields) {
+    if (f.bytes <= 0) continue;
+    bool ok = false;
+    for (const PackColumn& c : own.columns)
+      ok = ok || (c.rows && f.offset >= c.offset && f.offset + f.bytes <= c.offset + c.bytes &&
+                  (c.rows + uint64_t(f.offset - c.offset)) % f.align == 0 && c.bytes % f.align == 0);
+    if (!ok)
+      throw std::invalid_argument(who + ": the record's field at byte " + std::to_string(f.offset) + " (" +
+                                  std::to_string(f.bytes) + " bytes) lies in none of the own columns, or not " +
+                                  std::to_string(f.align) + "-byte aligned there");
+  }
+  return a;
 }
 
 }  // namespace uccl_ep::internode

@@ -278,42 +278,39 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
                    weights_out: int, ids_offset: int, weights_offset: int, num_topk: int, expert_lo: int,
                    experts_per_rank: int, src_idx_offset: int, src_idx_out: int, arrival_offset: int,
                    arrival_out: int, stream: int, gate: "ArrivalGate | None" = None, first_row: int = 0,
-                   dims: int = 0, own_columns: tuple = (), own_tokens: int = 0, pad: bool = False) -> None:
+                   dims: int = 0, pad: bool = False, own: "tuple | None" = None) -> None:
     """unpack_records_kernel: the final rows' columns into their outputs (zero rows up to ``out_rows``); global
     expert ids made local (-1 elsewhere), the weights of foreign ids zeroed; the int32 src_idx / arrival fields
     widened to int64 (a negative arrival offset: the row index). ``first_row`` only orders the kernel's reads: checked
-    here, then all rows are read at once. ``dims`` (gate_from_count_rows' words): read before the counts -- the rows,
-    the gate's blocks and our own rows' place from the device, our own rows straight from ``own_columns`` at the
-    tokens ``own_tokens`` lists (never packed), nothing done unless the words say go, padding only with ``pad``."""
+    here, then all rows are read at once. ``own`` (first row, count, first record, tokens, columns): our own rows,
+    never packed, read from the columns (_with_own_rows). ``dims`` (gate_from_count_rows' words): read before the
+    counts -- the rows, the gate's blocks and our own rows' place from the device, nothing done unless the words say
+    go, padding only with ``pad``."""
     if out_rows < num_rows:
         raise ValueError("unpack_records: fewer output rows than rows")
     if not 0 <= first_row <= num_rows:
         raise ValueError(f"unpack_records: first_row {first_row} outside 0..{num_rows}")
-    if dims and (not own_tokens or first_row or arrival_offset >= 0):
-        raise ValueError("unpack_records: read before the counts needs own_tokens, no first_row (it comes from the "
-                         "device) and one GPU per node (arrival = row)")
+    if dims and (not own or first_row or arrival_offset >= 0):
+        raise ValueError("unpack_records: read before the counts needs our own rows' tokens, no first_row (it comes "
+                         "from the device) and one GPU per node (arrival = row)")
     n = num_rows
-    own = None
+    if own is not None and not dims and own[0] + own[1] > num_rows:
+        raise ValueError("unpack_records: our own rows end past the rows")
     if dims:
         words = _at(dims, 8 * READ_DIMS, torch.int64).tolist()
         if not words[READ_GO]:
             return
         n = words[READ_ROWS]
         out_rows = out_rows if pad else n
-        own = (words[READ_FIRST_ROW], words[READ_OWN_COUNT], words[READ_OWN_FIRST])
+        own = (words[READ_FIRST_ROW], words[READ_OWN_COUNT], words[READ_OWN_FIRST]) + tuple(own[3:])
         if gate is not None:
             gate.blocks = words[READ_BLOCKS]
     if gate is not None and not gate.wait_rows(range(n)):
         return
     rows = _at(src, (n - 1) * src_stride + src_stride).as_strided((n, src_stride), (src_stride, 1)) if n else None
-    if own is not None and own[1]:  # our own rows: the records our columns would make at those tokens
-        lo, count, rec = own
-        tokens = _at(own_tokens + 8 * rec, 8 * count, torch.int64).clone()
-        T = int(tokens.max()) + 1
-        rows = rows.clone()
-        for ptr, nb, off in own_columns:
-            rows[lo:lo + count, off:off + nb] = _at(ptr, T * nb).view(T, nb)[tokens]
-        rows[lo:lo + count, src_idx_offset:src_idx_offset + 4] = tokens.to(torch.int32).view(-1, 1).view(torch.uint8)
+    fields = [(ids_offset, 8 * num_topk if ids_out else 0), (weights_offset, 4 * num_topk if weights_out else 0)]
+    rows = _with_own_rows("unpack_records", rows, own, src_idx_offset, arrival_offset,
+                          fields + [(off, nb) for _, nb, off in columns])
 
     def field(off: int, nb: int) -> torch.Tensor:
         return rows[:, off:off + nb].contiguous() if n else torch.empty((0, nb), dtype=torch.uint8)
@@ -340,16 +337,46 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
             _at(out, 8 * n, torch.int64).copy_(val)
 
 
+def _with_own_rows(what: str, rows: "torch.Tensor | None", own: "tuple | None", src_idx_offset: int,
+                   arrival_offset: int, fields: list) -> "torch.Tensor | None":
+    """The final rows as a reader given ``own`` (first row, count, first record, tokens, columns: internode_plan.hpp
+    OwnRows) sees them: our own rows replaced by the records our columns make at their tokens (src_idx: the token),
+    never read from the arrivals; checked as the kernels check: one GPU per node, every field taken (``fields``:
+    (offset, bytes), 0 bytes: not taken) within one column."""
+    if own is None:
+        return rows
+    first_row, count, first_record, tokens_at, columns = own
+    if not tokens_at:
+        raise ValueError("own rows: give the send list's tokens")
+    if arrival_offset >= 0:
+        raise ValueError(f"{what}: own rows from the columns only with one GPU per node (arrival = row)")
+    for off, nb in fields:
+        if nb > 0 and not any(ptr and c_off <= off and off + nb <= c_off + c_nb for ptr, c_nb, c_off in columns):
+            raise ValueError(f"{what}: the record's field at byte {off} ({nb} bytes) lies in none of the own columns")
+    if not count:
+        return rows
+    tokens = _at(tokens_at + 8 * first_record, 8 * count, torch.int64).clone()
+    T = int(tokens.max()) + 1
+    rows = rows.clone()
+    rows[first_row:first_row + count] = 0xA5  # nothing of the arrivals' own block may reach an output
+    for ptr, nb, off in columns:
+        rows[first_row:first_row + count, off:off + nb] = _at(ptr, T * nb).view(T, nb)[tokens]
+    rows[first_row:first_row + count, src_idx_offset:src_idx_offset + 4] = \
+        tokens.to(torch.int32).view(-1, 1).view(torch.uint8)
+    return rows
+
+
 def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int, x_bytes: int, scales_offset: int,
                          num_scales: int, out_x: int, out_scales: int, expert_rows: int, topk: int,
                          slots_given: bool, slot_of: int, ids_offset: int, weights_offset: int, ranks_offset: int,
                          expert_lo: int, num_local_experts: int, num_sources: int, source_rows: int, places: int,
                          em_token: int, em_slot: int, em_expert: int, em_weights: int, src_idx_offset: int,
                          src_idx_out: int, arrival_offset: int, arrival_out: int, stream: int,
-                         gate: "ArrivalGate | None" = None, first_row: int = 0) -> None:
+                         gate: "ArrivalGate | None" = None, first_row: int = 0, own: "tuple | None" = None) -> None:
     """expert_major_receive_kernel: each final row's payload to the expert-major rows of its local experts, placed
     from the record's ids and pair ranks (the plan's columns and slot_of written), or from slot_of when given;
-    src_idx / arrival as unpack_records. Waits for every row first when gated (``first_row`` only orders reads)."""
+    src_idx / arrival and ``own`` as unpack_records. Waits for every row first when gated (``first_row`` only orders
+    reads)."""
     def bad(what: str) -> None:
         raise ValueError(f"expert_major_receive: {what}")
     if not 0 <= topk <= fake_expert_major.MAX_TOPK:
@@ -370,9 +397,15 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
             bad("give the sources' first rows and the places of their pairs")
         if not (em_token and em_slot and em_expert):
             bad("give em_token, em_slot and em_expert")
+    if own is not None and own[0] + own[1] > n:
+        bad("our own rows end past the rows")
     if gate is not None and not gate.wait_rows(range(n)):
         return
     rows = _at(src, (n - 1) * src_stride + src_stride).as_strided((n, src_stride), (src_stride, 1))
+    fields = [(x_offset, x_bytes), (scales_offset, 4 * num_scales if out_scales else 0)]
+    if not slots_given:
+        fields += [(ids_offset, 8 * K), (ranks_offset, 4 * K), (weights_offset, 4 * K if em_weights else 0)]
+    rows = _with_own_rows("expert_major_receive", rows, own, src_idx_offset, arrival_offset, fields)
     so = _at(slot_of, 4 * n * K, torch.int32).view(n, K)
     if not slots_given:
         ids = rows[:, ids_offset:ids_offset + 8 * K].contiguous().view(torch.int64) - expert_lo
@@ -690,7 +723,7 @@ class InternodeContext:
         keep = torch.ones(R, dtype=torch.bool)
         keep[own_first:own_first + own_count] = False
         _at(send, R * stride).view(R, stride)[keep] = out[keep]
-        if own_count:
+        if own_count and own_dst:  # (no own_dst: not written, the reader takes them from the columns)
             _at(own_dst, own_count * stride).view(own_count, stride).copy_(out[own_first:own_first + own_count])
         # the pusher's wait, chunk by chunk: the records the packers count into each chunk (by their place in the
         # region, as the kernel finds it); a chunk some of whose records no packer writes times out

@@ -40,6 +40,9 @@ ALL = [(k, fp8, em, worst, i) for i, (k, fp8, em, worst) in enumerate([
 # expert-major cases beyond ALL's: skewed routing, dropped experts with FP8, and num_worst_tokens without FP8
 EXPERT_MAJOR_CASES = [ALL[6], ("skewed", False, True, 0, 11), ALL[9], ("dropped", False, True, 0, 10), ALL[8],
                       ("dropped", True, True, 0, 12), ("random", False, True, 512, 13)]
+# our own rows read from the columns: rank-major and expert-major receives with FP8 scales, dropped experts, skew,
+# and a rank that receives nothing
+OWN_ROW_CASES = [ALL[0], ALL[2], ALL[5], EXPERT_MAJOR_CASES[1], EXPERT_MAJOR_CASES[5], ALL[9]]
 
 
 def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=False):

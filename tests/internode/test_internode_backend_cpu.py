@@ -18,7 +18,7 @@ import torch
 from tests.distributed import run_distributed
 
 import fake_internode_native as fake
-from internode_cases import (ALL, EXPERT_MAJOR_CASES, area_too_small_after_a_push_during_notify,
+from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_small_after_a_push_during_notify,
                              check_a_failed_rank_sends_and_forwards_nothing,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
@@ -585,6 +585,26 @@ def test_by_default_the_reader_writes_expert_major_rows_except_uncached_ones_whe
     assert reads_expert_major_rows("auto", 33, cached=True) and not reads_expert_major_rows("auto", 33, cached=False)
     out = run_distributed(_cases_counting, 2, 1, [ALL[6]], ("expert_major_reads",), timeout=120, env=ENV)
     assert [reads for _, reads in out] == [{"uncached": 1, "cached": 2}] * 2
+
+
+@pytest.mark.parametrize("world,G,env", [
+    (2, 1, {}), (4, 1, {"UCCL_EP_PACK_AND_PUSH": "0"}), (2, 1, {"UCCL_EP_OWN_ROWS_FROM_COLUMNS": "0"}), (4, 2, {})],
+    ids=["2x1", "4x1-separate-pack", "2x1-off", "2x2"])
+def test_a_gated_reader_takes_our_own_rows_from_the_columns_so_the_sender_never_packs_them_and_outputs_match(
+        world, G, env):
+    """With one GPU per node a dispatch's gated reader (rank-major unpack, or the expert-major reader) reads our own
+    node's rows straight from the input columns at their tokens, and the sender (pack_and_push, or the separate pack
+    launches) never writes them to the receive area -- the stand-in poisons that block in what the reader sees, so a
+    row read from it could not match. Every output equals the reference bit for bit; the counter shows the readers
+    that did. UCCL_EP_OWN_ROWS_FROM_COLUMNS=0 packs them as before, and with several GPUs per node (the forwarders
+    need the records) nobody reads from the columns."""
+    out = run_distributed(_cases_counting, world, G, OWN_ROW_CASES, ("own_rows_read_from_columns",), timeout=180,
+                          env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER="always", **env))
+    reads_from_columns = G == 1 and "UCCL_EP_OWN_ROWS_FROM_COLUMNS" not in env
+    for done, read in out:
+        assert done == len(OWN_ROW_CASES)
+        # each case's cached dispatches at least (its uncached one may be read before the count read instead)
+        assert (read >= 2 * len(OWN_ROW_CASES)) if reads_from_columns else read == 0, read
 
 
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 1)], ids=["2x1", "4x1"])  # (only one GPU per node gates dispatch)

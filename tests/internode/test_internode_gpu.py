@@ -34,7 +34,7 @@ if not (native.available() and hasattr(native.module(), "internode")):
 from tests.distributed import run_distributed  # noqa: E402
 
 from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # noqa: E402  (shared with
-                             EXPERT_MAJOR_CASES, check_a_failed_rank_sends_and_forwards_nothing,
+                             EXPERT_MAJOR_CASES, OWN_ROW_CASES, check_a_failed_rank_sends_and_forwards_nothing,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
@@ -127,6 +127,32 @@ def test_on_gpus_an_expert_major_receive_equals_the_reference_whether_the_reader
         uncached = in_reader == "always" or (in_reader == "auto" and not spin_blocks)
         cached = in_reader in ("always", "auto")
         assert reads == {"uncached": n if uncached else 0, "cached": 2 * n if cached else 0}, (reads, spin_blocks)
+
+
+def _own_row_cases(rank, world, G, cases):
+    nat, ref, dev = _backends(rank, world, G)
+    try:
+        return compare_cases(nat, ref, dev, rank, world, cases, 1), nat.own_rows_read_from_columns
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("from_columns", ["1", "0"], ids=["from-columns", "packed"])
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_on_gpus_a_gated_reader_takes_our_own_rows_from_the_columns_or_from_the_records_and_outputs_match(
+        world, G, from_columns):
+    """With one GPU per node the gated readers -- rank-major unpack and the expert-major reader, uncached and cached,
+    FP8 scales, dropped experts, skew, a rank that receives nothing -- read our own node's rows straight from the
+    input columns, which the sender never packs (UCCL_EP_OWN_ROWS_FROM_COLUMNS=1, the default), or from the records
+    packed into the receive area (0): every output equals the reference bit for bit either way; with several GPUs per
+    node the records are always packed (the forwarders need them)."""
+    _need(world)
+    env = {"UCCL_EP_OWN_ROWS_FROM_COLUMNS": from_columns, "UCCL_EP_EXPERT_MAJOR_IN_READER": "always",
+           "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_own_row_cases, world, G, OWN_ROW_CASES, timeout=420, env=env)
+    for done, read in out:
+        assert done == len(OWN_ROW_CASES)
+        assert (read >= 2 * len(OWN_ROW_CASES)) if G == 1 and from_columns == "1" else read == 0, read
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)

@@ -325,9 +325,8 @@ def test_a_reader_before_the_count_read_takes_its_gate_rows_and_own_records_from
         d_arr.data_ptr(), stride, capacity, capacity,
         [(out_x.data_ptr(), layout.column_bytes[0], layout.column_offsets[0])], got_ids.data_ptr(), got_w.data_ptr(),
         layout.column_offsets[1], layout.column_offsets[2], K, lo_e, epr, layout.src_idx_offset, got_src.data_ptr(),
-        -1, got_arr.data_ptr(), STREAM(), dims=dims.data_ptr(), own_columns=cols, own_tokens=d_tokens.data_ptr(),
-        pad=pad)
-    with pytest.raises(ValueError, match="lies in none of own_columns"):  # the weights' column left out
+        -1, got_arr.data_ptr(), STREAM(), dims=dims.data_ptr(), pad=pad, own=(0, 0, 0, d_tokens.data_ptr(), cols))
+    with pytest.raises(ValueError, match="lies in none of the own columns"):  # the weights' column left out
         unpack(own_columns[:2])
     unpack(own_columns)
     torch.cuda.synchronize()
