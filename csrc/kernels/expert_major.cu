@@ -7,6 +7,7 @@
 
 #include "expert_major.hpp"
 #include "uccl_ep/block_lists.cuh"
+#include "uccl_ep/cuda_errors.cuh"
 #include "uccl_ep/portability.cuh"
 #include "uccl_ep/row_sum.cuh"
 
@@ -241,10 +242,7 @@ __global__ void __launch_bounds__(kThreads) expert_major_pad_kernel(
   }
 }
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("uccl-ep expert-major: ") + what + ": " + cudaGetErrorString(err));
-}
+void check(cudaError_t err, const char* what) { uccl_ep::throw_on_cuda_error(err, "uccl-ep expert-major", what); }
 
 }  // namespace
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "uccl_ep/block_lists.cuh"
+#include "uccl_ep/cuda_errors.cuh"
 #include "uccl_ep/portability.cuh"
 
 #include "kernels/arrival_gate.cuh"
@@ -126,12 +127,6 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
   if constexpr (kGated) reader_ends(gate);
 }
 
-void check_launch(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string("internode: ") + what + " launch failed: " + cudaGetErrorString(e));
-}
-
 }  // namespace
 
 void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const ArrivalGate* gate, int64_t first_row,
@@ -171,7 +166,7 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
         a, own_args, gate ? *gate : ArrivalGate{}, first_row);
   };
   gate ? launch(expert_major_receive_kernel<true>) : launch(expert_major_receive_kernel<false>);
-  check_launch("expert_major_receive");
+  uccl_ep::check_launch("internode", "expert_major_receive");
 }
 
 }  // namespace uccl_ep::internode

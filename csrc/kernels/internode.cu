@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "uccl_ep/cuda_errors.cuh"
 #include "uccl_ep/portability.cuh"
 #include "uccl_ep/command.hpp"
 #include "uccl_ep/fifo_device.cuh"
@@ -33,12 +34,7 @@
 namespace uccl_ep::internode {
 namespace {
 
-void check(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw std::runtime_error("internode: " + what + " failed: " + cudaGetErrorString(e));
-  }
-}
+void check(cudaError_t e, const std::string& what) { throw_on_cuda_error(e, "internode", what); }
 
 // A rank whose wait failed (timed out, or aborted by the host) must not go on sending or forwarding: the rows it
 // would pass on were never received. Without this, a step launched behind the failed wait (nothing stops the

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "uccl_ep/cuda_errors.cuh"
 #include "uccl_ep/portability.cuh"
 
 #include "kernels/arrival_gate.cuh"
@@ -18,11 +19,7 @@ namespace {
 
 constexpr int kPlanThreads = 1024;
 
-void check_launch(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw std::runtime_error(std::string("internode: ") + what + " launch failed: " +
-                                                 cudaGetErrorString(e));
-}
+void check_launch(const char* kernel) { uccl_ep::check_launch("internode", kernel); }
 
 // Shared-memory histograms, then one write of the int64 row. Contention is on few bins only when R is small, where
 // the loops are short too (T x R items). One block.

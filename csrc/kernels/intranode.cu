@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "intranode.hpp"
+#include "uccl_ep/cuda_errors.cuh"
 #include "uccl_ep/portability.cuh"
 #include "expert_major.hpp"
 #include "uccl_ep/block_lists.cuh"
@@ -492,10 +493,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_blocks_kernel(
   }
 }
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("uccl-ep intranode: ") + what + ": " + cudaGetErrorString(err));
-}
+void check(cudaError_t err, const char* what) { uccl_ep::throw_on_cuda_error(err, "uccl-ep intranode", what); }
 
 struct DeviceGuard {
   int prev = -1;

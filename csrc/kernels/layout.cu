@@ -3,6 +3,7 @@
 #include <string>
 
 #include "intranode.hpp"
+#include "uccl_ep/cuda_errors.cuh"
 #include "uccl_ep/portability.cuh"
 
 namespace uccl_ep::intranode {
@@ -57,9 +58,7 @@ __global__ void layout_kernel(const int64_t* __restrict__ topk_idx, int num_toke
     if (s_node[i]) atomicAdd(&per_node[i], s_node[i]);
 }
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("uccl-ep layout: ") + what + ": " + cudaGetErrorString(err));
-}
+void check(cudaError_t err, const char* what) { uccl_ep::throw_on_cuda_error(err, "uccl-ep layout", what); }
 
 }  // namespace
 
