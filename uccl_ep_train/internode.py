@@ -433,6 +433,8 @@ class NativeInternodeBackend:
             kind: reads_expert_major_rows(s.kernel.expert_major_in_reader, self._cx.spin_blocks, kind == "cached")
             for kind in ("uncached", "cached")}
         self.expert_major_reads = {"uncached": 0, "cached": 0}  # receives the reader wrote (tests, benchmarks)
+        self.expert_major_places_on_device = 0  # ... whose places were made from the count rows (tests, benchmarks)
+        self._notify_rows_at: Optional[CountRows] = None  # where the last notify's rows are on the device (or None)
         self._recv_rows_seen: dict = {}  # tokens -> rows the last uncached dispatch of that size received
         # the gate table and words a reader before the counts takes from the device (gate_from_count_rows)
         self._read_gate = torch.zeros((self.N, GATE_FIXED + self.L), dtype=torch.int64, device=self.device)
@@ -676,6 +678,7 @@ class NativeInternodeBackend:
         shape = dict(num_experts=tokens_per_expert.numel() if carry else 0)
         width = self.R + self.N + shape["num_experts"]
         tpe = tokens_per_expert if carry else None
+        self._notify_rows_at = None  # (set where the rows land on the device: _notify_through_proxies)
         if self._notify_via_proxies:
             row = self._notify_views(width)[0]
             self._count_row(row, is_token_in_rank, tpe, plan if then is not None else None)
@@ -822,6 +825,8 @@ class NativeInternodeBackend:
                             then=later,
                             after_wait=(lambda: host.copy_(area, non_blocking=True)) if host is not None else None,
                             unawaited=after)
+        self._notify_rows_at = CountRows(self._notify_slot, self._expected[self._notify_slot],
+                                         self._cx.rdma_ptr + base, row_bytes // 8)
         self._lap("dispatch.notify_exchange")  # until every peer's row is here: the ranks' skew shows up here
         # a copy of the pinned rows: the next notify overwrites them, and the counts live on in the handle
         mat = (host.clone() if host is not None else area.cpu()).view(torch.int64).view(R, row_bytes // 8)[:, :words]
@@ -1765,13 +1770,19 @@ class NativeInternodeBackend:
             src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
             arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
             if args.expert_major and counts.expert_counts is not None:
+                # the reader's table from the count rows where they are on the device (this call's: the next
+                # notify overwrites them only after every rank's combine of this receive)
+                places_from = ((self._notify_rows_at.ptr, self._notify_rows_at.row_words, args.expert_alignment)
+                               if in_reader and self._notify_rows_at is not None else None)
                 try:
-                    em = self._expert_major_rows(nrecv, topk_idx.size(1), *expert_sizes(), worst, payload)
+                    em = self._expert_major_rows(nrecv, topk_idx.size(1), *expert_sizes(), worst, payload,
+                                                 places_from)
                 except InternodeError:
                     self._await_pending(pending, "dispatch_network")  # the peers' records land before we give up
                     raise
                 if in_reader:  # the reader's table, and the rows it leaves empty done before it
-                    em.places = self._upload(expert_major_places(counts, self.rank, L, expert_sizes()[1]))
+                    if em.places is None:
+                        em.places = self._upload(expert_major_places(counts, self.rank, L, expert_sizes()[1]))
                     self._expert_major_pad(em.info, args.expert_alignment, em.rows, em.out, em)
         self._recv_rows_seen[T] = nrecv
         # Everything that follows from the counts alone is made while the hop runs, not after the drain (~100 us per
@@ -1853,10 +1864,13 @@ class NativeInternodeBackend:
                               self.last_traffic)
 
     def _expert_major_rows(self, nrecv: int, topk: int, raw: List[int], aligned: List[int], worst: int,
-                           like: List[torch.Tensor]) -> ExpertMajorRows:
+                           like: List[torch.Tensor], places_from: Optional[Tuple[int, int, int]] = None
+                           ) -> ExpertMajorRows:
         """An expert-major receive's plan and payload outputs for these sizes (``raw``: received tokens per local
         expert; ``aligned``: padded to the alignment; ``like``: the payload columns), and the plan's sizes on the
-        device; raises when the rows exceed num_worst_tokens (``worst``)."""
+        device; raises when the rows exceed num_worst_tokens (``worst``). ``places_from`` (the count rows on the
+        device, their row words and the alignment): the reader's places and the plan's sizes are made there from
+        notify's count rows, one launch (expert_major_places), instead of two uploads of the host's copy."""
         dev = self.device
         rows = sum(aligned)
         if worst:
@@ -1864,11 +1878,21 @@ class NativeInternodeBackend:
                 raise InternodeError(f"rank {self.rank}: expert-major receive needs {rows} rows but num_worst_tokens="
                                      f"{worst}; raise num_worst_tokens")
             rows = worst
-        info = self._upload([nrecv, 0] + [int(c) for c in raw], np.int32)  # the plan's sizes: recv_info's layout
+        places = None
+        if places_from is not None:
+            count_rows, row_words, alignment = places_from
+            L = len(raw)
+            info = torch.empty(L + 2, dtype=torch.int32, device=dev)
+            places = torch.empty(self.R + 1 + 2 * self.R * L, dtype=torch.int64, device=dev)
+            self._k.expert_major_places(count_rows, row_words, self.R, self.N, self.rank, L, alignment,
+                                        places.data_ptr(), info.data_ptr(), self._stream())
+            self.expert_major_places_on_device += 1
+        else:
+            info = self._upload([nrecv, 0] + [int(c) for c in raw], np.int32)  # the plan's sizes: recv_info's layout
         token, slot, expert = (torch.empty(rows, dtype=torch.int64, device=dev) for _ in range(3))
         return ExpertMajorRows(rows, info, token, slot, expert, torch.empty(rows, dtype=torch.float32, device=dev),
                                torch.empty((nrecv, topk), dtype=torch.int32, device=dev),
-                               [_empty_rows(t, rows) for t in like])
+                               [_empty_rows(t, rows) for t in like], places)
 
     def _expert_major_plan(self, h: InternodeHandle, recv_topk_idx: torch.Tensor, recv_w: torch.Tensor,
                            em: ExpertMajorRows) -> Tuple[torch.Tensor, torch.Tensor]:

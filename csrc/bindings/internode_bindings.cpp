@@ -318,6 +318,12 @@ void bind_internode(py::module_& m) {
       "row's payload to the rows of its local experts, from the record's ids and pair ranks (and the plan's columns "
       "and slot_of written) or, slots_given, from slot_of; gate, first_row and own as unpack_records'");
 
+  k.def("expert_major_places", &in::expert_major_places, py::arg("count_rows"), py::arg("row_words"),
+        py::arg("num_ranks"), py::arg("num_nodes"), py::arg("rank"), py::arg("num_local_experts"),
+        py::arg("alignment"), py::arg("places"), py::arg("info"), py::arg("stream"),
+        "the uncached expert-major reader's table (internode_plan.expert_major_places' layout, int64) and the plan's "
+        "sizes (int32 [rows, 0, pairs per local expert]) made on the device from notify's count rows, one launch");
+
   k.attr("GATE_COLUMNS") = int(in::kGateBase);
   py::class_<in::ArrivalGate>(k, "ArrivalGate",
                               "what a gated kernel waits on (InternodeContext.arrival_gate); opaque")

@@ -127,7 +127,65 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
   if constexpr (kGated) reader_ends(gate);
 }
 
+// expert_major_places (expert_major_receive.hpp): a thread per local expert sums its pairs over the sources and
+// places each source's run in its segment; the segments' starts are one serial prefix (L is small).
+__global__ void expert_major_places_kernel(const long long* rows, long long row_words, int R, int N, int rank, int L,
+                                           int alignment, long long* places, int* info) {
+  __shared__ long long s_seg[kPlacesMaxExperts];
+  const long long expert_col = R + N + static_cast<long long>(rank) * L;
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    long long raw = 0;
+    for (int s = 0; s < R; ++s) raw += rows[s * row_words + expert_col + e];
+    info[2 + e] = static_cast<int>(raw);
+    s_seg[e] = (raw + alignment - 1) / alignment * alignment;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    long long at = 0;
+    for (int e = 0; e < L; ++e) {
+      const long long aligned = s_seg[e];
+      s_seg[e] = at;
+      at += aligned;
+    }
+    long long n = 0;
+    for (int s = 0; s < R; ++s) {
+      places[s] = n;
+      n += rows[s * row_words + rank];
+    }
+    places[R] = n;
+    info[0] = static_cast<int>(n);
+    info[1] = 0;
+  }
+  __syncthreads();
+  long long* table = places + R + 1;
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    long long first = s_seg[e];
+    for (int s = 0; s < R; ++s) {
+      const long long sent = rows[s * row_words + expert_col + e];
+      table[(static_cast<long long>(s) * L + e) * 2] = first;
+      table[(static_cast<long long>(s) * L + e) * 2 + 1] = sent;
+      first += sent;
+    }
+  }
+}
+
 }  // namespace
+
+void expert_major_places(uintptr_t count_rows, int64_t row_words, int num_ranks, int num_nodes, int rank,
+                         int num_local_experts, int alignment, uintptr_t places, uintptr_t info, uintptr_t stream) {
+  const auto bad = [](const std::string& what) { throw std::invalid_argument("expert_major_places: " + what); };
+  if (num_ranks < 1 || num_nodes < 1 || rank < 0 || rank >= num_ranks) bad("rank outside the group");
+  if (num_local_experts < 1 || num_local_experts > kPlacesMaxExperts)
+    bad("1.." + std::to_string(kPlacesMaxExperts) + " local experts");
+  if (alignment < 1) bad("alignment must be >= 1");
+  if (row_words < num_ranks + num_nodes + int64_t(num_ranks) * num_local_experts)
+    bad("the count rows carry no per-expert counts for every rank's experts");
+  if (!count_rows || !places || !info) bad("null count rows or output");
+  expert_major_places_kernel<<<1, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const long long*>(count_rows), row_words, num_ranks, num_nodes, rank, num_local_experts,
+      alignment, reinterpret_cast<long long*>(places), reinterpret_cast<int*>(info));
+  uccl_ep::check_launch("internode", "expert_major_places");
+}
 
 void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const ArrivalGate* gate, int64_t first_row,
                           const OwnRows& own) {

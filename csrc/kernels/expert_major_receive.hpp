@@ -43,4 +43,13 @@ struct ExpertMajorReceive {
 void expert_major_receive(const ExpertMajorReceive& job, uintptr_t stream, const ArrivalGate* gate = nullptr,
                           int64_t first_row = 0, const OwnRows& own = {});
 
+// The receiver's table of the uncached reader, made on the device from every rank's count row (rank s's at
+// count_rows + 8 * s * row_words: tokens per destination rank, then per destination node, then per expert, the
+// count rows of notify) instead of uploaded from the host's copy: `places` (int64, internode_plan.expert_major_places'
+// layout: [num_ranks + 1] source rows, then [num_ranks, L, 2]) and `info` (int32 [2 + L]: rows received, 0, pairs per
+// local expert: the plan's sizes), each expert's segment padded to `alignment`. One block; L <= kPlacesMaxExperts.
+constexpr int kPlacesMaxExperts = 4096;
+void expert_major_places(uintptr_t count_rows, int64_t row_words, int num_ranks, int num_nodes, int rank,
+                         int num_local_experts, int alignment, uintptr_t places, uintptr_t info, uintptr_t stream);
+
 }  // namespace uccl_ep::internode

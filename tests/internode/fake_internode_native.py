@@ -337,6 +337,30 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
             _at(out, 8 * n, torch.int64).copy_(val)
 
 
+def expert_major_places(count_rows: int, row_words: int, num_ranks: int, num_nodes: int, rank: int,
+                        num_local_experts: int, alignment: int, places: int, info: int, stream: int) -> None:
+    """expert_major_places_kernel: from every rank's count row, internode_plan.expert_major_places' table and the
+    plan's sizes (int32 [rows received, 0, pairs per local expert]), with the kernel's checks."""
+    R, N, L = num_ranks, num_nodes, num_local_experts
+    if not (R >= 1 and N >= 1 and 0 <= rank < R):
+        raise ValueError("expert_major_places: rank outside the group")
+    if not 1 <= L <= 4096 or alignment < 1:
+        raise ValueError("expert_major_places: 1..4096 local experts and an alignment >= 1")
+    if row_words < R + N + R * L:
+        raise ValueError("expert_major_places: the count rows carry no per-expert counts for every rank's experts")
+    rows = _at(count_rows, 8 * R * row_words, torch.int64).view(R, row_words)
+    col = R + N + rank * L
+    sent = rows[:, col:col + L].clone()  # [R, L]
+    raw = sent.sum(0)
+    aligned = (raw + alignment - 1) // alignment * alignment
+    seg = torch.cumsum(aligned, 0) - aligned
+    first = seg[None, :] + torch.cumsum(sent, 0) - sent
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(rows[:, rank], 0)])
+    _at(places, 8 * (R + 1 + 2 * R * L), torch.int64).copy_(
+        torch.cat([starts, torch.stack([first, sent], -1).reshape(-1)]))
+    _at(info, 4 * (L + 2), torch.int32).copy_(torch.cat([starts[-1:], torch.zeros(1, dtype=torch.int64), raw]))
+
+
 def _with_own_rows(what: str, rows: "torch.Tensor | None", own: "tuple | None", src_idx_offset: int,
                    arrival_offset: int, fields: list) -> "torch.Tensor | None":
     """The final rows as a reader given ``own`` (first row, count, first record, tokens, columns: internode_plan.hpp

@@ -558,17 +558,20 @@ def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_
     and cached ones from the handle's slots), by the plan and copy after the hop (never), or, as auto has it where
     ranks share a GPU, by the copy for the uncached dispatch and the reader from the slots the plan made for the
     cached ones: every output of compare_cases (dispatch, cached dispatch, combine, again after a combine) equals the
-    reference bit for bit, and the counters show which path ran."""
+    reference bit for bit, and the counters show which path ran. Each uncached reader's table and the plan's sizes
+    were made from notify's count rows where they lie (expert_major_places), not uploaded from the host's copy."""
+    counters = ("expert_major_reads", "expert_major_places_on_device")
     if in_reader == "shared-auto":
-        out = run_distributed(_cases_counting_as_on_a_shared_gpu, world, G, EXPERT_MAJOR_CASES,
-                              ("expert_major_reads",), timeout=180, env=ENV)
+        out = run_distributed(_cases_counting_as_on_a_shared_gpu, world, G, EXPERT_MAJOR_CASES, counters,
+                              timeout=180, env=ENV)
     else:
-        out = run_distributed(_cases_counting, world, G, EXPERT_MAJOR_CASES, ("expert_major_reads",), timeout=180,
+        out = run_distributed(_cases_counting, world, G, EXPERT_MAJOR_CASES, counters, timeout=180,
                               env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader))
     n = len(EXPERT_MAJOR_CASES)
-    for done, reads in out:
+    for done, reads, places_on_device in out:
         assert done == n, done
         assert reads == READS[in_reader](n)
+        assert places_on_device == reads["uncached"], (places_on_device, reads)
 
 
 def test_by_default_the_reader_writes_expert_major_rows_except_uncached_ones_where_ranks_share_a_gpu():

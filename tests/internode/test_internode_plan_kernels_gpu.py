@@ -397,3 +397,35 @@ def test_pad_kernel_zeroes_exactly_the_rows_no_pair_fills_and_marks_them_empty_i
     for c in cols:
         assert torch.equal(c, torch.where(f, 9, -1))
     assert torch.equal(w, torch.where(f, 0.25, 0.0))
+
+
+@pytest.mark.parametrize("R,G,L,alignment", [(2, 1, 32, 1), (4, 2, 3, 8), (8, 4, 256, 128), (2, 1, 1, 4)])
+def test_places_kernel_makes_the_readers_table_and_plan_sizes_from_the_count_rows_as_the_host_does(R, G, L, alignment):
+    """expert_major_places from every rank's count row on the device (rows wider than their words, as notify's area
+    lays them out) against internode_plan.expert_major_places and the plan's sizes (rows received, 0, pairs per local
+    expert) the host uploaded before: equal for every rank, with sources and experts that send nothing."""
+    from uccl_ep_train.internode_plan import counts_from_rows, expert_major_places, recv_expert_counts
+
+    N, E = R // G, R * L
+    g = torch.Generator().manual_seed(R * 1000 + L * 10 + alignment)
+    words = R + N + E
+    row_words = words + 3  # (the area's rows are aligned past the words)
+    mat = torch.randint(0, 50, (R, words), generator=g)
+    mat[torch.rand((R, words), generator=g) < 0.2] = 0  # sources and experts with nothing
+    rows = torch.full((R, row_words), -9, dtype=torch.int64)
+    rows[:, :words] = mat
+    d_rows = rows.to(DEV)
+    counts = counts_from_rows(mat, R, N, num_experts=E)
+    for rank in range(R):
+        raw = recv_expert_counts(counts, rank, L)
+        aligned = [(c + alignment - 1) // alignment * alignment for c in raw]
+        want = torch.from_numpy(expert_major_places(counts, rank, L, aligned))
+        places = torch.full((R + 1 + 2 * R * L,), -7, dtype=torch.int64, device=DEV)
+        info = torch.full((L + 2,), -7, dtype=torch.int32, device=DEV)
+        K_.expert_major_places(d_rows.data_ptr(), row_words, R, N, rank, L, alignment, places.data_ptr(),
+                               info.data_ptr(), STREAM())
+        assert torch.equal(places.cpu(), want), rank
+        assert info.cpu().tolist() == [int(mat[:, rank].sum()), 0] + [int(c) for c in raw], rank
+    with pytest.raises(ValueError, match="per-expert counts"):  # rows without every rank's experts
+        K_.expert_major_places(d_rows.data_ptr(), R + N, R, N, 0, L, alignment, places.data_ptr(), info.data_ptr(),
+                               STREAM())
