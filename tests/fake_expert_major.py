@@ -153,8 +153,9 @@ def pair_ranks(topk_idx: int, num_tokens: int, topk: int, num_experts: int, rank
 
 def pad(recv_info: int, num_local_experts: int, alignment: int, expert_rows: int, hidden_bytes: int,
         num_scales: int, out_x: int, out_scales: int, em_token: int, em_slot: int, em_expert: int, em_weights: int,
-        grid: int, stream: int) -> None:
-    """expert_major_pad_kernel: the rows no pair fills zeroed, the given plan columns -1 / 0 there."""
+        grid: int, stream: int, go: int = 0) -> None:
+    """expert_major_pad_kernel: the rows no pair fills zeroed, the given plan columns -1 / 0 there; nothing when the
+    int64 word at ``go`` (if given) holds 0."""
     if alignment < 1:
         raise ValueError("expert_major_pad: alignment must be >= 1")
     if not 0 <= num_local_experts <= 4096:
@@ -162,6 +163,8 @@ def pad(recv_info: int, num_local_experts: int, alignment: int, expert_rows: int
     if hidden_bytes % 16 or out_x % 16:
         raise ValueError("expert_major_pad: payload rows must be 16-byte aligned")
     if expert_rows == 0:
+        return
+    if go and not int(torch.frombuffer((ctypes.c_char * 8).from_address(go), dtype=torch.int64)[0]):
         return
     P = expert_rows
     counts = _at(recv_info, 4 * (2 + num_local_experts), torch.int32).tolist()[2:]

@@ -247,6 +247,12 @@ class ReadingBeforeCounts:
     src_idx: Optional[torch.Tensor] = None
     arrival: Optional[torch.Tensor] = None
     t0: Any = None
+    # an expert-major receive written by its reader (docs/internode.md, "Expert-major rows in the reader"): the
+    # expert-major rows allocated before the counts (num_worst_tokens, or a guess as for the rows), 0: rank-major;
+    # the outputs, made at the launch (_launch_reader_before_counts)
+    expert_rows: int = 0
+    alignment: int = 1
+    em: Optional["ExpertMajorRows"] = None
 
     @property
     def rows(self) -> int:
@@ -436,11 +442,13 @@ class NativeInternodeBackend:
         self.expert_major_places_on_device = 0  # ... whose places were made from the count rows (tests, benchmarks)
         self._notify_rows_at: Optional[CountRows] = None  # where the last notify's rows are on the device (or None)
         self._recv_rows_seen: dict = {}  # tokens -> rows the last uncached dispatch of that size received
+        self._expert_rows_seen: dict = {}  # ... and the expert-major rows it filled (an expert-major receive)
         # the gate table and words a reader before the counts takes from the device (gate_from_count_rows)
         self._read_gate = torch.zeros((self.N, GATE_FIXED + self.L), dtype=torch.int64, device=self.device)
         self._read_dims = torch.zeros(READ_DIMS, dtype=torch.int64, device=self.device)
         self.reads_before_counts = 0  # readers launched before the count read that read (tests, benchmarks)
         self.reads_before_counts_declined = 0  # ... that the counts sent back to the reader after notify
+        self.expert_major_reads_before_counts = 0  # ... of expert-major receives, whose reader wrote the rows
         # the outputs of the next such reader, made during a combine's hop: (spec, tensors) (_spare_read_outputs)
         self._next_read: Optional[tuple] = None
         self._spare_read_outputs: Optional[tuple] = None
@@ -1515,21 +1523,36 @@ class NativeInternodeBackend:
 
     # ------------------------------------------------------- reading before the count read
     def _reading_before_counts(self, args: DispatchArgs, T: int, layout: RecordLayout, pushed_in_one_launch: bool,
-                               dense: List[torch.Tensor], tables: SendPlan) -> Optional[ReadingBeforeCounts]:
+                               dense: List[torch.Tensor], tables: SendPlan, em_in_reader: bool = False
+                               ) -> Optional[ReadingBeforeCounts]:
         """Whether this uncached dispatch launches its reader before the host reads the count matrix (docs/internode.md,
         "Reading before the count read"), and for how many rows: with one GPU per node, a gated reader, the
         records packed and pushed during notify by one launch (``pushed_in_one_launch``), and a row count known
         before the counts -- num_worst_tokens, or the rows the last dispatch of T tokens received plus
         UCCL_EP_READ_BEFORE_COUNTS_SLACK (capped by the receive area). None: the reader follows the host's plan.
-        Not for an expert-major receive: its expert-major copy reads the final rows, where our own rows would not be
-        (docs/internode.md, "Reading before the count read": measured, it gained nothing there).
+        An expert-major receive only where its reader writes the expert-major rows (``em_in_reader``): the copy after
+        the hop reads the final rows, where our own rows are not (docs/internode.md, "Reading before the count
+        read"); its expert-major rows are guessed as the received rows are.
         ``dense``: the columns, contiguous, from which our own node's rows are read (never packed); ``tables``: the
         send plan the count row's launch writes."""
         spare, self._spare_read_outputs = self._spare_read_outputs, None  # taken here or dropped
-        if not (self.read_before_counts and pushed_in_one_launch and self.gated_arrivals and not args.expert_major):
+        if not (self.read_before_counts and pushed_in_one_launch and self.gated_arrivals
+                and (em_in_reader or not args.expert_major)):
             return None
         payload = [args.x] + ([args.x_scales] if args.x_scales is not None else [])
         K = args.topk_idx.size(1) if args.topk_idx is not None else 0
+        if args.expert_major:  # (no spare outputs: an expert-major receive's are its expert-major rows)
+            self._next_read = None
+            spec = self._read_spec(T, args.num_worst_tokens, layout.stride,
+                                   tuple((c.dtype, tuple(c.shape[1:])) for c in payload), K)
+            seen = self._expert_rows_seen.get(T)
+            expert_rows = args.num_worst_tokens or (math.ceil(seen * (1 + self.read_slack)) if seen else 0)
+            if spec is None or not spec[0] or not expert_rows:  # (nothing received last time: no guess)
+                return None
+            return ReadingBeforeCounts(spec, bool(args.num_worst_tokens), layout,
+                                       args.num_tokens_per_expert.numel() // self.R, _column_args(dense, layout),
+                                       tables.hop1_token.data_ptr(), expert_rows=expert_rows,
+                                       alignment=args.expert_alignment)
         # what the combine of this dispatch's handle makes the next dispatch's outputs for (_spare_read_outputs)
         self._next_read = (T, args.num_worst_tokens, layout.stride,
                            tuple((c.dtype, tuple(c.shape[1:])) for c in payload), K)
@@ -1582,6 +1605,9 @@ class NativeInternodeBackend:
         read does not wait for these launches)."""
         rows = reading.rows
         self._lap("dispatch.notify_wait_before_counts")
+        if reading.expert_rows:
+            self._launch_expert_major_reader_before_counts(reading, rows_at, send_top)
+            return
         if reading.src_idx is None:  # no spare made during the last combine's hop
             reading.outs, reading.topk_idx, reading.weights, reading.src_idx, reading.arrival = \
                 self._new_read_outputs(reading.spec)
@@ -1600,12 +1626,45 @@ class NativeInternodeBackend:
                             own=(0, 0, 0, reading.own_tokens, reading.own_columns))
         self._lap("dispatch.reader_before_counts")
 
-    def _reader_read(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int) -> bool:
+    def _launch_expert_major_reader_before_counts(self, reading: ReadingBeforeCounts, rows_at: CountRows,
+                                                  send_top: int) -> None:
+        """_launch_reader_before_counts for an expert-major receive written by its reader: the outputs (expert-major
+        rows for ``reading.expert_rows``), the gate and words from the count rows (gate_from_count_rows), then from
+        the same rows the reader's places and the plan's sizes (expert_major_places, which says no when the
+        expert-major rows pass the outputs), the padding, and the gated reader taking its rows, first row and our
+        own rows' place from the words (expert_major_receive with dims). Queues no upload."""
+        rows, stride, L = reading.rows, reading.layout.stride, reading.experts_per_rank
+        (_, payload, K) = reading.spec
+        like = [torch.empty((0,) + shape, dtype=dtype, device=self.device) for dtype, shape in payload]
+        em = reading.em = self._expert_major_outputs(rows, K, L, reading.expert_rows, like, on_device=True)
+        reading.src_idx = torch.empty(rows, dtype=torch.int64, device=self.device)
+        reading.arrival = torch.empty(rows, dtype=torch.int64, device=self.device)
+        self._lap("dispatch.outputs_before_counts")
+        reading.t0 = self._hop_started()
+        dims = self._read_dims.data_ptr()
+        self._k.gate_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, self.rank, self.L,
+                                     self._expected[:self.N * self.L], stride, send_top, self.half_rdma, rows,
+                                     self._read_gate.data_ptr(), dims, self._stream())
+        self._k.expert_major_places(rows_at.ptr, rows_at.row_words, self.R, self.N, self.rank, L, reading.alignment,
+                                    em.places.data_ptr(), em.info.data_ptr(), self._stream(), dims=dims,
+                                    capacity_rows=em.rows)
+        self._expert_major_pad(em.info, reading.alignment, em.rows, em.out, em, go=dims)
+        gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
+                                     self._phases["dispatch_network"])
+        final = _raw_bytes(self._cx.rdma_ptr + self.half_rdma, rows * stride, self.device).view(rows, stride)
+        self._expert_major_receive(final, reading.layout, em.out, em.rows, K, em.slot_of, em, L, reading.src_idx,
+                                   reading.arrival, gate=gate, dims=dims,
+                                   own=(0, 0, 0, reading.own_tokens, reading.own_columns), counted=False)
+        self._lap("dispatch.reader_before_counts")
+
+    def _reader_read(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int,
+                     expert_rows: Optional[int] = None) -> bool:
         """After notify: whether the reader launched before the count read reads, by its own rule on the same counts
-        (read_before_counts); else it did nothing."""
+        (read_before_counts, and for an expert-major receive its rows, ``expert_rows``, within the outputs'); else it
+        did nothing."""
         _, words = read_before_counts(counts.rank_counts, counts.node_counts, self.rank, self.L, self._expected,
                                       reading.layout.stride, send_top, self.half_rdma, reading.rows)
-        return bool(words[READ_GO])
+        return bool(words[READ_GO]) and (not reading.expert_rows or expert_rows <= reading.expert_rows)
 
     def _while_reader_before_counts(self, reading: ReadingBeforeCounts, counts: Counts, plan: SendPlan,
                                     host_work: Callable[[], None]) -> None:
@@ -1700,7 +1759,7 @@ class NativeInternodeBackend:
             dense = [_dense(c, c.dtype) for c in cols]
             layout = _record_layout(tuple(_row_bytes(r) for r in dense), self.G)
             fused = self._fused_table_during_notify(layout.stride)
-            reading = self._reading_before_counts(args, T, layout, fused is not None, dense, tables)
+            reading = self._reading_before_counts(args, T, layout, fused is not None, dense, tables, in_reader)
 
             def during(row: torch.Tensor, landing: CountRows) -> None:
                 self._pack_during_notify(row, itr, dense, layout, combined_send_base, early, landing, tables, fused)
@@ -1710,7 +1769,11 @@ class NativeInternodeBackend:
                               if reading is not None else None)
         self._lap("dispatch.notify")
         plan, pushed = self._packed_during_notify(early, counts)
-        if reading is not None and not self._reader_read(reading, counts, combined_send_base):
+        expert_rows = None  # an expert-major receive's rows, for the reader before the counts
+        if reading is not None and reading.expert_rows:
+            expert_rows = sum(_align(int(c), args.expert_alignment)
+                              for c in recv_expert_counts(counts, self.rank, reading.experts_per_rank))
+        if reading is not None and not self._reader_read(reading, counts, combined_send_base, expert_rows):
             reading = None  # the reader did nothing: the host plans and reads after notify, as below
             self.reads_before_counts_declined += 1
         packed = early["rows"] if plan is not None else None
@@ -1738,11 +1801,24 @@ class NativeInternodeBackend:
                 return None, None
             raw = recv_expert_counts(counts, self.rank, L)
             return raw, [_align(int(c), args.expert_alignment) for c in raw]
-        if reading is not None:
+        if reading is not None and reading.expert_rows:  # the reader writes the expert-major rows (and their plan)
+            nrecv = num_recv_rows(counts, self.rank)
+            rows = nrecv
+            layout, fwd_dest, pending, final, outs = reading.layout, None, None, None, []
+            recv_topk_idx = recv_w = None
+            src_idx, arrival = reading.src_idx[:nrecv], reading.arrival[:nrecv]
+            em, cut = reading.em, worst or expert_rows  # (padded to num_worst_tokens, else cut at the rows filled)
+            em = ExpertMajorRows(cut, em.info, em.token[:cut], em.slot[:cut], em.expert[:cut], em.weights[:cut],
+                                 em.slot_of[:nrecv], [o[:cut] for o in em.out], em.places)
+            self._expert_rows_seen[T] = expert_rows
+            self.expert_major_reads_before_counts += 1
+            self.expert_major_reads["uncached"] += 1
+            self.expert_major_places_on_device += 1
+        elif reading is not None:
             nrecv = num_recv_rows(counts, self.rank)
             rows = worst or nrecv
             layout, fwd_dest, pending = reading.layout, None, None
-            final = None  # (expert-major, which copies from the final rows, is never read before the counts)
+            final = None  # (an expert-major receive read before the counts is the branch above)
             outs = [o[:rows] for o in reading.outs]
             recv_topk_idx = reading.topk_idx[:rows] if reading.topk_idx is not None else None
             recv_w = reading.weights[:rows] if reading.weights is not None else None
@@ -1784,6 +1860,7 @@ class NativeInternodeBackend:
                     if em.places is None:
                         em.places = self._upload(expert_major_places(counts, self.rank, L, expert_sizes()[1]))
                     self._expert_major_pad(em.info, args.expert_alignment, em.rows, em.out, em)
+                    self._expert_rows_seen[T] = sum(expert_sizes()[1])
         self._recv_rows_seen[T] = nrecv
         # Everything that follows from the counts alone is made while the hop runs, not after the drain (~100 us per
         # call there, session 10): the outputs before the reader's launch (an allocation may call into CUDA), the
@@ -1871,28 +1948,34 @@ class NativeInternodeBackend:
         device; raises when the rows exceed num_worst_tokens (``worst``). ``places_from`` (the count rows on the
         device, their row words and the alignment): the reader's places and the plan's sizes are made there from
         notify's count rows, one launch (expert_major_places), instead of two uploads of the host's copy."""
-        dev = self.device
         rows = sum(aligned)
         if worst:
             if rows > worst:
                 raise InternodeError(f"rank {self.rank}: expert-major receive needs {rows} rows but num_worst_tokens="
                                      f"{worst}; raise num_worst_tokens")
             rows = worst
-        places = None
+        em = self._expert_major_outputs(nrecv, topk, len(raw), rows, like, on_device=places_from is not None)
         if places_from is not None:
             count_rows, row_words, alignment = places_from
-            L = len(raw)
-            info = torch.empty(L + 2, dtype=torch.int32, device=dev)
-            places = torch.empty(self.R + 1 + 2 * self.R * L, dtype=torch.int64, device=dev)
-            self._k.expert_major_places(count_rows, row_words, self.R, self.N, self.rank, L, alignment,
-                                        places.data_ptr(), info.data_ptr(), self._stream())
+            self._k.expert_major_places(count_rows, row_words, self.R, self.N, self.rank, len(raw), alignment,
+                                        em.places.data_ptr(), em.info.data_ptr(), self._stream())
             self.expert_major_places_on_device += 1
         else:
-            info = self._upload([nrecv, 0] + [int(c) for c in raw], np.int32)  # the plan's sizes: recv_info's layout
+            em.info = self._upload([nrecv, 0] + [int(c) for c in raw], np.int32)  # the plan's sizes: recv_info's
+        return em
+
+    def _expert_major_outputs(self, nrecv: int, topk: int, L: int, rows: int, like: List[torch.Tensor],
+                              on_device: bool) -> ExpertMajorRows:
+        """An expert-major receive's outputs, uninitialised: ``rows`` expert-major rows (plan columns, and payload
+        shaped as ``like``), slot_of for ``nrecv`` received rows and, where the device makes them (``on_device``;
+        else the caller uploads them), the plan's sizes and the reader's places."""
+        dev = self.device
         token, slot, expert = (torch.empty(rows, dtype=torch.int64, device=dev) for _ in range(3))
-        return ExpertMajorRows(rows, info, token, slot, expert, torch.empty(rows, dtype=torch.float32, device=dev),
+        made = lambda n, dtype: torch.empty(n, dtype=dtype, device=dev) if on_device else None  # noqa: E731
+        return ExpertMajorRows(rows, made(L + 2, torch.int32), token, slot, expert,
+                               torch.empty(rows, dtype=torch.float32, device=dev),
                                torch.empty((nrecv, topk), dtype=torch.int32, device=dev),
-                               [_empty_rows(t, rows) for t in like], places)
+                               [_empty_rows(t, rows) for t in like], made(self.R + 1 + 2 * self.R * L, torch.int64))
 
     def _expert_major_plan(self, h: InternodeHandle, recv_topk_idx: torch.Tensor, recv_w: torch.Tensor,
                            em: ExpertMajorRows) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -1926,15 +2009,16 @@ class NativeInternodeBackend:
         return ranks
 
     def _expert_major_pad(self, info: torch.Tensor, alignment: int, rows: int, out: List[torch.Tensor],
-                          em: Optional[ExpertMajorRows] = None) -> None:
+                          em: Optional[ExpertMajorRows] = None, go: int = 0) -> None:
         """The expert-major rows no pair fills (segment padding, the tail up to ``rows``) zeroed in ``out``, and
-        with ``em`` marked empty in its plan; one launch, before the reader, which writes only the other rows."""
+        with ``em`` marked empty in its plan; one launch, before the reader, which writes only the other rows.
+        ``go``: the device words of a reader launched before the count read (nothing done when they say no)."""
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
         self._k.expert_major_pad(info.data_ptr(), info.numel() - 2, alignment, rows, _row_bytes(out[0]),
                                  out[1][0].numel() if len(out) > 1 else 0, out[0].data_ptr(),
                                  ptr(out[1]) if len(out) > 1 else 0, ptr(em and em.token), ptr(em and em.slot),
                                  ptr(em and em.expert), ptr(em and em.weights), self._expert_major_grid("copy"),
-                                 self._stream())
+                                 self._stream(), go=go)
 
     def _expert_major_read(self, final: torch.Tensor, layout: RecordLayout, out: List[torch.Tensor], rows: int,
                            topk: int, slot_of: torch.Tensor, em: Optional[ExpertMajorRows] = None,
@@ -1945,8 +2029,23 @@ class NativeInternodeBackend:
         (expert_major_receive kernel). With ``em`` (uncached) each pair's row comes from its record (global id, pair
         rank) and ``em.places``, and the reader writes ``em``'s plan and ``slot_of``; without, from ``slot_of``
         (the handle's). src_idx, arrival, ``pending`` and ``while_reading`` as _unpack's."""
+        self._expert_major_receive(final, layout, out, rows, topk, slot_of, em, experts_per_rank, src_idx, arrival,
+                                   gate=pending.gate if pending else None,
+                                   first_row=pending.first_row if pending else 0,
+                                   own=pending.own if pending else None)
+        self._while_reader(pending, while_reading)
+
+    def _expert_major_receive(self, final: torch.Tensor, layout: RecordLayout, out: List[torch.Tensor], rows: int,
+                              topk: int, slot_of: torch.Tensor, em: Optional[ExpertMajorRows], experts_per_rank: int,
+                              src_idx: Optional[torch.Tensor], arrival: Optional[torch.Tensor], gate: Any = None,
+                              first_row: int = 0, own: Optional[tuple] = None, dims: int = 0,
+                              counted: bool = True) -> None:
+        """The expert_major_receive launch of _expert_major_read; ``dims``: read before the counts (the rows, first
+        row and our own rows' place from those device words, ``own`` then giving only the tokens and columns), where
+        the caller counts the receive once it knows that the reader reads (``counted`` False)."""
         n = final.size(0)
-        self.expert_major_reads["uncached" if em is not None else "cached"] += 1
+        if counted:
+            self.expert_major_reads["uncached" if em is not None else "cached"] += 1
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
         ids = len(out)  # the top-k ids' column, then the weights and the pair ranks
         scales = len(out) > 1
@@ -1959,10 +2058,8 @@ class NativeInternodeBackend:
             layout.column_offsets[ids + 2] if em else -1, self.rank * experts_per_rank, experts_per_rank, self.R,
             places, places + 8 * (self.R + 1) if em else 0, ptr(em and em.token), ptr(em and em.slot),
             ptr(em and em.expert), ptr(em and em.weights), layout.src_idx_offset, ptr(src_idx),
-            layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream(),
-            gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0,
-            own=pending.own if pending else None)
-        self._while_reader(pending, while_reading)
+            layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream(), gate=gate, first_row=first_row,
+            own=own, dims=dims)
 
     def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor],
                            out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:

@@ -262,9 +262,9 @@ void bind_internode(py::module_& m) {
   k.def("expert_major_pad", &em::pad, py::arg("recv_info"), py::arg("num_local_experts"), py::arg("alignment"),
         py::arg("expert_rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("out_x"),
         py::arg("out_scales"), py::arg("em_token"), py::arg("em_slot"), py::arg("em_expert"), py::arg("em_weights"),
-        py::arg("grid"), py::arg("stream"),
+        py::arg("grid"), py::arg("stream"), py::arg("go") = 0,
         "the expert-major rows no token fills (segment padding, the tail up to expert_rows): payload zeroed, the "
-        "plan's columns -1 / 0 where given (0: not written)");
+        "plan's columns -1 / 0 where given (0: not written); go (device int64): nothing when it holds 0");
   k.def(
       "expert_major_receive",
       [](uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t x_offset, int64_t x_bytes,
@@ -273,7 +273,7 @@ void bind_internode(py::module_& m) {
          int64_t ranks_offset, int64_t expert_lo, int num_local_experts, int num_sources, uintptr_t source_rows,
          uintptr_t places, uintptr_t em_token, uintptr_t em_slot, uintptr_t em_expert, uintptr_t em_weights,
          int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out,
-         uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, const OwnRowsArg& own) {
+         uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, const OwnRowsArg& own, uintptr_t dims) {
         in::ExpertMajorReceive a;
         a.src = src;
         a.src_stride = src_stride;
@@ -304,6 +304,7 @@ void bind_internode(py::module_& m) {
         a.src_idx_out = src_idx_out;
         a.arrival_offset = arrival_offset;
         a.arrival_out = arrival_out;
+        a.dims = dims;
         in::expert_major_receive(a, stream, gate, first_row, own_rows(own));
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("x_offset"), py::arg("x_bytes"),
@@ -313,16 +314,18 @@ void bind_internode(py::module_& m) {
       py::arg("num_sources"), py::arg("source_rows"), py::arg("places"), py::arg("em_token"), py::arg("em_slot"),
       py::arg("em_expert"), py::arg("em_weights"), py::arg("src_idx_offset"), py::arg("src_idx_out"),
       py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"), py::arg("gate") = nullptr,
-      py::arg("first_row") = 0, py::arg("own") = py::none(),
+      py::arg("first_row") = 0, py::arg("own") = py::none(), py::arg("dims") = 0,
       "the final rows straight into expert-major rows, one launch (csrc/kernels/expert_major_receive.hpp): each "
       "row's payload to the rows of its local experts, from the record's ids and pair ranks (and the plan's columns "
-      "and slot_of written) or, slots_given, from slot_of; gate, first_row and own as unpack_records'");
+      "and slot_of written) or, slots_given, from slot_of; gate, first_row, own and dims as unpack_records'");
 
   k.def("expert_major_places", &in::expert_major_places, py::arg("count_rows"), py::arg("row_words"),
         py::arg("num_ranks"), py::arg("num_nodes"), py::arg("rank"), py::arg("num_local_experts"),
-        py::arg("alignment"), py::arg("places"), py::arg("info"), py::arg("stream"),
+        py::arg("alignment"), py::arg("places"), py::arg("info"), py::arg("stream"), py::arg("dims") = 0,
+        py::arg("capacity_rows") = -1,
         "the uncached expert-major reader's table (internode_plan.expert_major_places' layout, int64) and the plan's "
-        "sizes (int32 [rows, 0, pairs per local expert]) made on the device from notify's count rows, one launch");
+        "sizes (int32 [rows, 0, pairs per local expert]) made on the device from notify's count rows, one launch; "
+        "dims (gate_from_count_rows' words): their go cleared when the expert-major rows pass capacity_rows");
 
   k.attr("GATE_COLUMNS") = int(in::kGateBase);
   py::class_<in::ArrivalGate>(k, "ArrivalGate",

@@ -201,7 +201,9 @@ __global__ void __launch_bounds__(kThreads) pair_ranks_kernel(const int64_t* __r
 __global__ void __launch_bounds__(kThreads) expert_major_pad_kernel(
     const int* __restrict__ recv_info, int num_local_experts, int alignment, int64_t expert_rows, int units,
     int num_scales, int4* __restrict__ out_x, float* __restrict__ out_scales, int64_t* __restrict__ em_token,
-    int64_t* __restrict__ em_slot, int64_t* __restrict__ em_expert, float* __restrict__ em_weights) {
+    int64_t* __restrict__ em_slot, int64_t* __restrict__ em_expert, float* __restrict__ em_weights,
+    const long long* __restrict__ go) {
+  if (go != nullptr && *go == 0) return;  // the reader launched before the count read hands back: nothing to pad
   extern __shared__ int64_t s_begin[];  // [L + 1]: each segment's first row, then the end of the last segment
   __shared__ int s_sum[kThreads];
   const int L = num_local_experts;
@@ -321,7 +323,7 @@ constexpr int kPadMaxExperts = 4096;
 
 void pad(uintptr_t recv_info, int num_local_experts, int alignment, int64_t expert_rows, int hidden_bytes,
          int num_scales, uintptr_t out_x, uintptr_t out_scales, uintptr_t em_token, uintptr_t em_slot,
-         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream) {
+         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream, uintptr_t go) {
   if (alignment < 1) throw std::invalid_argument("expert_major_pad: alignment must be >= 1");
   if (num_local_experts < 0 || num_local_experts > kPadMaxExperts)
     throw std::invalid_argument("expert_major_pad: 0.." + std::to_string(kPadMaxExperts) + " local experts, not " +
@@ -335,7 +337,8 @@ void pad(uintptr_t recv_info, int num_local_experts, int alignment, int64_t expe
       reinterpret_cast<const int*>(recv_info), num_local_experts, alignment, expert_rows, hidden_bytes / 16,
       num_scales, reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_scales),
       reinterpret_cast<int64_t*>(em_token), reinterpret_cast<int64_t*>(em_slot),
-      reinterpret_cast<int64_t*>(em_expert), reinterpret_cast<float*>(em_weights));
+      reinterpret_cast<int64_t*>(em_expert), reinterpret_cast<float*>(em_weights),
+      reinterpret_cast<const long long*>(go));
   check(cudaGetLastError(), "expert_major_pad_kernel launch");
 }
 

@@ -53,8 +53,10 @@ void pair_ranks(uintptr_t topk_idx, int64_t num_tokens, int topk, int num_expert
 // after the last segment (recv_info: int32 [received rows, 0, raw count per local expert]), up to expert_rows. Their
 // payload (hidden_bytes, a multiple of 16, then num_scales floats) is zeroed; the plan's columns (em_token, em_slot,
 // em_expert: -1; em_weights: 0) are set where given (0: not written, e.g. a cached dispatch that keeps its plan).
+// `go` (device int64; 0: none): nothing is done when it holds 0 (a reader launched before the count read that hands
+// back: its sizes in recv_info were never written).
 void pad(uintptr_t recv_info, int num_local_experts, int alignment, int64_t expert_rows, int hidden_bytes,
          int num_scales, uintptr_t out_x, uintptr_t out_scales, uintptr_t em_token, uintptr_t em_slot,
-         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream);
+         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream, uintptr_t go = 0);
 
 }  // namespace uccl_ep::expert_major

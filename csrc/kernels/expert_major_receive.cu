@@ -38,13 +38,14 @@ __device__ __forceinline__ int source_of(const long long* source_rows, int num_s
 
 // Row r by one warp: its expert-major rows (from the record's ids and ranks, or the handle's slot_of), the plan's
 // columns at each of them when they are made here, then the payload loaded once and stored to each.
+// Our own rows are [own_lo, own_hi), records own_rec.. of our send list (OwnRowsArgs' place, or the device words').
 template <bool kGated>
-__device__ void read_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, long long r, int lane, int* scratch,
-                         int* slots) {
+__device__ void read_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, long long own_lo, long long own_hi,
+                         long long own_rec, long long r, int lane, int* scratch, int* slots) {
   const char* row = reinterpret_cast<const char*>(a.src) + r * a.src_stride;
   // byte `off` of row r's record: in the arrivals, or (our own rows, never packed) in the column holding it
-  const bool own_row = own.holds(r);
-  const long long token = own_row ? own.token(r) : 0;
+  const bool own_row = r >= own_lo && r < own_hi;
+  const long long token = own_row ? own.tokens[own_rec + r - own_lo] : 0;
   const auto field = [&](long long off) -> const char* {
     return own_row ? own.field(token, off, row + off) : row + off;
   };
@@ -101,6 +102,11 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
   __shared__ int s_scratch[kWarps][kMaxTopk];
   __shared__ int s_slots[kWarps][kMaxTopk];
   __shared__ bool s_ok;
+  const long long* dims = reinterpret_cast<const long long*>(a.dims);
+  if (dims) {
+    if (!dims[kReadGo]) return;  // the host reads after notify instead
+    gate.blocks = int(dims[kReadBlocks]);
+  }
   if constexpr (kGated) reader_begins(gate);
   if (kGated && blockIdx.x == 0) {
     gate_watch(gate);
@@ -108,7 +114,14 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
   }
   const long long block = blockIdx.x - (kGated ? 1 : 0), grid = gridDim.x - (kGated ? 1 : 0);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const long long n = a.num_rows;
+  long long n = a.num_rows;
+  long long own_lo = own.first_row, own_hi = own.first_row + own.count, own_rec = own.first_record;
+  if (dims) {  // read before the counts: the words say where (the watcher above took its gate's rows from them)
+    n = dims[kReadRows];
+    first_row = own_lo = dims[kReadFirstRow];
+    own_hi = own_lo + dims[kReadOwnCount];
+    own_rec = dims[kReadOwnFirst];
+  }
   const long long tiles_a = (n - first_row + kWarps - 1) / kWarps, tiles_b = (first_row + kWarps - 1) / kWarps;
   for (long long t = block; t < tiles_a + tiles_b; t += grid) {
     long long lo, end;
@@ -122,7 +135,8 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
     if constexpr (kGated) {
       if (!block_gate_rows(gate, lo, end - 1, &s_ok)) return;
     }
-    if (lo + warp < end) read_row<kGated>(a, own, lo + warp, lane, s_scratch[warp], s_slots[warp]);
+    if (lo + warp < end)
+      read_row<kGated>(a, own, own_lo, own_hi, own_rec, lo + warp, lane, s_scratch[warp], s_slots[warp]);
   }
   if constexpr (kGated) reader_ends(gate);
 }
@@ -130,7 +144,8 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
 // expert_major_places (expert_major_receive.hpp): a thread per local expert sums its pairs over the sources and
 // places each source's run in its segment; the segments' starts are one serial prefix (L is small).
 __global__ void expert_major_places_kernel(const long long* rows, long long row_words, int R, int N, int rank, int L,
-                                           int alignment, long long* places, int* info) {
+                                           int alignment, long long* places, int* info, long long* dims,
+                                           long long capacity_rows) {
   __shared__ long long s_seg[kPlacesMaxExperts];
   const long long expert_col = R + N + static_cast<long long>(rank) * L;
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
@@ -147,6 +162,7 @@ __global__ void expert_major_places_kernel(const long long* rows, long long row_
       s_seg[e] = at;
       at += aligned;
     }
+    if (dims && at > capacity_rows) dims[kReadGo] = 0;  // the reader before the counts hands back
     long long n = 0;
     for (int s = 0; s < R; ++s) {
       places[s] = n;
@@ -172,8 +188,10 @@ __global__ void expert_major_places_kernel(const long long* rows, long long row_
 }  // namespace
 
 void expert_major_places(uintptr_t count_rows, int64_t row_words, int num_ranks, int num_nodes, int rank,
-                         int num_local_experts, int alignment, uintptr_t places, uintptr_t info, uintptr_t stream) {
+                         int num_local_experts, int alignment, uintptr_t places, uintptr_t info, uintptr_t stream,
+                         uintptr_t dims, int64_t capacity_rows) {
   const auto bad = [](const std::string& what) { throw std::invalid_argument("expert_major_places: " + what); };
+  if (dims && capacity_rows < 0) bad("give the expert-major outputs' capacity with dims");
   if (num_ranks < 1 || num_nodes < 1 || rank < 0 || rank >= num_ranks) bad("rank outside the group");
   if (num_local_experts < 1 || num_local_experts > kPlacesMaxExperts)
     bad("1.." + std::to_string(kPlacesMaxExperts) + " local experts");
@@ -183,7 +201,8 @@ void expert_major_places(uintptr_t count_rows, int64_t row_words, int num_ranks,
   if (!count_rows || !places || !info) bad("null count rows or output");
   expert_major_places_kernel<<<1, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const long long*>(count_rows), row_words, num_ranks, num_nodes, rank, num_local_experts,
-      alignment, reinterpret_cast<long long*>(places), reinterpret_cast<int*>(info));
+      alignment, reinterpret_cast<long long*>(places), reinterpret_cast<int*>(info),
+      reinterpret_cast<long long*>(dims), capacity_rows);
   uccl_ep::check_launch("internode", "expert_major_places");
 }
 
@@ -203,7 +222,9 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
       bad("the records need the ids (8-byte aligned), the pair ranks and, with em_weights, the weights");
   }
   if (own.tokens && a.arrival_offset >= 0) bad("own rows from the columns only with one GPU per node (arrival = row)");
-  if (own.first_row + own.count > a.num_rows && own.count > 0) bad("our own rows end past the rows");
+  if (a.dims && (!own.tokens || first_row || a.slots_given))
+    bad("read before the counts needs our own rows' tokens, no first_row (it comes from the device) and no slots");
+  if (!a.dims && own.first_row + own.count > a.num_rows && own.count > 0) bad("our own rows end past the rows");
   const int64_t k = a.topk, ids = a.slots_given ? 0 : 8 * k, ranks = a.slots_given ? 0 : 4 * k;
   const OwnRowsArgs own_args = own_rows_args(
       own, {{a.x_offset, a.x_bytes, 16}, {a.scales_offset, a.out_scales ? 4 * a.num_scales : 0, 4},

@@ -34,6 +34,10 @@ struct ExpertMajorReceive {
   uintptr_t em_token = 0, em_slot = 0, em_expert = 0, em_weights = 0;  // the plan, written when not given
   int64_t src_idx_offset = -1, arrival_offset = -1;  // as unpack_records: int32 fields; arrival < 0: the row index
   uintptr_t src_idx_out = 0, arrival_out = 0;
+  // Read before the counts (internode_plan.hpp ReadBeforeCounts, docs/internode.md "Reading before the count
+  // read"): device int64 [kReadDims], 0: not. The rows, the first row, the gate's rows and where our own rows lie
+  // come from these words (num_rows is then the outputs' capacity), and nothing is done unless they say go.
+  uintptr_t dims = 0;
 };
 
 // One launch, asynchronous on `stream`; with `gate`, each tile of rows first waits for the chunks that carry it and
@@ -48,8 +52,11 @@ void expert_major_receive(const ExpertMajorReceive& job, uintptr_t stream, const
 // count rows of notify) instead of uploaded from the host's copy: `places` (int64, internode_plan.expert_major_places'
 // layout: [num_ranks + 1] source rows, then [num_ranks, L, 2]) and `info` (int32 [2 + L]: rows received, 0, pairs per
 // local expert: the plan's sizes), each expert's segment padded to `alignment`. One block; L <= kPlacesMaxExperts.
+// With `dims` (a reader launched before the count read: gate_from_count_rows' words, written before on the stream)
+// their go is cleared when the padded segments together pass capacity_rows (the outputs allocated before the counts).
 constexpr int kPlacesMaxExperts = 4096;
 void expert_major_places(uintptr_t count_rows, int64_t row_words, int num_ranks, int num_nodes, int rank,
-                         int num_local_experts, int alignment, uintptr_t places, uintptr_t info, uintptr_t stream);
+                         int num_local_experts, int alignment, uintptr_t places, uintptr_t info, uintptr_t stream,
+                         uintptr_t dims = 0, int64_t capacity_rows = -1);
 
 }  // namespace uccl_ep::internode

@@ -82,8 +82,6 @@ struct OwnRowsArgs {
   const long long* tokens;
   PackArgs columns;
 
-  __device__ __forceinline__ bool holds(long long r) const { return r >= first_row && r < first_row + count; }
-  __device__ __forceinline__ long long token(long long r) const { return tokens[first_record + r - first_row]; }
   // byte `off` of the record our columns would make at `token`; `fallback` where no column holds it (the host checks
   // that every field a reader takes lies in one: own_rows_args)
   __device__ __forceinline__ const char* field(long long token, long long off, const char* fallback) const {

@@ -338,9 +338,13 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
 
 
 def expert_major_places(count_rows: int, row_words: int, num_ranks: int, num_nodes: int, rank: int,
-                        num_local_experts: int, alignment: int, places: int, info: int, stream: int) -> None:
+                        num_local_experts: int, alignment: int, places: int, info: int, stream: int, dims: int = 0,
+                        capacity_rows: int = -1) -> None:
     """expert_major_places_kernel: from every rank's count row, internode_plan.expert_major_places' table and the
-    plan's sizes (int32 [rows received, 0, pairs per local expert]), with the kernel's checks."""
+    plan's sizes (int32 [rows received, 0, pairs per local expert]), with the kernel's checks; with ``dims``, their go
+    word cleared when the padded segments pass ``capacity_rows``."""
+    if dims and capacity_rows < 0:
+        raise ValueError("expert_major_places: give the expert-major outputs' capacity with dims")
     R, N, L = num_ranks, num_nodes, num_local_experts
     if not (R >= 1 and N >= 1 and 0 <= rank < R):
         raise ValueError("expert_major_places: rank outside the group")
@@ -359,6 +363,8 @@ def expert_major_places(count_rows: int, row_words: int, num_ranks: int, num_nod
     _at(places, 8 * (R + 1 + 2 * R * L), torch.int64).copy_(
         torch.cat([starts, torch.stack([first, sent], -1).reshape(-1)]))
     _at(info, 4 * (L + 2), torch.int32).copy_(torch.cat([starts[-1:], torch.zeros(1, dtype=torch.int64), raw]))
+    if dims and int(aligned.sum()) > capacity_rows:
+        _at(dims, 8 * READ_DIMS, torch.int64)[READ_GO] = 0
 
 
 def _with_own_rows(what: str, rows: "torch.Tensor | None", own: "tuple | None", src_idx_offset: int,
@@ -396,11 +402,12 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
                          expert_lo: int, num_local_experts: int, num_sources: int, source_rows: int, places: int,
                          em_token: int, em_slot: int, em_expert: int, em_weights: int, src_idx_offset: int,
                          src_idx_out: int, arrival_offset: int, arrival_out: int, stream: int,
-                         gate: "ArrivalGate | None" = None, first_row: int = 0, own: "tuple | None" = None) -> None:
+                         gate: "ArrivalGate | None" = None, first_row: int = 0, own: "tuple | None" = None,
+                         dims: int = 0) -> None:
     """expert_major_receive_kernel: each final row's payload to the expert-major rows of its local experts, placed
     from the record's ids and pair ranks (the plan's columns and slot_of written), or from slot_of when given;
-    src_idx / arrival and ``own`` as unpack_records. Waits for every row first when gated (``first_row`` only orders
-    reads)."""
+    src_idx / arrival, ``own`` and ``dims`` as unpack_records. Waits for every row first when gated (``first_row``
+    only orders reads)."""
     def bad(what: str) -> None:
         raise ValueError(f"expert_major_receive: {what}")
     if not 0 <= topk <= fake_expert_major.MAX_TOPK:
@@ -413,9 +420,21 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
         if ids_offset < 0 or ids_offset % 8 or ranks_offset < 0 or ranks_offset % 4 or \
                 (em_weights and (weights_offset < 0 or weights_offset % 4)):
             bad("the records need the ids (8-byte aligned), the pair ranks and, with em_weights, the weights")
+    if dims and (not own or first_row or slots_given):
+        bad("read before the counts needs our own rows' tokens, no first_row (it comes from the device) and no slots")
     n, P, K = num_rows, expert_rows, topk
     if n <= 0:
         return  # (a rank that receives nothing has empty, null, outputs)
+    if dims:
+        words = _at(dims, 8 * READ_DIMS, torch.int64).tolist()
+        if not words[READ_GO]:
+            return
+        n = words[READ_ROWS]
+        own = (words[READ_FIRST_ROW], words[READ_OWN_COUNT], words[READ_OWN_FIRST]) + tuple(own[3:])
+        if gate is not None:
+            gate.blocks = words[READ_BLOCKS]
+        if n == 0:
+            return
     if not slots_given:
         if num_sources < 1 or num_local_experts < 1 or not source_rows or not places:
             bad("give the sources' first rows and the places of their pairs")

@@ -889,15 +889,35 @@ def test_a_dispatch_pushed_during_notify_reads_before_the_host_reads_the_counts_
     assert [(read, declined, spare) for _, _, read, declined, spare in out] == [(0, 0, 0)] * world
 
 
+EM_READ_COUNTERS = ("reads_before_counts", "reads_before_counts_declined", "expert_major_reads_before_counts",
+                    "expert_major_places_on_device", "expert_major_reads")
+
+
+@pytest.mark.parametrize("in_reader", ["always", "never"], ids=["reader", "copy"])
 @pytest.mark.parametrize("world", [2, 4], ids=["2x1", "4x1"])
-def test_an_expert_major_dispatch_reads_after_the_count_read_and_its_rows_match_between_rank_major_ones(world):
-    """An expert-major receive is pushed during notify but never read before the count read: its expert-major copy
-    reads the final rows, where a reader before the counts leaves our own rows out (docs/internode.md, "Reading
-    before the count read"). Its rows, made by the expert-major kernels from the final rows (random, a rank that
-    receives nothing, dropped experts, FP8 with num_worst_tokens), and the rank-major dispatches between them, which
-    do read before the counts, all equal the reference."""
-    cases = [ALL[0], ALL[6], ALL[9], ("dropped", False, True, 0, 10), ALL[8], ALL[1], ALL[6]]
-    out = run_distributed(_cases_counting, world, 1, cases, READ_COUNTERS, timeout=180, env=ENV)
-    for done, fused, read, declined, _ in out:
+def test_an_expert_major_dispatch_whose_reader_writes_the_rows_reads_before_the_count_read_and_every_output_matches(
+        world, in_reader):
+    """With one GPU per node, an uncached expert-major dispatch whose reader writes the expert-major rows (always)
+    launches that reader behind notify's wait, as a rank-major one does: its gate, rows and our own rows' place from
+    the count rows, its places and the plan's sizes from the same rows (expert_major_places), into expert-major rows
+    allocated before the counts -- num_worst_tokens, else the rows the last such dispatch of that size filled plus
+    the slack -- and hands back where the counts do not fit them (skew after a random case; a rank that received
+    nothing has no guess and reads after notify). With never, the copy after the hop reads the final rows, where a
+    reader before the counts leaves our own rows out, so no expert-major dispatch reads before the count read. Every
+    output (random, skewed, a rank that receives nothing, dropped experts, FP8 with num_worst_tokens, and the
+    rank-major dispatches between them) equals the reference."""
+    cases = [ALL[0], ALL[6], ALL[6], ALL[9], ("dropped", False, True, 0, 10), ALL[8], ALL[1],
+             ("skewed", False, True, 0, 11), ALL[6]]
+    out = run_distributed(_cases_counting, world, 1, cases, ("packs_and_pushes_during_notify",) + EM_READ_COUNTERS,
+                          timeout=180, env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader))
+    em_cases = sum(1 for c in cases if c[2])
+    for done, fused, read, declined, em_read, places, reads in out:
         assert done == len(cases) and fused == len(cases) - 1, (done, fused)
-        assert read + declined == 1, (read, declined)  # only the rank-major case after the first (ALL[1])
+        assert read + declined <= fused and em_read <= read, (read, declined, em_read)
+        if in_reader == "never":
+            assert em_read == 0 and places == 0 and reads == {"uncached": 0, "cached": 0}, (em_read, places, reads)
+        else:  # every uncached receive's places from the count rows, before or after the count read
+            assert places == reads["uncached"] >= em_cases, (places, reads)
+    if in_reader == "always":
+        assert all(row[4] >= 2 for row in out), out  # the second random case and the worst-tokens case at least
+        assert sum(row[3] for row in out) >= 1, out  # the skewed case on the ranks it sends more to

@@ -829,3 +829,30 @@ def test_on_gpus_a_dispatch_reads_before_the_host_reads_the_counts_or_hands_back
         assert done == len(cases) and fused == len(cases) - 1 == read + declined, (done, fused, read, declined)
     assert out[1][3] >= 1 and sum(read for _, _, read, _ in out) >= 2, out
 
+
+
+def _expert_major_reads_before_counts(rank, world, G, cases):
+    nat, ref, dev = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, dev, rank, world, cases, 1)
+        return (done, nat.packs_and_pushes_during_notify, nat.reads_before_counts, nat.reads_before_counts_declined,
+                nat.expert_major_reads_before_counts)
+    finally:
+        nat.destroy()
+
+
+def test_on_gpus_an_expert_major_dispatch_whose_reader_writes_the_rows_reads_before_the_count_read_and_matches():
+    """The GPU twin of the CPU test (2 x 1, UCCL_EP_EXPERT_MAJOR_IN_READER=always): an uncached expert-major dispatch
+    pushed during notify launches its reader behind notify's wait -- gate, rows and our own rows' place from the count
+    rows, places and plan sizes from the same rows (expert_major_places), padding and reader told by the device
+    words whether to run -- into expert-major rows sized before the counts, or hands back (the skewed case). Every
+    output, the rank-major dispatches' between them included, equals the reference bit for bit."""
+    _need(2)
+    cases = [ALL[0], ALL[6], ALL[6], ALL[9], ("dropped", False, True, 0, 10), ALL[8], ALL[1],
+             ("skewed", False, True, 0, 11), ALL[6]]
+    out = run_distributed(_expert_major_reads_before_counts, 2, 1, cases, timeout=300,
+                          env={"UCCL_EP_EXPERT_MAJOR_IN_READER": "always", "UCCL_EP_CPU_TIMEOUT_SECS": "60",
+                               "UCCL_EP_GPU_TIMEOUT_SECS": "60"})
+    for done, fused, read, declined, em_read in out:
+        assert done == len(cases) and fused == len(cases) - 1 >= read + declined, (done, fused, read, declined)
+        assert em_read >= 2, em_read

@@ -426,6 +426,13 @@ def test_places_kernel_makes_the_readers_table_and_plan_sizes_from_the_count_row
                                info.data_ptr(), STREAM())
         assert torch.equal(places.cpu(), want), rank
         assert info.cpu().tolist() == [int(mat[:, rank].sum()), 0] + [int(c) for c in raw], rank
+        # a reader before the counts: go cleared exactly when the padded segments pass the outputs' rows
+        total = sum(aligned)
+        for capacity, go in ((total, 1), (total - 1, 0))[:2 if total else 1]:
+            dims = torch.ones(8, dtype=torch.int64, device=DEV)
+            K_.expert_major_places(d_rows.data_ptr(), row_words, R, N, rank, L, alignment, places.data_ptr(),
+                                   info.data_ptr(), STREAM(), dims=dims.data_ptr(), capacity_rows=capacity)
+            assert dims.cpu().tolist() == [go] + [1] * 7, (rank, capacity)
     with pytest.raises(ValueError, match="per-expert counts"):  # rows without every rank's experts
         K_.expert_major_places(d_rows.data_ptr(), R + N, R, N, 0, L, alignment, places.data_ptr(), info.data_ptr(),
                                STREAM())
