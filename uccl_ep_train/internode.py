@@ -259,16 +259,17 @@ class ReadingBeforeCounts:
         return self.spec[0]
 
 
-def reads_expert_major_rows(mode: str, spin_blocks: int, cached: bool) -> bool:
+def reads_expert_major_rows(mode: str, spin_blocks: int, starts_with_hop: bool) -> bool:
     """Whether an expert-major dispatch's reader writes the expert-major rows itself (UCCL_EP_EXPERT_MAJOR_IN_READER:
     auto, always, never). auto: always where the gated readers may take the whole GPU. Where ranks share one they are
     held to ``spin_blocks`` blocks, which copy slower than the full grid of the copy after the hop, so there only a
-    cached dispatch's reader does: it starts as its pack-and-push launch ends, with a third of the hop still to land,
-    and returned ~150-300 us sooner than the copy after it. An uncached dispatch's reader starts only once the host
-    has read the counts and planned the receive, which under MPS took until the hop's last chunk had landed; left
-    to copy everything then, it returned ~200-400 us later than the copy (sessions 29-30, one H100 under MPS:
-    docs/internode.md, "Expert-major rows in the reader")."""
-    return mode == "always" or (mode == "auto" and (cached or not spin_blocks))
+    reader that ``starts_with_hop`` does: a cached dispatch's, launched as its pack-and-push launch ends, and an
+    uncached one's launched before the count read. Such a reader returned ~150-300 us (cached) and ~300-600 us
+    (uncached) sooner than the copy after the hop. An uncached reader launched after the host read the counts and
+    planned the receive starts, under MPS, only as the hop's last chunk lands; left to copy everything then, it
+    returned ~200-400 us later than the copy (sessions 29-32, one H100 under MPS: docs/internode.md, "Expert-major
+    rows in the reader")."""
+    return mode == "always" or (mode == "auto" and (starts_with_hop or not spin_blocks))
 
 
 @dataclass
@@ -431,13 +432,17 @@ class NativeInternodeBackend:
         self.read_before_counts = (bool(s.kernel.read_before_counts) and self.G == 1
                                    and self.N * self.L <= self._k.READ_MAX_COUNTERS)
         self.read_slack = float(s.kernel.read_before_counts_slack)
+        # ... and every other condition of it fixed at setup (pack and push during notify: _reading_before_counts)
+        self._reads_before_counts_at_all = (self.read_before_counts and self.gated_arrivals and self.pack_during_notify
+                                            and self._notify_via_proxies)
         self.own_rows_from_columns = bool(s.kernel.own_rows_from_columns)  # docs/internode.md, "Own rows from ..."
         self.own_rows_read_from_columns = 0  # gated readers that did (tests, benchmarks)
         # docs/internode.md, "Expert-major rows in the reader" (where notify carries the per-expert counts): by
-        # default every one, except uncached ones where ranks share a GPU (their readers are held to spin_blocks)
+        # default every one, except, where ranks share a GPU (their readers are held to spin_blocks), uncached ones
+        # that read after the count read
         self.expert_major_in_reader = {  # by kind of dispatch
-            kind: reads_expert_major_rows(s.kernel.expert_major_in_reader, self._cx.spin_blocks, kind == "cached")
-            for kind in ("uncached", "cached")}
+            kind: reads_expert_major_rows(s.kernel.expert_major_in_reader, self._cx.spin_blocks, kind != "uncached")
+            for kind in ("uncached", "uncached early", "cached")}  # early: launched before the count read
         self.expert_major_reads = {"uncached": 0, "cached": 0}  # receives the reader wrote (tests, benchmarks)
         self.expert_major_places_on_device = 0  # ... whose places were made from the count rows (tests, benchmarks)
         self._notify_rows_at: Optional[CountRows] = None  # where the last notify's rows are on the device (or None)
@@ -1742,14 +1747,22 @@ class NativeInternodeBackend:
         E = args.num_tokens_per_expert.numel()
         # docs/internode.md, "Expert-major rows in the reader": the records carry each pair's rank among ours of its
         # expert, and the receiver's per-source counts come with notify (up to NOTIFY_MAX_EXPERTS experts)
-        in_reader = (args.expert_major and self.expert_major_in_reader["uncached"] and topk_idx is not None
-                     and E <= NOTIFY_MAX_EXPERTS)
+        # The records carry the pair ranks wherever a receiver's reader may write the rows: a rule every rank
+        # applies alike, since the column is in every sender's layout. Whether this rank's reader then writes them
+        # is its own choice (auto where ranks share a GPU: only if it may launch before the count read, which
+        # _reading_before_counts decides; a size seen before, right after a combine).
+        ranks_pairs = (args.expert_major and topk_idx is not None and E <= NOTIFY_MAX_EXPERTS
+                       and (self.expert_major_in_reader["uncached"]
+                            or (self._reads_before_counts_at_all and self.expert_major_in_reader["uncached early"])))
+        may_read_early = (self._reads_before_counts_at_all and combined_send_base is not None
+                          and bool(args.num_worst_tokens or self._expert_rows_seen.get(T)))
+        in_reader = ranks_pairs and self.expert_major_in_reader["uncached early" if may_read_early else "uncached"]
         cols = [x] + ([scales] if scales is not None else [])
         if topk_idx is not None:
             cols.append(_dense(topk_idx, torch.int64))
             cols.append(_dense(weights, torch.float32) if weights is not None else
                         torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device))
-            if in_reader:
+            if ranks_pairs:
                 cols.append(self._pair_ranks(cols[-2], E))
         early: dict = {}
         during = tables = fused = reading = None
@@ -1860,7 +1873,7 @@ class NativeInternodeBackend:
                     if em.places is None:
                         em.places = self._upload(expert_major_places(counts, self.rank, L, expert_sizes()[1]))
                     self._expert_major_pad(em.info, args.expert_alignment, em.rows, em.out, em)
-                    self._expert_rows_seen[T] = sum(expert_sizes()[1])
+                self._expert_rows_seen[T] = sum(expert_sizes()[1])  # (the next dispatch of T tokens guesses from it)
         self._recv_rows_seen[T] = nrecv
         # Everything that follows from the counts alone is made while the hop runs, not after the drain (~100 us per
         # call there, session 10): the outputs before the reader's launch (an allocation may call into CUDA), the

@@ -536,17 +536,17 @@ def _cases_counting_as_on_a_shared_gpu(rank, world, G, cases, counters):
 
     nat, ref = _backends(rank, world, G)
     try:
-        nat.expert_major_in_reader = {kind: reads_expert_major_rows("auto", 33, kind == "cached")
-                                      for kind in ("uncached", "cached")}
+        nat.expert_major_in_reader = {kind: reads_expert_major_rows("auto", 33, kind != "uncached")
+                                      for kind in nat.expert_major_in_reader}
         done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
-        return (done,) + tuple(getattr(nat, c) for c in counters)
+        return (done,) + tuple(getattr(nat, c) for c in counters) + (
+            (nat.expert_major_reads_before_counts, nat.reads_before_counts_declined),)
     finally:
         nat.destroy()
 
 
 # per case: an uncached dispatch, then two cached ones; which of them the reader wrote
-READS = {"always": lambda n: {"uncached": n, "cached": 2 * n}, "never": lambda n: {"uncached": 0, "cached": 0},
-         "shared-auto": lambda n: {"uncached": 0, "cached": 2 * n}}
+READS = {"always": lambda n: {"uncached": n, "cached": 2 * n}, "never": lambda n: {"uncached": 0, "cached": 0}}
 
 
 @pytest.mark.parametrize("in_reader", ["always", "never", "shared-auto"], ids=["reader", "copy", "copy-then-reader"])
@@ -559,33 +559,45 @@ def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_
     ranks share a GPU, by the copy for the uncached dispatch and the reader from the slots the plan made for the
     cached ones: every output of compare_cases (dispatch, cached dispatch, combine, again after a combine) equals the
     reference bit for bit, and the counters show which path ran. Each uncached reader's table and the plan's sizes
-    were made from notify's count rows where they lie (expert_major_places), not uploaded from the host's copy."""
+    were made from notify's count rows where they lie (expert_major_places), not uploaded from the host's copy.
+    Where ranks share a GPU, auto takes the reader for an uncached dispatch only where it may read before the count
+    read (a dispatch of a size seen before, right after a combine): with one GPU per node some do, and every one
+    that took the reader read before the counts but those whose rows passed the guess (declined); with several GPUs
+    per node none does."""
     counters = ("expert_major_reads", "expert_major_places_on_device")
     if in_reader == "shared-auto":
         out = run_distributed(_cases_counting_as_on_a_shared_gpu, world, G, EXPERT_MAJOR_CASES, counters,
                               timeout=180, env=ENV)
     else:
-        out = run_distributed(_cases_counting, world, G, EXPERT_MAJOR_CASES, counters, timeout=180,
-                              env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader))
+        out = [r + (None,) for r in run_distributed(_cases_counting, world, G, EXPERT_MAJOR_CASES, counters,
+                                                    timeout=180, env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader))]
     n = len(EXPERT_MAJOR_CASES)
-    for done, reads, places_on_device in out:
+    for done, reads, places_on_device, early in out:
         assert done == n, done
-        assert reads == READS[in_reader](n)
+        if in_reader == "shared-auto":
+            before_counts, declined = early
+            assert reads["cached"] == 2 * n, reads
+            assert before_counts <= reads["uncached"] <= before_counts + declined, (reads, early)
+            assert (before_counts > 0) == (G == 1) and (reads["uncached"] > 0) == (G == 1), (reads, early, G)
+        else:
+            assert reads == READS[in_reader](n)
         assert places_on_device == reads["uncached"], (places_on_device, reads)
 
 
-def test_by_default_the_reader_writes_expert_major_rows_except_uncached_ones_where_ranks_share_a_gpu():
+def test_by_default_the_reader_writes_expert_major_rows_except_where_ranks_share_a_gpu_and_it_starts_after_the_hop():
     """UCCL_EP_EXPERT_MAJOR_IN_READER=auto: a GPU per rank (no spin cap) reads every expert-major receive into its
-    rows; ranks that share a GPU, whose readers are held to a few blocks, do so only in cached dispatches (whose
-    reader starts with the hop) and copy after an uncached one's hop; always and never hold either way; the backend
-    made with the default settings (no shared GPU here) takes the reader for both."""
+    rows; ranks that share a GPU, whose readers are held to a few blocks, do so only where the reader starts with
+    the hop (cached dispatches, uncached ones read before the count read) and copy after the hop otherwise; always
+    and never hold either way; the backend made with the default settings (no shared GPU here) takes the reader for
+    both kinds."""
     from uccl_ep_train.internode import reads_expert_major_rows
 
-    for cached in (False, True):
-        assert reads_expert_major_rows("auto", 0, cached)
-        assert reads_expert_major_rows("always", 33, cached) and reads_expert_major_rows("always", 0, cached)
-        assert not reads_expert_major_rows("never", 0, cached) and not reads_expert_major_rows("never", 33, cached)
-    assert reads_expert_major_rows("auto", 33, cached=True) and not reads_expert_major_rows("auto", 33, cached=False)
+    for with_hop in (False, True):
+        assert reads_expert_major_rows("auto", 0, with_hop)
+        assert reads_expert_major_rows("always", 33, with_hop) and reads_expert_major_rows("always", 0, with_hop)
+        assert not reads_expert_major_rows("never", 0, with_hop) and not reads_expert_major_rows("never", 33, with_hop)
+    assert reads_expert_major_rows("auto", 33, starts_with_hop=True)
+    assert not reads_expert_major_rows("auto", 33, starts_with_hop=False)
     out = run_distributed(_cases_counting, 2, 1, [ALL[6]], ("expert_major_reads",), timeout=120, env=ENV)
     assert [reads for _, reads in out] == [{"uncached": 1, "cached": 2}] * 2
 
