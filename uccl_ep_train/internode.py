@@ -1688,8 +1688,6 @@ class NativeInternodeBackend:
             self._lap("dispatch.network")
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        from uccl_ep_train.reference import _payload_bytes
-
         self._lap(None)
         x, scales = args.x, args.x_scales
         if args.handle is None and args.num_tokens_per_expert is None:  # before any traffic: peers would hang
@@ -1711,32 +1709,66 @@ class NativeInternodeBackend:
         self._last_combine = None
         self._lap("dispatch.entry")
         if args.handle is not None:
-            h: InternodeHandle = args.handle
-            cols = [x] + ([scales] if scales is not None else [])
-            em_out: List[torch.Tensor] = []  # expert-major: allocated between the push and the wait, not after it
-            alloc = (lambda: em_out.extend(_empty_rows(c, h.num_recv_rows) for c in cols)) if h.expert_major else None
-            in_reader = h.expert_major and self.expert_major_in_reader["cached"]  # the reader writes the handle's slots
-            reads_all = in_reader or not h.expert_major  # (the copy after the hop reads the final rows instead)
-            final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=reads_all, h=h,
-                                                      plan_ahead=alloc, own_from_columns=reads_all)
-            self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
-            if in_reader:
-                if not em_out:  # (gated: _move left the allocation to us, before the reader's launch)
-                    alloc()
-                self._expert_major_pad(h.expert_major_info, h.expert_alignment, h.num_recv_rows, em_out)
-                self._expert_major_read(final, layout, em_out, h.num_recv_rows, h.num_topk, h.slot_of,
-                                        pending=pending)
-                parts = em_out
-            elif h.expert_major:
-                parts = self._expert_major_copy(h, _record_columns(final, layout, len(cols)), cols, em_out or None)
-            else:
-                parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
-                self._unpack(final, layout, parts, h.num_recv_rows, pending=pending)
-            self._last_dispatch_handle = h
-            self._lap("dispatch.finish")
-            return DispatchResult(parts[0], parts[1] if scales is not None else None, None, None, None, h,
-                                  self.last_traffic)
+            return self._cached_dispatch(args)
+        return self._uncached_dispatch(args, combined_send_base)
 
+    def _cached_dispatch(self, args: DispatchArgs) -> DispatchResult:
+        """A dispatch with the handle of an earlier one: its plan, hop and receive layout are the handle's."""
+        from uccl_ep_train.reference import _payload_bytes
+
+        x, scales = args.x, args.x_scales
+        h: InternodeHandle = args.handle
+        cols = [x] + ([scales] if scales is not None else [])
+        em_out: List[torch.Tensor] = []  # expert-major: allocated between the push and the wait, not after it
+        alloc = (lambda: em_out.extend(_empty_rows(c, h.num_recv_rows) for c in cols)) if h.expert_major else None
+        in_reader = h.expert_major and self.expert_major_in_reader["cached"]  # the reader writes the handle's slots
+        reads_all = in_reader or not h.expert_major  # (the copy after the hop reads the final rows instead)
+        final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=reads_all, h=h,
+                                                  plan_ahead=alloc, own_from_columns=reads_all)
+        self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
+        if in_reader:
+            if not em_out:  # (gated: _move left the allocation to us, before the reader's launch)
+                alloc()
+            self._expert_major_pad(h.expert_major_info, h.expert_alignment, h.num_recv_rows, em_out)
+            self._expert_major_read(final, layout, em_out, h.num_recv_rows, h.num_topk, h.slot_of,
+                                    pending=pending)
+            parts = em_out
+        elif h.expert_major:
+            parts = self._expert_major_copy(h, _record_columns(final, layout, len(cols)), cols, em_out or None)
+        else:
+            parts = [_empty_rows(c, h.num_recv_rows) for c in cols]
+            self._unpack(final, layout, parts, h.num_recv_rows, pending=pending)
+        self._last_dispatch_handle = h
+        self._lap("dispatch.finish")
+        return DispatchResult(parts[0], parts[1] if scales is not None else None, None, None, None, h,
+                              self.last_traffic)
+
+    def _uncached_expert_major_reader(self, args: DispatchArgs, T: int, combined_send_base: Optional[int]
+                                      ) -> Tuple[bool, bool]:
+        """(whether the records carry each pair's rank among ours of its expert, whether this rank's reader writes
+        the expert-major rows from them) for an uncached dispatch (docs/internode.md, "Expert-major rows in the
+        reader"; the receiver's per-source counts come with notify, up to NOTIFY_MAX_EXPERTS experts).
+        The column is in every sender's layout, so it is shipped by a rule every rank applies alike: wherever some
+        receiver's reader may write the rows. Whether ours does is our own choice; with `auto` where ranks share a
+        GPU, only if it may launch before the count read (_reading_before_counts decides: a size seen before, right
+        after a combine)."""
+        E = args.num_tokens_per_expert.numel()
+        if not (args.expert_major and args.topk_idx is not None and E <= NOTIFY_MAX_EXPERTS):
+            return False, False
+        choice = self.expert_major_in_reader
+        if not (choice["uncached"] or (self._reads_before_counts_at_all and choice["uncached early"])):
+            return False, False
+        may_read_early = (self._reads_before_counts_at_all and combined_send_base is not None
+                          and bool(args.num_worst_tokens or self._expert_rows_seen.get(T)))
+        return True, choice["uncached early" if may_read_early else "uncached"]
+
+    def _uncached_dispatch(self, args: DispatchArgs, combined_send_base: Optional[int]) -> DispatchResult:
+        """A dispatch without a handle: notify exchanges the counts, and the receive is planned from them (or, read
+        before the count read, from the count rows on the device). ``combined_send_base``: where the last combine's
+        partial sums start in our send half, when that combine proves the rest of it free (packing during notify)."""
+        from uccl_ep_train.reference import _payload_bytes
+
+        x, scales = args.x, args.x_scales
         itr = args.is_token_in_rank
         topk_idx, weights = args.topk_idx, args.topk_weights
         if args.expert_major and topk_idx is None:
@@ -1745,18 +1777,7 @@ class NativeInternodeBackend:
             itr = self.get_dispatch_layout(topk_idx, args.num_tokens_per_expert.numel())[3]
         T = x.size(0)
         E = args.num_tokens_per_expert.numel()
-        # docs/internode.md, "Expert-major rows in the reader": the records carry each pair's rank among ours of its
-        # expert, and the receiver's per-source counts come with notify (up to NOTIFY_MAX_EXPERTS experts)
-        # The records carry the pair ranks wherever a receiver's reader may write the rows: a rule every rank
-        # applies alike, since the column is in every sender's layout. Whether this rank's reader then writes them
-        # is its own choice (auto where ranks share a GPU: only if it may launch before the count read, which
-        # _reading_before_counts decides; a size seen before, right after a combine).
-        ranks_pairs = (args.expert_major and topk_idx is not None and E <= NOTIFY_MAX_EXPERTS
-                       and (self.expert_major_in_reader["uncached"]
-                            or (self._reads_before_counts_at_all and self.expert_major_in_reader["uncached early"])))
-        may_read_early = (self._reads_before_counts_at_all and combined_send_base is not None
-                          and bool(args.num_worst_tokens or self._expert_rows_seen.get(T)))
-        in_reader = ranks_pairs and self.expert_major_in_reader["uncached early" if may_read_early else "uncached"]
+        ranks_pairs, in_reader = self._uncached_expert_major_reader(args, T, combined_send_base)
         cols = [x] + ([scales] if scales is not None else [])
         if topk_idx is not None:
             cols.append(_dense(topk_idx, torch.int64))
