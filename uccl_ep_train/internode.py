@@ -320,6 +320,9 @@ class NativeInternodeBackend:
             raise InternodeError("uccl_ep_train._C has no `internode` submodule (built without CUDA, or module.cpp "
                                  "does not call bind_internode)")
         self._k = _C.internode
+        if self.G > self._k.FORWARD_MAX_TARGETS:  # (its destinations sit in one block's shared memory)
+            raise InternodeError(f"{self.G} GPUs per node: the dispatch forward (forward_rows) takes at most "
+                                 f"{self._k.FORWARD_MAX_TARGETS}")
         # a CPU device means the CPU stand-in of _C.internode (tests/internode/fake_internode_native.py)
         self.device = ctx.device if ctx.device.index is not None or ctx.device.type != "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
@@ -388,6 +391,10 @@ class NativeInternodeBackend:
         self._cx.proxy_start()
         node_ranks = range(self.node * self.G, (self.node + 1) * self.G)
         self.peer_nvl = self._cx.open_nvl_peers([bytes(gathered[r][1]) for r in node_ranks], self.local)
+        # the dispatch forward's destinations, on the device for its one launch (forward_rows); allocation bases
+        if any(p % 16 for p in self.peer_nvl):
+            raise InternodeError(f"rank {self.rank}: a peer's NVL area is not 16-byte aligned: {self.peer_nvl}")
+        self._forward_targets = torch.tensor(self.peer_nvl, dtype=torch.int64).to(self.device)
         self._rdma = _raw_bytes(self._cx.rdma_ptr, self.rdma_bytes, self.device)
         self._nvl = _raw_bytes(self._cx.nvl_ptr, self.nvl_bytes, self.device)
         # The notify area (one count row per rank, at the end of the RDMA region) is the count exchange through the
@@ -1191,12 +1198,13 @@ class NativeInternodeBackend:
             self._lap("dispatch.forward")
             return arrivals[:, :layout.final_bytes], layout, None, A, None
         fwd_dest = stamp_arrivals(arrivals, layout, G, shape.forward_bases)
-        if A:
-            for j in range(G):  # NVLink hop: every local GPU that needs the record gets its final row
-                idx = fwd_dest[:, j].contiguous()  # freed after the launch: the allocator reuses it stream-ordered
-                self._scatter(self.peer_nvl[j], layout.final_bytes, idx.data_ptr(), self._cx.rdma_ptr + recv_base,
-                              stride, 0, A, layout.final_bytes, num_recv_rows(counts, self.node * G + j),
-                              "dispatch_forward", j)
+        if A:  # NVLink hop: every local GPU that needs the record gets its final row; one launch, each row read once
+            limits = self._upload([num_recv_rows(counts, self.node * G + j) for j in range(G)])
+            self._k.forward_rows(self._forward_targets.data_ptr(), layout.final_bytes, fwd_dest.data_ptr(), G,
+                                 self._cx.rdma_ptr + recv_base, stride, A, layout.final_bytes, limits.data_ptr(),
+                                 self._stream(), err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                                 stop_generation=self._cx.stop_generation, rank=self.rank,
+                                 phase=self._phases["dispatch_forward"])
         self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)

@@ -377,6 +377,42 @@ __global__ void scatter_rows_kernel(char* dst, long long dst_stride, const long 
   }
 }
 
+// Dispatch forward over NVLink: arrival row r goes to every local GPU j with dst_idx[r * targets + j] >= 0, at that
+// row of dsts[j]'s final rows. One launch for the node's GPUs, each row read once: scatter_rows per GPU took G
+// launches and G reads of each row. The targets' addresses go to shared memory (any number of GPUs per node).
+template <typename V>
+__global__ void forward_rows_kernel(const unsigned long long* dsts, long long dst_stride, const long long* dst_idx,
+                                    int targets, const char* src, long long src_stride, long long n,
+                                    long long row_bytes, const long long* dst_rows, ErrorWord* err, StopFlag stop,
+                                    int rank, int phase) {
+  extern __shared__ unsigned long long s_out[];  // per target: this row's destination address, 0 = none
+  __shared__ bool s_stopped;
+  if (threadIdx.x == 0) s_stopped = stopped(stop);
+  __syncthreads();
+  if (s_stopped) return;
+  const long long words = row_bytes / static_cast<long long>(sizeof(V));
+  for (long long r = blockIdx.x; r < n; r += gridDim.x) {
+    for (int j = threadIdx.x; j < targets; j += blockDim.x) {
+      const long long d = dst_idx[r * targets + j];
+      unsigned long long at = 0;
+      if (d >= dst_rows[j]) {  // a corrupt index: never write outside the destination area
+        report(err, stop, kErrScatterRange, rank, j, int(r), phase, d, dst_rows[j]);
+      } else if (d >= 0) {
+        at = dsts[j] + static_cast<unsigned long long>(d * dst_stride);
+      }
+      s_out[j] = at;
+    }
+    __syncthreads();
+    const V* in = reinterpret_cast<const V*>(src + r * src_stride);
+    for (long long w = threadIdx.x; w < words; w += blockDim.x) {
+      const V v = in[w];
+      for (int j = 0; j < targets; ++j)
+        if (s_out[j]) reinterpret_cast<V*>(s_out[j])[w] = v;
+    }
+    __syncthreads();  // (s_out is rewritten for the next row)
+  }
+}
+
 // Source side of combine: token t's result is the sum, in fp32 and in ascending node m, of its partial sums
 // row_of[m * num_tokens + t] (-1: node m had none; the zero row stands in, which adds nothing) of the receive area,
 // rounded once to x's dtype; the fp32 weights behind the payload likewise. One warp per token, a block per tile of
@@ -514,6 +550,37 @@ void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_
     scatter_rows_kernel<uint8_t><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes,
                                                         dst_rows, ew, stop, rank, phase, target);
   check(cudaGetLastError(), "scatter_rows launch");
+}
+
+void forward_rows(uintptr_t dsts, int64_t dst_stride, uintptr_t dst_idx, int targets, uintptr_t src,
+                  int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows, uintptr_t stream,
+                  uintptr_t err, uintptr_t stop_flag, int stop_generation, int rank, int phase) {
+  if (n <= 0 || row_bytes <= 0) return;
+  if (!dsts || !dst_idx || !src || !dst_rows) throw std::invalid_argument("forward_rows: null pointer");
+  if (targets <= 0 || targets > kMaxForwardTargets)
+    throw std::invalid_argument("forward_rows: " + std::to_string(targets) + " local GPUs; 1 to " +
+                                std::to_string(kMaxForwardTargets) + " are supported");
+  // (the destinations' bases are allocation bases, 256-byte aligned: only strides, sizes and src decide)
+  const uint64_t all = uint64_t(src) | uint64_t(dst_stride) | uint64_t(src_stride) | uint64_t(row_bytes);
+  const int blocks = int(std::min<int64_t>(n, 2048));
+  const size_t shared = size_t(targets) * sizeof(unsigned long long);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  auto* d = reinterpret_cast<const unsigned long long*>(dsts);
+  auto* di = reinterpret_cast<const long long*>(dst_idx);
+  auto* sp = reinterpret_cast<const char*>(src);
+  auto* rows = reinterpret_cast<const long long*>(dst_rows);
+  auto* ew = reinterpret_cast<ErrorWord*>(err);
+  const StopFlag stop{reinterpret_cast<int32_t*>(stop_flag), stop_generation};
+  if (all % 16 == 0)
+    forward_rows_kernel<uint4><<<blocks, 256, shared, s>>>(d, dst_stride, di, targets, sp, src_stride, n, row_bytes,
+                                                           rows, ew, stop, rank, phase);
+  else if (all % 4 == 0)
+    forward_rows_kernel<uint32_t><<<blocks, 256, shared, s>>>(d, dst_stride, di, targets, sp, src_stride, n,
+                                                              row_bytes, rows, ew, stop, rank, phase);
+  else
+    forward_rows_kernel<uint8_t><<<blocks, 256, shared, s>>>(d, dst_stride, di, targets, sp, src_stride, n,
+                                                             row_bytes, rows, ew, stop, rank, phase);
+  check(cudaGetLastError(), "forward_rows launch");
 }
 
 #if defined(UCCL_EP_INTERNODE_PROXY)

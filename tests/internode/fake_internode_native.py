@@ -152,6 +152,38 @@ def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: 
         rows(dst, dst_stride, int(d.max()) + 1)[d] = rows(src, src_stride, int(s.max()) + 1)[s]
 
 
+FORWARD_MAX_TARGETS = 1024
+
+
+def forward_rows(dsts: int, dst_stride: int, dst_idx: int, targets: int, src: int, src_stride: int, n: int,
+                 row_bytes: int, dst_rows: int, stream: int, err: int = 0, stop_flag: int = 0,
+                 stop_generation: int = 0, rank: int = -1, phase: int = 0) -> None:
+    """forward_rows_kernel: row r of src to every target j with dst_idx[r, j] >= 0, at that row of dsts[j]; an index
+    >= dst_rows[j] is reported (target j, list position r), not written; nothing moves while the stop flag holds
+    ``stop_generation``. Each target is scatter_rows with row r's index in column j."""
+    if n <= 0 or row_bytes <= 0 or _stopped(stop_flag, stop_generation):
+        return
+    if not (dsts and dst_idx and src and dst_rows):
+        raise ValueError("forward_rows: null pointer")
+    if not 0 < targets <= FORWARD_MAX_TARGETS:
+        raise ValueError(f"forward_rows: {targets} local GPUs; 1 to {FORWARD_MAX_TARGETS} are supported")
+    bases = _at(dsts, 8 * targets, torch.int64).tolist()
+    index = _at(dst_idx, 8 * n * targets, torch.int64).view(n, targets).clone()
+    limits = _at(dst_rows, 8 * targets, torch.int64).tolist()
+    rows = lambda p, st, k: _at(p, (k - 1) * st + row_bytes).as_strided((k, row_bytes), (st, 1))  # noqa: E731
+    source = rows(src, src_stride, n)
+    for j in range(targets):  # (as the kernel: the stop flag is read once, at the start)
+        d = index[:, j]
+        bad = d >= limits[j]
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0])
+            _report(err, (stop_flag, stop_generation), ERROR_CODES["scatter_range"], rank, j, r, phase, int(d[r]),
+                    limits[j])
+        ok = (d >= 0) & ~bad
+        if bool(ok.any()):
+            rows(bases[j], dst_stride, int(d[ok].max()) + 1)[d[ok]] = source[ok]
+
+
 def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of: int, zero: int, num_nodes: int,
                       num_tokens: int, payload_bytes: int, num_weights: int, fp32: bool, stream: int,
                       out_x_stride: int = 0, out_w_stride: int = 0, gate: "ArrivalGate | None" = None) -> None:

@@ -486,3 +486,66 @@ def too_few_worst_rows(nat, ref, dev, rank, world):
             err = str(exc)
         seen.append((err, all(nat._cx.signal_value(s) == nat._expected[s] for s in range(nat.N * nat.L))))
     return seen, compare_cases(nat, ref, dev, rank, world, [ALL[0], ALL[6]], 1)
+
+# (row bytes, source stride, destination stride): 16-byte, 4-byte and 1-byte words in forward_rows
+FORWARD_ROW_SHAPES = [(48, 64, 80), (20, 36, 24), (7, 9, 11)]
+
+
+def check_forward_rows_sends_each_row_to_every_gpu_that_needs_it(cx, forward_rows, dev, shape):
+    """forward_rows (the dispatch forward over NVLink): each of n source rows lands at the row its index names in every
+    target's area (-1: not that target), and nothing else in the region changes; an index at or past a target's rows
+    is reported with that target and the row's list position and never written; while the rank's stop flag holds
+    the launch's generation nothing moves. Three targets carved from the RDMA region stand in for the node's GPUs.
+    ``cx``: a one-rank InternodeContext (the native one or the CPU stand-in); ``dev``: where its regions live."""
+    from uccl_ep_train.internode import _raw_bytes
+
+    row_bytes, src_stride, dst_stride = shape
+    G, n, cap, span = 3, 37, 50, 8192
+    rdma = _raw_bytes(cx.rdma_ptr, cx.rdma_bytes, dev)
+    bases = [4096 + j * span for j in range(G)]
+    end = bases[-1] + span
+    gen = torch.Generator().manual_seed(row_bytes)
+    idx = torch.stack([torch.randperm(cap, generator=gen)[:n] for _ in range(G)], 1)
+    idx[torch.rand((n, G), generator=gen) < 0.3] = -1  # rows some GPUs do not need
+    idx[3] = -1  # a row no GPU needs
+    targets = torch.tensor([cx.rdma_ptr + b for b in bases], dtype=torch.int64, device=dev)
+    limits = torch.full((G,), cap, dtype=torch.int64, device=dev)
+
+    def run(index, generation):
+        rdma[:end] = torch.randint(0, 256, (end,), dtype=torch.uint8, generator=gen).to(dev)
+        before = rdma[:end].cpu().clone()  # (.cpu() is no copy on the CPU stand-in)
+        index = index.to(dev)
+        forward_rows(targets.data_ptr(), dst_stride, index.data_ptr(), G, cx.rdma_ptr, src_stride, n, row_bytes,
+                     limits.data_ptr(), 0, err=cx.error_word_ptr, stop_flag=cx.stop_flag_ptr,
+                     stop_generation=generation, rank=0, phase=3)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return before, rdma[:end].cpu().clone()
+
+    def expected(before, index):
+        want = before.clone()
+        for j in range(G):
+            for r in range(n):
+                d = int(index[r, j])
+                if 0 <= d < cap:
+                    at = bases[j] + d * dst_stride
+                    want[at:at + row_bytes] = before[r * src_stride:r * src_stride + row_bytes]
+        return want
+
+    before, after = run(idx, cx.stop_generation)
+    assert cx.error_fields()["code"] == 0, cx.error_message()
+    assert torch.equal(after, expected(before, idx)), "forward_rows differs from a scatter per GPU"
+    assert not torch.equal(after, before)
+    bad = idx.clone()
+    bad[5, 1] = cap  # one row past target 1's area: reported, not written
+    before, after = run(bad, cx.stop_generation)
+    e = cx.error_fields()
+    assert (e["code"], e["slot"], e["aux"], e["observed"], e["expected"]) == (4, 1, 5, cap, cap), e
+    past = bases[1] + cap * dst_stride
+    assert torch.equal(after[past:bases[1] + span], before[past:bases[1] + span]), "written past the area"
+    failed = cx.stop_generation  # the report set the stop flag: a launch of that generation moves nothing
+    before, after = run(idx, failed)
+    assert torch.equal(after, before), "a stopped rank forwarded rows"
+    cx.clear_error()
+    before, after = run(idx, cx.stop_generation)
+    assert torch.equal(after, expected(before, idx))

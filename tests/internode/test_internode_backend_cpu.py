@@ -20,6 +20,7 @@ from tests.distributed import run_distributed
 import fake_internode_native as fake
 from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_small_after_a_push_during_notify,
                              check_a_failed_rank_sends_and_forwards_nothing,
+                             FORWARD_ROW_SHAPES, check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
@@ -806,6 +807,33 @@ def test_stand_in_cuts_chunks_like_the_kernel_and_reports_encode_scatter_range_a
         t0 = time.monotonic()
         cx.wait_signals(waits, 1, 0)
         assert time.monotonic() - t0 < 0.04 and cx.error_fields()["code"] == fake.ERROR_CODES["aborted"]
+    finally:
+        cx.destroy()
+
+
+def _backend_with_a_forward_limit_of_one(rank, world, G):
+    from uccl_ep_train.internode import InternodeError
+
+    fake.FORWARD_MAX_TARGETS = 1  # (this child process only)
+    try:
+        _backends(rank, world, G)[0].destroy()
+    except InternodeError as e:
+        return str(e)
+    return None
+
+
+def test_more_gpus_per_node_than_the_forward_takes_raise_at_setup_naming_both():
+    """The dispatch forward keeps one destination per local GPU in a block's shared memory (FORWARD_MAX_TARGETS): a
+    node with more GPUs than that is refused when the backend is made, on every rank, before anything is allocated."""
+    out = run_distributed(_backend_with_a_forward_limit_of_one, 4, 2, timeout=60, env=ENV)
+    assert all(e is not None and "2 GPUs per node" in e and "at most 1" in e for e in out), out
+
+
+@pytest.mark.parametrize("shape", FORWARD_ROW_SHAPES, ids=["16B", "4B", "1B"])
+def test_stand_in_forward_rows_sends_each_row_to_every_gpu_that_needs_it_and_checks_its_range_as_the_kernel(shape):
+    cx = _context()
+    try:
+        check_forward_rows_sends_each_row_to_every_gpu_that_needs_it(cx, fake.forward_rows, torch.device("cpu"), shape)
     finally:
         cx.destroy()
 
