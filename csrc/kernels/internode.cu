@@ -386,12 +386,14 @@ __global__ void forward_rows_kernel(const unsigned long long* dsts, long long ds
                                     long long row_bytes, const long long* dst_rows, ErrorWord* err, StopFlag stop,
                                     int rank, int phase) {
   extern __shared__ unsigned long long s_out[];  // per target: this row's destination address, 0 = none
-  __shared__ bool s_stopped;
+  __shared__ bool s_stopped, s_any;
   if (threadIdx.x == 0) s_stopped = stopped(stop);
   __syncthreads();
   if (s_stopped) return;
   const long long words = row_bytes / static_cast<long long>(sizeof(V));
   for (long long r = blockIdx.x; r < n; r += gridDim.x) {
+    if (threadIdx.x == 0) s_any = false;
+    __syncthreads();
     for (int j = threadIdx.x; j < targets; j += blockDim.x) {
       const long long d = dst_idx[r * targets + j];
       unsigned long long at = 0;
@@ -399,17 +401,20 @@ __global__ void forward_rows_kernel(const unsigned long long* dsts, long long ds
         report(err, stop, kErrScatterRange, rank, j, int(r), phase, d, dst_rows[j]);
       } else if (d >= 0) {
         at = dsts[j] + static_cast<unsigned long long>(d * dst_stride);
+        s_any = true;
       }
       s_out[j] = at;
     }
     __syncthreads();
-    const V* in = reinterpret_cast<const V*>(src + r * src_stride);
-    for (long long w = threadIdx.x; w < words; w += blockDim.x) {
-      const V v = in[w];
-      for (int j = 0; j < targets; ++j)
-        if (s_out[j]) reinterpret_cast<V*>(s_out[j])[w] = v;
+    if (s_any) {  // (a row no GPU needs is not read)
+      const V* in = reinterpret_cast<const V*>(src + r * src_stride);
+      for (long long w = threadIdx.x; w < words; w += blockDim.x) {
+        const V v = in[w];
+        for (int j = 0; j < targets; ++j)
+          if (s_out[j]) reinterpret_cast<V*>(s_out[j])[w] = v;
+      }
     }
-    __syncthreads();  // (s_out is rewritten for the next row)
+    __syncthreads();  // (s_out and s_any are rewritten for the next row)
   }
 }
 
