@@ -123,8 +123,9 @@ class InternodeHandle:
     # the last entry-barrier decision of a cached dispatch right after a combine: (that combine's counts and areas,
     # record stride, whether it may skip) -- a backward pass asks the same question of every layer's pair
     skip_decision: Optional[tuple] = field(default=None, repr=False)
-    # combine: per source local index, the arrival row of each received row (recv_arrival of rows_by_local[j])
-    gather_rows: Optional[List[torch.Tensor]] = None
+    # combine (G > 1): int64 [received rows, G], each row's arrival row at its forwarder (the local GPU of its
+    # source) in that GPU's column, -1 in the others: the index table of the gather's forward_rows launches
+    gather_index: Optional[torch.Tensor] = None
     # what the handle's first combine plans for the backward pass while its partial sums land (_guesses)
     later_guesses: Optional[list] = None
     device: Optional[torch.device] = field(default=None, repr=False)
@@ -2232,19 +2233,20 @@ class NativeInternodeBackend:
         else:
             if h.rows_by_local is None:
                 h.rows_by_local = rows_by_source_local(h.counts, self.rank, G, dev)
-            for j in range(G):
-                if h.rows_by_local[j].numel() == 0:
-                    continue
-                sel = h.rows_by_local[j]
-                if h.gather_rows is None:  # where each group's rows go at their forwarder: the same in every combine
-                    h.gather_rows = [h.recv_arrival[g].contiguous() for g in h.rows_by_local]
-                dst_idx = h.gather_rows[j]
-                dst = self.peer_nvl[j] + gbase + self.local * block
-                for src, nbytes, off in ((rows, pay, 0), (w, 4 * kw, pay)):
+            if h.gather_index is None:  # where each row goes at its forwarder: the same in every combine
+                h.gather_index = torch.full((nrecv, G), -1, dtype=torch.int64, device=dev)
+                for j, sel in enumerate(h.rows_by_local):
+                    h.gather_index[sel, j] = h.recv_arrival[sel]
+            if nrecv:  # one launch per column (payload, weights), each row to its forwarder's gather block
+                at = [self.peer_nvl[j] + gbase + self.local * block for j in range(G)]
+                table = self._upload([at, [a + pay for a in at], [tot.arrivals[self.node * G + j] for j in range(G)]])
+                for src, nbytes, bases in ((rows, pay, table[0]), (w, 4 * kw, table[1])):
                     if nbytes:
-                        self._scatter(dst + off, cstride, dst_idx.data_ptr(), src.data_ptr(), nbytes, sel.data_ptr(),
-                                      sel.numel(), nbytes, tot.arrivals[self.node * G + j],
-                                      "combine_gather", j)
+                        self._k.forward_rows(bases.data_ptr(), cstride, h.gather_index.data_ptr(), G, src.data_ptr(),
+                                             nbytes, nrecv, nbytes, table[2].data_ptr(), self._stream(),
+                                             err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                                             stop_generation=self._cx.stop_generation, rank=self.rank,
+                                             phase=self._phases["combine_gather"])
             self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
             self._lap("combine.gather")
             # forwarder: each arrival's copies added in fp32 in ascending local rank and rounded once to x's dtype,
