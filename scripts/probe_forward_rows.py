@@ -10,7 +10,9 @@ final rows; a token's top-8 of 256 experts reach ~3.3 of the node's 8 GPUs, so e
 """
 
 import argparse
+import functools
 import json
+import operator
 import statistics
 
 import torch
@@ -41,9 +43,11 @@ def main() -> None:
 
     fused_out, split_out = areas(), areas()
     targets = torch.tensor([d.data_ptr() for d in fused_out], dtype=torch.int64, device=dev)
+    bases_or = functools.reduce(operator.or_, (d.data_ptr() for d in fused_out))
 
     def fused():
-        k.forward_rows(targets.data_ptr(), B, idx.data_ptr(), G, src.data_ptr(), B, A, B, limits.data_ptr(), stream)
+        k.forward_rows(targets.data_ptr(), bases_or, B, idx.data_ptr(), G, src.data_ptr(), B, A, B, limits.data_ptr(),
+                       stream)
 
     def per_gpu():  # as _move did: each GPU's index column copied out, then its scatter
         for j in range(G):

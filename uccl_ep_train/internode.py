@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import operator
 import os
 import sys
 import time
@@ -392,10 +393,9 @@ class NativeInternodeBackend:
         self._cx.proxy_start()
         node_ranks = range(self.node * self.G, (self.node + 1) * self.G)
         self.peer_nvl = self._cx.open_nvl_peers([bytes(gathered[r][1]) for r in node_ranks], self.local)
-        # the dispatch forward's destinations, on the device for its one launch (forward_rows); allocation bases
-        if any(p % 16 for p in self.peer_nvl):
-            raise InternodeError(f"rank {self.rank}: a peer's NVL area is not 16-byte aligned: {self.peer_nvl}")
+        # the dispatch forward's destinations, on the device for its one launch (forward_rows)
         self._forward_targets = torch.tensor(self.peer_nvl, dtype=torch.int64).to(self.device)
+        self._forward_targets_or = functools.reduce(operator.or_, self.peer_nvl)
         self._rdma = _raw_bytes(self._cx.rdma_ptr, self.rdma_bytes, self.device)
         self._nvl = _raw_bytes(self._cx.nvl_ptr, self.nvl_bytes, self.device)
         # The notify area (one count row per rank, at the end of the RDMA region) is the count exchange through the
@@ -1201,7 +1201,8 @@ class NativeInternodeBackend:
         fwd_dest = stamp_arrivals(arrivals, layout, G, shape.forward_bases)
         if A:  # NVLink hop: every local GPU that needs the record gets its final row; one launch, each row read once
             limits = self._upload([num_recv_rows(counts, self.node * G + j) for j in range(G)])
-            self._k.forward_rows(self._forward_targets.data_ptr(), layout.final_bytes, fwd_dest.data_ptr(), G,
+            self._k.forward_rows(self._forward_targets.data_ptr(), self._forward_targets_or, layout.final_bytes,
+                                 fwd_dest.data_ptr(), G,
                                  self._cx.rdma_ptr + recv_base, stride, A, layout.final_bytes, limits.data_ptr(),
                                  self._stream(), err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
                                  stop_generation=self._cx.stop_generation, rank=self.rank,
@@ -2239,12 +2240,14 @@ class NativeInternodeBackend:
                     h.gather_index[sel, j] = h.recv_arrival[sel]
             if nrecv:  # one launch per column (payload, weights), each row to its forwarder's gather block
                 at = [self.peer_nvl[j] + gbase + self.local * block for j in range(G)]
-                table = self._upload([at, [a + pay for a in at], [tot.arrivals[self.node * G + j] for j in range(G)]])
-                for src, nbytes, bases in ((rows, pay, table[0]), (w, 4 * kw, table[1])):
+                weights_at = [a + pay for a in at]
+                table = self._upload([at, weights_at, [tot.arrivals[self.node * G + j] for j in range(G)]])
+                for src, nbytes, i, bases in ((rows, pay, 0, at), (w, 4 * kw, 1, weights_at)):
                     if nbytes:
-                        self._k.forward_rows(bases.data_ptr(), cstride, h.gather_index.data_ptr(), G, src.data_ptr(),
-                                             nbytes, nrecv, nbytes, table[2].data_ptr(), self._stream(),
-                                             err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                        self._k.forward_rows(table[i].data_ptr(), functools.reduce(operator.or_, bases), cstride,
+                                             h.gather_index.data_ptr(), G, src.data_ptr(), nbytes, nrecv, nbytes,
+                                             table[2].data_ptr(), self._stream(), err=self._cx.error_word_ptr,
+                                             stop_flag=self._cx.stop_flag_ptr,
                                              stop_generation=self._cx.stop_generation, rank=self.rank,
                                              phase=self._phases["combine_gather"])
             self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks

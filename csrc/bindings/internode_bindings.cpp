@@ -126,12 +126,14 @@ void bind_internode(py::module_& m) {
         "the stop flag (InternodeContext.stop_flag_ptr) holds stop_generation (InternodeContext.stop_generation)");
 
   k.attr("FORWARD_MAX_TARGETS") = in::kMaxForwardTargets;
-  k.def("forward_rows", &in::forward_rows, py::arg("dsts"), py::arg("dst_stride"), py::arg("dst_idx"),
+  k.def("forward_rows", &in::forward_rows, py::arg("dsts"), py::arg("dst_bases_or"), py::arg("dst_stride"),
+        py::arg("dst_idx"),
         py::arg("targets"), py::arg("src"), py::arg("src_stride"), py::arg("n"), py::arg("row_bytes"),
         py::arg("dst_rows"), py::arg("stream"), py::arg("err") = 0, py::arg("stop_flag") = 0,
         py::arg("stop_generation") = 0, py::arg("rank") = -1, py::arg("phase") = 0,
         "dispatch forward: each arrival row to every local GPU its index row names (dst_idx [n, targets], -1: none), "
-        "read once; range check, error word and stop flag as scatter_rows, target j's rows in dst_rows[j]");
+        "read once; dst_bases_or: the OR of the dsts entries (they are on the device); range check, error word and "
+        "stop flag as scatter_rows, target j's rows in dst_rows[j]");
 
   k.def("sum_node_partials", &in::sum_node_partials, py::arg("out_x"), py::arg("out_w"), py::arg("src"),
         py::arg("src_stride"), py::arg("row_of"), py::arg("zero"), py::arg("num_nodes"), py::arg("num_tokens"),

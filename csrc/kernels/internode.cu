@@ -557,16 +557,18 @@ void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_
   check(cudaGetLastError(), "scatter_rows launch");
 }
 
-void forward_rows(uintptr_t dsts, int64_t dst_stride, uintptr_t dst_idx, int targets, uintptr_t src,
-                  int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows, uintptr_t stream,
-                  uintptr_t err, uintptr_t stop_flag, int stop_generation, int rank, int phase) {
+void forward_rows(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride, uintptr_t dst_idx, int targets,
+                  uintptr_t src, int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows,
+                  uintptr_t stream, uintptr_t err, uintptr_t stop_flag, int stop_generation, int rank, int phase) {
   if (n <= 0 || row_bytes <= 0) return;
   if (!dsts || !dst_idx || !src || !dst_rows) throw std::invalid_argument("forward_rows: null pointer");
   if (targets <= 0 || targets > kMaxForwardTargets)
     throw std::invalid_argument("forward_rows: " + std::to_string(targets) + " local GPUs; 1 to " +
                                 std::to_string(kMaxForwardTargets) + " are supported");
-  // (the destinations' bases are allocation bases, 256-byte aligned: only strides, sizes and src decide)
-  const uint64_t all = uint64_t(src) | uint64_t(dst_stride) | uint64_t(src_stride) | uint64_t(row_bytes);
+  // the word size: every address the kernel forms is aligned to it (the bases are on the device, so the caller
+  // passes their OR)
+  const uint64_t all = dst_bases_or | uint64_t(src) | uint64_t(dst_stride) | uint64_t(src_stride) |
+                       uint64_t(row_bytes);
   const int blocks = int(std::min<int64_t>(n, 2048));
   const size_t shared = size_t(targets) * sizeof(unsigned long long);
   auto s = reinterpret_cast<cudaStream_t>(stream);

@@ -23,7 +23,9 @@ work is synchronous: stream order is program order), CUDA's lazy module loading,
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
+import operator
 import os
 import sys
 import time
@@ -155,12 +157,12 @@ def scatter_rows(dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: 
 FORWARD_MAX_TARGETS = 1024
 
 
-def forward_rows(dsts: int, dst_stride: int, dst_idx: int, targets: int, src: int, src_stride: int, n: int,
-                 row_bytes: int, dst_rows: int, stream: int, err: int = 0, stop_flag: int = 0,
+def forward_rows(dsts: int, dst_bases_or: int, dst_stride: int, dst_idx: int, targets: int, src: int,
+                 src_stride: int, n: int, row_bytes: int, dst_rows: int, stream: int, err: int = 0, stop_flag: int = 0,
                  stop_generation: int = 0, rank: int = -1, phase: int = 0) -> None:
     """forward_rows_kernel: row r of src to every target j with dst_idx[r, j] >= 0, at that row of dsts[j]; an index
     >= dst_rows[j] is reported (target j, list position r), not written; nothing moves while the stop flag holds
-    ``stop_generation``. Each target is scatter_rows with row r's index in column j."""
+    ``stop_generation``. ``dst_bases_or`` must be the OR of the dsts entries (the kernel's word size rests on it)."""
     if n <= 0 or row_bytes <= 0 or _stopped(stop_flag, stop_generation):
         return
     if not (dsts and dst_idx and src and dst_rows):
@@ -168,6 +170,8 @@ def forward_rows(dsts: int, dst_stride: int, dst_idx: int, targets: int, src: in
     if not 0 < targets <= FORWARD_MAX_TARGETS:
         raise ValueError(f"forward_rows: {targets} local GPUs; 1 to {FORWARD_MAX_TARGETS} are supported")
     bases = _at(dsts, 8 * targets, torch.int64).tolist()
+    if functools.reduce(operator.or_, bases) != dst_bases_or:
+        raise ValueError("forward_rows: dst_bases_or is not the OR of the destinations")
     index = _at(dst_idx, 8 * n * targets, torch.int64).view(n, targets).clone()
     limits = _at(dst_rows, 8 * targets, torch.int64).tolist()
     rows = lambda p, st, k: _at(p, (k - 1) * st + row_bytes).as_strided((k, row_bytes), (st, 1))  # noqa: E731

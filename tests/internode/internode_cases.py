@@ -2,6 +2,8 @@
 (test_internode_backend_cpu.py) share: routings, the exact comparison, and the case loop against reference.py."""
 from __future__ import annotations
 
+import functools
+import operator
 import time
 
 import pytest
@@ -487,23 +489,27 @@ def too_few_worst_rows(nat, ref, dev, rank, world):
         seen.append((err, all(nat._cx.signal_value(s) == nat._expected[s] for s in range(nat.N * nat.L))))
     return seen, compare_cases(nat, ref, dev, rank, world, [ALL[0], ALL[6]], 1)
 
-# (row bytes, source stride, destination stride): 16-byte, 4-byte and 1-byte words in forward_rows
-FORWARD_ROW_SHAPES = [(48, 64, 80), (20, 36, 24), (7, 9, 11)]
+# (row bytes, source stride, destination stride, destination bases' offset): 16-byte, 4-byte and 1-byte words in
+# forward_rows, and 16-byte rows at 8-byte bases (the combine gather's weights sit behind a payload of 8 x 8 bytes)
+FORWARD_ROW_SHAPES = [(48, 64, 80, 0), (48, 64, 80, 8), (20, 36, 24, 4), (7, 9, 11, 1)]
+FORWARD_ROW_SHAPE_IDS = ["16B", "16B-rows-8B-bases", "4B", "1B"]
 
 
 def check_forward_rows_sends_each_row_to_every_gpu_that_needs_it(cx, forward_rows, dev, shape):
     """forward_rows (the dispatch forward over NVLink): each of n source rows lands at the row its index names in every
     target's area (-1: not that target), and nothing else in the region changes; an index at or past a target's rows
     is reported with that target and the row's list position and never written; while the rank's stop flag holds
-    the launch's generation nothing moves. Three targets carved from the RDMA region stand in for the node's GPUs.
+    the launch's generation nothing moves. Destination bases only 8-, 4- or 1-byte aligned take narrower words
+    (on a GPU, 16-byte stores there fault). Three targets carved from the RDMA region stand in for the node's GPUs.
     ``cx``: a one-rank InternodeContext (the native one or the CPU stand-in); ``dev``: where its regions live."""
     from uccl_ep_train.internode import _raw_bytes
 
-    row_bytes, src_stride, dst_stride = shape
+    row_bytes, src_stride, dst_stride, offset = shape
     G, n, cap, span = 3, 37, 50, 8192
     rdma = _raw_bytes(cx.rdma_ptr, cx.rdma_bytes, dev)
-    bases = [4096 + j * span for j in range(G)]
+    bases = [4096 + offset + j * span for j in range(G)]
     end = bases[-1] + span
+    bases_or = functools.reduce(operator.or_, (cx.rdma_ptr + b for b in bases))
     gen = torch.Generator().manual_seed(row_bytes)
     idx = torch.stack([torch.randperm(cap, generator=gen)[:n] for _ in range(G)], 1)
     idx[torch.rand((n, G), generator=gen) < 0.3] = -1  # rows some GPUs do not need
@@ -515,8 +521,8 @@ def check_forward_rows_sends_each_row_to_every_gpu_that_needs_it(cx, forward_row
         rdma[:end] = torch.randint(0, 256, (end,), dtype=torch.uint8, generator=gen).to(dev)
         before = rdma[:end].cpu().clone()  # (.cpu() is no copy on the CPU stand-in)
         index = index.to(dev)
-        forward_rows(targets.data_ptr(), dst_stride, index.data_ptr(), G, cx.rdma_ptr, src_stride, n, row_bytes,
-                     limits.data_ptr(), 0, err=cx.error_word_ptr, stop_flag=cx.stop_flag_ptr,
+        forward_rows(targets.data_ptr(), bases_or, dst_stride, index.data_ptr(), G, cx.rdma_ptr, src_stride, n,
+                     row_bytes, limits.data_ptr(), 0, err=cx.error_word_ptr, stop_flag=cx.stop_flag_ptr,
                      stop_generation=generation, rank=0, phase=3)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

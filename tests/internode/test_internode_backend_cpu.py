@@ -20,7 +20,8 @@ from tests.distributed import run_distributed
 import fake_internode_native as fake
 from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_small_after_a_push_during_notify,
                              check_a_failed_rank_sends_and_forwards_nothing,
-                             FORWARD_ROW_SHAPES, check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
+                             FORWARD_ROW_SHAPES, FORWARD_ROW_SHAPE_IDS,
+                             check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
@@ -829,7 +830,7 @@ def test_more_gpus_per_node_than_the_forward_takes_raise_at_setup_naming_both():
     assert all(e is not None and "2 GPUs per node" in e and "at most 1" in e for e in out), out
 
 
-@pytest.mark.parametrize("shape", FORWARD_ROW_SHAPES, ids=["16B", "4B", "1B"])
+@pytest.mark.parametrize("shape", FORWARD_ROW_SHAPES, ids=FORWARD_ROW_SHAPE_IDS)
 def test_stand_in_forward_rows_sends_each_row_to_every_gpu_that_needs_it_and_checks_its_range_as_the_kernel(shape):
     cx = _context()
     try:

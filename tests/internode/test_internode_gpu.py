@@ -35,7 +35,8 @@ from tests.distributed import run_distributed  # noqa: E402
 
 from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # noqa: E402  (shared with
                              EXPERT_MAJOR_CASES, OWN_ROW_CASES, check_a_failed_rank_sends_and_forwards_nothing,
-                             FORWARD_ROW_SHAPES, check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
+                             FORWARD_ROW_SHAPES, FORWARD_ROW_SHAPE_IDS,
+                             check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
@@ -745,7 +746,7 @@ def test_a_rank_whose_wait_failed_pushes_no_command_and_scatters_no_row():
         cx.destroy()
 
 
-@pytest.mark.parametrize("shape", FORWARD_ROW_SHAPES, ids=["16B", "4B", "1B"])
+@pytest.mark.parametrize("shape", FORWARD_ROW_SHAPES, ids=FORWARD_ROW_SHAPE_IDS)
 def test_forward_rows_sends_each_row_to_every_gpu_that_needs_it_in_one_launch_and_checks_its_range(shape):
     """The dispatch forward's kernel (forward_rows_kernel) against a scatter per GPU, byte for byte, with its range
     check and stop flag (internode_cases.check_forward_rows_sends_each_row_to_every_gpu_that_needs_it)."""
