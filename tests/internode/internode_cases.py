@@ -490,7 +490,7 @@ def too_few_worst_rows(nat, ref, dev, rank, world):
     return seen, compare_cases(nat, ref, dev, rank, world, [ALL[0], ALL[6]], 1)
 
 # (row bytes, source stride, destination stride, destination bases' offset): 16-byte, 4-byte and 1-byte words in
-# forward_rows, and 16-byte rows at 8-byte bases (the combine gather's weights sit behind a payload of 8 x 8 bytes)
+# forward_rows, and 16-byte rows at 8-byte bases (the combine gather's weights behind a payload of 8 mod 16 bytes)
 FORWARD_ROW_SHAPES = [(48, 64, 80, 0), (48, 64, 80, 8), (20, 36, 24, 4), (7, 9, 11, 1)]
 FORWARD_ROW_SHAPE_IDS = ["16B", "16B-rows-8B-bases", "4B", "1B"]
 
