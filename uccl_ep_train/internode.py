@@ -105,9 +105,6 @@ class InternodeHandle:
     expert_major_info: Optional[torch.Tensor] = None
     expert_alignment: int = 1
     num_worst_tokens: int = 0
-    # receive rows grouped by the local index of their source: combine sends row group j back through local GPU j
-    # (made by the first combine that needs it: with several GPUs per node)
-    rows_by_local: Optional[List[torch.Tensor]] = None
     # combine at this rank as forwarder (G > 1): (rows per gather block, int32 [G, A] row of arrival a's copy from
     # local GPU j counted from the first block, -1 where GPU j sent none), made at the first combine
     forward_sum_rows: Optional[Tuple[int, torch.Tensor]] = None
@@ -183,6 +180,8 @@ class DispatchShape:
     extents: Tuple[List[int], List[int]]
     arrivals: torch.Tensor  # uint8 [A, stride] view of the receive half
     forward_bases: Optional[torch.Tensor]  # [A, G] int64 on the device (forward_row_bases); None with G = 1
+    # the final rows of each local GPU on the device, forward_rows' range check (G > 1; made at the first forward)
+    forward_limits: Optional[torch.Tensor] = None
 
 
 class Pending(NamedTuple):
@@ -302,6 +301,10 @@ class CombineShape:
     areas: CombineAreas
     nvlink_rows: int
     network_rows: int
+    # the gather's forward_rows table (G > 1; made at the first gather of a payload size, which places the weights):
+    # (payload bytes, int64 [3, G] on the device: every local GPU's gather block for our rows' payload, their
+    # weights, its rows; the OR of each of the first two rows)
+    gather: Optional[Tuple[int, torch.Tensor, Tuple[int, int]]] = None
 
 
 class NativeInternodeBackend:
@@ -1090,6 +1093,15 @@ class NativeInternodeBackend:
                              stop_generation=self._cx.stop_generation, rank=self.rank, phase=self._phases[phase],
                              target=target)
 
+    def _forward_rows(self, bases: torch.Tensor, bases_or: int, dst_stride: int, index: torch.Tensor, src: int,
+                      src_stride: int, n: int, row_bytes: int, limits: torch.Tensor, phase: str) -> None:
+        """forward_rows on this rank's stream (rows [0, n) at ``src`` to the local GPUs at ``bases`` that ``index``
+        [n, G] names, within ``limits``), with its range check, error word and stop flag as _scatter's."""
+        self._k.forward_rows(bases.data_ptr(), bases_or, dst_stride, index.data_ptr(), self.G, src, src_stride, n,
+                             row_bytes, limits.data_ptr(), self._stream(), err=self._cx.error_word_ptr,
+                             stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation,
+                             rank=self.rank, phase=self._phases[phase])
+
     def _lap(self, step: Optional[str]) -> None:
         """Benchmarks: add the host wall time since the previous lap to ``step`` (None: start a call)."""
         if self.host_timing is None:
@@ -1200,13 +1212,11 @@ class NativeInternodeBackend:
             return arrivals[:, :layout.final_bytes], layout, None, A, None
         fwd_dest = stamp_arrivals(arrivals, layout, G, shape.forward_bases)
         if A:  # NVLink hop: every local GPU that needs the record gets its final row; one launch, each row read once
-            limits = self._upload([num_recv_rows(counts, self.node * G + j) for j in range(G)])
-            self._k.forward_rows(self._forward_targets.data_ptr(), self._forward_targets_or, layout.final_bytes,
-                                 fwd_dest.data_ptr(), G,
-                                 self._cx.rdma_ptr + recv_base, stride, A, layout.final_bytes, limits.data_ptr(),
-                                 self._stream(), err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
-                                 stop_generation=self._cx.stop_generation, rank=self.rank,
-                                 phase=self._phases["dispatch_forward"])
+            if shape.forward_limits is None:
+                shape.forward_limits = self._upload([num_recv_rows(counts, self.node * G + j) for j in range(G)])
+            self._forward_rows(self._forward_targets, self._forward_targets_or, layout.final_bytes, fwd_dest,
+                               self._cx.rdma_ptr + recv_base, stride, A, layout.final_bytes, shape.forward_limits,
+                               "dispatch_forward")
         self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)
@@ -1910,7 +1920,7 @@ class NativeInternodeBackend:
         # call there, session 10): the outputs before the reader's launch (an allocation may call into CUDA), the
         # handle and the next calls' plans right after it, while the reader reads the rows already in (host_work:
         # with one GPU per node the reader is gated and spins, and nothing may call into CUDA then: "Drains").
-        # rows_by_local is made by the combine that needs it.
+        # The combine's gather table is made by the combine that needs it.
         plan_first = pending is not None and plan_ahead is not None and self._plan_before_reader(pending)
         if plan_first:
             self._lap("dispatch.outputs")
@@ -2232,24 +2242,21 @@ class NativeInternodeBackend:
                 gather(others)
             self._lap("combine.gather")
         else:
-            if h.rows_by_local is None:
-                h.rows_by_local = rows_by_source_local(h.counts, self.rank, G, dev)
             if h.gather_index is None:  # where each row goes at its forwarder: the same in every combine
                 h.gather_index = torch.full((nrecv, G), -1, dtype=torch.int64, device=dev)
-                for j, sel in enumerate(h.rows_by_local):
+                for j, sel in enumerate(rows_by_source_local(h.counts, self.rank, G, dev)):  # (source local j)
                     h.gather_index[sel, j] = h.recv_arrival[sel]
-            if nrecv:  # one launch per column (payload, weights), each row to its forwarder's gather block
+            if shape.gather is None or shape.gather[0] != pay:
                 at = [self.peer_nvl[j] + gbase + self.local * block for j in range(G)]
                 weights_at = [a + pay for a in at]
-                table = self._upload([at, weights_at, [tot.arrivals[self.node * G + j] for j in range(G)]])
-                for src, nbytes, i, bases in ((rows, pay, 0, at), (w, 4 * kw, 1, weights_at)):
+                shape.gather = (pay, self._upload([at, weights_at, [tot.arrivals[self.node * G + j] for j in range(G)]]),
+                                tuple(functools.reduce(operator.or_, b) for b in (at, weights_at)))
+            _, table, bases_or = shape.gather
+            if nrecv:  # one launch per column (payload, weights), each row to its forwarder's gather block
+                for src, nbytes, i in ((rows, pay, 0), (w, 4 * kw, 1)):
                     if nbytes:
-                        self._k.forward_rows(table[i].data_ptr(), functools.reduce(operator.or_, bases), cstride,
-                                             h.gather_index.data_ptr(), G, src.data_ptr(), nbytes, nrecv, nbytes,
-                                             table[2].data_ptr(), self._stream(), err=self._cx.error_word_ptr,
-                                             stop_flag=self._cx.stop_flag_ptr,
-                                             stop_generation=self._cx.stop_generation, rank=self.rank,
-                                             phase=self._phases["combine_gather"])
+                        self._forward_rows(table[i], bases_or[i], cstride, h.gather_index, src.data_ptr(), nbytes,
+                                           nrecv, nbytes, table[2], "combine_gather")
             self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
             self._lap("combine.gather")
             # forwarder: each arrival's copies added in fp32 in ascending local rank and rounded once to x's dtype,

@@ -530,6 +530,18 @@ const char* phase_name(int phase) {
   }
 }
 
+// Calls `launch` with a value of the widest word (uint4, uint32_t, uint8_t) that `all` -- the OR of every address,
+// stride and size a row copy uses -- is a multiple of: the row kernels' word size.
+template <typename Launch>
+void by_word_size(uint64_t all, Launch launch) {
+  if (all % 16 == 0)
+    launch(uint4{});
+  else if (all % 4 == 0)
+    launch(uint32_t{});
+  else
+    launch(uint8_t{});
+}
+
 void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_t src, int64_t src_stride,
                   uintptr_t src_idx, int64_t n, int64_t row_bytes, uintptr_t stream, int64_t dst_rows,
                   uintptr_t err, uintptr_t stop_flag, int stop_generation, int rank, int phase, int target) {
@@ -545,15 +557,10 @@ void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_
   auto* si = reinterpret_cast<const long long*>(src_idx);
   auto* ew = reinterpret_cast<ErrorWord*>(err);
   const StopFlag stop{reinterpret_cast<int32_t*>(stop_flag), stop_generation};
-  if (all % 16 == 0)
-    scatter_rows_kernel<uint4><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes, dst_rows,
-                                                      ew, stop, rank, phase, target);
-  else if (all % 4 == 0)
-    scatter_rows_kernel<uint32_t><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes,
-                                                         dst_rows, ew, stop, rank, phase, target);
-  else
-    scatter_rows_kernel<uint8_t><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes,
-                                                        dst_rows, ew, stop, rank, phase, target);
+  by_word_size(all, [&](auto word) {
+    scatter_rows_kernel<decltype(word)><<<blocks, 256, 0, s>>>(d, dst_stride, di, sp, src_stride, si, n, row_bytes,
+                                                                dst_rows, ew, stop, rank, phase, target);
+  });
   check(cudaGetLastError(), "scatter_rows launch");
 }
 
@@ -578,15 +585,10 @@ void forward_rows(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride, uin
   auto* rows = reinterpret_cast<const long long*>(dst_rows);
   auto* ew = reinterpret_cast<ErrorWord*>(err);
   const StopFlag stop{reinterpret_cast<int32_t*>(stop_flag), stop_generation};
-  if (all % 16 == 0)
-    forward_rows_kernel<uint4><<<blocks, 256, shared, s>>>(d, dst_stride, di, targets, sp, src_stride, n, row_bytes,
-                                                           rows, ew, stop, rank, phase);
-  else if (all % 4 == 0)
-    forward_rows_kernel<uint32_t><<<blocks, 256, shared, s>>>(d, dst_stride, di, targets, sp, src_stride, n,
-                                                              row_bytes, rows, ew, stop, rank, phase);
-  else
-    forward_rows_kernel<uint8_t><<<blocks, 256, shared, s>>>(d, dst_stride, di, targets, sp, src_stride, n,
-                                                             row_bytes, rows, ew, stop, rank, phase);
+  by_word_size(all, [&](auto word) {
+    forward_rows_kernel<decltype(word)><<<blocks, 256, shared, s>>>(d, dst_stride, di, targets, sp, src_stride, n,
+                                                                    row_bytes, rows, ew, stop, rank, phase);
+  });
   check(cudaGetLastError(), "forward_rows launch");
 }
 
