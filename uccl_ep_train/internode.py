@@ -54,8 +54,11 @@ def drain_after_waits(setting: str) -> bool:
     (the default) or ``never``. ``never`` lets the host launch the next steps while a wait spins; on 2x H200 with the
     loopback transport that stalled (data arriving only after the waiting kernel's deadline), with CUDA's lazy module
     loading (session 3) and with eager loading (session 6) alike; the steps already queued behind a failed wait then
-    passed stale rows on (the kernels now refuse to once the error word is set). docs/internode.md, "Drains". It is
-    kept to study that failure, not for training."""
+    passed stale rows on (the kernels now refuse to once the error word is set). Session 33 isolated the CUDA calls
+    that hold a loopback copy while a kernel spins (frees, first launches under lazy loading, one hardware queue),
+    and found that ``never`` still stalls with eager loading and 32 queues on one shared GPU (what holds the copies
+    there is not known).
+    docs/internode.md, "Drains". It is kept to study that failure, not for training."""
     return setting == "always"
 
 

@@ -1,0 +1,131 @@
+// Which host CUDA calls, made by the main thread while one of our kernels spins, hold up a copy that another host
+// thread (the loopback proxy) issues -- the copy the spinning kernel waits for (docs/internode.md, "Drains").
+// Build and run on a GPU machine: nvcc -O2 -std=c++17 -o /tmp/probe scripts/probe_blocking_calls.cu && /tmp/probe
+#include <cuda_runtime.h>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+  std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); std::exit(1); } } while (0)
+
+static double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Spins until *flag != 0 or `ns` nanoseconds pass; result: 1 = saw the flag, 2 = gave up.
+__global__ void spin(volatile int* flag, unsigned long long ns, int* result) {
+  unsigned long long t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (;;) {
+    if (*flag != 0) { *result = 1; return; }
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > ns) { *result = 2; return; }
+  }
+}
+__global__ void noop(int* p) { if (p[0] == 12345) p[1] = 0; }
+
+int main() {
+  CK(cudaSetDevice(0));
+  int *flag, *one, *result, *pinned;
+  CK(cudaMalloc(&flag, 4)); CK(cudaMalloc(&one, 4)); CK(cudaMalloc(&result, 4));
+  CK(cudaHostAlloc(&pinned, 4, cudaHostAllocDefault));
+  const int v1 = 1; CK(cudaMemcpy(one, &v1, 4, cudaMemcpyHostToDevice));
+  std::vector<char> big_host(64 << 20);
+  void* big_dev; CK(cudaMalloc(&big_dev, 64 << 20));
+  cudaStream_t s, proxy;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&proxy, cudaStreamNonBlocking));
+  noop<<<1, 1, 0, s>>>(result); CK(cudaStreamSynchronize(s));  // modules loaded before any probe
+
+  const char* names[] = {"poll (cudaStreamQuery loop)", "pageable D2H cudaMemcpyAsync (torch .cpu())",
+                         "pageable D2H cudaMemcpy (legacy stream)", "pinned D2H cudaMemcpyAsync + cudaStreamSynchronize",
+                         "cudaStreamSynchronize", "cudaMalloc 256 MiB + cudaFree", "cudaMalloc 256 MiB (kept)",
+                         "kernel launch on the spinning stream", "pageable H2D cudaMemcpyAsync 64 MiB on the spinning stream",
+                         "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaHostAlloc 64 MiB + cudaFreeHost",
+                         "cudaHostAlloc 64 MiB (kept)", "cudaHostRegister + cudaHostUnregister 64 MiB",
+                         "cudaEventCreate + cudaEventDestroy", "cudaStreamCreate + cudaStreamDestroy (idle stream)",
+                         "cudaMemset (synchronous)", "cudaMemsetAsync on another stream + its sync",
+                         "cudaMallocAsync + cudaFreeAsync on another stream", "cudaIpcGetMemHandle"};
+  const int n = sizeof(names) / sizeof(names[0]);
+  const unsigned long long spin_ns = 3000000000ull;  // the spinner gives up after 3 s
+  const double proxy_after_ms = 300;                 // the proxy copies the flag 300 ms after the spinner starts
+  std::vector<void*> kept;
+  for (int v = 0; v < n; ++v) {
+    CK(cudaMemset(flag, 0, 4)); CK(cudaMemset(result, 0, 4)); CK(cudaDeviceSynchronize());
+    std::atomic<double> call_ms{-1}, done_ms{-1};
+    const double t0 = now_ms();
+    spin<<<1, 1, 0, s>>>(flag, spin_ns, result);
+    CK(cudaGetLastError());
+    std::thread px([&] {
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(proxy_after_ms));
+      const double a = now_ms();
+      CK(cudaMemcpyAsync(flag, one, 4, cudaMemcpyDeviceToDevice, proxy));  // the proxy's "network write"
+      call_ms = now_ms() - a;
+      while (cudaStreamQuery(proxy) == cudaErrorNotReady) {}
+      done_ms = now_ms() - t0;
+    });
+    int host_result = 0;
+    cudaEvent_t ev; CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    switch (v) {
+      case 0: while (cudaStreamQuery(s) == cudaErrorNotReady) {} break;
+      case 1: CK(cudaMemcpyAsync(&host_result, result, 4, cudaMemcpyDeviceToHost, s)); CK(cudaStreamSynchronize(s)); break;
+      case 2: CK(cudaMemcpy(&host_result, result, 4, cudaMemcpyDeviceToHost)); break;
+      case 3: CK(cudaMemcpyAsync(pinned, result, 4, cudaMemcpyDeviceToHost, s)); CK(cudaStreamSynchronize(s)); break;
+      case 4: CK(cudaStreamSynchronize(s)); break;
+      case 5: { void* p; CK(cudaMalloc(&p, 256 << 20)); CK(cudaFree(p)); CK(cudaStreamSynchronize(s)); break; }
+      case 6: { void* p; CK(cudaMalloc(&p, 256 << 20)); kept.push_back(p); CK(cudaStreamSynchronize(s)); break; }
+      case 7: noop<<<1, 1, 0, s>>>(result); CK(cudaStreamSynchronize(s)); break;
+      case 8: CK(cudaMemcpyAsync(big_dev, big_host.data(), 64 << 20, cudaMemcpyHostToDevice, s)); CK(cudaStreamSynchronize(s)); break;
+      case 9: CK(cudaDeviceSynchronize()); break;
+      case 10: CK(cudaEventRecord(ev, s)); CK(cudaEventSynchronize(ev)); break;
+      case 11: { void* p; CK(cudaHostAlloc(&p, 64 << 20, cudaHostAllocDefault)); CK(cudaFreeHost(p)); CK(cudaStreamSynchronize(s)); break; }
+      case 12: { void* p; CK(cudaHostAlloc(&p, 64 << 20, cudaHostAllocDefault)); CK(cudaStreamSynchronize(s)); break; }
+      case 13: CK(cudaHostRegister(big_host.data(), 64 << 20, cudaHostRegisterDefault)); CK(cudaHostUnregister(big_host.data()));
+               CK(cudaStreamSynchronize(s)); break;
+      case 14: { cudaEvent_t e; CK(cudaEventCreate(&e)); CK(cudaEventDestroy(e)); CK(cudaStreamSynchronize(s)); break; }
+      case 15: { cudaStream_t t; CK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking)); CK(cudaStreamDestroy(t));
+                 CK(cudaStreamSynchronize(s)); break; }
+      case 16: CK(cudaMemset(big_dev, 0, 1 << 20)); CK(cudaStreamSynchronize(s)); break;
+      case 17: { cudaStream_t t; CK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking)); CK(cudaMemsetAsync(big_dev, 0, 1 << 20, t));
+                 CK(cudaStreamSynchronize(t)); CK(cudaStreamSynchronize(s)); break; }
+      case 18: { cudaStream_t t; CK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking)); void* p; CK(cudaMallocAsync(&p, 1 << 20, t));
+                 CK(cudaFreeAsync(p, t)); CK(cudaStreamSynchronize(t)); CK(cudaStreamSynchronize(s)); break; }
+      case 19: { cudaIpcMemHandle_t h; CK(cudaIpcGetMemHandle(&h, big_dev)); CK(cudaStreamSynchronize(s)); break; }
+    }
+    const double main_ms = now_ms() - t0;
+    px.join();
+    CK(cudaStreamSynchronize(s));
+    int r = 0; CK(cudaMemcpy(&r, result, 4, cudaMemcpyDeviceToHost));
+    CK(cudaEventDestroy(ev));
+    std::printf("%-58s spinner %-9s main back at %7.1f ms; proxy's cudaMemcpyAsync call took %7.1f ms, copy done at %7.1f ms\n",
+                names[v], r == 1 ? "saw-flag" : "GAVE-UP", main_ms, call_ms.load(), done_ms.load());
+    std::fflush(stdout);
+  }
+
+  // Which streams share the proxy's hardware queue: a kernel queued behind a spinning one on stream i holds the
+  // proxy's copy when stream i and the proxy's stream share a queue (CUDA_DEVICE_MAX_CONNECTIONS of them, assigned
+  // as streams are created).
+  std::vector<cudaStream_t> streams(24);
+  for (auto& t : streams) CK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking));
+  cudaStream_t late_proxy; CK(cudaStreamCreateWithFlags(&late_proxy, cudaStreamNonBlocking));
+  std::printf("streams created before the proxy's whose queued kernel holds its copy:");
+  for (size_t i = 0; i < streams.size(); ++i) {
+    CK(cudaMemset(flag, 0, 4)); CK(cudaDeviceSynchronize());
+    spin<<<1, 1, 0, streams[i]>>>(flag, 1000000000ull, result);
+    noop<<<1, 1, 0, streams[i]>>>(result);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const double a = now_ms();
+    CK(cudaMemcpyAsync(flag, one, 4, cudaMemcpyDeviceToDevice, late_proxy));
+    while (cudaStreamQuery(late_proxy) == cudaErrorNotReady) {}
+    if (now_ms() - a > 500) std::printf(" %zu", i);
+    CK(cudaDeviceSynchronize());
+  }
+  std::printf(" (of %zu)\n", streams.size());
+  return 0;
+}
