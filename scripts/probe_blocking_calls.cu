@@ -1,6 +1,7 @@
 // Which host CUDA calls, made by the main thread while one of our kernels spins, hold up a copy that another host
 // thread (the loopback proxy) issues -- the copy the spinning kernel waits for (docs/internode.md, "Drains").
 // Build and run on a GPU machine: nvcc -O2 -std=c++17 -o /tmp/probe scripts/probe_blocking_calls.cu && /tmp/probe
+// (PROBE_COPY_BYTES=N: the stream-sharing part copies N bytes on the proxy stream before the flag)
 #include <cuda_runtime.h>
 #include <atomic>
 #include <chrono>
@@ -114,13 +115,18 @@ int main() {
   std::vector<cudaStream_t> streams(24);
   for (auto& t : streams) CK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking));
   cudaStream_t late_proxy; CK(cudaStreamCreateWithFlags(&late_proxy, cudaStreamNonBlocking));
-  std::printf("streams created before the proxy's whose queued kernel holds its copy:");
+  const size_t copy_bytes = std::getenv("PROBE_COPY_BYTES") ? std::strtoull(std::getenv("PROBE_COPY_BYTES"), nullptr, 10) : 0;
+  void* copy_src = nullptr; void* copy_dst = nullptr;
+  if (copy_bytes) { CK(cudaMalloc(&copy_src, copy_bytes)); CK(cudaMalloc(&copy_dst, copy_bytes)); }
+  std::printf("streams created before the proxy's whose queued kernel holds its copy (%zu bytes before the flag):",
+              copy_bytes);
   for (size_t i = 0; i < streams.size(); ++i) {
     CK(cudaMemset(flag, 0, 4)); CK(cudaDeviceSynchronize());
     spin<<<1, 1, 0, streams[i]>>>(flag, 1000000000ull, result);
     noop<<<1, 1, 0, streams[i]>>>(result);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     const double a = now_ms();
+    if (copy_bytes) CK(cudaMemcpyAsync(copy_dst, copy_src, copy_bytes, cudaMemcpyDeviceToDevice, late_proxy));
     CK(cudaMemcpyAsync(flag, one, 4, cudaMemcpyDeviceToDevice, late_proxy));
     while (cudaStreamQuery(late_proxy) == cudaErrorNotReady) {}
     if (now_ms() - a > 500) std::printf(" %zu", i);
