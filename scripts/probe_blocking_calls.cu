@@ -29,6 +29,17 @@ __global__ void spin(volatile int* flag, unsigned long long ns, int* result) {
     if (t - t0 > ns) { *result = 2; return; }
   }
 }
+// Polls `s` until its work is done; exits naming `what` after 30 s (every spinner here gives up after 3 s).
+static void wait_stream(cudaStream_t s, const char* what) {
+  const double deadline = now_ms() + 30000;
+  while (cudaStreamQuery(s) == cudaErrorNotReady) {
+    if (now_ms() > deadline) {
+      std::fprintf(stderr, "probe: %s did not finish within 30 s\n", what);
+      std::exit(2);
+    }
+  }
+}
+
 __global__ void noop(int* p) { if (p[0] == 12345) p[1] = 0; }
 
 int main() {
@@ -68,13 +79,13 @@ int main() {
       const double a = now_ms();
       CK(cudaMemcpyAsync(flag, one, 4, cudaMemcpyDeviceToDevice, proxy));  // the proxy's "network write"
       call_ms = now_ms() - a;
-      while (cudaStreamQuery(proxy) == cudaErrorNotReady) {}
+      wait_stream(proxy, "the proxy's copy");
       done_ms = now_ms() - t0;
     });
     int host_result = 0;
     cudaEvent_t ev; CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     switch (v) {
-      case 0: while (cudaStreamQuery(s) == cudaErrorNotReady) {} break;
+      case 0: wait_stream(s, "the spinning kernel"); break;
       case 1: CK(cudaMemcpyAsync(&host_result, result, 4, cudaMemcpyDeviceToHost, s)); CK(cudaStreamSynchronize(s)); break;
       case 2: CK(cudaMemcpy(&host_result, result, 4, cudaMemcpyDeviceToHost)); break;
       case 3: CK(cudaMemcpyAsync(pinned, result, 4, cudaMemcpyDeviceToHost, s)); CK(cudaStreamSynchronize(s)); break;
@@ -128,7 +139,7 @@ int main() {
     const double a = now_ms();
     if (copy_bytes) CK(cudaMemcpyAsync(copy_dst, copy_src, copy_bytes, cudaMemcpyDeviceToDevice, late_proxy));
     CK(cudaMemcpyAsync(flag, one, 4, cudaMemcpyDeviceToDevice, late_proxy));
-    while (cudaStreamQuery(late_proxy) == cudaErrorNotReady) {}
+    wait_stream(late_proxy, "the proxy's copy behind a queued kernel");
     if (now_ms() - a > 500) std::printf(" %zu", i);
     CK(cudaDeviceSynchronize());
   }

@@ -44,7 +44,7 @@ def main() -> None:
     }
     main_stream = torch.cuda.Stream()
     warm = threading.Thread(target=lambda: dst.copy_(src))  # the thread's first CUDA call sets its device up
-    warm.start(); warm.join()
+    warm.start(); warm.join(30)
     for name, call in calls.items():
         if name != "torch.cuda.empty_cache()":  # once before: a first launch loads its kernels' module (lazy loading)
             call()
@@ -66,7 +66,9 @@ def main() -> None:
             time.sleep(proxy_after_s / 2)
             keep = call()  # (kept alive across the wait: a freed block would be reused, not returned)
             back = time.monotonic() - t0
-        th.join()
+        th.join(30)
+        if th.is_alive():
+            raise TimeoutError(f"{name}: the proxy thread's copy did not return within 30 s")
         torch.cuda.synchronize()
         stalled = took["call"] > 1.0
         print(f"{name:42s} main back at {back * 1e3:7.1f} ms; proxy's copy call took {took['call'] * 1e3:7.1f} ms"
