@@ -1088,13 +1088,13 @@ class NativeInternodeBackend:
         self.network_timing.setdefault(phase, []).append((t0, t1))
 
     def _scatter(self, dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: int, src_idx: int, n: int,
-                 row_bytes: int, dst_rows: int, phase: str, target: int) -> None:
-        """scatter_rows on this rank's stream with its range check, error word and stop flag (a failed rank forwards
-        nothing); ``target``: the destination's local GPU."""
+                 row_bytes: int, dst_rows: int, phase: str) -> None:
+        """scatter_rows on this rank's stream into our own area (the combine's own-node gather; the other GPUs' rows
+        go through _forward_rows), with its range check, error word and stop flag (a failed rank forwards nothing)."""
         self._k.scatter_rows(dst, dst_stride, dst_idx, src, src_stride, src_idx, n, row_bytes, self._stream(),
                              dst_rows=dst_rows, err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
                              stop_generation=self._cx.stop_generation, rank=self.rank, phase=self._phases[phase],
-                             target=target)
+                             target=self.local)
 
     def _forward_rows(self, bases: torch.Tensor, bases_or: int, dst_stride: int, index: torch.Tensor, src: int,
                       src_stride: int, n: int, row_bytes: int, limits: torch.Tensor, phase: str) -> None:
@@ -2348,7 +2348,7 @@ class NativeInternodeBackend:
         parts = [(rows, pay, 0)] + ([(w, 4 * w.size(1), pay)] if w is not None and w.size(1) else [])
         for src, nbytes, off in parts:
             self._scatter(self._cx.rdma_ptr + dst_off + off, cstride, 0, src.data_ptr() + lo * nbytes, nbytes, 0, n,
-                          nbytes, n, "combine_gather", 0)
+                          nbytes, n, "combine_gather")
 
     def _cached_dispatch_needs_barrier(self, h: InternodeHandle, cols: List[torch.Tensor]) -> bool:
         """Unless the last call was a combine whose traffic proves what the barrier would (docs/internode.md, "Areas

@@ -231,7 +231,8 @@ class KernelSettings:
         "its experts' rows as it lands, the sender having ranked each (token, expert) pair (docs/internode.md, "
         "Expert-major rows in the reader). auto: where the readers have the whole GPU; where ranks share one (their "
         "spinning grids are held to a few blocks) only where the reader starts with the hop: cached dispatches, and "
-        "uncached ones that read before the count read; always; never: rank-major rows first, then the expert-major plan and copy after the hop",
+        "uncached ones that read before the count read; always; never: rank-major rows first, then the expert-major "
+        "plan and copy after the hop",
         _choice("auto", "always", "never")))
     pinned_uploads: bool = field(default=True, metadata=_meta(
         "UCCL_EP_PINNED_UPLOADS", "internode: small tables (push tables, gates, plans) go to the device from a pinned "

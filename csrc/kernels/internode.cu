@@ -522,8 +522,8 @@ const char* phase_name(int phase) {
   switch (phase) {
     case kPhaseDispatchNetwork: return "dispatch network hop (push_chunks / wait_signals)";
     case kPhaseCombineNetwork: return "combine network hop (push_chunks / wait_signals)";
-    case kPhaseDispatchForward: return "dispatch forward over NVLink (scatter_rows)";
-    case kPhaseCombineGather: return "combine gather over NVLink (scatter_rows)";
+    case kPhaseDispatchForward: return "dispatch forward over NVLink (forward_rows)";
+    case kPhaseCombineGather: return "combine gather over NVLink (forward_rows, scatter_rows)";
     case kPhaseBarrier: return "group barrier through the proxies (push_chunks / wait_signals)";
     case kPhaseNotify: return "notify: count exchange through the proxies (push_chunks / wait_signals)";
     default: return "unknown phase";
@@ -1071,7 +1071,7 @@ std::string Context::error_message() const {
       return who + "push_chunks: a command to rank " + std::to_string(e.slot) + " does not encode: " +
              command_error_name(e.aux);
     case kErrScatterRange:
-      return who + "scatter_rows: destination row " + std::to_string(e.observed) + " (list position " +
+      return who + "forward_rows / scatter_rows: destination row " + std::to_string(e.observed) + " (list position " +
              std::to_string(e.aux) + ", target local GPU " + std::to_string(e.slot) + ") is outside the " +
              std::to_string(e.expected) + " rows of the area; the row was not written (a record arrived corrupt, "
              "or was read before its bytes landed)";

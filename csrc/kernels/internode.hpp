@@ -287,9 +287,9 @@ void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_
 // Dispatch forward over NVLink (asynchronous on `stream`): arrival row r of `src` (rows of `src_stride` bytes, the
 // first `row_bytes` moved) goes to each local GPU j with dst_idx[r * targets + j] >= 0 (device int64 [n, targets]),
 // at that row of dsts[j] (device uint64 [targets]: the GPUs' areas, rows of `dst_stride` bytes; `dst_bases_or`: the
-// bitwise OR of its entries, which picks the word size with the strides). Each row is read once for all targets. Range check, error word and stop flag as
-// scatter_rows, with dst_rows[j] (device int64 [targets]) the rows of target j's area and the target in the
-// report. Up to kMaxForwardTargets local GPUs.
+// bitwise OR of its entries, which picks the word size with the strides). Each row is read once for all targets.
+// Range check, error word and stop flag as scatter_rows, with dst_rows[j] (device int64 [targets]) the rows of
+// target j's area and the target in the report. Up to kMaxForwardTargets local GPUs.
 constexpr int kMaxForwardTargets = 1024;
 void forward_rows(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride, uintptr_t dst_idx, int targets,
                   uintptr_t src, int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows,

@@ -64,7 +64,8 @@ PACK_PUSH_MAX_ROWS = 256
 READ_MAX_COUNTERS = 128
 _PHASE_NAMES = {1: "dispatch network hop (push_chunks / wait_signals)",
                 2: "combine network hop (push_chunks / wait_signals)",
-                3: "dispatch forward over NVLink (scatter_rows)", 4: "combine gather over NVLink (scatter_rows)",
+                3: "dispatch forward over NVLink (forward_rows)",
+                4: "combine gather over NVLink (forward_rows, scatter_rows)",
                 5: "group barrier through the proxies (push_chunks / wait_signals)",
                 6: "notify: count exchange through the proxies (push_chunks / wait_signals)"}
 _CMD_ERRORS = {2: "dst_rank out of range (0..4095)", 3: "signal slot out of range (0..16382)",
@@ -898,7 +899,7 @@ class InternodeContext:
             2: f"push_chunks: GPU could not push into FIFO {e.slot} for {secs} s (ring full: is the proxy thread "
                f"running?); block for rank {e.aux}, record {e.observed} of {e.expected}",
             3: f"push_chunks: a command to rank {e.slot} does not encode: {_CMD_ERRORS.get(e.aux, 'unknown error')}",
-            4: f"scatter_rows: destination row {e.observed} (list position {e.aux}, target local GPU {e.slot}) is "
+            4: f"forward_rows / scatter_rows: destination row {e.observed} (list position {e.aux}, target local GPU {e.slot}) is "
                f"outside the {e.expected} rows of the area; the row was not written (a record arrived corrupt, or "
                "was read before its bytes landed)",
             5: "GPU waits aborted by the host (the proxy failed)",
