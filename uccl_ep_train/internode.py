@@ -2252,7 +2252,8 @@ class NativeInternodeBackend:
             if shape.gather is None or shape.gather[0] != pay:
                 at = [self.peer_nvl[j] + gbase + self.local * block for j in range(G)]
                 weights_at = [a + pay for a in at]
-                shape.gather = (pay, self._upload([at, weights_at, [tot.arrivals[self.node * G + j] for j in range(G)]]),
+                limits = [tot.arrivals[self.node * G + j] for j in range(G)]
+                shape.gather = (pay, self._upload([at, weights_at, limits]),
                                 tuple(functools.reduce(operator.or_, b) for b in (at, weights_at)))
             _, table, bases_or = shape.gather
             if nrecv:  # one launch per column (payload, weights), each row to its forwarder's gather block

@@ -1071,8 +1071,9 @@ std::string Context::error_message() const {
       return who + "push_chunks: a command to rank " + std::to_string(e.slot) + " does not encode: " +
              command_error_name(e.aux);
     case kErrScatterRange:
-      return who + "forward_rows / scatter_rows: destination row " + std::to_string(e.observed) + " (list position " +
-             std::to_string(e.aux) + ", target local GPU " + std::to_string(e.slot) + ") is outside the " +
+      return who + "forward_rows / scatter_rows: destination row " + std::to_string(e.observed) +
+             " (list position " + std::to_string(e.aux) + ", target local GPU " + std::to_string(e.slot) +
+             ") is outside the " +
              std::to_string(e.expected) + " rows of the area; the row was not written (a record arrived corrupt, "
              "or was read before its bytes landed)";
     case kErrAborted:

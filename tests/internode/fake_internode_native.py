@@ -899,9 +899,9 @@ class InternodeContext:
             2: f"push_chunks: GPU could not push into FIFO {e.slot} for {secs} s (ring full: is the proxy thread "
                f"running?); block for rank {e.aux}, record {e.observed} of {e.expected}",
             3: f"push_chunks: a command to rank {e.slot} does not encode: {_CMD_ERRORS.get(e.aux, 'unknown error')}",
-            4: f"forward_rows / scatter_rows: destination row {e.observed} (list position {e.aux}, target local GPU {e.slot}) is "
-               f"outside the {e.expected} rows of the area; the row was not written (a record arrived corrupt, or "
-               "was read before its bytes landed)",
+            4: f"forward_rows / scatter_rows: destination row {e.observed} (list position {e.aux}, target local GPU "
+               f"{e.slot}) is outside the {e.expected} rows of the area; the row was not written (a record arrived "
+               "corrupt, or was read before its bytes landed)",
             5: "GPU waits aborted by the host (the proxy failed)",
             6: f"pack_and_push: the records of chunk {e.slot} (for rank {e.aux}) were not all written within {secs} s: "
                f"{e.observed} of {e.expected} (a packer block never ran?)"}.get(e.code, f"unknown GPU error code {e.code}")
