@@ -47,6 +47,7 @@ int main() {
   int *flag, *one, *result, *pinned;
   CK(cudaMalloc(&flag, 4)); CK(cudaMalloc(&one, 4)); CK(cudaMalloc(&result, 4));
   CK(cudaHostAlloc(&pinned, 4, cudaHostAllocDefault));
+  void* pinned_big; CK(cudaHostAlloc(&pinned_big, 1 << 20, cudaHostAllocDefault));
   const int v1 = 1; CK(cudaMemcpy(one, &v1, 4, cudaMemcpyHostToDevice));
   std::vector<char> big_host(64 << 20);
   void* big_dev; CK(cudaMalloc(&big_dev, 64 << 20));
@@ -63,7 +64,14 @@ int main() {
                          "cudaHostAlloc 64 MiB (kept)", "cudaHostRegister + cudaHostUnregister 64 MiB",
                          "cudaEventCreate + cudaEventDestroy", "cudaStreamCreate + cudaStreamDestroy (idle stream)",
                          "cudaMemset (synchronous)", "cudaMemsetAsync on another stream + its sync",
-                         "cudaMallocAsync + cudaFreeAsync on another stream", "cudaIpcGetMemHandle"};
+                         "cudaMallocAsync + cudaFreeAsync on another stream", "cudaIpcGetMemHandle",
+                         "pinned H2D cudaMemcpyAsync 4 B on the spinning stream",
+                         "D2D cudaMemcpyAsync 1 MiB on the spinning stream (torch copy_)",
+                         "cudaMemsetAsync 1 MiB on the spinning stream",
+                         "pageable D2H cudaMemcpyAsync 48 KiB on the spinning stream + sync",
+                         "pageable D2H cudaMemcpyAsync 1 MiB on the spinning stream + sync",
+                         "pageable H2D cudaMemcpyAsync 56 KiB on the spinning stream + sync",
+                         "pinned D2H cudaMemcpyAsync 1 MiB on the spinning stream + sync"};
   const int n = sizeof(names) / sizeof(names[0]);
   const unsigned long long spin_ns = 3000000000ull;  // the spinner gives up after 3 s
   const double proxy_after_ms = 300;                 // the proxy copies the flag 300 ms after the spinner starts
@@ -109,6 +117,18 @@ int main() {
       case 18: { cudaStream_t t; CK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking)); void* p; CK(cudaMallocAsync(&p, 1 << 20, t));
                  CK(cudaFreeAsync(p, t)); CK(cudaStreamSynchronize(t)); CK(cudaStreamSynchronize(s)); break; }
       case 19: { cudaIpcMemHandle_t h; CK(cudaIpcGetMemHandle(&h, big_dev)); CK(cudaStreamSynchronize(s)); break; }
+      case 20: CK(cudaMemcpyAsync(big_dev, pinned, 4, cudaMemcpyHostToDevice, s)); CK(cudaStreamSynchronize(s)); break;
+      case 21: CK(cudaMemcpyAsync(big_dev, static_cast<char*>(big_dev) + (32 << 20), 1 << 20, cudaMemcpyDeviceToDevice, s));
+               CK(cudaStreamSynchronize(s)); break;
+      case 22: CK(cudaMemsetAsync(big_dev, 0, 1 << 20, s)); CK(cudaStreamSynchronize(s)); break;
+      case 23: CK(cudaMemcpyAsync(big_host.data(), big_dev, 48 << 10, cudaMemcpyDeviceToHost, s));
+               CK(cudaStreamSynchronize(s)); break;
+      case 24: CK(cudaMemcpyAsync(big_host.data(), big_dev, 1 << 20, cudaMemcpyDeviceToHost, s));
+               CK(cudaStreamSynchronize(s)); break;
+      case 25: CK(cudaMemcpyAsync(big_dev, big_host.data(), 56 << 10, cudaMemcpyHostToDevice, s));
+               CK(cudaStreamSynchronize(s)); break;
+      case 26: CK(cudaMemcpyAsync(pinned_big, big_dev, 1 << 20, cudaMemcpyDeviceToHost, s));
+               CK(cudaStreamSynchronize(s)); break;
     }
     const double main_ms = now_ms() - t0;
     px.join();

@@ -56,8 +56,9 @@ def drain_after_waits(setting: str) -> bool:
     loading (session 3) and with eager loading (session 6) alike; the steps already queued behind a failed wait then
     passed stale rows on (the kernels now refuse to once the error word is set). Session 33 isolated the CUDA calls
     that hold a loopback copy while a kernel spins (frees, first launches under lazy loading, one hardware queue),
-    and found that ``never`` still stalls with eager loading and 32 queues on one shared GPU (what holds the copies
-    there is not known).
+    and found that ``never`` still stalls with eager loading and 32 queues on one shared GPU. Session 34 traced it to
+    the proxy: a CUDA call on its post path (an event creation) waited until the spinning kernel ended; making the
+    events ahead did not cure it, and what the call waits for is not known.
     docs/internode.md, "Drains". It is kept to study that failure, not for training."""
     return setting == "always"
 
