@@ -11,24 +11,7 @@
 #include <thread>
 #include <vector>
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-  std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); std::exit(1); } } while (0)
-
-static double now_ms() {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Spins until *flag != 0 or `ns` nanoseconds pass; result: 1 = saw the flag, 2 = gave up.
-__global__ void spin(volatile int* flag, unsigned long long ns, int* result) {
-  unsigned long long t0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  for (;;) {
-    if (*flag != 0) { *result = 1; return; }
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t - t0 > ns) { *result = 2; return; }
-  }
-}
+#include "probe_common.cuh"
 // Polls `s` until its work is done; exits naming `what` after 30 s (every spinner here gives up after 3 s).
 static void wait_stream(cudaStream_t s, const char* what) {
   const double deadline = now_ms() + 30000;

@@ -1,0 +1,27 @@
+// What the drain probes (probe_blocking_calls.cu, probe_two_process_copies.cu) share: the error check, the clock,
+// and the kernel that spins for a flag as our wait kernels do.
+#pragma once
+#include <cuda_runtime.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+  std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); std::exit(1); } } while (0)
+
+static double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Every thread polls until *flag != 0 or `ns` nanoseconds pass; block 0 writes the result: 1 = saw the flag,
+// 2 = gave up.
+__global__ void spin(volatile int* flag, unsigned long long ns, int* result) {
+  unsigned long long t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (;;) {
+    if (*flag != 0) { if (blockIdx.x == 0 && threadIdx.x == 0) *result = 1; return; }
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > ns) { if (blockIdx.x == 0 && threadIdx.x == 0) *result = 2; return; }
+  }
+}
