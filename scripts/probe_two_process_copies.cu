@@ -49,8 +49,12 @@ static const char* kNames[] = {"nothing (host polls the stream)", "kernel launch
                                "pageable D2H 48 KiB cudaMemcpyAsync + sync (torch .cpu() of a 96 x 256 bf16 tensor)"};
 static const int kCases = sizeof(kNames) / sizeof(kNames[0]);
 
+// Every case ends within ~3.3 s (spinners give up after 3 s, stream waits after 30 s); the whole run within this.
+static const unsigned kDeadlineSecs = 300;
+
 // One process: `to_parent` carries its IPC handle and its per-case lines; `from_parent` the peer's handle and the go.
 static void child(int me, int to_parent, int from_parent) {
+  alarm(kDeadlineSecs);  // (alarms do not survive fork: each process arms its own)
   CK(cudaSetDevice(0));
   const int blocks = std::getenv("PROBE_SPIN_BLOCKS") ? std::atoi(std::getenv("PROBE_SPIN_BLOCKS")) : 1;
   const char* cb = std::getenv("PROBE_COPY_BYTES");
@@ -119,6 +123,7 @@ static void child(int me, int to_parent, int from_parent) {
 }
 
 int main() {
+  alarm(kDeadlineSecs);  // a process stuck in a CUDA call or a pipe read ends with SIGALRM instead of hanging
   int up[2][2], down[2][2];
   pid_t pids[2];
   for (int i = 0; i < 2; ++i) {
