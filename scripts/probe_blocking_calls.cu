@@ -1,7 +1,9 @@
 // Which host CUDA calls, made by the main thread while one of our kernels spins, hold up a copy that another host
 // thread (the loopback proxy) issues -- the copy the spinning kernel waits for (docs/internode.md, "Drains").
 // Build and run on a GPU machine: nvcc -O2 -std=c++17 -o /tmp/probe scripts/probe_blocking_calls.cu && /tmp/probe
-// (PROBE_COPY_BYTES=N: the stream-sharing part copies N bytes on the proxy stream before the flag)
+// (PROBE_COPY_BYTES=N: the stream-sharing part copies N bytes on the proxy stream before the flag; PROBE_PROXY and
+// PROBE_CASES, PROBE_LEGACY below: what the proxy thread does, which of the main thread's calls are tried, and on
+// which stream the spinner and those calls run)
 #include <cuda_runtime.h>
 #include <atomic>
 #include <chrono>
@@ -24,6 +26,7 @@ static void wait_stream(cudaStream_t s, const char* what) {
 }
 
 __global__ void noop(int* p) { if (p[0] == 12345) p[1] = 0; }
+__global__ void copy_word(int* to, const int* from) { *to = *from; }  // PROBE_PROXY=5: a copy made by a kernel
 
 int main() {
   CK(cudaSetDevice(0));
@@ -36,6 +39,14 @@ int main() {
   void* big_dev; CK(cudaMalloc(&big_dev, 64 << 20));
   cudaStream_t s, proxy;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  // PROBE_LEGACY=1: the spinner and the main thread's calls go to the legacy default stream, as torch's do
+  // PROBE_LEGACY=2: the spinner on a stream of its own, and the legacy stream waits for it through an event (a
+  // library that spins on a side stream, as DeepEP's comm stream) before the main thread's calls go there
+  const int legacy = std::getenv("PROBE_LEGACY") ? std::atoi(std::getenv("PROBE_LEGACY")) : 0;
+  cudaStream_t spin_stream = s;
+  if (legacy) s = cudaStreamLegacy;
+  if (legacy == 2) CK(cudaStreamCreateWithFlags(&spin_stream, cudaStreamNonBlocking));
+  cudaEvent_t spun; CK(cudaEventCreateWithFlags(&spun, cudaEventDisableTiming));
   CK(cudaStreamCreateWithFlags(&proxy, cudaStreamNonBlocking));
   noop<<<1, 1, 0, s>>>(result); CK(cudaStreamSynchronize(s));  // modules loaded before any probe
 
@@ -59,18 +70,55 @@ int main() {
   const unsigned long long spin_ns = 3000000000ull;  // the spinner gives up after 3 s
   const double proxy_after_ms = 300;                 // the proxy copies the flag 300 ms after the spinner starts
   std::vector<void*> kept;
+  // PROBE_PROXY: what the proxy thread does. 0: a copy and stream queries; 1: the copy, an event recorded behind
+  // it (made before the spin) and event queries, as the loopback does; 2: as 1 with the event created in the post;
+  // 3: as 2 after a cudaSetDevice (a proxy thread's first post); 4: as 1 with the copy's direction left to the driver
+  // (cudaMemcpyDefault, as the loopback did until session 35); 5: as 1 with the copy made by a kernel launch.
+  const int proxy_mode = std::getenv("PROBE_PROXY") ? std::atoi(std::getenv("PROBE_PROXY")) : 0;
+  cudaEvent_t kept_event; CK(cudaEventCreateWithFlags(&kept_event, cudaEventDisableTiming));
+  // PROBE_CASES: a comma-separated list of the main thread's calls to try (default: all)
+  std::vector<bool> chosen(n, std::getenv("PROBE_CASES") == nullptr);
+  if (const char* c = std::getenv("PROBE_CASES"))
+    for (const char* p = c; *p;) { const int v = std::atoi(p); if (v >= 0 && v < n) chosen[v] = true;
+      while (*p && *p != ',') ++p; if (*p) ++p; }
+  std::printf("proxy thread: PROBE_PROXY=%d, main stream %s\n", proxy_mode,
+              legacy == 2 ? "legacy, waiting for the spinner's stream" : legacy ? "legacy" : "non-blocking");
   for (int v = 0; v < n; ++v) {
+    if (!chosen[v]) continue;
     CK(cudaMemset(flag, 0, 4)); CK(cudaMemset(result, 0, 4)); CK(cudaDeviceSynchronize());
     std::atomic<double> call_ms{-1}, done_ms{-1};
     const double t0 = now_ms();
-    spin<<<1, 1, 0, s>>>(flag, spin_ns, result);
+    spin<<<1, 1, 0, spin_stream>>>(flag, spin_ns, result);
     CK(cudaGetLastError());
+    if (spin_stream != s) { CK(cudaEventRecord(spun, spin_stream)); CK(cudaStreamWaitEvent(s, spun, 0)); }
     std::thread px([&] {
       std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(proxy_after_ms));
       const double a = now_ms();
-      CK(cudaMemcpyAsync(flag, one, 4, cudaMemcpyDeviceToDevice, proxy));  // the proxy's "network write"
-      call_ms = now_ms() - a;
-      wait_stream(proxy, "the proxy's copy");
+      if (proxy_mode == 0) {
+        CK(cudaMemcpyAsync(flag, one, 4, cudaMemcpyDeviceToDevice, proxy));  // the proxy's "network write"
+        call_ms = now_ms() - a;
+        wait_stream(proxy, "the proxy's copy");
+      } else {  // the loopback's post and poll: [device bind,] [event creation,] copy, event record; event queries
+        if (proxy_mode == 3) CK(cudaSetDevice(0));
+        cudaEvent_t e = kept_event;
+        const bool made = proxy_mode == 2 || proxy_mode == 3;
+        if (made) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        if (proxy_mode == 5) {
+          copy_word<<<1, 1, 0, proxy>>>(flag, one);
+          CK(cudaGetLastError());
+        } else {
+          CK(cudaMemcpyAsync(flag, one, 4, proxy_mode == 4 ? cudaMemcpyDefault : cudaMemcpyDeviceToDevice, proxy));
+        }
+        CK(cudaEventRecord(e, proxy));
+        call_ms = now_ms() - a;
+        const double deadline = now_ms() + 30000;
+        while (cudaEventQuery(e) == cudaErrorNotReady)
+          if (now_ms() > deadline) {
+            std::fprintf(stderr, "probe: the proxy's event did not finish in 30 s\n");
+            std::exit(2);
+          }
+        if (made) CK(cudaEventDestroy(e));
+      }
       done_ms = now_ms() - t0;
     });
     int host_result = 0;
@@ -115,10 +163,10 @@ int main() {
     }
     const double main_ms = now_ms() - t0;
     px.join();
-    CK(cudaStreamSynchronize(s));
+    CK(cudaStreamSynchronize(s)); CK(cudaStreamSynchronize(spin_stream));
     int r = 0; CK(cudaMemcpy(&r, result, 4, cudaMemcpyDeviceToHost));
     CK(cudaEventDestroy(ev));
-    std::printf("%-58s spinner %-9s main back at %7.1f ms; proxy's cudaMemcpyAsync call took %7.1f ms, copy done at %7.1f ms\n",
+    std::printf("%-58s spinner %-9s main back at %7.1f ms; proxy's post took %7.1f ms, copy done at %7.1f ms\n",
                 names[v], r == 1 ? "saw-flag" : "GAVE-UP", main_ms, call_ms.load(), done_ms.load());
     std::fflush(stdout);
   }

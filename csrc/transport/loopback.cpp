@@ -240,6 +240,7 @@ class LoopbackTransport final : public Transport {
         throw ProxyError("loopback: device regions on two devices (" + std::to_string(device_) + ", " +
                          std::to_string(a.device) + ") in one endpoint; use one endpoint per GPU");
       device_ = a.device;
+      prepare_device_copies();
 #else
       throw ProxyError("loopback: device memory registration needs a build with CUDA (UCCL_EP_WITH_GPU=CUDA)");
 #endif
@@ -332,7 +333,9 @@ class LoopbackTransport final : public Transport {
   size_t post_writes(const WriteRequest* reqs, size_t n) override {
     size_t accepted = 0;
     const uint64_t now = now_ns();
-    for (; accepted < n && posted_.size() < kMaxPosted; ++accepted) {
+    // (an event is taken per copy run: a write is accepted only while one is left for the run it may open; the
+    // proxy posts a refused write again once completions have given events back)
+    for (; accepted < n && posted_.size() < kMaxPosted && event_left_for_a_new_run(); ++accepted) {
       Op& op = posted_.emplace_back();
       op.w = reqs[accepted];
       op.deliver_at = schedule(now, op.w.bytes);
@@ -359,6 +362,9 @@ class LoopbackTransport final : public Transport {
 
   size_t poll(std::vector<Completion>& out, size_t max) override {
     if (!connected_) return 0;
+#ifdef UCCL_EP_WITH_CUDA
+    bind_thread();  // first poll of the proxy thread: before any post, so no post sets the device
+#endif
     const size_t start = out.size();
     const uint64_t now = now_ns();
     if (now - last_liveness_ns_ > kLivenessPeriodNs) {
@@ -489,6 +495,16 @@ class LoopbackTransport final : public Transport {
     ++run_.count;
   }
 
+  // Whether a write may be accepted now: it may open a copy run, which takes an event at its flush, beside the run
+  // still open (host-only endpoints: always).
+  bool event_left_for_a_new_run() const {
+#ifdef UCCL_EP_WITH_CUDA
+    return device_ < 0 || free_events_.size() > (run_.count ? 1u : 0u);
+#else
+    return true;
+#endif
+  }
+
   // Starts the run's copy; its writes learn when it landed from one event (the last write owns it).
   void flush_run() {
     if (!run_.count) return;
@@ -569,24 +585,47 @@ class LoopbackTransport final : public Transport {
   }
   std::string cuda_error(const std::string& what, cudaError_t e) { return cuda_error(what.c_str(), e); }
 
+  // Everything a device copy needs besides the copy and its event record -- the stream, the events, the proxy
+  // thread's current device -- is made before the first post, while no kernel of ours spins. While another thread
+  // of the process sits in a pageable copy that waits behind a running kernel, cudaEventCreate waits for that
+  // kernel to end; under UCCL_EP_DRAIN_AFTER_WAITS=never the kernel was ours, spinning for the very bytes the post
+  // carried (session 34: 60 s; scripts/probe_blocking_calls.cu PROBE_PROXY=2 against 1; docs/internode.md, "Drains").
+  void prepare_device_copies() {
+    int prev = -1;
+    (void)cudaGetDevice(&prev);
+    auto fail = [&](const char* what, cudaError_t e) {
+      if (prev >= 0) (void)cudaSetDevice(prev);
+      throw ProxyError("loopback: " + cuda_error(what, e));
+    };
+    if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) fail("cudaSetDevice", e);
+    if (!stream_)
+      if (cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); e != cudaSuccess)
+        fail("cudaStreamCreateWithFlags", e);
+    while (free_events_.size() < kCopyEvents) {
+      cudaEvent_t ev = nullptr;
+      if (cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess)
+        fail("cudaEventCreateWithFlags", e);
+      free_events_.push_back(ev);
+    }
+    if (prev >= 0) (void)cudaSetDevice(prev);
+  }
+
+  void bind_thread() {
+    if (device_ < 0 || bound_ == std::this_thread::get_id()) return;
+    if (cudaSetDevice(device_) == cudaSuccess) bound_ = std::this_thread::get_id();  // else the post reports it
+  }
+
   // The copy runs on a non-blocking stream of our device, so it neither waits for nor is waited on by anything the
   // process queued on the legacy default stream (the spinning wait kernels). Completion is an event the proxy polls.
   std::string start_device_copy(char* to, const char* from, uint64_t bytes, cudaEvent_t* event) {
     if (device_ < 0) return "a device copy, but no device memory was registered on this endpoint";
-    if (bound_ != std::this_thread::get_id()) {  // the proxy thread's current device defaults to 0: set ours
+    if (bound_ != std::this_thread::get_id()) {  // posted before the thread's first poll (tests): set our device
       if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
       bound_ = std::this_thread::get_id();
     }
-    if (!stream_)
-      if (cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); e != cudaSuccess)
-        return cuda_error("cudaStreamCreateWithFlags", e);
-    cudaEvent_t ev = nullptr;
-    if (!free_events_.empty()) {
-      ev = free_events_.back();
-      free_events_.pop_back();
-    } else if (cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess) {
-      return cuda_error("cudaEventCreateWithFlags", e);
-    }
+    if (free_events_.empty()) return "no copy event left (post_writes accepts a write only while one is)";
+    cudaEvent_t ev = free_events_.back();
+    free_events_.pop_back();
     if (cudaError_t e = cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream_); e != cudaSuccess) {
       free_events_.push_back(ev);
       return cuda_error("cudaMemcpyAsync of " + std::to_string(bytes) + " bytes", e);
@@ -713,6 +752,9 @@ class LoopbackTransport final : public Transport {
   uint64_t copies_ = 0, copy_ns_ = 0, max_copy_ns_ = 0;  // finished device copies (for debug_state)
   int device_ = -1;                 // owner of our registered device memory (-1: none)
 #ifdef UCCL_EP_WITH_CUDA
+  // Copy runs in flight at once (an event each): the proxy's in-flight caps are far below it by default
+  // (UCCL_IB_MAX_INFLIGHT_NORMAL); above it, posts are refused until a copy is seen finished.
+  static constexpr size_t kCopyEvents = 64;
   std::thread::id bound_;           // the thread whose current device we set
   cudaStream_t stream_ = nullptr;
   std::vector<cudaEvent_t> free_events_;
