@@ -51,16 +51,33 @@ from uccl_ep_train.upload_staging import UploadStaging
 
 def drain_after_waits(setting: str) -> bool:
     """Whether the host waits for its stream after every network wait (UCCL_EP_DRAIN_AFTER_WAITS): ``always``
-    (the default) or ``never``. ``never`` lets the host launch the next steps while a wait spins; on 2x H200 with the
-    loopback transport that stalled (data arriving only after the waiting kernel's deadline), with CUDA's lazy module
-    loading (session 3) and with eager loading (session 6) alike; the steps already queued behind a failed wait then
-    passed stale rows on (the kernels now refuse to once the error word is set). Session 33 isolated the CUDA calls
-    that hold a loopback copy while a kernel spins (frees, first launches under lazy loading, one hardware queue),
-    and found that ``never`` still stalls with eager loading and 32 queues on one shared GPU. Session 34 traced it to
-    the proxy: a CUDA call on its post path (an event creation) waited until the spinning kernel ended; making the
-    events ahead did not cure it, and what the call waits for is not known.
-    docs/internode.md, "Drains". It is kept to study that failure, not for training."""
+    (the default) or ``never``. ``never`` lets the host launch the next steps while a wait spins, the first step to a
+    sync-free call. It stalled on the loopback transport until session 35 found why: a pageable copy (``.cpu()``,
+    ``.item()``, ``.to(cuda)`` of a large tensor) that waits behind a running kernel on the legacy default stream holds
+    every other thread's CUDA copies and launches in the process, and an event creation on any stream, until that
+    kernel ends; the loopback's proxy threads copy the bytes our spinning kernel waits for. With the loopback's events
+    made ahead, ``never`` is correct on a non-default, non-blocking stream (tests: all routings and dtypes, time-sliced
+    and under MPS); on the legacy default stream the loopback refuses it (``check_stream_without_drains``). Over verbs
+    the proxy makes no CUDA call, but nobody has run it on a NIC. docs/internode.md, "Drains"."""
     return setting == "always"
+
+
+# The legacy default stream, as torch's default stream (0) and CUDA's explicit handle for it (cudaStreamLegacy, 1).
+_LEGACY_STREAMS = (0, 1)
+
+
+def check_stream_without_drains(drains: bool, transport: str, stream: int, rank: int) -> None:
+    """Raise before any launch where a call would stall: without drains (UCCL_EP_DRAIN_AFTER_WAITS=never), over the
+    loopback transport, on the legacy default stream. There any pageable copy of the caller that queues behind our
+    spinning wait would hold the proxies' copies until the GPU deadline (docs/internode.md, "Drains")."""
+    if drains or transport != "loopback" or stream not in _LEGACY_STREAMS:
+        return
+    raise InternodeError(
+        f"rank {rank}: UCCL_EP_DRAIN_AFTER_WAITS=never over the loopback transport needs the caller on a non-default "
+        f"stream, and this call runs on the legacy default stream: a pageable copy there (.cpu(), .item()) while our "
+        f"wait spins would hold the loopback's copies until the GPU deadline. Run the calls under "
+        f"`with torch.cuda.stream(torch.cuda.Stream()):`, or leave UCCL_EP_DRAIN_AFTER_WAITS at always "
+        f"(docs/internode.md, \"Drains\")")
 
 
 # ====================================================================================================================
@@ -432,6 +449,8 @@ class NativeInternodeBackend:
         self._fixed_tables: dict = {}  # (phase, row bytes) -> device push table that never changes (barrier, notify)
         self._zero_rows: dict = {}  # payload bytes -> zero row (combine: a node without a partial sum adds it)
         self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(s.kernel.drain_after_waits)
+        # without drains, the loopback's calls must come from a non-default stream (check_stream_without_drains)
+        self._check_stream = self.device.type == "cuda" and not self._drain_after_waits
         self.gated_arrivals = bool(s.kernel.gated_arrivals)  # docs/internode.md, "Gated arrivals"
         self.skip_dispatch_barrier = bool(s.kernel.skip_dispatch_barrier)
         self.push_head = bool(s.kernel.push_head)
@@ -1720,6 +1739,8 @@ class NativeInternodeBackend:
         # it queued after its last wait (unpack, the partial sums) may still run while this call's first launches
         # queue behind it; a drain cost ~100 us per call on 2x H200 (session 8).
         self._check("entry of dispatch")
+        if self._check_stream:
+            check_stream_without_drains(False, self.transport.name, self._stream(), self.rank)
         self._commit_staged_plans()
         combined_send_base, self._combined_send_base = self._combined_send_base, None
         if args.handle is not None:  # every rank finished its previous use of the areas ...
@@ -2150,6 +2171,8 @@ class NativeInternodeBackend:
         from uccl_ep_train.reference import TrafficReport
 
         self._check("entry of combine")  # no drain: see dispatch
+        if self._check_stream:
+            check_stream_without_drains(False, self.transport.name, self._stream(), self.rank)
         self._commit_staged_plans()
         self._combined_send_base = None
         self._lap(None)

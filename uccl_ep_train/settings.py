@@ -240,8 +240,9 @@ class KernelSettings:
         "25 (for an A/B)", _bool))
     drain_after_waits: str = field(default="always", metadata=_meta(
         "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
-        "never: launch on while the wait spins; it stalled and corrupted cached dispatches on the loopback transport "
-        "(docs/internode.md, Drains): for investigation only", _choice("always", "never")))
+        "never: launch on while the wait spins (a step to sync-free calls); over the loopback only from a "
+        "non-default stream, where it is tested correct, and refused on the legacy default stream (docs/internode.md, "
+        "Drains); not yet run over verbs on a NIC", _choice("always", "never")))
 
 
 @dataclass(frozen=True)

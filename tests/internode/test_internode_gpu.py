@@ -170,6 +170,38 @@ def test_without_drains_every_output_matches_when_the_caller_runs_on_a_non_defau
         assert drained in (False, None), "UCCL_EP_DRAIN_AFTER_WAITS=never did not reach the backend"
 
 
+def _never_on_the_default_stream(rank, world, G):
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.internode import InternodeError
+
+    nat, ref, dev = _backends(rank, world, G)
+    try:
+        assert torch.cuda.current_stream(dev).cuda_stream == 0
+        x = torch.randn(8, 256, device=dev).to(torch.bfloat16)
+        idx = torch.randint(0, 4 * world, (8, 4), device=dev)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, 4 * world)
+        before = nat.proxy_stats()["commands"]
+        try:
+            nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None))
+        except InternodeError as e:
+            return str(e), nat.proxy_stats()["commands"] - before
+        return None, nat.proxy_stats()["commands"] - before
+    finally:
+        nat.destroy()
+
+
+def test_without_drains_a_loopback_call_on_the_legacy_default_stream_raises_before_any_launch():
+    """UCCL_EP_DRAIN_AFTER_WAITS=never, called on torch's default stream over the loopback: dispatch raises at its
+    entry, naming the rank and the fix, and no command of it reached the proxies (nothing was launched)."""
+    _need(2)
+    out = run_distributed(_never_on_the_default_stream, 2, 1, timeout=240,
+                          env={"UCCL_EP_DRAIN_AFTER_WAITS": "never", "UCCL_EP_CPU_TIMEOUT_SECS": "30"})
+    for rank, (err, commands) in enumerate(out):
+        assert err is not None and f"rank {rank}: UCCL_EP_DRAIN_AFTER_WAITS=never" in err, err
+        assert "torch.cuda.stream" in err, err
+        assert commands == 0, commands
+
+
 def _own_row_cases(rank, world, G, cases):
     nat, ref, dev = _backends(rank, world, G)
     try:

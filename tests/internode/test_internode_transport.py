@@ -169,6 +169,21 @@ def test_the_host_drains_after_every_network_wait_unless_told_never():
         load_settings({"UCCL_EP_DRAIN_AFTER_WAITS": "auto"})  # the old lazy-loading rule is gone: say so, loudly
 
 
+def test_without_drains_the_loopback_refuses_calls_on_the_legacy_default_stream_and_allows_side_streams():
+    """UCCL_EP_DRAIN_AFTER_WAITS=never over the loopback: a call on the legacy default stream (torch's 0, or
+    cudaStreamLegacy) raises, naming the rank, the setting and the fix; a side stream, verbs, or draining pass."""
+    from uccl_ep_train.internode import InternodeError, check_stream_without_drains
+
+    for legacy in (0, 1):
+        with pytest.raises(InternodeError, match=r"rank 3: UCCL_EP_DRAIN_AFTER_WAITS=never .* legacy default stream"
+                                                 r".*torch\.cuda\.stream"):
+            check_stream_without_drains(False, "loopback", legacy, 3)
+    side = 0x5D1E0000
+    check_stream_without_drains(False, "loopback", side, 3)  # a torch pool stream: non-blocking
+    check_stream_without_drains(False, "verbs", 0, 3)  # the verbs proxy makes no CUDA call
+    check_stream_without_drains(True, "loopback", 0, 3)  # drains: the host is in our drain while the wait spins
+
+
 def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning():
     """2 nodes x 2 ranks on 2 GPUs (ranks 0 and 2 on GPU a, 1 and 3 on GPU b): each rank's network peer of the other
     node shares its GPU, so the loopback's copies between them run as kernels on that GPU; same-node sharing, one GPU
