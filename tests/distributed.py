@@ -54,7 +54,8 @@ def _child(call: bytes, rank: int, world_size: int, port: int, backend: str, tim
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         try:
-            value = fn(rank, world_size, *args)
+            with _side_stream_if_asked(rank):
+                value = fn(rank, world_size, *args)
         except BaseException:
             # Report (with the time) before tearing the group down: the teardown makes the peers fail as well.
             results.put((rank, False, traceback.format_exc(), time.time()))
@@ -64,6 +65,21 @@ def _child(call: bytes, rank: int, world_size: int, port: int, backend: str, tim
         results.put((rank, True, value, time.time()))
     except BaseException:  # report everything, including assertion failures and KeyboardInterrupt
         results.put((rank, False, traceback.format_exc(), time.time()))
+
+
+def _side_stream_if_asked(rank: int):
+    """UCCL_EP_TEST_SIDE_STREAM=1: the rank's work runs on a non-blocking stream of torch's pool on GPU
+    rank % device_count (the tests' placement), not on the legacy default stream; the suite's cases without drains
+    need that over the loopback (docs/internode.md, "Drains")."""
+    import contextlib
+
+    if os.environ.get("UCCL_EP_TEST_SIDE_STREAM") != "1":
+        return contextlib.nullcontext()
+    import torch
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return torch.cuda.stream(torch.cuda.Stream(dev))
 
 
 def _answer_state_requests(rank: int, results) -> None:
