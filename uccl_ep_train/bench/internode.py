@@ -447,6 +447,10 @@ def run(args) -> int:
     G = world // args.emulate_nodes
     dev = torch.device("cuda", local)
     settings = load_settings()
+    if settings.kernel.drain_after_waits == "never":
+        # without drains the calls must come from a non-default stream over the loopback (docs/internode.md,
+        # "Drains"): every launch, copy and timing of this run goes to one side stream
+        torch.cuda.set_stream(torch.cuda.Stream(dev))
     ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=dev,
                          num_nvl_bytes=args.nvl_bytes, num_rdma_bytes=args.rdma_bytes, settings=settings)
     nat = NativeInternodeBackend(ctx)
