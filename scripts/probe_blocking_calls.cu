@@ -43,8 +43,11 @@ int main() {
   // PROBE_LEGACY=2: the spinner on a stream of its own, and the legacy stream waits for it through an event (a
   // library that spins on a side stream, as DeepEP's comm stream) before the main thread's calls go there
   const int legacy = std::getenv("PROBE_LEGACY") ? std::atoi(std::getenv("PROBE_LEGACY")) : 0;
+  // 3: both on a blocking stream (cudaStreamCreate's default flags); 4: both on the per-thread default stream
+  if (legacy == 1 || legacy == 2) s = cudaStreamLegacy;
+  if (legacy == 3) CK(cudaStreamCreateWithFlags(&s, cudaStreamDefault));
+  if (legacy == 4) s = cudaStreamPerThread;
   cudaStream_t spin_stream = s;
-  if (legacy) s = cudaStreamLegacy;
   if (legacy == 2) CK(cudaStreamCreateWithFlags(&spin_stream, cudaStreamNonBlocking));
   cudaEvent_t spun; CK(cudaEventCreateWithFlags(&spun, cudaEventDisableTiming));
   CK(cudaStreamCreateWithFlags(&proxy, cudaStreamNonBlocking));
@@ -82,7 +85,8 @@ int main() {
     for (const char* p = c; *p;) { const int v = std::atoi(p); if (v >= 0 && v < n) chosen[v] = true;
       while (*p && *p != ',') ++p; if (*p) ++p; }
   std::printf("proxy thread: PROBE_PROXY=%d, main stream %s\n", proxy_mode,
-              legacy == 2 ? "legacy, waiting for the spinner's stream" : legacy ? "legacy" : "non-blocking");
+              legacy == 2 ? "legacy, waiting for the spinner's stream" : legacy == 1 ? "legacy" : legacy == 3 ? "blocking"
+              : legacy == 4 ? "per-thread default" : "non-blocking");
   for (int v = 0; v < n; ++v) {
     if (!chosen[v]) continue;
     CK(cudaMemset(flag, 0, 4)); CK(cudaMemset(result, 0, 4)); CK(cudaDeviceSynchronize());
