@@ -62,7 +62,9 @@ def drain_after_waits(setting: str) -> bool:
     return setting == "always"
 
 
-# The legacy default stream, as torch's default stream (0) and CUDA's explicit handle for it (cudaStreamLegacy, 1).
+# The legacy default stream, as torch's default stream (0) and CUDA's explicit handle for it (cudaStreamLegacy, 1):
+# the only streams whose waiting pageable copies hold the loopback's (blocking streams and the per-thread default
+# stream do not; scripts/probe_blocking_calls.cu PROBE_LEGACY).
 _LEGACY_STREAMS = (0, 1)
 
 
