@@ -410,6 +410,10 @@ class LoopbackTransport final : public Transport {
     if (ring_full_) m << "; a receiver's immediate ring was full at the last completion";
     m << "; totals: " << runs_ << " copies for " << writes_in_runs_ << " writes; " << copies_ << " device copies, "
       << copy_ns_ / 1000 << " us copying (longest " << max_copy_ns_ / 1000 << " us)";
+#ifdef UCCL_EP_WITH_CUDA
+    if (device_ >= 0)  // none free: posts are refused until a copy is seen finished
+      m << "; " << free_events_.size() << " of " << kCopyEvents << " copy events free";
+#endif
     return m.str();
   }
 
