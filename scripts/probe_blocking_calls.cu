@@ -85,8 +85,11 @@ int main() {
     for (const char* p = c; *p;) { const int v = std::atoi(p); if (v >= 0 && v < n) chosen[v] = true;
       while (*p && *p != ',') ++p; if (*p) ++p; }
   std::printf("proxy thread: PROBE_PROXY=%d, main stream %s\n", proxy_mode,
-              legacy == 2 ? "legacy, waiting for the spinner's stream" : legacy == 1 ? "legacy" : legacy == 3 ? "blocking"
-              : legacy == 4 ? "per-thread default" : "non-blocking");
+              legacy == 2   ? "legacy, waiting for the spinner's stream"
+              : legacy == 1 ? "legacy"
+              : legacy == 3 ? "blocking"
+              : legacy == 4 ? "per-thread default"
+                            : "non-blocking");
   for (int v = 0; v < n; ++v) {
     if (!chosen[v]) continue;
     CK(cudaMemset(flag, 0, 4)); CK(cudaMemset(result, 0, 4)); CK(cudaDeviceSynchronize());
