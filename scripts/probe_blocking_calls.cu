@@ -14,15 +14,8 @@
 #include <vector>
 
 #include "probe_common.cuh"
-// Polls `s` until its work is done; exits naming `what` after 30 s (every spinner here gives up after 3 s).
 static void wait_stream(cudaStream_t s, const char* what) {
-  const double deadline = now_ms() + 30000;
-  while (cudaStreamQuery(s) == cudaErrorNotReady) {
-    if (now_ms() > deadline) {
-      std::fprintf(stderr, "probe: %s did not finish within 30 s\n", what);
-      std::exit(2);
-    }
-  }
+  wait_done([&] { return cudaStreamQuery(s); }, "probe", what);
 }
 
 __global__ void noop(int* p) { if (p[0] == 12345) p[1] = 0; }
@@ -118,12 +111,7 @@ int main() {
         }
         CK(cudaEventRecord(e, proxy));
         call_ms = now_ms() - a;
-        const double deadline = now_ms() + 30000;
-        while (cudaEventQuery(e) == cudaErrorNotReady)
-          if (now_ms() > deadline) {
-            std::fprintf(stderr, "probe: the proxy's event did not finish in 30 s\n");
-            std::exit(2);
-          }
+        wait_done([&] { return cudaEventQuery(e); }, "probe", "the proxy's event");
         if (made) CK(cudaEventDestroy(e));
       }
       done_ms = now_ms() - t0;

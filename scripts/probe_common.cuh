@@ -1,5 +1,5 @@
 // What the drain probes (probe_blocking_calls.cu, probe_two_process_copies.cu) share: the error check, the clock,
-// and the kernel that spins for a flag as our wait kernels do.
+// the bounded poll, and the kernel that spins for a flag as our wait kernels do.
 #pragma once
 #include <cuda_runtime.h>
 #include <chrono>
@@ -11,6 +11,19 @@
 
 static double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Polls `query` (a cudaStreamQuery or cudaEventQuery) until it stops answering cudaErrorNotReady; exits naming `who`
+// and `what` after 30 s (every spinner in the probes gives up after 3 s).
+template <class Query>
+static void wait_done(Query query, const char* who, const char* what) {
+  const double deadline = now_ms() + 30000;
+  while (query() == cudaErrorNotReady) {
+    if (now_ms() > deadline) {
+      std::fprintf(stderr, "%s: %s did not finish within 30 s\n", who, what);
+      std::exit(2);
+    }
+  }
 }
 
 // Every thread polls until *flag != 0 or `ns` nanoseconds pass; block 0 writes the result: 1 = saw the flag,

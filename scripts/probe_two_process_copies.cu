@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -21,13 +22,8 @@
 __global__ void noop(int* p) { if (p[0] == 12345) p[1] = 0; }
 
 static void wait_stream(cudaStream_t s, const char* what, int me) {
-  const double deadline = now_ms() + 30000;
-  while (cudaStreamQuery(s) == cudaErrorNotReady) {
-    if (now_ms() > deadline) {
-      std::fprintf(stderr, "probe2 process %d: %s did not finish within 30 s\n", me, what);
-      std::exit(2);
-    }
-  }
+  const std::string who = "probe2 process " + std::to_string(me);
+  wait_done([&] { return cudaStreamQuery(s); }, who.c_str(), what);
 }
 static void put(int fd, const void* p, size_t n) {
   if (write(fd, p, n) != ssize_t(n)) { std::perror("write"); std::exit(3); }

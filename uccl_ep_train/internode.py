@@ -596,6 +596,11 @@ class NativeInternodeBackend:
     def _stream(self) -> int:
         return native.stream_handle(self.device)  # 0 for the CPU stand-in: synchronous, no stream
 
+    def _refuse_a_stall_without_drains(self) -> None:
+        """check_stream_without_drains at a call's entry; the stream is looked up only where it can matter."""
+        if self._check_stream:
+            check_stream_without_drains(self._drain_after_waits, self.transport.name, self._stream(), self.rank)
+
     def _check(self, what: str = "") -> None:
         """Raise InternodeError if a kernel of this rank recorded an error or its proxy failed. The message names
         the rank, the phase and kernel, the counter (slot) with what it counts and who feeds it, the value expected
@@ -1741,8 +1746,7 @@ class NativeInternodeBackend:
         # it queued after its last wait (unpack, the partial sums) may still run while this call's first launches
         # queue behind it; a drain cost ~100 us per call on 2x H200 (session 8).
         self._check("entry of dispatch")
-        if self._check_stream:
-            check_stream_without_drains(False, self.transport.name, self._stream(), self.rank)
+        self._refuse_a_stall_without_drains()
         self._commit_staged_plans()
         combined_send_base, self._combined_send_base = self._combined_send_base, None
         if args.handle is not None:  # every rank finished its previous use of the areas ...
@@ -2173,8 +2177,7 @@ class NativeInternodeBackend:
         from uccl_ep_train.reference import TrafficReport
 
         self._check("entry of combine")  # no drain: see dispatch
-        if self._check_stream:
-            check_stream_without_drains(False, self.transport.name, self._stream(), self.rank)
+        self._refuse_a_stall_without_drains()
         self._commit_staged_plans()
         self._combined_send_base = None
         self._lap(None)

@@ -363,7 +363,7 @@ class LoopbackTransport final : public Transport {
   size_t poll(std::vector<Completion>& out, size_t max) override {
     if (!connected_) return 0;
 #ifdef UCCL_EP_WITH_CUDA
-    bind_thread();  // first poll of the proxy thread: before any post, so no post sets the device
+    (void)bind_thread();  // first poll of the proxy thread, before any post; a failure shows at the first post
 #endif
     const size_t start = out.size();
     const uint64_t now = now_ns();
@@ -614,19 +614,20 @@ class LoopbackTransport final : public Transport {
     if (prev >= 0) (void)cudaSetDevice(prev);
   }
 
-  void bind_thread() {
-    if (device_ < 0 || bound_ == std::this_thread::get_id()) return;
-    if (cudaSetDevice(device_) == cudaSuccess) bound_ = std::this_thread::get_id();  // else the post reports it
+  // Makes our device the calling proxy thread's current one (its default is device 0), once per thread.
+  cudaError_t bind_thread() {
+    if (device_ < 0 || bound_ == std::this_thread::get_id()) return cudaSuccess;
+    const cudaError_t e = cudaSetDevice(device_);
+    if (e == cudaSuccess) bound_ = std::this_thread::get_id();
+    return e;
   }
 
   // The copy runs on a non-blocking stream of our device, so it neither waits for nor is waited on by anything the
   // process queued on the legacy default stream (the spinning wait kernels). Completion is an event the proxy polls.
   std::string start_device_copy(char* to, const char* from, uint64_t bytes, cudaEvent_t* event) {
     if (device_ < 0) return "a device copy, but no device memory was registered on this endpoint";
-    if (bound_ != std::this_thread::get_id()) {  // posted before the thread's first poll (tests): set our device
-      if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
-      bound_ = std::this_thread::get_id();
-    }
+    // (bound at the thread's first poll; tests post before any poll)
+    if (cudaError_t e = bind_thread(); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
     if (free_events_.empty()) return "no copy event left (post_writes accepts a write only while one is)";
     cudaEvent_t ev = free_events_.back();
     free_events_.pop_back();
