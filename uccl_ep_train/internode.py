@@ -151,13 +151,26 @@ class InternodeHandle:
     later_guesses: Optional[list] = None
     device: Optional[torch.device] = field(default=None, repr=False)
     _recv_tokens_per_expert_dev: Optional[torch.Tensor] = field(default=None, repr=False)
+    # a sync-free dispatch that returned before the host read the counts (docs/internode.md, "Sync-free dispatch:
+    # returning before the count read"): makes the aligned tokens per local expert on the device, from what the
+    # device holds, while the host list is still unknown (the next call's entry fills it in)
+    device_counts: Optional[Callable[[], torch.Tensor]] = field(default=None, repr=False)
 
     @property
     def num_recv_tokens_per_expert(self) -> Optional[torch.Tensor]:
         """[num_local_experts] int32 on the device, aligned (backends.DispatchResult's contract)."""
-        if self._recv_tokens_per_expert_dev is None and self.recv_tokens_per_expert is not None:
-            self._recv_tokens_per_expert_dev = _upload_values(self.recv_tokens_per_expert, np.int32, self.device)
+        if self._recv_tokens_per_expert_dev is None:
+            if self.recv_tokens_per_expert is not None:
+                self._recv_tokens_per_expert_dev = _upload_values(self.recv_tokens_per_expert, np.int32, self.device)
+            elif self.device_counts is not None:
+                self._recv_tokens_per_expert_dev = self.device_counts()
         return self._recv_tokens_per_expert_dev
+
+    @property
+    def counts_read(self) -> bool:
+        """Whether the host has read this handle's counts (False only between a sync-free dispatch that returned
+        before them and the next call of its backend)."""
+        return self.counts is not None
 
 
 @dataclass
@@ -294,6 +307,22 @@ def reads_expert_major_rows(mode: str, spin_blocks: int, starts_with_hop: bool) 
     returned ~200-400 us later than the copy (sessions 29-32, one H100 under MPS: docs/internode.md, "Expert-major
     rows in the reader")."""
     return mode == "always" or (mode == "auto" and (starts_with_hop or not spin_blocks))
+
+
+@dataclass
+class UncachedDispatch:
+    """An uncached dispatch as notify leaves it, for the steps that follow from the counts (_after_counts): right
+    away, or, where it returned before the count read (``returned_early``), at the next call's entry."""
+
+    args: Any  # DispatchArgs
+    combined_send_base: Optional[int]
+    itr: torch.Tensor
+    T: int
+    in_reader: bool
+    cols: List[torch.Tensor]
+    early: dict  # what packing during notify did
+    reading: Optional[ReadingBeforeCounts]
+    returned_early: bool
 
 
 @dataclass
@@ -451,6 +480,9 @@ class NativeInternodeBackend:
         self._fixed_tables: dict = {}  # (phase, row bytes) -> device push table that never changes (barrier, notify)
         self._zero_rows: dict = {}  # payload bytes -> zero row (combine: a node without a partial sum adds it)
         self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(s.kernel.drain_after_waits)
+        # sync-free dispatches return before the count read only where the setting says never (the CPU stand-in,
+        # which never drains, follows the setting too: its tests see the GPU's behaviour)
+        self._sync_free_returns_early = not drain_after_waits(s.kernel.drain_after_waits)
         # without drains, the loopback's calls must come from a non-default stream (check_stream_without_drains)
         self._check_stream = self.device.type == "cuda" and not self._drain_after_waits
         self.gated_arrivals = bool(s.kernel.gated_arrivals)  # docs/internode.md, "Gated arrivals"
@@ -489,6 +521,10 @@ class NativeInternodeBackend:
         self._read_dims = torch.zeros(READ_DIMS, dtype=torch.int64, device=self.device)
         self.reads_before_counts = 0  # readers launched before the count read that read (tests, benchmarks)
         self.reads_before_counts_declined = 0  # ... that the counts sent back to the reader after notify
+        # sync-free dispatches that returned before the count read (tests, benchmarks), and the last one's handle with
+        # the rest of its host work, which the next call's entry does (_finish_dispatch_before_counts)
+        self.dispatches_before_counts = 0
+        self._deferred_dispatch: Optional[Tuple[InternodeHandle, Callable[[], DispatchResult]]] = None
         self.expert_major_reads_before_counts = 0  # ... of expert-major receives, whose reader wrote the rows
         # the outputs of the next such reader, made during a combine's hop: (spec, tensors) (_spare_read_outputs)
         self._next_read: Optional[tuple] = None
@@ -577,6 +613,7 @@ class NativeInternodeBackend:
         this call's network bytes, for the benchmark's ratio of each call to it. Every rank calls it together; an
         entry barrier first (the receive areas get stale bytes, which the next dispatch overwrites). Timed like
         the calls' hops when ``network_timing`` is set (phase dispatch_network)."""
+        self._finish_dispatch_before_counts()
         self._commit_staged_plans()
         rows = [_dense(c, c.dtype) for c in columns]
         layout = _record_layout(tuple(_row_bytes(r) for r in rows), self.G)
@@ -717,7 +754,7 @@ class NativeInternodeBackend:
     def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
                 then: Optional[Callable[[torch.Tensor, CountRows], None]] = None,
                 plan: Optional[SendPlan] = None, row_goes_with_then: bool = False,
-                ahead: Optional[Callable[[CountRows], None]] = None) -> Counts:
+                ahead: Optional[Callable[[CountRows], None]] = None, defer: bool = False) -> Any:
         """Every rank's counts on every rank. With the tokens per expert (up to NOTIFY_MAX_EXPERTS) in the rows, a
         receiver knows its per-expert counts from notify alone, and neither dispatch nor combine reads anything else
         back. Every rank makes the same choice: the same group and experts. ``then(row, rows)``: work for while the
@@ -727,7 +764,9 @@ class NativeInternodeBackend:
         notify). ``row_goes_with_then``:
         ``then`` launches a kernel that pushes our row itself (the rows' ``own_pushes``), so no launch pushes it
         before. ``ahead(rows)``: launches queued behind the rows' wait and the matrix's copy, that the host does not
-        wait for before it reads the matrix (a reader launched before the count read; with ``then`` only)."""
+        wait for before it reads the matrix (a reader launched before the count read; with ``then`` only).
+        ``defer`` (through the proxies only): return, instead of the counts, a function that reads them later -- the
+        host waits for nothing now (a sync-free dispatch that returns before the count read)."""
         carry = tokens_per_expert is not None and tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS
         shape = dict(num_experts=tokens_per_expert.numel() if carry else 0)
         width = self.R + self.N + shape["num_experts"]
@@ -738,7 +777,7 @@ class NativeInternodeBackend:
             self._count_row(row, is_token_in_rank, tpe, plan if then is not None else None)
             return self._notify_through_proxies(width, shape,
                                                 (lambda rows: then(row, rows)) if then is not None else None,
-                                                row_goes_with_then, ahead)
+                                                row_goes_with_then, ahead, defer)
         row = torch.empty(width, dtype=torch.int64, device=self.device)
         self._count_row(row, is_token_in_rank, tpe)
         self._drain("notify")  # bounded; the copy to the host below then never waits behind a stuck kernel
@@ -844,7 +883,7 @@ class NativeInternodeBackend:
 
     def _notify_through_proxies(self, words: int, shape: dict, then: Optional[Callable[[CountRows], None]] = None,
                                 row_goes_with_then: bool = False,
-                                ahead: Optional[Callable[[CountRows], None]] = None) -> Counts:
+                                ahead: Optional[Callable[[CountRows], None]] = None, defer: bool = False) -> Any:
         """Count exchange in stream order: our row (``words`` int64, already in row ``rank`` of our notify area) goes
         into row ``rank`` of every rank's notify area (one write each, through the proxies), then we wait for every
         other rank's row and copy the matrix to the host. Receiving every row also proves that every rank finished
@@ -857,7 +896,8 @@ class NativeInternodeBackend:
         the wait for the others', told where the rows land and which counter value proves they did; with
         ``row_goes_with_then`` it pushes our row itself (``rows.own_pushes``: the push table), one launch fewer before
         the wire ("Push during notify"). ``ahead(rows)`` (with ``then``): launched behind the wait and the copy, and
-        not waited for before the matrix is read ("Reading before the count read")."""
+        not waited for before the matrix is read ("Reading before the count read"). ``defer``: see _notify; the
+        function it returns drains to the mark recorded behind the matrix's copy, then reads it."""
         R, base = self.R, self._notify_base
         row_bytes = _align(8 * words)
         own = base + self.rank * row_bytes
@@ -875,16 +915,21 @@ class NativeInternodeBackend:
             after = (lambda: ahead(landing)) if ahead is not None else None  # noqa: E731
         self._push_and_wait([] if carried else rows, [(self._notify_slot, R - 1)], "notify", 1,
                             "notify (count exchange)",
-                            fixed=True, drain=True,  # the host reads the rows right below
+                            fixed=True, drain=True,  # the host reads the rows right below (or, deferred, later)
                             then=later,
                             after_wait=(lambda: host.copy_(area, non_blocking=True)) if host is not None else None,
-                            unawaited=after)
+                            unawaited=after, hold=defer)
         self._notify_rows_at = CountRows(self._notify_slot, self._expected[self._notify_slot],
                                          self._cx.rdma_ptr + base, row_bytes // 8)
         self._lap("dispatch.notify_exchange")  # until every peer's row is here: the ranks' skew shows up here
-        # a copy of the pinned rows: the next notify overwrites them, and the counts live on in the handle
-        mat = (host.clone() if host is not None else area.cpu()).view(torch.int64).view(R, row_bytes // 8)[:, :words]
-        return counts_from_rows(mat, R, self.N, **shape)
+
+        def read() -> Counts:
+            if defer:  # the drain _push_and_wait held back: the GPU has passed the matrix's copy
+                self._drain("notify (count exchange) of the sync-free dispatch before this call", marked=True)
+            # a copy of the pinned rows: the next notify overwrites them, and the counts live on in the handle
+            mat = (host.clone() if host is not None else area.cpu()).view(torch.int64).view(R, row_bytes // 8)
+            return counts_from_rows(mat[:, :words], R, self.N, **shape)
+        return read if defer else read()
 
     def _upload(self, rows: Any, dtype: Any = np.int64) -> torch.Tensor:
         """A small host table (int64, or np.int32) on the device without a stream sync: through the pinned staging
@@ -903,14 +948,16 @@ class NativeInternodeBackend:
                        rest: Optional[Callable[[], None]] = None,
                        after_wait: Optional[Callable[[], None]] = None,
                        push: Optional[Callable[[], None]] = None,
-                       unawaited: Optional[Callable[[], None]] = None) -> None:
+                       unawaited: Optional[Callable[[], None]] = None, hold: bool = False) -> None:
         """Push the table's chunks, wait for the signals, then drain if ``drain`` (default: the drain policy,
         ``_drain_after_waits``). ``fixed``: the rows are the same in every call of this phase (barrier, notify),
         so their device copy is made once and reused. ``then``: launches of kernels already loaded (never a first
         launch: see "Drains") that go between the push and the wait. ``hop`` (then ``rows`` are its own), ``rest``
         and ``push``: see _push_hop. ``after_wait``: copies (never a kernel) queued behind the wait, done when the
         drain returns. ``unawaited``: launches of kernels already loaded queued behind those, which the drain does
-        not wait for (it waits for a mark recorded before them); they must queue no upload."""
+        not wait for (it waits for a mark recorded before them); they must queue no upload. ``hold``: record that
+        mark and return without the drain, which the caller makes later (``_drain(marked=True)``, before any other
+        mark: a sync-free dispatch's count read at the next call's entry)."""
         t0 = self._hop_started()
         if hop is not None:
             self._push_hop(hop, phase, rest, push)
@@ -924,10 +971,14 @@ class NativeInternodeBackend:
         if after_wait is not None:
             after_wait()
         self._hop_ended(phase, t0)
-        if unawaited is not None and (self._drain_after_waits if drain is None else drain):
+        if hold or (unawaited is not None and (self._drain_after_waits if drain is None else drain)):
             marked = self._mark_drain()
-            unawaited()
-            self._drain(what or f"{phase} wait", marked=marked)
+            if unawaited is not None:
+                unawaited()
+            if hold:
+                self._check(what or f"{phase} wait")
+            else:
+                self._drain(what or f"{phase} wait", marked=marked)
             return
         # Nothing else is launched while wait_signals spins (docs/internode.md, "Drains"): the host drains the
         # stream here, polling an event and aborting the waits as soon as the proxy reports a failure.
@@ -1747,6 +1798,7 @@ class NativeInternodeBackend:
         # queue behind it; a drain cost ~100 us per call on 2x H200 (session 8).
         self._check("entry of dispatch")
         self._refuse_a_stall_without_drains()
+        self._finish_dispatch_before_counts()
         self._commit_staged_plans()
         combined_send_base, self._combined_send_base = self._combined_send_base, None
         if args.handle is not None:  # every rank finished its previous use of the areas ...
@@ -1816,9 +1868,9 @@ class NativeInternodeBackend:
     def _uncached_dispatch(self, args: DispatchArgs, combined_send_base: Optional[int]) -> DispatchResult:
         """A dispatch without a handle: notify exchanges the counts, and the receive is planned from them (or, read
         before the count read, from the count rows on the device). ``combined_send_base``: where the last combine's
-        partial sums start in our send half, when that combine proves the rest of it free (packing during notify)."""
-        from uccl_ep_train.reference import _payload_bytes
-
+        partial sums start in our send half, when that combine proves the rest of it free (packing during notify).
+        A sync-free dispatch without drains returns before the count read (_returns_before_counts); the rest of this
+        method, _after_counts, then runs at the next call's entry."""
         x, scales = args.x, args.x_scales
         itr = args.is_token_in_rank
         topk_idx, weights = args.topk_idx, args.topk_weights
@@ -1848,17 +1900,33 @@ class NativeInternodeBackend:
 
             def during(row: torch.Tensor, landing: CountRows) -> None:
                 self._pack_during_notify(row, itr, dense, layout, combined_send_base, early, landing, tables, fused)
+        early_return = self._returns_before_counts(args, reading)
         counts = self._notify(itr, args.num_tokens_per_expert, then=during, plan=tables,
                               row_goes_with_then=fused is not None,
                               ahead=(lambda rows: self._launch_reader_before_counts(reading, rows, combined_send_base))
-                              if reading is not None else None)
+                              if reading is not None else None, defer=early_return)
         self._lap("dispatch.notify")
+        call = UncachedDispatch(args, combined_send_base, itr, T, in_reader, cols, early, reading, early_return)
+        if early_return:
+            return self._return_before_counts(call, counts)
+        return self._after_counts(call, counts)
+
+    def _after_counts(self, call: "UncachedDispatch", counts: Counts) -> DispatchResult:
+        """An uncached dispatch from the counts on: the receive planned from them (or the reader launched before the
+        count read confirmed by them), the outputs, the handle and the next calls' plans."""
+        from uccl_ep_train.reference import _payload_bytes
+
+        args, combined_send_base, itr, T = call.args, call.combined_send_base, call.itr, call.T
+        in_reader, cols, early, reading = call.in_reader, call.cols, call.early, call.reading
+        x, scales, topk_idx, weights = args.x, args.x_scales, args.topk_idx, args.topk_weights
+        E = args.num_tokens_per_expert.numel()
         plan, pushed = self._packed_during_notify(early, counts)
         expert_rows = None  # an expert-major receive's rows, for the reader before the counts
         if reading is not None and reading.expert_rows:
             expert_rows = sum(_align(int(c), args.expert_alignment)
                               for c in recv_expert_counts(counts, self.rank, reading.experts_per_rank))
-        if reading is not None and not self._reader_read(reading, counts, combined_send_base, expert_rows):
+        declined = reading is not None and not self._reader_read(reading, counts, combined_send_base, expert_rows)
+        if declined:
             reading = None  # the reader did nothing: the host plans and reads after notify, as below
             self.reads_before_counts_declined += 1
         packed = early["rows"] if plan is not None else None
@@ -2020,10 +2088,82 @@ class NativeInternodeBackend:
             h.later_guesses = later
         if weights is None:
             recv_w = None
+        if declined and call.returned_early:  # the outputs it returned were never written (the host's read went
+            # into outputs of its own above, which nobody holds)
+            raise InternodeError(
+                f"rank {self.rank}: its reader did not read before the counts, so the outputs it returned were not "
+                f"written: the records it sent passed its send area below the last combine's partial sums (raise "
+                f"num_rdma_bytes); every record has landed and the next calls run")
         self._last_dispatch_handle = h
         self._lap("dispatch.finish")
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_w, [] if worst else aligned, h,
                               self.last_traffic)
+
+    # ------------------------------------------------------- sync-free dispatch: returning before the count read
+    def _returns_before_counts(self, args: DispatchArgs, reading: Optional[ReadingBeforeCounts]) -> bool:
+        """Whether this uncached dispatch returns before the host reads the counts (docs/internode.md, "Sync-free
+        dispatch: returning before the count read"): sync-free (num_worst_tokens: the outputs' rows are known), no
+        drains (the host would wait for the reader anyway), its reader launched before the count read (so nothing
+        on the GPU waits for the host's plan), and the tokens per expert in the count rows (the handle's device
+        counts come from them, or from the reader's expert-major plan)."""
+        return (reading is not None and args.num_worst_tokens > 0 and self._sync_free_returns_early
+                and args.num_tokens_per_expert.numel() <= NOTIFY_MAX_EXPERTS)
+
+    def _return_before_counts(self, call: "UncachedDispatch", read_counts: Callable[[], Counts]) -> DispatchResult:
+        """The outputs of a dispatch whose reader was launched before the count read, returned without reading the
+        counts: num_worst_tokens rows each, written by that reader; a handle whose count-derived fields the next
+        call's entry fills in (_finish_dispatch_before_counts, which runs _after_counts), and whose tokens per
+        expert meanwhile come from the device."""
+        args, reading = call.args, call.reading
+        worst, align, L = args.num_worst_tokens, args.expert_alignment, reading.experts_per_rank
+        h = InternodeHandle(num_tokens=call.T, num_recv_rows=worst,
+                            num_topk=args.topk_idx.size(1) if args.topk_idx is not None else 0, num_ranks=self.R,
+                            expert_major=args.expert_major, is_token_in_rank=call.itr, recv_tokens_per_expert=None,
+                            device=self.device, counts=None, plan=None, expert_alignment=align,
+                            num_worst_tokens=worst)
+        if reading.expert_rows:
+            em = reading.em
+            recv_topk_idx, recv_w = self._adopt_expert_major(h, em)
+            outs = em.out
+            info = em.info
+            raw = lambda: info[2:2 + L]  # noqa: E731  (the plan's raw counts per local expert, from the count rows)
+        else:
+            outs, recv_topk_idx, recv_w = reading.outs, reading.topk_idx, reading.weights
+            rows_at = self._notify_rows_at  # every source's tokens per expert, until the next notify
+            rows = _raw_bytes(rows_at.ptr, 8 * self.R * rows_at.row_words, self.device).view(torch.int64)
+            first = self.R + self.N + self.rank * L
+            per_source = rows.view(self.R, rows_at.row_words)[:, first:first + L]
+            raw = lambda: per_source.sum(0)  # noqa: E731
+        # made when first asked for, on the caller's stream (behind this call's launches): before the next call,
+        # which fills in the host list (the next notify may overwrite the rows only after that)
+        h.device_counts = lambda: _aligned_counts(raw(), align)
+        self._deferred_dispatch = (h, lambda: self._after_counts(call, read_counts()))
+        self.dispatches_before_counts += 1
+        self._last_dispatch_handle = h
+        self._lap("dispatch.returned_before_counts")
+        return DispatchResult(outs[0], outs[1] if args.x_scales is not None else None, recv_topk_idx,
+                              recv_w if args.topk_weights is not None else None, [], h, None)
+
+    def _finish_dispatch_before_counts(self) -> None:
+        """At a call's entry, before anything else: the host half of the sync-free dispatch before it, if that
+        returned before the count read -- the counts read (draining to the mark behind their copy, so the host waits
+        only for the GPU to pass that dispatch's notify), then everything _after_counts does with them: the counters'
+        targets, the checks, the handle's fields, the plans made ahead. An error it finds (too few num_worst_tokens
+        rows) is raised here, after the records landed, naming that dispatch."""
+        if self._deferred_dispatch is None:
+            return
+        h, finish = self._deferred_dispatch
+        self._deferred_dispatch = None
+        try:
+            made = finish().handle
+        except InternodeError as exc:
+            raise InternodeError(f"the sync-free dispatch before this call failed (it returned before the counts, "
+                                 f"so its error is raised here): {exc}") from exc
+        on_device = h._recv_tokens_per_expert_dev
+        h.__dict__.update(made.__dict__)  # the same object stays the caller's handle, and the last dispatch's
+        if on_device is not None:  # (made from the device before; equal to the host list's)
+            h._recv_tokens_per_expert_dev = on_device
+        self._last_dispatch_handle = h
 
     def _expert_major_rows(self, nrecv: int, topk: int, raw: List[int], aligned: List[int], worst: int,
                            like: List[torch.Tensor], places_from: Optional[Tuple[int, int, int]] = None
@@ -2178,6 +2318,7 @@ class NativeInternodeBackend:
 
         self._check("entry of combine")  # no drain: see dispatch
         self._refuse_a_stall_without_drains()
+        self._finish_dispatch_before_counts()
         self._commit_staged_plans()
         self._combined_send_base = None
         self._lap(None)
@@ -2422,6 +2563,7 @@ class NativeInternodeBackend:
         if self._destroyed:
             return
         self._destroyed = True
+        self._deferred_dispatch = None  # (its reader ends with its arrivals: the drain below waits for it)
         try:
             self._drain("destroy")  # bounded: no kernel may still use the regions when they are freed
             # A call returns once *its incoming* data arrived; its own outgoing writes (e.g. the last combine chunks
@@ -2459,6 +2601,12 @@ def _record_columns(final: torch.Tensor, layout: RecordLayout, n: int) -> List[T
     per node, the shorter final row with several), as (first row's address, row stride in bytes)."""
     stride = final.stride(0) * final.element_size()
     return [(final.data_ptr() + layout.column_offsets[i], stride) for i in range(n)]
+
+
+def _aligned_counts(raw: torch.Tensor, alignment: int) -> torch.Tensor:
+    """Counts per expert rounded up to ``alignment``, as int32 (device ops: nothing is read back)."""
+    raw = raw.to(torch.int64)
+    return ((raw + alignment - 1) // alignment * alignment).to(torch.int32)
 
 
 def _upload_values(values: Any, dtype: Any, device: torch.device) -> torch.Tensor:

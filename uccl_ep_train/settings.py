@@ -240,9 +240,10 @@ class KernelSettings:
         "25 (for an A/B)", _bool))
     drain_after_waits: str = field(default="always", metadata=_meta(
         "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
-        "never: launch on while the wait spins (a step to sync-free calls); over the loopback only from a "
-        "non-default stream, where it is tested correct, and refused on the legacy default stream (docs/internode.md, "
-        "Drains); not yet run over verbs on a NIC", _choice("always", "never")))
+        "never: launch on while the wait spins, and sync-free dispatches (num_worst_tokens) may return before the "
+        "host reads the counts (docs/internode.md, Sync-free dispatch); over the loopback only from a non-default "
+        "stream, where it is tested correct, and refused on the legacy default stream (docs/internode.md, Drains); "
+        "not yet run over verbs on a NIC", _choice("always", "never")))
 
 
 @dataclass(frozen=True)

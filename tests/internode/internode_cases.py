@@ -555,3 +555,71 @@ def check_forward_rows_sends_each_row_to_every_gpu_that_needs_it(cx, forward_row
     cx.clear_error()
     before, after = run(idx, cx.stop_generation)
     assert torch.equal(after, expected(before, idx))
+
+
+
+def sync_free_dispatch_returns_before_the_count_read(nat, ref, dev, rank, world):
+    """Sync-free dispatches without drains (UCCL_EP_DRAIN_AFTER_WAITS=never), each right after a combine: rank-major
+    and expert-major, bf16 and FP8. Each must return before the host read the counts (its handle says so), with
+    every output and the handle's tokens per expert already right on the device; the next call (a cached dispatch)
+    reads the counts, and from then on the handle carries the host list too, equal to the device's; the combine
+    matches. Then a dispatch whose expert-major receive needs more rows than num_worst_tokens: it returns, and the
+    call after it raises, naming that dispatch and what to raise, after its records landed; the calls after that
+    match the reference. Returns (dispatches that returned before the count read in the four cases, the error, whether
+    the counters were at their targets after it, pairs compare_cases compared afterwards)."""
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.internode import InternodeError
+
+    E, K, H = 4 * world, 4, 256
+    total = sum(96 + 13 * r for r in range(world))  # every token of every rank
+    g = torch.Generator().manual_seed(100 + rank)
+
+    def inputs(fp8):
+        idx = _routing("random", 96 + 13 * rank, K, E, world, g)
+        x = torch.randn((idx.size(0), H), generator=g)
+        scales = (torch.rand((idx.size(0), H // 128), generator=g) + 0.5) if fp8 else None
+        x = x.clamp(-400, 400).to(torch.float8_e4m3fn) if fp8 else x.to(torch.bfloat16)
+        return idx, x, scales, torch.rand(idx.shape, generator=g)
+
+    def dispatch(b, d, idx, x, scales, w, expert_major, worst):
+        tpr, tpn, tpe, itr = b.get_dispatch_layout(idx.to(d), E)
+        return b.dispatch(DispatchArgs(x.to(d), None if scales is None else scales.to(d), None, tpr, tpn, itr, tpe,
+                                       idx.to(d), w.to(d), expert_alignment=4 if expert_major else 1,
+                                       num_worst_tokens=worst, expert_major=expert_major))
+
+    idx, x, scales, w = inputs(False)
+    r = dispatch(nat, dev, idx, x, scales, w, False, 0)
+    nat.combine(r.recv_x, r.handle, None, None)  # the next uncached dispatch follows a combine
+    early = nat.dispatches_before_counts
+    for expert_major, fp8 in ((False, False), (True, False), (False, True), (True, True)):
+        idx, x, scales, w = inputs(fp8)
+        worst = total * (K if expert_major else 1)
+        r0 = dispatch(ref, torch.device("cpu"), idx, x, scales, w, expert_major, worst)
+        r1 = dispatch(nat, dev, idx, x, scales, w, expert_major, worst)
+        tag = f"rank {rank} em={expert_major} fp8={fp8}"
+        assert not r1.handle.counts_read, f"{tag}: the dispatch read the counts before it returned"
+        _same(r0.handle.num_recv_tokens_per_expert, r1.handle.num_recv_tokens_per_expert,
+              f"{tag}: the tokens per expert on the device, before the count read")
+        for name in ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights"):
+            _same(getattr(r0, name), getattr(r1, name), f"{tag}: {name}")
+        again = DispatchArgs(x.to(dev), None if scales is None else scales.to(dev), r1.handle, None, None, None,
+                             None, None, None)
+        cached = nat.dispatch(again)
+        assert r1.handle.counts_read, f"{tag}: the call after it did not read the counts"
+        assert r1.handle.recv_tokens_per_expert == r0.handle.num_recv_tokens_per_expert.tolist(), tag
+        _same(r0.recv_x, cached.recv_x, f"{tag}: cached recv_x")
+        y = (r0.recv_x.float() * (0.5 + 0.375 * rank) + 1.0).to(torch.bfloat16)
+        rx, rw = ref.combine(y, r0.handle, r0.recv_topk_weights, None)
+        cx, cw = nat.combine(y.to(dev), r1.handle, r1.recv_topk_weights, None)
+        _same(rx, cx, f"{tag}: combined_x")
+        _same(rw, cw, f"{tag}: combined weights")
+    early = nat.dispatches_before_counts - early
+    idx, x, scales, w = inputs(False)
+    small = dispatch(nat, dev, idx, x, scales, w, True, 8)  # returns; the next call finds out
+    try:
+        nat.combine(torch.zeros((8, H), dtype=torch.bfloat16, device=dev), small.handle, None, None)
+        err = "no error"
+    except InternodeError as exc:
+        err = str(exc)
+    in_step = all(nat._cx.signal_value(s) == nat._expected[s] for s in range(nat.N * nat.L))
+    return early, err, in_step, compare_cases(nat, ref, dev, rank, world, [ALL[0], ALL[7], ALL[8]], 1)

@@ -962,3 +962,29 @@ def test_an_expert_major_dispatch_whose_reader_writes_the_rows_reads_before_the_
     if in_reader == "always":
         assert all(row[4] >= 2 for row in out), out  # the second random case and the worst-tokens case at least
         assert sum(row[3] for row in out) >= 1, out  # the skewed case on the ranks it sends more to
+
+
+def _sync_free_before_counts(rank, world, G):
+    from internode_cases import sync_free_dispatch_returns_before_the_count_read
+
+    nat, ref = _backends(rank, world, G)
+    try:
+        return sync_free_dispatch_returns_before_the_count_read(nat, ref, torch.device("cpu"), rank, world)
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["2x1", "4x1"])
+def test_a_sync_free_dispatch_without_drains_returns_before_the_count_read_and_the_next_call_finishes_it(world):
+    """UCCL_EP_DRAIN_AFTER_WAITS=never with num_worst_tokens, one GPU per node, right after a combine: the dispatch
+    returns before the host reads the counts -- rank-major and expert-major, bf16 and FP8, every output and the
+    handle's tokens per expert (on the device) equal to the reference's -- and the next call reads them and fills in
+    the handle. A receive past num_worst_tokens is raised by the next call, naming the dispatch before it and
+    num_worst_tokens, with the counters in step; the calls after it match."""
+    out = run_distributed(_sync_free_before_counts, world, 1, timeout=180,
+                          env=dict(ENV, UCCL_EP_DRAIN_AFTER_WAITS="never"))
+    for rank, (early, err, in_step, done) in enumerate(out):
+        assert early == 4, (rank, early)
+        assert "the sync-free dispatch before this call" in err and "raise num_worst_tokens" in err, (rank, err)
+        assert in_step, f"rank {rank}: the dispatch counters are not at their targets after the error"
+        assert done == 3, (rank, done)

@@ -162,6 +162,33 @@ def test_without_drains_every_output_matches_when_the_caller_runs_on_a_non_defau
             assert done == len(EXPERT_MAJOR_CASES), done
 
 
+def _sync_free_before_counts(rank, world, G):
+    from internode_cases import sync_free_dispatch_returns_before_the_count_read
+
+    nat, ref, dev = _backends(rank, world, G)
+    try:
+        return sync_free_dispatch_returns_before_the_count_read(nat, ref, dev, rank, world)
+    finally:
+        nat.destroy()
+
+
+def test_without_drains_a_sync_free_dispatch_returns_before_the_count_read_and_the_next_call_finishes_it():
+    """UCCL_EP_DRAIN_AFTER_WAITS=never with num_worst_tokens, on side streams, right after a combine: the dispatch
+    returns before the host reads the counts -- rank-major and expert-major, bf16 and FP8 -- with every output and
+    the handle's tokens per expert (made on the device) equal to the reference's; the next call reads the counts and
+    fills in the handle; a receive past num_worst_tokens is raised by the next call with the counters in step, and
+    the calls after it match."""
+    _need(2)
+    env = {"UCCL_EP_TEST_SIDE_STREAM": "1", "UCCL_EP_DRAIN_AFTER_WAITS": "never", "CUDA_MODULE_LOADING": "EAGER",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "32", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_sync_free_before_counts, 2, 1, timeout=300, env=env)
+    for rank, (early, err, in_step, done) in enumerate(out):
+        assert early == 4, (rank, early)
+        assert "the sync-free dispatch before this call" in err and "raise num_worst_tokens" in err, (rank, err)
+        assert in_step, f"rank {rank}: the dispatch counters are not at their targets after the error"
+        assert done == 3, (rank, done)
+
+
 def _never_on_the_default_stream(rank, world, G):
     from uccl_ep_train.backends import DispatchArgs
     from uccl_ep_train.internode import InternodeError

@@ -50,6 +50,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", action="store_true", help="dispatch FP8 payload + scales")
     p.add_argument("--expert-major", action="store_true",
                    help="receive grouped by local expert, as Megatron's dispatcher does (UCCL_EP_EXPERT_MAJOR)")
+    p.add_argument("--sync-free", action="store_true",
+                   help="uncached dispatches with num_worst_tokens (every token of every rank; expert-major: x min("
+                        "top-k, local experts)): with UCCL_EP_DRAIN_AFTER_WAITS=never they return before the count "
+                        "read (docs/internode.md, \"Sync-free dispatch\")")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rdma-bytes", type=int, default=2 << 30)
@@ -315,6 +319,38 @@ def _compute_spacer(us: float):
     return (lambda: torch.cuda._sleep(cycles)), start.elapsed_time(end) * 1e3
 
 
+def _host_held_by_dispatch(dispatch, combine, iters: int, warmup: int, compute_us: float) -> dict:
+    """How long an uncached dispatch holds the host, from its call to its return (median, us, this rank), each
+    right after the combine of the one before (as in a forward pass) and the GPU idle before it ("alone"), and
+    queued behind ``compute_us`` of GPU work, as in training ("behind_compute"). A dispatch that waits for its
+    count read holds the host until the GPU has run that work and the count exchange; one that returns before it
+    (sync-free, no drains) only for its launches. What the host can queue behind it (the experts) waits as long."""
+    import torch
+    import torch.distributed as dist
+
+    spacers = {"alone": None}
+    if compute_us > 0:
+        spacers["behind_compute"] = _compute_spacer(compute_us)[0]
+    out = {}
+    for name, spacer in spacers.items():
+        r = dispatch()
+        held = []
+        for i in range(warmup + iters):
+            combine(r)
+            torch.cuda.synchronize()
+            dist.barrier()
+            if spacer is not None:
+                spacer()
+            t0 = time.perf_counter()
+            r = dispatch()
+            if i >= warmup:
+                held.append(time.perf_counter() - t0)
+        combine(r)
+        torch.cuda.synchronize()
+        out[name] = statistics.median(held) * 1e6
+    return out
+
+
 def _pairs_vs(row: dict, rate: float, name: str) -> dict:
     """The training-order pairs' network GB/s (the figures to quote) over ``rate`` (GB/s):
     {"in_turn_pairs_vs_<name>": {"forward_pair": ..., "backward_pair": ...}, "training_step_...": ...}."""
@@ -464,9 +500,13 @@ def run(args) -> int:
         scales = torch.rand((T, H // 128), device=dev, generator=g) + 0.5
     w = torch.rand((T, K), device=dev, generator=g)
     tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+    worst = 0
+    if args.sync_free:
+        worst = T * world * (min(K, E // world) if args.expert_major else 1)
 
     def fresh():  # the arguments of an uncached dispatch
-        return DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w, expert_major=args.expert_major)
+        return DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w, expert_major=args.expert_major,
+                            num_worst_tokens=worst)
 
     res = nat.dispatch(fresh())
     handle, disp_traffic = res.handle, nat.last_traffic
@@ -572,6 +612,8 @@ def run(args) -> int:
             lambda r: nat.dispatch(DispatchArgs(grad, None, r.handle, None, None, None, None, None, None)),
             args.layers, args.iters, args.warmup, compute)
     plans_ahead = getattr(nat, "plans_made_ahead", 0) - ahead0
+    held = _host_held_by_dispatch(lambda: nat.dispatch(fresh()), lambda r: nat.combine(y, r.handle, None, None),
+                                  args.iters, args.warmup, args.compute_us)
     training_steps_by_rank = [None] * world
     dist.all_gather_object(training_steps_by_rank, training_steps)
     t_fd, t_fc, t_bd, t_bc = (statistics.mean(calls[k]) for k in
@@ -594,6 +636,9 @@ def run(args) -> int:
             mps = mps_enabled(torch.cuda.current_device())
             shared = {"shared_gpu": True, "world": world, "nodes": args.emulate_nodes, "mps": mps,
                       "expert_major": args.expert_major, "note": SHARED_GPU_NOTES[mps],
+                      "sync_free": args.sync_free, "drain_after_waits": nat._drain_after_waits,
+                      "dispatch_host_held_us": held,
+                      "dispatches_before_counts": getattr(nat, "dispatches_before_counts", None),
                       "dispatch_us": t_disp * 1e6, "cached_dispatch_us": t_cached * 1e6,
                       "combine_us": t_comb * 1e6, "raw_transport_hop_us": raw_transport_us,
                       "host_step_us_by_rank": steps_by_rank,
@@ -641,8 +686,12 @@ def run(args) -> int:
 
     row = {
         "world": world, "ranks_per_node": G, "nodes": args.emulate_nodes, "tokens": T, "hidden": H, "topk": K,
-        "fp8": args.fp8, "expert_major": args.expert_major,
+        "fp8": args.fp8, "expert_major": args.expert_major, "sync_free": args.sync_free,
         "loopback_bw_gbps": settings.emulation.loopback_bandwidth_gbps,
+        # how long an uncached dispatch holds the host (call to return), queued behind the compute spacer and alone
+        # (_host_held_by_dispatch); sync-free without drains it returns before the count read
+        "dispatch_host_held_us": held,
+        "dispatches_before_counts": getattr(nat, "dispatches_before_counts", None),
         "dispatch_us": mx(t_disp) * 1e6, "cached_dispatch_us": mx(t_cached) * 1e6, "combine_us": mx(t_comb) * 1e6,
         "nccl_all_to_all_us": mx(t_nccl) * 1e6, "raw_copy_us": mx(t_raw) * 1e6,
         "dispatch_logical_bytes": disp_traffic.logical_bytes, "dispatch_network_bytes": disp_traffic.network_bytes,
