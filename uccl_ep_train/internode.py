@@ -317,7 +317,6 @@ class UncachedDispatch:
     args: Any  # DispatchArgs
     combined_send_base: Optional[int]
     itr: torch.Tensor
-    T: int
     in_reader: bool
     cols: List[torch.Tensor]
     early: dict  # what packing during notify did
@@ -1906,7 +1905,7 @@ class NativeInternodeBackend:
                               ahead=(lambda rows: self._launch_reader_before_counts(reading, rows, combined_send_base))
                               if reading is not None else None, defer=early_return)
         self._lap("dispatch.notify")
-        call = UncachedDispatch(args, combined_send_base, itr, T, in_reader, cols, early, reading, early_return)
+        call = UncachedDispatch(args, combined_send_base, itr, in_reader, cols, early, reading, early_return)
         if early_return:
             return self._return_before_counts(call, counts)
         return self._after_counts(call, counts)
@@ -1916,10 +1915,10 @@ class NativeInternodeBackend:
         count read confirmed by them), the outputs, the handle and the next calls' plans."""
         from uccl_ep_train.reference import _payload_bytes
 
-        args, combined_send_base, itr, T = call.args, call.combined_send_base, call.itr, call.T
+        args, combined_send_base, itr = call.args, call.combined_send_base, call.itr
         in_reader, cols, early, reading = call.in_reader, call.cols, call.early, call.reading
         x, scales, topk_idx, weights = args.x, args.x_scales, args.topk_idx, args.topk_weights
-        E = args.num_tokens_per_expert.numel()
+        T, E = x.size(0), args.num_tokens_per_expert.numel()
         plan, pushed = self._packed_during_notify(early, counts)
         expert_rows = None  # an expert-major receive's rows, for the reader before the counts
         if reading is not None and reading.expert_rows:
@@ -2116,7 +2115,7 @@ class NativeInternodeBackend:
         expert meanwhile come from the device."""
         args, reading = call.args, call.reading
         worst, align, L = args.num_worst_tokens, args.expert_alignment, reading.experts_per_rank
-        h = InternodeHandle(num_tokens=call.T, num_recv_rows=worst,
+        h = InternodeHandle(num_tokens=args.x.size(0), num_recv_rows=worst,
                             num_topk=args.topk_idx.size(1) if args.topk_idx is not None else 0, num_ranks=self.R,
                             expert_major=args.expert_major, is_token_in_rank=call.itr, recv_tokens_per_expert=None,
                             device=self.device, counts=None, plan=None, expert_alignment=align,

@@ -319,18 +319,19 @@ def _compute_spacer(us: float):
     return (lambda: torch.cuda._sleep(cycles)), start.elapsed_time(end) * 1e3
 
 
-def _host_held_by_dispatch(dispatch, combine, iters: int, warmup: int, compute_us: float) -> dict:
+def _host_held_by_dispatch(dispatch, combine, iters: int, warmup: int, compute=None) -> dict:
     """How long an uncached dispatch holds the host, from its call to its return (median, us, this rank), each
     right after the combine of the one before (as in a forward pass) and the GPU idle before it ("alone"), and
-    queued behind ``compute_us`` of GPU work, as in training ("behind_compute"). A dispatch that waits for its
-    count read holds the host until the GPU has run that work and the count exchange; one that returns before it
-    (sync-free, no drains) only for its launches. What the host can queue behind it (the experts) waits as long."""
+    queued behind ``compute`` (the bench's spacer, _compute_spacer), as in training ("behind_compute"). A dispatch
+    that waits for its count read holds the host until the GPU has run that work and the count exchange; one that
+    returns before it (sync-free, no drains) only for its launches. What the host can queue behind it (the experts)
+    waits as long."""
     import torch
     import torch.distributed as dist
 
     spacers = {"alone": None}
-    if compute_us > 0:
-        spacers["behind_compute"] = _compute_spacer(compute_us)[0]
+    if compute is not None:
+        spacers["behind_compute"] = compute
     out = {}
     for name, spacer in spacers.items():
         r = dispatch()
@@ -603,7 +604,7 @@ def run(args) -> int:
         args.layers, args.iters, args.warmup)
     training_steps = _host_steps(nat)
     nat.host_timing = None
-    beside = None
+    beside = compute = None
     if args.compute_us > 0:
         compute, compute_us = _compute_spacer(args.compute_us)
         beside = _training_steps_beside_compute(
@@ -613,7 +614,7 @@ def run(args) -> int:
             args.layers, args.iters, args.warmup, compute)
     plans_ahead = getattr(nat, "plans_made_ahead", 0) - ahead0
     held = _host_held_by_dispatch(lambda: nat.dispatch(fresh()), lambda r: nat.combine(y, r.handle, None, None),
-                                  args.iters, args.warmup, args.compute_us)
+                                  args.iters, args.warmup, compute)
     training_steps_by_rank = [None] * world
     dist.all_gather_object(training_steps_by_rank, training_steps)
     t_fd, t_fc, t_bd, t_bc = (statistics.mean(calls[k]) for k in
