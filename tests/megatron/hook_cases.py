@@ -7,7 +7,10 @@ over the TP ranks, each producing a partial sum as Megatron's experts do).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
+from typing import Optional
 
 import torch
 
@@ -106,8 +109,12 @@ def run_identity_experts(tokens, tokens_per_expert, probs):
 
 def hooks_case(rank: int, world: int, *, ep: int, etp: int, num_experts: int, topk: int, tokens: int,
                hidden: int = HIDDEN_DEFAULT, kind: str = "random", identity: bool = False, options=None,
-               seed: int = 7, atol: float = 1e-5):
-    """Run the six hooks forward and backward; return max errors against the oracle (asserted by the caller)."""
+               seed: int = 7, atol: float = 1e-5, steps: int = 1, device: str = "cpu"):
+    """Run the six hooks forward and backward ``steps`` times on one dispatcher (fresh inputs and routing each step
+    after the first); return the max errors against the oracle over the steps (asserted by the caller). With
+    ``device="cuda"`` the tokens, routing and experts live on this rank's GPU (several ranks may share one)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     init_megatron(ep, etp)
     from megatron.core import parallel_state
     from uccl_ep_train.megatron.dispatcher import UCCLTokenDispatcher, release_buffers
@@ -122,65 +129,80 @@ def hooks_case(rank: int, world: int, *, ep: int, etp: int, num_experts: int, to
     dispatcher = UCCLTokenDispatcher(nle, local, cfg, pg_collection=get_default_pg_collection(),
                                      options=options or DispatcherOptions())
     ffn = 2 * hidden * etp
-    full = [expert_weights(e, hidden, ffn, seed) for e in range(num_experts)]
+    full = [tuple(w.to(device) for w in expert_weights(e, hidden, ffn, seed)) for e in range(num_experts)]
     shard = ffn // etp
     mine = [(a[:, etp_rank * shard:(etp_rank + 1) * shard], b[etp_rank * shard:(etp_rank + 1) * shard])
             for a, b in (full[e] for e in local)]
-
-    g = torch.Generator().manual_seed(seed * 31 + rank)
-    x = torch.randn(tokens, 1, hidden, generator=g)
-    routing_map, probs = routing(tokens, num_experts, topk, seed * 17 + rank, kind)
-    grad_out = torch.randn(tokens, 1, hidden, generator=g)
-
-    # Dispatcher path.
-    x1, p1 = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
-    h, tp = dispatcher.dispatch_preprocess(x1, routing_map, p1)
-    h, tp = dispatcher.token_dispatch(h, tp)
-    tokens_in, tokens_per_expert, permuted_probs = dispatcher.dispatch_postprocess(h, tp)
-    assert tokens_per_expert.dtype == torch.int64
     sync_free = bool(options is not None and options.sync_free)
-    if not sync_free:
-        assert tokens_per_expert.device.type == "cpu"
-        assert int(tokens_per_expert.sum()) == tokens_in.shape[0]
-    out = (run_identity_experts(tokens_in, tokens_per_expert, permuted_probs) if identity
-           else run_local_experts(tokens_in, tokens_per_expert, permuted_probs, mine))
-    out = dispatcher.combine_preprocess(out)
-    out = dispatcher.token_combine(out)
-    out = dispatcher.combine_postprocess(out)
-    assert out.shape == x.shape
-    (out * grad_out).sum().backward()
 
-    # Oracle path.
-    x2, p2 = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
-    flat = x2.view(tokens, hidden)
-    ref = torch.zeros_like(flat)
-    for e in range(num_experts):
-        sel = routing_map[:, e]
-        if sel.any():
-            y = flat[sel] if identity else expert_fn(flat[sel], *full[e])
-            ref = ref.index_add(0, sel.nonzero().squeeze(1), y * p2[sel, e].unsqueeze(-1))
-    ref = ref.view_as(x2)
-    (ref * grad_out).sum().backward()
+    def one_step(step: int) -> dict:
+        # step 0 keeps the seeds every single-step caller was written against
+        g = torch.Generator().manual_seed(seed * 31 + rank + 7919 * step)
+        x = torch.randn(tokens, 1, hidden, generator=g).to(device)
+        routing_map, probs = (t.to(device) for t in routing(tokens, num_experts, topk, seed * 17 + rank + 7919 * step,
+                                                              kind))
+        grad_out = torch.randn(tokens, 1, hidden, generator=g).to(device)
 
+        # Dispatcher path.
+        x1, p1 = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        h, tp = dispatcher.dispatch_preprocess(x1, routing_map, p1)
+        h, tp = dispatcher.token_dispatch(h, tp)
+        tokens_in, tokens_per_expert, permuted_probs = dispatcher.dispatch_postprocess(h, tp)
+        assert tokens_per_expert.dtype == torch.int64
+        if not sync_free:
+            assert tokens_per_expert.device.type == "cpu"
+            assert int(tokens_per_expert.sum()) == tokens_in.shape[0]
+        out = (run_identity_experts(tokens_in, tokens_per_expert, permuted_probs) if identity
+               else run_local_experts(tokens_in, tokens_per_expert, permuted_probs, mine))
+        out = dispatcher.combine_preprocess(out)
+        out = dispatcher.token_combine(out)
+        out = dispatcher.combine_postprocess(out)
+        assert out.shape == x.shape
+        (out * grad_out).sum().backward()
+
+        # Oracle path.
+        x2, p2 = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        flat = x2.view(tokens, hidden)
+        ref = torch.zeros_like(flat)
+        for e in range(num_experts):
+            sel = routing_map[:, e]
+            if sel.any():
+                y = flat[sel] if identity else expert_fn(flat[sel], *full[e])
+                ref = ref.index_add(0, sel.nonzero().squeeze(1), y * p2[sel, e].unsqueeze(-1))
+        ref = ref.view_as(x2)
+        (ref * grad_out).sum().backward()
+        return {
+            "out_rel": float((out - ref).norm() / ref.norm().clamp(min=1e-12)),
+            "grad_probs_rel": float((p1.grad - p2.grad).norm() / p2.grad.norm().clamp(min=1e-12)),
+            "out": float((out - ref).abs().max()),
+            "grad_x": float((x1.grad - x2.grad).abs().max()),
+            "grad_probs": float((p1.grad - p2.grad).abs().max()),
+            "identity_err": float((out - x).abs()[routing_map.any(1)].max()) if identity else 0.0,
+            "received": int(tokens_in.shape[0]),
+        }
+
+    per_step = [one_step(step) for step in range(steps)]
+    from uccl_ep_train.megatron import dispatcher as uccl_dispatcher
+
+    # sync-free dispatches that returned before the host read the counts (internode backend, without drains)
+    before_counts = sum(int(getattr(b.backend, "dispatches_before_counts", 0))
+                        for b in uccl_dispatcher._BUFFERS.values())
     release_buffers()
     parallel_state.destroy_model_parallel()
-    result = {
-        "out_rel": float((out - ref).norm() / ref.norm().clamp(min=1e-12)),
-        "grad_probs_rel": float((p1.grad - p2.grad).norm() / p2.grad.norm().clamp(min=1e-12)),
-        "out": float((out - ref).abs().max()),
-        "grad_x": float((x1.grad - x2.grad).abs().max()),
-        "grad_probs": float((p1.grad - p2.grad).abs().max()),
-        "identity_err": float((out - x).abs()[routing_map.any(1)].max()) if identity else 0.0,
-        "received": int(tokens_in.shape[0]),
-        "expert_major": dispatcher.expert_major,
-    }
+    result = {key: max(r[key] for r in per_step) for key in per_step[0] if key != "received"}
+    result["received"] = per_step[0]["received"]
+    result["received_per_step"] = [r["received"] for r in per_step]
+    result["expert_major"] = dispatcher.expert_major
+    result["before_counts"] = before_counts
     return result
 
 
 def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int, tokens: int, hidden: int,
                   seed: int = 3, reference: str = "allgather", device: str = "cpu", bf16: bool = False,
-                  grouped_gemm: bool = False):
-    """Megatron's real MoELayer: uccl against another dispatcher, same weights (same seed), same input."""
+                  grouped_gemm: bool = False, steps: int = 1, uccl_env: Optional[dict] = None):
+    """Megatron's real MoELayer: uccl against another dispatcher, same weights (same seed), same inputs, ``steps``
+    forward and backward passes on one layer (the parameters' gradients accumulate over them in both). ``uccl_env``:
+    settings in effect while the uccl layer is built and run (e.g. UCCL_EP_SYNC_FREE=1)."""
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
@@ -197,37 +219,44 @@ def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int
         moe_utils.te_general_gemm = None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from uccl_ep_train.megatron import dispatcher as uccl_dispatcher
     from uccl_ep_train.megatron.dispatcher import UCCLTokenDispatcher, release_buffers
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
     dtype = torch.bfloat16 if bf16 else torch.float32
     results, outputs = {}, {}
     for dispatcher_type in ("uccl", reference):
-        extra = dict(moe_token_dispatcher_type=dispatcher_type, moe_router_load_balancing_type="none",
-                     use_cpu_initialization=device == "cpu", moe_router_dtype="fp32")
-        if bf16:
-            extra.update(bf16=True, params_dtype=torch.bfloat16)
-        cfg = make_config(num_experts, topk, hidden, **extra)
-        torch.manual_seed(seed)
-        if device == "cuda":
-            model_parallel_cuda_manual_seed(seed)
-        layer = spec.submodules.mlp(config=cfg)
-        if device == "cuda":
-            layer = layer.cuda()
-        results[dispatcher_type] = type(layer.token_dispatcher).__name__
-        if dispatcher_type == "uccl":
-            assert isinstance(layer.token_dispatcher, UCCLTokenDispatcher)
-        g = torch.Generator().manual_seed(seed * 13 + rank)
-        x = torch.randn(tokens, 1, hidden, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
-        out, _ = layer(x)
-        if dispatcher_type == "uccl":  # which Buffer backend carried it (intranode, internode, reference)
-            from uccl_ep_train.megatron import dispatcher as uccl_dispatcher
-
-            results["uccl_backend"] = [b.backend.name for b in uccl_dispatcher._BUFFERS.values()]
-        g_out = torch.randn(out.shape, generator=g).to(device=device, dtype=out.dtype)
-        (out.float() * g_out.float()).sum().backward()
-        outputs[dispatcher_type] = (out.detach().float().cpu(), x.grad.float().cpu(),
-                                    [p.grad.float().cpu().clone() for p in layer.parameters()])
+        with _environment(uccl_env if dispatcher_type == "uccl" else None):
+            extra = dict(moe_token_dispatcher_type=dispatcher_type, moe_router_load_balancing_type="none",
+                         use_cpu_initialization=device == "cpu", moe_router_dtype="fp32")
+            if bf16:
+                extra.update(bf16=True, params_dtype=torch.bfloat16)
+            cfg = make_config(num_experts, topk, hidden, **extra)
+            torch.manual_seed(seed)
+            if device == "cuda":
+                model_parallel_cuda_manual_seed(seed)
+            layer = spec.submodules.mlp(config=cfg)
+            if device == "cuda":
+                layer = layer.cuda()
+            results[dispatcher_type] = type(layer.token_dispatcher).__name__
+            if dispatcher_type == "uccl":
+                assert isinstance(layer.token_dispatcher, UCCLTokenDispatcher)
+            g = torch.Generator().manual_seed(seed * 13 + rank)
+            outs, grads_x = [], []
+            for _ in range(steps):
+                x = torch.randn(tokens, 1, hidden, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+                out, _ = layer(x)
+                if dispatcher_type == "uccl":  # which Buffer backend carried it (intranode, internode, reference)
+                    results["uccl_backend"] = [b.backend.name for b in uccl_dispatcher._BUFFERS.values()]
+                g_out = torch.randn(out.shape, generator=g).to(device=device, dtype=out.dtype)
+                (out.float() * g_out.float()).sum().backward()
+                outs.append(out.detach().float().cpu())
+                grads_x.append(x.grad.float().cpu())
+            if dispatcher_type == "uccl":  # sync-free dispatches that returned before the host read the counts
+                results["uccl_before_counts"] = sum(int(getattr(b.backend, "dispatches_before_counts", 0))
+                                                    for b in uccl_dispatcher._BUFFERS.values())
+            outputs[dispatcher_type] = (torch.cat(outs), torch.cat(grads_x),
+                                        [p.grad.float().cpu().clone() for p in layer.parameters()])
     u, a = outputs["uccl"], outputs[reference]
     results["out_norm"] = float(u[0].norm())
     results["out"] = float((u[0] - a[0]).abs().max())
@@ -240,6 +269,21 @@ def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int
     release_buffers()
     parallel_state.destroy_model_parallel()
     return results
+
+
+@contextlib.contextmanager
+def _environment(values: Optional[dict]):
+    """os.environ with ``values`` set inside the block, as it was after it."""
+    saved = {k: os.environ.get(k) for k in values or {}}
+    os.environ.update(values or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def many_cases(rank: int, world: int, cases: dict):

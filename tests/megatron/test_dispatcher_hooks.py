@@ -17,8 +17,13 @@ from tests.megatron import hook_cases
 pytest.importorskip("uccl_ep_train.buffer")
 
 EXACT = 1e-5
-TWO_RANKS = dict(hook_cases.hook_cases(2),
-                 moelayer=("moelayer_case", dict(ep=2, num_experts=4, topk=2, tokens=8, hidden=16)))
+MOELAYER = dict(ep=2, num_experts=4, topk=2, tokens=8, hidden=16)
+# Sync-free mode hands Megatron's SequentialMLP (the local spec's experts) fixed-size rows, padding included
+MOELAYER_SYNC_FREE = {
+    f"moelayer_sync_free_{order}": ("moelayer_case", dict(MOELAYER, uccl_env={
+        "UCCL_EP_SYNC_FREE": "1", "UCCL_EP_EXPERT_MAJOR": "1" if order == "expert_major" else "0"}))
+    for order in ("expert_major", "local_permute")}
+TWO_RANKS = dict(hook_cases.hook_cases(2), moelayer=("moelayer_case", MOELAYER), **MOELAYER_SYNC_FREE)
 FOUR_RANKS = hook_cases.four_rank_cases()
 
 
@@ -69,6 +74,17 @@ def test_megatron_moelayer_with_uccl_matches_allgather_dispatcher_on_cpu(two_ran
         assert r["uccl"] == "UCCLTokenDispatcher"
         assert r["out_norm"] > 0
         assert r["out"] < EXACT and r["grad_x"] < EXACT and r["grad_params"] < EXACT, r
+
+
+@pytest.mark.parametrize("name", sorted(MOELAYER_SYNC_FREE))
+def test_megatron_sequential_mlp_takes_sync_free_rows_and_matches_the_allgather_dispatcher(two_ranks, name):
+    # The padding rows are counted in the last local expert so that SequentialMLP's torch.split accepts the rows
+    # (it raised before); they hold zeros and no combine reads them, so outputs and gradients stay exact
+    for results in two_ranks:
+        r = results[name]
+        assert r["uccl"] == "UCCLTokenDispatcher"
+        assert r["out_norm"] > 0
+        assert r["out"] < EXACT and r["grad_x"] < EXACT and r["grad_params"] < EXACT, (name, r)
 
 
 def test_four_ranks_with_router_dropped_slots_match_the_oracle(four_ranks):

@@ -34,6 +34,16 @@ TWO_RANKS = hook_cases.hook_cases(2)  # 2 nodes x 1 rank
 # 2 nodes x 2 ranks: NVLink hop and network hop both carry tokens
 FOUR_RANKS = dict(hook_cases.hook_cases(4), **hook_cases.four_rank_cases())
 
+# Without drains (UCCL_EP_DRAIN_AFTER_WAITS=never), several training steps on one dispatcher: from the second step on,
+# a step's first dispatch follows the previous step's last combine (the backward of a dispatch), which is where a
+# sync-free dispatch returns before the host reads the counts and the next call (the combine) reads them.
+STEPS = 3
+WITHOUT_DRAINS = {name: (fn, dict(kw, steps=STEPS)) for name, (fn, kw) in TWO_RANKS.items()
+                  if name in ("expert_major", "local_permute", "sync_free_expert_major", "sync_free_local_permute")}
+# ... and Megatron's real MoELayer (SequentialMLP experts) against its allgather dispatcher
+WITHOUT_DRAINS["moelayer_sync_free"] = ("moelayer_case", dict(ep=2, num_experts=4, topk=2, tokens=8, hidden=16,
+                                                              steps=STEPS, uccl_env={"UCCL_EP_SYNC_FREE": "1"}))
+
 
 def _install_internode_on_cpu() -> list:
     """The two seams (see the module docstring), plus a hook on release_buffers that records, for every Buffer the
@@ -89,6 +99,12 @@ def two_ranks():
 def four_ranks():
     return run_distributed(_cases_on_internode, 4, FOUR_RANKS, timeout=300,
                            env=dict(ENV, UCCL_EP_RANKS_PER_NODE="2"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks_without_drains():
+    return run_distributed(_cases_on_internode, 2, WITHOUT_DRAINS, timeout=300,
+                           env=dict(ENV, UCCL_EP_RANKS_PER_NODE="1", UCCL_EP_DRAIN_AFTER_WAITS="never"))
 
 
 @pytest.fixture(params=["2x1", "2x2"])
@@ -179,3 +195,30 @@ def test_expert_tensor_parallel_partial_sums_are_combined_over_two_emulated_node
     # EP 2 x expert-TP 2 over 2 nodes x 2: every TP rank of the destination receives the token, returns a partial sum
     _assert_matches_oracle(four_ranks, "expert_tp")
     _assert_ran_on_internode(four_ranks, "expert_tp", 2)
+
+
+@pytest.mark.parametrize("name", sorted(set(WITHOUT_DRAINS) - {"moelayer_sync_free"}))
+def test_without_drains_every_training_step_matches_the_oracle_and_sync_free_dispatches_return_before_the_counts(
+        two_ranks_without_drains, name):
+    per_rank = two_ranks_without_drains
+    _assert_matches_oracle(per_rank, name)
+    _assert_ran_on_internode(per_rank, name, 1)
+    sync_free = name.startswith("sync_free")
+    for rank, results in enumerate(per_rank):
+        r = results[name]
+        assert len(r["received_per_step"]) == STEPS, r
+        # every step's forward dispatch after the first follows a combine: it returns early when sync-free (the
+        # backward's dispatch is cached, and the first step's follows no combine); never when the host must size
+        # the outputs from the counts
+        assert r["before_counts"] == (STEPS - 1 if sync_free else 0), (name, rank, r)
+    assert all(not results["shm_left"] for results in per_rank), [r["shm_left"] for r in per_rank]
+
+
+def test_without_drains_megatron_moelayer_in_sync_free_mode_matches_allgather_over_training_steps(
+        two_ranks_without_drains):
+    for rank, results in enumerate(two_ranks_without_drains):
+        r = results["moelayer_sync_free"]
+        assert r["uccl_backend"] == ["native-internode"], r
+        assert r["out_norm"] > 0
+        assert r["out"] < EXACT and r["grad_x"] < EXACT and r["grad_params"] < EXACT, (rank, r)
+        assert r["uccl_before_counts"] == STEPS - 1, (rank, r)  # every step's dispatch after the first

@@ -166,7 +166,7 @@ def model_and_data_case(rank: int, world: int, argv: list[str]) -> dict:
 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    args = _cpu_only_setup(rank, argv)
+    _cpu_only_setup(rank, argv)
     # As megatron.training.get_model calls it.
     model = gpt_provider.model_provider(pre_process=True, post_process=True, config=None,
                                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())

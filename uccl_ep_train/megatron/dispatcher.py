@@ -258,6 +258,18 @@ class _LocalPermutation:
         return out.index_add(0, self.token, expert_out)
 
 
+def _counts_covering_every_row(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """Sync-free tokens per expert as Megatron's experts take them: they split their rows by these counts
+    (SequentialMLP and TEGroupedMLP's unfused path call torch.split, which needs the counts to sum to the rows), so
+    the padding rows after the last segment are counted in the last local expert, on the device (no host sync). They
+    hold zeros with zero probs and no combine reads them, so no output or gradient changes; they cost that expert's
+    compute, which is why num_worst_tokens should sit near the real receive rather than at the worst case."""
+    out = counts.to(torch.int64).clone()
+    if out.numel():
+        out[-1] += rows - out.sum()
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The dispatcher.
 # --------------------------------------------------------------------------------------------------------------
@@ -366,7 +378,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         if route.expert_major:
             self._perm = None
             if sync_free:
-                tokens_per_expert = route.handle.num_recv_tokens_per_expert.to(torch.int64)
+                tokens_per_expert = _counts_covering_every_row(route.handle.num_recv_tokens_per_expert,
+                                                               hidden_states.size(0))
             else:
                 tokens_per_expert = torch.tensor(route.num_recv_tokens_per_expert_list, dtype=torch.int64)
             return hidden_states, tokens_per_expert, probs.to(self.probs_dtype)
@@ -374,7 +387,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self._perm = _LocalPermutation(route.recv_topk_idx, self.num_local_experts, num_valid)
         tokens, permuted_probs = self._perm.permute(hidden_states, probs)
         if sync_free:
-            tokens_per_expert = self._perm.device_counts
+            tokens_per_expert = _counts_covering_every_row(self._perm.device_counts, tokens.size(0))
         else:
             tokens_per_expert = torch.tensor(route.num_recv_tokens_per_expert_list, dtype=torch.int64)
         return tokens, tokens_per_expert, permuted_probs.to(self.probs_dtype)
