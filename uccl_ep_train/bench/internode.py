@@ -319,13 +319,14 @@ def _compute_spacer(us: float):
     return (lambda: torch.cuda._sleep(cycles)), start.elapsed_time(end) * 1e3
 
 
-def _host_held_by_dispatch(dispatch, combine, iters: int, warmup: int, compute=None) -> dict:
+def _host_held_by_dispatch(dispatch, combine, iters: int, warmup: int, compute=None, backend=None) -> dict:
     """How long an uncached dispatch holds the host, from its call to its return (median, us, this rank), each
     right after the combine of the one before (as in a forward pass) and the GPU idle before it ("alone"), and
     queued behind ``compute`` (the bench's spacer, _compute_spacer), as in training ("behind_compute"). A dispatch
     that waits for its count read holds the host until the GPU has run that work and the count exchange; one that
     returns before it (sync-free, no drains) only for its launches. What the host can queue behind it (the experts)
-    waits as long."""
+    waits as long. With ``backend``, also its host laps over the measured calls (``<name>_steps``, us per call:
+    where the hold goes, dispatch and combine steps both)."""
     import torch
     import torch.distributed as dist
 
@@ -337,6 +338,8 @@ def _host_held_by_dispatch(dispatch, combine, iters: int, warmup: int, compute=N
         r = dispatch()
         held = []
         for i in range(warmup + iters):
+            if i == warmup and backend is not None:
+                backend.host_timing = {}
             combine(r)
             torch.cuda.synchronize()
             dist.barrier()
@@ -349,6 +352,9 @@ def _host_held_by_dispatch(dispatch, combine, iters: int, warmup: int, compute=N
         combine(r)
         torch.cuda.synchronize()
         out[name] = statistics.median(held) * 1e6
+        if backend is not None:
+            out[f"{name}_steps"] = _host_steps(backend)
+            backend.host_timing = None
     return out
 
 
@@ -614,7 +620,7 @@ def run(args) -> int:
             args.layers, args.iters, args.warmup, compute)
     plans_ahead = getattr(nat, "plans_made_ahead", 0) - ahead0
     held = _host_held_by_dispatch(lambda: nat.dispatch(fresh()), lambda r: nat.combine(y, r.handle, None, None),
-                                  args.iters, args.warmup, compute)
+                                  args.iters, args.warmup, compute, backend=nat)
     training_steps_by_rank = [None] * world
     dist.all_gather_object(training_steps_by_rank, training_steps)
     t_fd, t_fc, t_bd, t_bc = (statistics.mean(calls[k]) for k in
