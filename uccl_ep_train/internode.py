@@ -488,6 +488,8 @@ class NativeInternodeBackend:
         self.skip_dispatch_barrier = bool(s.kernel.skip_dispatch_barrier)
         self.push_head = bool(s.kernel.push_head)
         self.pack_and_push = bool(s.kernel.pack_and_push)
+        self.expert_sums_in_pack = bool(s.kernel.expert_sums_in_pack)
+        self.expert_sums_in_packs = 0  # expert-major combines whose pack summed the rows (tests, benchmarks)
         # hops whose records were written and pushed in one launch, by phase (tests, benchmarks)
         self.packs_and_pushes = {"dispatch_network": 0, "combine_network": 0}
         self._chunk_ready: Optional[torch.Tensor] = None  # pack_and_push's per-chunk counters, zero between launches
@@ -1085,18 +1087,21 @@ class NativeInternodeBackend:
 
     def _pack_and_push(self, hop: HopPlan, phase: str, send: int, stride: int, num_records: int,
                        columns: List[Tuple[int, int, int]], own: Tuple[int, int, int], hop1_token: int = 0,
-                       dest_rows: int = 0, G: int = 0, src_idx_offset: int = -1, dest_rows_offset: int = 0) -> None:
+                       dest_rows: int = 0, G: int = 0, src_idx_offset: int = -1, dest_rows_offset: int = 0,
+                       expert_sums: Optional[tuple] = None) -> None:
         """The pack_and_push kernel (docs/internode.md, "Pack and push"): the records -- record r at ``send`` + r x
         ``stride``, carrying row ``hop1_token[r]`` (0: row r) of every column (address, row bytes, offset in the
-        record), our own node's (``own`` = (first record, records, where they go)) elsewhere -- written, and each of
-        the hop's chunks pushed once its records are."""
+        record), or with ``expert_sums`` (_expert_sums) combine row r summed from expert-major rows, our own node's
+        (``own`` = (first record, records, where they go)) elsewhere -- written, and each of the hop's chunks pushed
+        once its records are."""
         chunks = sum(-(-records // hop.per_chunk) for _, _, _, _, records, _, _ in hop.rows if records > 0)
         if self._chunk_ready is None or self._chunk_ready.numel() < chunks:
             self._chunk_ready = torch.zeros(max(chunks, 1024), dtype=torch.int32, device=self.device)
         own_first, own_count, own_dst = own
         self._cx.pack_and_push(hop.rows_at, len(hop.rows), hop.per_chunk, send, own_dst, own_first, own_count, stride,
                                hop1_token, dest_rows, G, num_records, columns, src_idx_offset, dest_rows_offset,
-                               self._chunk_ready.data_ptr(), self._phases[phase], self._stream())
+                               self._chunk_ready.data_ptr(), self._phases[phase], self._stream(),
+                               expert_sums=expert_sums)
         self.packs_and_pushes[phase] += 1
         if self.kernel_timeline is not None:
             self.kernel_timeline.note(COMBINE if phase == "combine_network" else DISPATCH)
@@ -2327,34 +2332,24 @@ class NativeInternodeBackend:
         if x.dtype not in (torch.bfloat16, torch.float32) or (H * x.element_size()) % 16:
             raise ValueError(f"combine: x must be bfloat16 or float32 with a hidden size of a multiple of 16 bytes, "
                              f"got {x.dtype} with hidden {H}")
-        w = None
+        rows = w = ew = None
         if h.expert_major:
             if x.size(0) < h.num_recv_rows:
                 raise ValueError(f"combine: x has {x.size(0)} rows but the expert-major handle has {h.num_recv_rows}")
-            # one partial per (token, rank) in x's dtype, its local experts summed in slot order (as reference.combine)
+            # one partial per (token, rank) in x's dtype, its local experts summed in slot order (as reference.combine):
+            # by the pack itself where one launch packs and pushes (_expert_sums), else by a kernel first (_partials)
             x = _dense(x, x.dtype)
-            rows = torch.empty((nrecv, H), dtype=x.dtype, device=dev)
             ew = _dense(topk_weights, torch.float32) if topk_weights is not None else None
-            if ew is not None:
-                w = torch.empty((nrecv, h.num_topk), dtype=torch.float32, device=dev)
-            if nrecv:  # (a rank that received nothing may still hold num_worst_tokens padding rows)
-                self._k.expert_major_partials(
-                    x.data_ptr(), ew.data_ptr() if ew is not None else 0, h.slot_of.data_ptr(),
-                    h.expert_major_info.data_ptr(), nrecv, H, x.element_size(), h.num_topk, rows.data_ptr(),
-                    w.data_ptr() if w is not None else 0,
-                    self._expert_major_grid("partials_f32" if x.dtype == torch.float32 else "partials_bf16"),
-                    self._stream())
+            kw = h.num_topk if ew is not None else 0
         else:  # (slices and conversions only where needed: each torch call costs host time before the wire)
-            rows = x if x.size(0) == nrecv else x[:nrecv]
+            rows = _dense(x if x.size(0) == nrecv else x[:nrecv], x.dtype)
             if topk_weights is not None:
-                w = topk_weights if topk_weights.size(0) == nrecv else topk_weights[:nrecv]
-        rows = _dense(rows, rows.dtype)
-        w = _dense(w, torch.float32) if w is not None else None
+                w = _dense(topk_weights if topk_weights.size(0) == nrecv else topk_weights[:nrecv], torch.float32)
+            kw = w.size(1) if w is not None else 0
         # A wire row: the payload in x's dtype, then the weights in fp32. Every copy a rank sends is a row of x (exact
         # in x's dtype), and a node partial crosses the network in x's dtype as in DeepEP (reference.combine rounds
         # it the same way): half the bytes of fp32 rows.
         pay = H * x.element_size()
-        kw = w.size(1) if w is not None else 0
         cstride = _align(pay + 4 * kw)
         shape = h.combine_shapes.get(cstride)
         if shape is None:
@@ -2388,13 +2383,18 @@ class NativeInternodeBackend:
 
         hop = self._hop_plan(h, ("combine", cstride), lambda: self._combine_hop(h.counts, cstride, areas))
         rest = fused = None
+        sums_in_pack = h.expert_major and G == 1 and self.expert_sums_in_pack and self._packs_and_pushes(hop)
+        if h.expert_major and not sums_in_pack:
+            rows, w = self._partials(x, ew, h, nrecv)
         if G == 1 and self._packs_and_pushes(hop):
             # one launch writes the rows for the other nodes as records and pushes each chunk once it is written,
             # then writes our own node's rows where the sum reads them
-            cols = [(rows.data_ptr(), pay, 0)] + ([(w.data_ptr(), 4 * kw, pay)] if kw else [])
+            cols = [] if sums_in_pack else [(rows.data_ptr(), pay, 0)] + ([(w.data_ptr(), 4 * kw, pay)] if kw else [])
+            sums = self._expert_sums(x, ew, h, pay) if sums_in_pack else None
             fused = lambda: self._pack_and_push(  # noqa: E731
                 hop, "combine_network", self._cx.rdma_ptr + c_send, cstride, A, cols,
-                (own_first, own, self._cx.rdma_ptr + c_recv + back_offs[self.node]))
+                (own_first, own, self._cx.rdma_ptr + c_recv + back_offs[self.node]), expert_sums=sums)
+            self.expert_sums_in_packs += sums_in_pack
             self._lap("combine.gather")
         elif G == 1:
             # One GPU per node: the rows are the partial sums already, in arrival order (row = arrival). The other
@@ -2493,6 +2493,30 @@ class NativeInternodeBackend:
             self._combined_send_base = areas.send_base[self.rank]
         self._lap("combine.finish")
         return combined_x, out_w
+
+    def _partials(self, x: torch.Tensor, ew: Optional[torch.Tensor], h: InternodeHandle, nrecv: int
+                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The combine rows of expert-major ``x`` (its expert-major weights ``ew``): per received token its local
+        experts' rows summed in slot order, and its top-k weights back in their slots (expert_major_partials, one
+        launch over the whole GPU)."""
+        rows = torch.empty((nrecv, x.size(1)), dtype=x.dtype, device=self.device)
+        w = torch.empty((nrecv, h.num_topk), dtype=torch.float32, device=self.device) if ew is not None else None
+        if nrecv:  # (a rank that received nothing may still hold num_worst_tokens padding rows)
+            self._k.expert_major_partials(
+                x.data_ptr(), ew.data_ptr() if ew is not None else 0, h.slot_of.data_ptr(),
+                h.expert_major_info.data_ptr(), nrecv, x.size(1), x.element_size(), h.num_topk, rows.data_ptr(),
+                w.data_ptr() if w is not None else 0,
+                self._expert_major_grid("partials_f32" if x.dtype == torch.float32 else "partials_bf16"),
+                self._stream())
+        return rows, w
+
+    @staticmethod
+    def _expert_sums(x: torch.Tensor, ew: Optional[torch.Tensor], h: InternodeHandle, pay: int) -> tuple:
+        """pack_and_push's expert_sums (ExpertSums, csrc/kernels/internode.hpp): the records are the rows _partials
+        makes, summed by the packers as they write each record, so the wire does not wait for a pass over every
+        expert-major row first (docs/internode.md, "Expert-major sums in the pack")."""
+        return (x.data_ptr(), pay, x.dtype == torch.float32, h.slot_of.data_ptr(), h.num_topk,
+                ew.data_ptr() if ew is not None else 0, pay)
 
     def _combine_shape(self, counts: Counts, cstride: int) -> CombineShape:
         """The CombineShape of a handle with these counts for wire rows of ``cstride`` bytes, after checking that

@@ -199,6 +199,11 @@ class KernelSettings:
         "UCCL_EP_PACK_AND_PUSH", "internode: a hop's sender writes its records and pushes their chunks in one "
         "launch, each chunk as soon as its records are written (docs/internode.md, Pack and push); 0: separate "
         "launches (the push head, UCCL_EP_PUSH_HEAD, then applies)", _bool))
+    expert_sums_in_pack: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_EXPERT_SUMS_IN_PACK", "internode, one GPU per node: an expert-major combine's pack sums each "
+        "token's local expert rows as it writes the token's record, so each chunk leaves once its rows are summed "
+        "(docs/internode.md, Expert-major sums in the pack); 0: a kernel sums every row before the pack starts",
+        _bool))
     pack_during_notify: bool = field(default=True, metadata=_meta(
         "UCCL_EP_PACK_DURING_NOTIFY", "internode: an uncached dispatch right after a combine of the last dispatch's "
         "handle packs its records for the other nodes while notify exchanges the counts (docs/internode.md, Packing "

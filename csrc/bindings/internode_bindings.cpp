@@ -46,6 +46,9 @@ in::OwnRows own_rows(const OwnRowsArg& arg) {
   return own;
 }
 
+// pack_and_push's expert_sums: (x, row_bytes, f32, slot_of, topk, weights, weights_offset), in::ExpertSums.
+using ExpertSumsArg = std::tuple<uintptr_t, int64_t, bool, uintptr_t, int, uintptr_t, int64_t>;
+
 in::RecordJob record_job(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride,
                          uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
                          const Columns& columns, int64_t src_idx_offset, int64_t dest_rows_offset) {
@@ -87,6 +90,7 @@ void bind_internode(py::module_& m) {
   auto k = m.def_submodule("internode", "internode (hierarchical) dispatch/combine: regions, proxy, kernels");
   k.attr("PUSH_COLUMNS") = int(in::kPushColumns);
   k.attr("PACK_PUSH_MAX_ROWS") = int(in::kPackPushMaxRows);
+  k.attr("EXPERT_SUMS_MAX_TOPK") = in::kExpertSumsMaxTopk;
   // the kernel timeline's fields in their column order (TimelineField), and the row width
   k.attr("TIMELINE_FIELDS") = py::make_tuple("start", "rows_in", "first_ready", "first_push", "last_push",
                                              "packers_done", "chunks", "reader_start", "all_in", "reader_end");
@@ -474,19 +478,25 @@ void bind_internode(py::module_& m) {
           [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, uintptr_t send, uintptr_t own_dst,
              int64_t own_first, int64_t own_count, int64_t stride, uintptr_t hop1_token, uintptr_t dest_rows,
              int ranks_per_node, int64_t num_records, const Columns& columns, int64_t src_idx_offset,
-             int64_t dest_rows_offset, uintptr_t ready, int phase, uintptr_t stream) {
-            cx.pack_and_push(table, n, chunk_records,
-                             record_job(send, own_dst, own_first, own_count, stride, hop1_token, dest_rows,
-                                        ranks_per_node, num_records, columns, src_idx_offset, dest_rows_offset),
-                             ready, phase, stream);
+             int64_t dest_rows_offset, uintptr_t ready, int phase, uintptr_t stream,
+             std::optional<ExpertSumsArg> expert_sums) {
+            in::RecordJob job = record_job(send, own_dst, own_first, own_count, stride, hop1_token, dest_rows,
+                                           ranks_per_node, num_records, columns, src_idx_offset, dest_rows_offset);
+            if (expert_sums) {
+              auto& [x, row_bytes, f32, slot_of, topk, weights, weights_offset] = *expert_sums;
+              job.sums = in::ExpertSums{x, row_bytes, f32, slot_of, topk, weights, weights_offset};
+            }
+            cx.pack_and_push(table, n, chunk_records, job, ready, phase, stream);
           },
           py::arg("table"), py::arg("n"), py::arg("chunk_records"), py::arg("send"), py::arg("own_dst"),
           py::arg("own_first"), py::arg("own_count"), py::arg("stride"), py::arg("hop1_token"), py::arg("dest_rows"),
           py::arg("ranks_per_node"), py::arg("num_records"), py::arg("columns"), py::arg("src_idx_offset"),
           py::arg("dest_rows_offset"), py::arg("ready"), py::arg("phase"), py::arg("stream"),
+          py::arg("expert_sums") = py::none(),
           "pack_records and push_chunks in one launch: each chunk pushed once its records are written; "
           "hop1_token 0: record r carries row r; src_idx_offset < 0: no index fields; ready: int32 zeros, one per "
-          "chunk, left zero")
+          "chunk, left zero. expert_sums = (x, row_bytes, f32, slot_of, topk, weights, weights_offset): no columns; "
+          "record r is combine row r summed from its local experts' expert-major rows (ExpertSums, internode.hpp)")
       .def(
           "pack_and_push_after_counts",
           [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, uintptr_t send, int64_t stride,

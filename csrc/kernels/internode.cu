@@ -223,8 +223,56 @@ struct PackPushJob {
   long long src_idx_offset;     // < 0: no source index field
   long long dest_rows_offset;
   PackArgs args;
+  // ExpertSums (internode.hpp): sums_x set, the records are combine rows summed from expert-major rows
+  const int4* sums_x;
+  const int* sums_slot_of;
+  const float* sums_weights;
+  long long sums_row_bytes, sums_weights_offset;
+  int sums_topk;
+  bool sums_f32;
 };
 
+// Record `rec` of an expert-major combine (ExpertSums): combine row r's local experts' rows summed, by the whole
+// block. Each warp sums a slice of the row's 16-byte units with warp_sum_rows, whose per-unit order (k order, fp32,
+// one rounding) does not depend on the slice: the bytes equal expert_major_partials_kernel's. Every thread of the
+// block calls it (it synchronizes); s_slots holds kExpertSumsMaxTopk ints of shared memory.
+template <bool kF32>
+__device__ void write_expert_sum_record(char* rec, long long r, const PackPushJob& job, int* s_slots, int* s_n) {
+  const int* slots_of_row = job.sums_slot_of + r * job.sums_topk;
+  if (threadIdx.x == 0) {
+    int m = 0;
+    for (int k = 0; k < job.sums_topk; ++k) {
+      const int slot = slots_of_row[k];
+      if (slot >= 0) s_slots[m++] = slot;
+    }
+    *s_n = m;
+  }
+  __syncthreads();
+  const int n = *s_n;
+  const int units = int(job.sums_row_bytes / 16);
+  const int warps = blockDim.x / kWarpSize, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int per_warp = (units + warps - 1) / warps;
+  const int lo = min(units, warp * per_warp), count = min(units, lo + per_warp) - lo;
+  int4* dst = reinterpret_cast<int4*>(rec) + lo;
+  warp_sum_rows<kF32>(
+      n, count, lane, [&](int j) { return job.sums_x + static_cast<long long>(s_slots[j]) * units + lo; },
+      [&](int u, const int4& v) { dst[u] = v; });
+  if (job.sums_weights) {
+    float* w = reinterpret_cast<float*>(rec + job.sums_weights_offset);
+    for (int k = threadIdx.x; k < job.sums_topk; k += blockDim.x) {
+      const int slot = slots_of_row[k];
+      w[k] = slot >= 0 ? job.sums_weights[slot] : 0.0f;
+    }
+  }
+  __syncthreads();  // s_slots and s_n are rewritten for the block's next record
+}
+
+// What the packers write into a record: its columns (write_record), or an expert-major combine row summed in bf16 or
+// fp32 (write_expert_sum_record). A template argument, so the column copy keeps its own register budget: the sums'
+// loads in flight take twice the registers and would halve the copy's resident blocks.
+enum RecordSource { kColumns = 0, kSumsBf16 = 1, kSumsF32 = 2 };
+
+template <int kSource>
 __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
     const DeviceFifo* fifos, int num_fifos, const long long* table, int n_rows, long long chunk_records,
     PackPushJob job, CountRowShift at, int* ready, int rank, int phase, unsigned long long timeout_ns, ErrorWord* err,
@@ -313,13 +361,17 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
   // node's records go last, and nowhere without own_dst (counted on the device: they are written after notify).
   const long long n = s_n, own_first = s_own_first, own_end = own_first + s_own_count, sent = n - s_own_count;
   const long long last = job.own_dst ? n : sent;
+  __shared__ int s_sum_slots[kSource == kColumns ? 1 : kExpertSumsMaxTopk], s_sum_n;
   for (long long w = blockIdx.x - 1; w < last; w += gridDim.x - 1) {
     // the records that are sent first, in order (so the first chunks fill first), our own node's last
     const long long r = w < own_first ? w : (w < sent ? w + s_own_count : own_first + (w - sent));
     const bool own = r >= own_first && r < own_end;
     char* rec = own ? job.own_dst + (r - own_first) * job.stride : job.send + r * job.stride;
-    write_record(rec, job.hop1_token ? job.hop1_token[r] : r, job.args, job.src_idx_offset,
-                 job.dest_rows + r * job.G, job.G, job.dest_rows_offset, threadIdx.x, blockDim.x);
+    if constexpr (kSource == kColumns)
+      write_record(rec, job.hop1_token ? job.hop1_token[r] : r, job.args, job.src_idx_offset,
+                   job.dest_rows + r * job.G, job.G, job.dest_rows_offset, threadIdx.x, blockDim.x);
+    else
+      write_expert_sum_record<kSource == kSumsF32>(rec, r, job, s_sum_slots, &s_sum_n);
     if (own) continue;
     __threadfence();  // every thread's stores of the record, device-wide, before thread 0 counts it
     __syncthreads();
@@ -971,11 +1023,36 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
                                   "fields or its end");
     j.args.columns[i] = c;
   }
+  const ExpertSums& sums = job.sums;
+  if (sums.x) {
+    const uintptr_t aligned = sums.x | uintptr_t(sums.row_bytes) | job.send | job.own_dst | uintptr_t(job.stride);
+    if (!job.columns.empty() || job.hop1_token || job.ranks_per_node || job.src_idx_offset >= 0)
+      throw std::invalid_argument("pack_and_push: expert sums take no columns, tokens, final rows or index fields "
+                                  "(record r is combine row r)");
+    if (sums.row_bytes <= 0 || aligned % 16 || sums.row_bytes > job.stride)
+      throw std::invalid_argument("pack_and_push: expert sums need rows of a multiple of 16 bytes within the "
+                                  "record, and 16-byte aligned rows and records");
+    if (sums.topk < 1 || sums.topk > kExpertSumsMaxTopk || !sums.slot_of)
+      throw std::invalid_argument("pack_and_push: expert sums need slot_of and a top-k of 1.." +
+                                  std::to_string(kExpertSumsMaxTopk) + ", got " + std::to_string(sums.topk));
+    if (sums.weights && (sums.weights_offset < sums.row_bytes || sums.weights_offset % 4 ||
+                         sums.weights_offset + 4 * sums.topk > job.stride))
+      throw std::invalid_argument("pack_and_push: the expert sums' weights must lie in the record behind the payload");
+  }
+  j.sums_x = reinterpret_cast<const int4*>(sums.x);
+  j.sums_slot_of = reinterpret_cast<const int*>(sums.slot_of);
+  j.sums_weights = reinterpret_cast<const float*>(sums.weights);
+  j.sums_row_bytes = sums.row_bytes;
+  j.sums_weights_offset = sums.weights_offset;
+  j.sums_topk = sums.topk;
+  j.sums_f32 = sums.f32;
   const int blocks = 1 + int(std::min<int64_t>(job.num_records, spin_blocks_ > 0 ? spin_blocks_ : 1024));
   unsigned long long* stamps = nullptr;
   if (timeline_ && timeline_used_ < timeline_capacity_) stamps = timeline_ + int64_t(kTimelineFields) * timeline_used_++;
   hop_stamps_ = stamps;
-  pack_and_push_kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  const auto kernel = !sums.x ? pack_and_push_kernel<kColumns>
+                               : sums.f32 ? pack_and_push_kernel<kSumsF32> : pack_and_push_kernel<kSumsBf16>;
+  kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
       chunk_records, j, count_row_shift(at, signals_dev_, world_), reinterpret_cast<int*>(ready), rank_, phase,
       timeout_ns_, error_dev_, StopFlag{stop_dev_, stop_generation_}, stamps);

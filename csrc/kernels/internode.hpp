@@ -45,6 +45,23 @@ constexpr int kPackPushMaxRows = 256;
 // combine's rows: hop1_token 0 (record r carries row r of every column) and src_idx_offset < 0 (no index fields;
 // ranks_per_node 0: no final rows either). `send` must lie in this rank's RDMA region: the push table's offsets
 // name the records by their place there.
+//
+// Expert-major combine (ExpertSums with x set, docs/internode.md, "Expert-major sums in the pack"): no columns; record
+// r's payload is the sum of combine row r's local experts' rows, x[slot_of[r][k]] for k = 0.. topk - 1 where the slot
+// is >= 0, added in fp32 in k order and rounded once to x's dtype (exactly what expert_major_partials writes), and,
+// with weights, its topk fp32 weights (weights[slot], 0 where the expert is not local) at weights_offset. Why in the
+// pack: the sum read every expert-major row (~470 MB per call at DeepSeek-V3 shape) in a launch of its own before
+// the pack, and the wire waited for all of it; here each chunk leaves once its own rows are summed.
+struct ExpertSums {
+  uintptr_t x = 0;            // expert-major rows of row_bytes bytes (0: the record copies the columns)
+  int64_t row_bytes = 0;
+  bool f32 = false;           // x is float32, else bfloat16
+  uintptr_t slot_of = 0;      // int32 [records, topk]
+  int topk = 0;
+  uintptr_t weights = 0;      // fp32, one per expert-major row (0: no weights in the record)
+  int64_t weights_offset = 0;
+};
+
 struct RecordJob {
   uintptr_t send = 0, own_dst = 0;
   int64_t own_first = 0, own_count = 0, stride = 0, num_records = 0;
@@ -52,7 +69,11 @@ struct RecordJob {
   int ranks_per_node = 0;
   std::vector<PackColumn> columns;
   int64_t src_idx_offset = -1, dest_rows_offset = 0;
+  ExpertSums sums;
 };
+
+// The most top-k an ExpertSums record takes (its packer keeps a record's slots in shared memory).
+constexpr int kExpertSumsMaxTopk = 32;
 
 // A push made before the host knows the counts (docs/internode.md, "Push during notify"): the kernel waits until
 // every rank's count row is in our notify area (signal[slot] >= expected), then adds to each push-table row's remote

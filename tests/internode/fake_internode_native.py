@@ -52,6 +52,7 @@ expert_major_grid = fake_expert_major.whole_gpu_grid
 expert_major_layout = fake_expert_major.layout
 expert_major_copy = fake_expert_major.copy
 expert_major_partials = fake_expert_major.partials
+EXPERT_SUMS_MAX_TOPK = 32
 expert_major_pair_ranks = fake_expert_major.pair_ranks
 expert_major_pad = fake_expert_major.pad
 GATE_COLUMNS = GATE_FIXED_COLUMNS
@@ -768,15 +769,19 @@ class InternodeContext:
     def pack_and_push(self, table: int, n: int, chunk_records: int, send: int, own_dst: int, own_first: int,
                       own_count: int, stride: int, hop1_token: int, dest_rows: int, ranks_per_node: int,
                       num_records: int, columns: list, src_idx_offset: int, dest_rows_offset: int, ready: int,
-                      phase: int, stream: int) -> None:
+                      phase: int, stream: int, expert_sums: Optional[tuple] = None) -> None:
         """pack_and_push_kernel: the records written (record r carries row hop1_token[r], or r when hop1_token is 0;
         index fields only where src_idx_offset >= 0; our own node's at own_dst), then push_chunks over the table --
         every write the kernel makes, in an order it may make them (a chunk leaves only once its records are in). The
         kernel's chunk counters must be zero at launch and are left zero: checked here. A chunk some of whose records
         no packer writes fails as the kernel's pusher does at the GPU deadline (``records_unwritten``); here nothing
-        is pushed then, while the kernel has pushed the chunks before it."""
+        is pushed then, while the kernel has pushed the chunks before it. ``expert_sums`` (ExpertSums): record r is
+        combine row r, its local experts' expert-major rows summed as expert_major_partials sums them."""
         if num_records <= 0:
             return
+        if expert_sums is not None:  # the rows the packers sum, made first (the kernel sums them record by record)
+            columns, keep_alive = self._expert_sum_columns(expert_sums, num_records, stride, send, own_dst, columns,
+                                                           hop1_token, ranks_per_node, src_idx_offset)
         if not 0 < n <= PACK_PUSH_MAX_ROWS:
             raise ValueError(f"pack_and_push: 1..{PACK_PUSH_MAX_ROWS} push table rows, got {n}")
         if not 0 <= own_first <= own_first + own_count <= num_records:
@@ -822,6 +827,33 @@ class InternodeContext:
                     return
             first_chunk += chunks
         self.push_chunks(table, n, chunk_records, phase, stream)
+
+    @staticmethod
+    def _expert_sum_columns(expert_sums: tuple, num_records: int, stride: int, send: int, own_dst: int,
+                            columns: list, hop1_token: int, ranks_per_node: int, src_idx_offset: int
+                            ) -> Tuple[list, list]:
+        """pack_and_push's checks of ExpertSums, then the columns it amounts to: the summed rows (and weights) as
+        tensors of their own (returned too, to keep them alive while the records are written)."""
+        x, row_bytes, f32, slot_of, topk, weights, weights_offset = expert_sums
+        if columns or hop1_token or ranks_per_node or src_idx_offset >= 0:
+            raise ValueError("pack_and_push: expert sums take no columns, tokens, final rows or index fields "
+                             "(record r is combine row r)")
+        if row_bytes <= 0 or (x | row_bytes | send | own_dst | stride) % 16 or row_bytes > stride:
+            raise ValueError("pack_and_push: expert sums need rows of a multiple of 16 bytes within the record, and "
+                             "16-byte aligned rows and records")
+        if not 1 <= topk <= EXPERT_SUMS_MAX_TOPK or not slot_of:
+            raise ValueError(f"pack_and_push: expert sums need slot_of and a top-k of 1..{EXPERT_SUMS_MAX_TOPK}, "
+                             f"got {topk}")
+        if weights and (weights_offset < row_bytes or weights_offset % 4 or weights_offset + 4 * topk > stride):
+            raise ValueError("pack_and_push: the expert sums' weights must lie in the record behind the payload")
+        elem = 4 if f32 else 2
+        rows = torch.empty((num_records, row_bytes // elem), dtype=torch.float32 if f32 else torch.bfloat16)
+        w = torch.empty((num_records, topk), dtype=torch.float32) if weights else None
+        info = torch.tensor([num_records], dtype=torch.int32)
+        fake_expert_major.partials(x, weights, slot_of, info.data_ptr(), num_records, row_bytes // elem, elem, topk,
+                                   rows.data_ptr(), w.data_ptr() if w is not None else 0, 1, 0)
+        cols = [(rows.data_ptr(), row_bytes, 0)] + ([(w.data_ptr(), 4 * topk, weights_offset)] if weights else [])
+        return cols, [rows, w, info]
 
     def _write(self, dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> bool:
         """What the proxy and transport do with one WRITE_SIGNAL: the bytes land, then the counter moves."""

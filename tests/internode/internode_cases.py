@@ -47,12 +47,12 @@ EXPERT_MAJOR_CASES = [ALL[6], ("skewed", False, True, 0, 11), ALL[9], ("dropped"
 OWN_ROW_CASES = [ALL[0], ALL[2], ALL[5], EXPERT_MAJOR_CASES[1], EXPERT_MAJOR_CASES[5], ALL[9]]
 
 
-def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=False):
+def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=False, combine_dtype=torch.bfloat16):
     """Run every case ``iters`` times on both backends (the reference on CPU copies of the same inputs): uncached
     dispatch, cached dispatch, combine with the received weights (``unweighted``: and once more without), then a
     cached dispatch and a combine again (as a backward pass orders them: the dispatch right after a combine, where it
-    may skip its entry barrier); every output must be equal bit for bit. Returns the number of (case, iteration)
-    pairs compared."""
+    may skip its entry barrier); every output must be equal bit for bit. The combines take rows of
+    ``combine_dtype`` (bfloat16 or float32). Returns the number of (case, iteration) pairs compared."""
     from uccl_ep_train.backends import DispatchArgs
 
     done = 0
@@ -82,7 +82,7 @@ def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=Fa
                                                  None, None, None, None, None, None))
                 # scaled per rank, so the copies of a token differ (as expert outputs do) and a node's partial sum
                 # is not exact in bf16: the rounding of the partials on the wire is checked too
-                y = (r.recv_x.float() * (0.5 + 0.375 * rank) + 1.0).to(torch.bfloat16)
+                y = (r.recv_x.float() * (0.5 + 0.375 * rank) + 1.0).to(combine_dtype)
                 cx, cw = b.combine(y, r.handle, r.recv_topk_weights, None)
                 traffic = b.last_traffic
                 ux, uw = b.combine(y, r.handle, None, None) if unweighted else (None, None)

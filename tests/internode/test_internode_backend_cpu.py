@@ -668,6 +668,36 @@ def test_a_hops_records_are_written_and_pushed_in_one_launch_unless_turned_off_a
     assert all(n == {"dispatch_network": 0, "combine_network": 0} for _, n in off)
 
 
+def _expert_sum_cases(rank, world, G, cases, counters):
+    """compare_cases with bfloat16 and with float32 combine rows, then (pairs compared, *counters)."""
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = sum(compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True,
+                                 combine_dtype=dt) for dt in (torch.bfloat16, torch.float32))
+        return (done,) + tuple(getattr(nat, c) for c in counters)
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 1), (4, 2)], ids=["2x1", "4x1", "2x2"])
+def test_an_expert_major_combine_sums_its_rows_in_the_pack_with_one_gpu_per_node_and_outputs_match_either_way(
+        world, G):
+    """UCCL_EP_EXPERT_SUMS_IN_PACK (default on): with one GPU per node, every expert-major combine's pack_and_push sums
+    each token's local expert rows as it writes the token's record (ExpertSums) instead of a kernel summing them all
+    first; with several GPUs per node (the sums go to the forwarders over NVLink) and with 0, none does. Every output
+    of the expert-major cases (random, skewed, a rank receiving nothing, dropped experts, FP8, weighted and not,
+    num_worst_tokens; bfloat16 and float32 combine rows) equals the reference bit for bit both ways."""
+    cases, counters = EXPERT_MAJOR_CASES, ("expert_sums_in_packs", "packs_and_pushes")
+    on = run_distributed(_expert_sum_cases, world, G, cases, counters, timeout=180, env=ENV)
+    off = run_distributed(_expert_sum_cases, world, G, cases, counters, timeout=180,
+                          env=dict(ENV, UCCL_EP_EXPERT_SUMS_IN_PACK="0"))
+    assert all(done == 2 * len(cases) for done, _, _ in on + off)
+    for _, sums, packs in on:  # every combine that packed and pushed (those with records to send)
+        assert sums == (packs["combine_network"] if G == 1 else 0) and (sums > 0) == (G == 1), (sums, packs)
+    assert all(sums == 0 and packs["combine_network"] > 0 for _, sums, packs in off if G == 1)
+    assert all(sums == 0 for _, sums, _ in off)
+
+
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_outputs_also_match_when_arrivals_are_read_only_after_the_whole_hop(world, G):
     """UCCL_EP_GATED_ARRIVALS=0 keeps the wait for every counter before the readers run (the other tests run the

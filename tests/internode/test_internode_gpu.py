@@ -137,6 +137,34 @@ def test_on_gpus_an_expert_major_receive_equals_the_reference_whether_the_reader
             assert reads["uncached"] == (n if in_reader != "never" else 0), (reads, spin_blocks)
 
 
+def _expert_sum_cases(rank, world, G, cases):
+    nat, ref, dev = _backends(rank, world, G)
+    try:
+        done = sum(compare_cases(nat, ref, dev, rank, world, cases, 1, unweighted=True, combine_dtype=dt)
+                   for dt in (torch.bfloat16, torch.float32))
+        return done, nat.expert_sums_in_packs, nat.packs_and_pushes["combine_network"]
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("in_pack", ["1", "0"], ids=["sums-in-pack", "sums-first"])
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_on_gpus_an_expert_major_combine_equals_the_reference_whether_its_pack_sums_the_rows_or_a_kernel_first(
+        world, G, in_pack):
+    """UCCL_EP_EXPERT_SUMS_IN_PACK: with one GPU per node the expert-major combine's pack_and_push sums each token's
+    local expert rows as it writes its record (bfloat16 and float32 rows, weighted and not), or a kernel sums them
+    all first (0, and always with several GPUs per node): every output of the expert-major cases equals the reference
+    bit for bit, and the counters show which path ran. A reordering transport with small chunks, so that records
+    leave while others are still being summed."""
+    _need(world)
+    env = {"UCCL_EP_EXPERT_SUMS_IN_PACK": in_pack, "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60",
+           "UCCL_EP_LOOPBACK_REORDER": "8", "UCCL_IB_MAX_INFLIGHT_BYTES": "16384", "UCCL_EP_LOOPBACK_SEED": "5"}
+    out = run_distributed(_expert_sum_cases, world, G, EXPERT_MAJOR_CASES, timeout=420, env=env)
+    for done, sums, packs in out:
+        assert done == 2 * len(EXPERT_MAJOR_CASES), done
+        assert sums == (packs if G == 1 and in_pack == "1" else 0) and (packs > 0) == (G == 1), (sums, packs)
+
+
 @pytest.mark.parametrize("which", ["every", "expert-major-reader"])
 def test_without_drains_every_output_matches_when_the_caller_runs_on_a_non_default_stream(which):
     """UCCL_EP_DRAIN_AFTER_WAITS=never: the host launches on while a network wait spins, and the test's own reads
