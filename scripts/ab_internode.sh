@@ -63,6 +63,8 @@ keys = ["dispatch_us", "cached_dispatch_us", "combine_us", "step_dispatch_us", "
         "in_turn_us.backward_cached_dispatch", "in_turn_us.backward_combine", "packs_during_notify",
         "spare_send_tables_taken",
         "training_step_network_GBps.forward_pair", "training_step_network_GBps.backward_pair",
+        "training_step_network_GBps.layer", "beside_compute_network_GBps.layer", "dispatch_host_held_us.alone",
+        "dispatch_host_held_us.behind_compute",
         "training_step_us.forward_dispatch", "training_step_us.forward_combine",
         "training_step_us.backward_cached_dispatch", "training_step_us.backward_combine", "plans_made_ahead",
         "beside_compute_network_GBps.forward_pair", "beside_compute_network_GBps.backward_pair",

@@ -77,14 +77,29 @@ def test_training_steps_give_every_layer_a_fresh_handle_and_take_the_backward_in
 
 
 def test_the_quoted_pairs_are_also_given_as_a_fraction_of_the_ceiling_and_of_the_raw_transport():
-    row = {"in_turn_network_GBps": {"forward_pair": 30.0, "backward_pair": 45.0, "forward_dispatch": 1.0},
-           "training_step_network_GBps": {"forward_pair": 20.0, "backward_pair": 40.0}}
+    row = {"in_turn_network_GBps": {"forward_pair": 30.0, "backward_pair": 45.0, "layer": 36.0,
+                                    "forward_dispatch": 1.0},
+           "training_step_network_GBps": {"forward_pair": 20.0, "backward_pair": 40.0, "layer": 26.0}}
     assert bench._pairs_vs(row, 50.0, "ceiling") == {
-        "in_turn_pairs_vs_ceiling": {"forward_pair": 0.6, "backward_pair": 0.9},
-        "training_step_pairs_vs_ceiling": {"forward_pair": 0.4, "backward_pair": 0.8}}
+        "in_turn_pairs_vs_ceiling": {"forward_pair": 0.6, "backward_pair": 0.9, "layer": 0.72},
+        "training_step_pairs_vs_ceiling": {"forward_pair": 0.4, "backward_pair": 0.8, "layer": 0.52}}
     assert bench._pairs_vs(row, 40.0, "raw_transport") == {
-        "in_turn_pairs_vs_raw_transport": {"forward_pair": 0.75, "backward_pair": 1.125},
-        "training_step_pairs_vs_raw_transport": {"forward_pair": 0.5, "backward_pair": 1.0}}
+        "in_turn_pairs_vs_raw_transport": {"forward_pair": 0.75, "backward_pair": 1.125, "layer": 0.9},
+        "training_step_pairs_vs_raw_transport": {"forward_pair": 0.5, "backward_pair": 1.0, "layer": 0.65}}
+
+
+def test_a_layers_figure_takes_all_four_calls_so_time_moved_between_calls_leaves_it_unchanged():
+    # 100 MB per pair; the forward dispatch returns early and its work is waited for in the forward combine
+    drained = {"forward_dispatch": [1e-3] * 4, "forward_combine": [1e-3] * 4, "backward_cached_dispatch": [1e-3] * 4,
+               "backward_combine": [1e-3] * 4}
+    early = dict(drained, forward_dispatch=[0.25e-3] * 4, forward_combine=[1.75e-3] * 4,
+                 backward_cached_dispatch=[0.5e-3] * 4, backward_combine=[1.5e-3] * 4)
+    a, b = bench._pair_figures(drained, 100_000_000), bench._pair_figures(early, 100_000_000)
+    assert a == {"forward_pair": 50.0, "backward_pair": 50.0, "layer": 50.0}
+    assert b["layer"] == 50.0 and b["forward_pair"] == 50.0 and b["backward_pair"] == 50.0
+    slower = dict(early, backward_combine=[3.5e-3] * 4)  # 2 ms more in the layer: 200 MB over 6 ms
+    assert bench._pair_figures(slower, 100_000_000)["layer"] == pytest.approx(200 / 6)
+    assert bench._pair_figures(slower, 100_000_000, reduce=lambda t: 2 * t)["layer"] == pytest.approx(100 / 6)
 
 
 class _Stream:

@@ -8,12 +8,10 @@ oracle (tests/megatron/hook_cases.py), with the experts' real rows and the paddi
 the early returns must have happened. The CPU stand-in runs the same cases in CI
 (tests/megatron/test_dispatcher_on_internode_cpu.py).
 
-Needs 2 CUDA GPUs, or one with UCCL_EP_TEST_SHARE_GPU=1 (both ranks on it; run under MPS: docs/internode.md,
-"Hardware work queues").
+Needs 2 CUDA GPUs: the dispatcher's Buffer works where its group does, so the group is NCCL's, which takes one rank
+per GPU (on one GPU, the CPU stand-in's cases cover the hooks).
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -46,10 +44,9 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < 2 and not (have >= 1 and os.environ.get("UCCL_EP_TEST_SHARE_GPU") == "1"):
-        pytest.skip("needs 2 CUDA GPUs (UCCL_EP_TEST_SHARE_GPU=1: both ranks on one)")
-    return run_distributed(hook_cases.many_cases, 2, _cases(), timeout=420, env=ENV)
+    if (torch.cuda.device_count() if torch.cuda.is_available() else 0) < 2:
+        pytest.skip("needs 2 CUDA GPUs (an NCCL group: one rank per GPU)")
+    return run_distributed(hook_cases.many_cases, 2, _cases(), timeout=420, backend="nccl", env=ENV)
 
 
 @pytest.mark.parametrize("name", ["sync_free_expert_major", "sync_free_local_permute", "sync_free_skewed",

@@ -358,11 +358,27 @@ def _host_held_by_dispatch(dispatch, combine, iters: int, warmup: int, compute=N
     return out
 
 
+def _pair_figures(times: dict, pair_bytes: int, reduce=lambda v: v) -> dict:
+    """Network GB/s of the training-order pairs from seconds per call by kind (forward_dispatch, forward_combine,
+    backward_cached_dispatch, backward_combine): each pair's bytes (``pair_bytes``: a dispatch's and a combine's) over
+    its mean time, and a layer's -- both pairs, all four calls. Where calls return before their GPU work ends (no
+    drains, sync-free), a later call's time holds an earlier one's work: the pairs then read high or low, and only
+    the layer still means what it says. ``reduce``: applied to each mean time (the bench: the max over ranks)."""
+    pairs = {}
+    for name in ("forward", "backward"):
+        pairs[name] = [a + b for a, b in zip(*(v for k, v in times.items() if k.startswith(name)))]
+    out = {f"{name}_pair": pair_bytes / (reduce(statistics.mean(p)) * 1e9) for name, p in pairs.items()}
+    layer = [f + b for f, b in zip(pairs["forward"], pairs["backward"])]
+    out["layer"] = 2 * pair_bytes / (reduce(statistics.mean(layer)) * 1e9)
+    return out
+
+
 def _pairs_vs(row: dict, rate: float, name: str) -> dict:
     """The training-order pairs' network GB/s (the figures to quote) over ``rate`` (GB/s):
-    {"in_turn_pairs_vs_<name>": {"forward_pair": ..., "backward_pair": ...}, "training_step_...": ...}."""
-    return {f"{loop}_pairs_vs_{name}": {f"{p}_pair": row[f"{loop}_network_GBps"][f"{p}_pair"] / rate
-                                        for p in ("forward", "backward")}
+    {"in_turn_pairs_vs_<name>": {"forward_pair": ..., "backward_pair": ..., "layer": ...}, "training_step_...": ...}
+    (layer: both pairs together, loop_figures)."""
+    return {f"{loop}_pairs_vs_{name}": {p: row[f"{loop}_network_GBps"][p] / rate
+                                        for p in ("forward_pair", "backward_pair", "layer")}
             for loop in ("in_turn", "training_step", "beside_compute") if f"{loop}_network_GBps" in row}
 
 
@@ -759,9 +775,7 @@ def run(args) -> int:
         row[f"{loop}_network_GBps"] = {
             k: row["combine_network_bytes" if k.endswith("combine") else "dispatch_network_bytes"] / (us * 1e3)
             for k, us in row[f"{loop}_us"].items()}
-        for name in ("forward", "backward"):
-            pair = [a + b for a, b in zip(*(v for k, v in times.items() if k.startswith(name)))]
-            row[f"{loop}_network_GBps"][f"{name}_pair"] = pair_bytes / (mx(statistics.mean(pair)) * 1e9)
+        row[f"{loop}_network_GBps"].update(_pair_figures(times, pair_bytes, mx))
 
     loop_figures("in_turn", in_turn)
     row["in_turn_host_step_us_by_rank"] = in_turn_steps_by_rank
