@@ -353,6 +353,11 @@ class Buffer:
             return fn(), EventOverlap(None)
         compute = torch.cuda.current_stream(self.device)
         comm = self._comm_stream
+        # The backend runs on our comm stream, but the caller's stream waits on it: a backend with rules for the
+        # caller's stream (internode without drains: never the legacy default one) checks that one too
+        check = getattr(self.backend, "check_caller_stream", None)
+        if check is not None:
+            check(compute.cuda_stream)
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:

@@ -634,6 +634,13 @@ class NativeInternodeBackend:
     def _stream(self) -> int:
         return native.stream_handle(self.device)  # 0 for the CPU stand-in: synchronous, no stream
 
+    def check_caller_stream(self, stream: int) -> None:
+        """check_stream_without_drains for the caller's stream where the calls run on another (Buffer's comm stream):
+        the caller's stream then waits on ours, and a pageable copy queued there behind our spinning wait stalls the
+        loopback just the same (docs/internode.md, "Drains")."""
+        if self._check_stream:
+            check_stream_without_drains(self._drain_after_waits, self.transport.name, stream, self.rank)
+
     def _refuse_a_stall_without_drains(self) -> None:
         """check_stream_without_drains at a call's entry; the stream is looked up only where it can matter."""
         if self._check_stream:

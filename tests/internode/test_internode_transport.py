@@ -3,9 +3,12 @@ the rule on host names, the NIC of this GPU from recorded sysfs trees (tests/fix
 the setting or the build step that fixes it. The agreement step runs on 4 gloo ranks."""
 from __future__ import annotations
 
+import contextlib
 import os
+from unittest import mock
 
 import pytest
+import torch
 
 from tests.distributed import run_distributed
 from uccl_ep_train import comm, topology
@@ -182,6 +185,43 @@ def test_without_drains_the_loopback_refuses_calls_on_the_legacy_default_stream_
     check_stream_without_drains(False, "loopback", side, 3)  # a torch pool stream: non-blocking
     check_stream_without_drains(False, "verbs", 0, 3)  # the verbs proxy makes no CUDA call
     check_stream_without_drains(True, "loopback", 0, 3)  # drains: the host is in our drain while the wait spins
+
+
+def test_a_buffer_on_its_comm_stream_has_the_backend_check_the_callers_stream_too():
+    """Buffer runs the backend on its comm stream while the caller's stream waits on it: without drains over the
+    loopback, a caller on the legacy default stream is refused there as well (Megatron's dispatcher stalled until the
+    GPU deadline that way), before the backend runs; a caller on a side stream passes."""
+    import types
+
+    from uccl_ep_train.buffer import Buffer
+    from uccl_ep_train.internode import InternodeError, NativeInternodeBackend
+
+    backend = types.SimpleNamespace(_check_stream=True, _drain_after_waits=False, rank=2,
+                                    transport=types.SimpleNamespace(name="loopback"))
+    backend.check_caller_stream = lambda s: NativeInternodeBackend.check_caller_stream(backend, s)
+    ran = []
+
+    class _Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    buf = Buffer.__new__(Buffer)
+    buf.backend, buf.device, buf._comm_stream = backend, torch.device("cuda", 0), _Stream(0x5D1E0001)
+    for caller, refused in ((0, True), (0x5D1E0000, False)):
+        with mock.patch("torch.cuda.current_stream", lambda device=None, h=caller: _Stream(h)), \
+                mock.patch("torch.cuda.stream", lambda s: contextlib.nullcontext()):
+            if refused:
+                with pytest.raises(InternodeError, match=r"rank 2: UCCL_EP_DRAIN_AFTER_WAITS=never .* legacy default"):
+                    buf._run(lambda: ran.append(caller), [], None, False, False)
+            else:
+                buf._run(lambda: ran.append(caller), [], None, False, False)
+    assert ran == [0x5D1E0000]
 
 
 def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning():

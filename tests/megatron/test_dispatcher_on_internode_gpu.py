@@ -24,8 +24,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 
 TOL = 1e-4  # float32 on the GPU: the oracle and the experts sum in different orders
 STEPS = 3
+# Without drains over the loopback the caller must be on a non-default stream (the Buffer refuses the legacy default
+# one: a pageable copy there behind our spinning wait stalled the loopback until the GPU deadline, docs/internode.md,
+# "Drains"): each rank's steps run on a side stream, as a training loop without drains must.
 ENV = {"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_DRAIN_AFTER_WAITS": "never", "UCCL_EP_CPU_TIMEOUT_SECS": "60",
-       "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+       "UCCL_EP_GPU_TIMEOUT_SECS": "60", "UCCL_EP_TEST_SIDE_STREAM": "1"}
 
 
 def _cases():
