@@ -1004,6 +1004,48 @@ def _sync_free_before_counts(rank, world, G):
         nat.destroy()
 
 
+def _laps_of_a_deferred_dispatch(rank, world, G, pause):
+    """A sync-free dispatch that returns before the count read, ``pause`` seconds outside the backend, then the
+    combine that finishes it, with the benchmark's host laps on: (returned early, the laps' total over both calls)."""
+    import time
+
+    from uccl_ep_train.backends import DispatchArgs
+
+    nat, _ = _backends(rank, world, G)
+    try:
+        E, T = 4 * world, 64
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.rand((T, E), generator=g).topk(4, dim=1).indices
+        x = torch.randn((T, 256), generator=g).to(torch.bfloat16)
+
+        def dispatch():
+            tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+            return nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, None,
+                                             num_worst_tokens=T * world))
+
+        r = dispatch()
+        nat.combine(r.recv_x, r.handle, None, None)  # the next uncached dispatch follows a combine
+        nat.host_timing = {}
+        r = dispatch()
+        early = not r.handle.counts_read
+        time.sleep(pause)  # the caller's own work, between the calls
+        nat.combine(r.recv_x, r.handle, None, None)
+        return early, sum(total for total, _ in nat.host_timing.values())
+    finally:
+        nat.destroy()
+
+
+def test_the_host_laps_of_a_dispatch_finished_by_the_next_call_start_in_that_call_not_at_the_last_return():
+    """bench internode's host steps: the host half of a sync-free dispatch that returned before the count read runs at
+    the next call's entry; its laps count from there, so the caller's time between the calls (here 0.5 s) is in no
+    step (it had read as tens of ms of `dispatch.plan` per call on 2x H200)."""
+    out = run_distributed(_laps_of_a_deferred_dispatch, 2, 1, 0.5, timeout=120,
+                          env=dict(ENV, UCCL_EP_DRAIN_AFTER_WAITS="never"))
+    for rank, (early, laps) in enumerate(out):
+        assert early, f"rank {rank}: the dispatch did not return before the count read"
+        assert laps < 0.4, (rank, laps)
+
+
 @pytest.mark.parametrize("world", [2, 4], ids=["2x1", "4x1"])
 def test_a_sync_free_dispatch_without_drains_returns_before_the_count_read_and_the_next_call_finishes_it(world):
     """UCCL_EP_DRAIN_AFTER_WAITS=never with num_worst_tokens, one GPU per node, right after a combine: the dispatch
