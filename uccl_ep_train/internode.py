@@ -644,7 +644,7 @@ class NativeInternodeBackend:
     def _refuse_a_stall_without_drains(self) -> None:
         """check_stream_without_drains at a call's entry; the stream is looked up only where it can matter."""
         if self._check_stream:
-            check_stream_without_drains(self._drain_after_waits, self.transport.name, self._stream(), self.rank)
+            self.check_caller_stream(self._stream())
 
     def _check(self, what: str = "") -> None:
         """Raise InternodeError if a kernel of this rank recorded an error or its proxy failed. The message names

@@ -90,7 +90,6 @@ void bind_internode(py::module_& m) {
   auto k = m.def_submodule("internode", "internode (hierarchical) dispatch/combine: regions, proxy, kernels");
   k.attr("PUSH_COLUMNS") = int(in::kPushColumns);
   k.attr("PACK_PUSH_MAX_ROWS") = int(in::kPackPushMaxRows);
-  k.attr("EXPERT_SUMS_MAX_TOPK") = in::kExpertSumsMaxTopk;
   // the kernel timeline's fields in their column order (TimelineField), and the row width
   k.attr("TIMELINE_FIELDS") = py::make_tuple("start", "rows_in", "first_ready", "first_push", "last_push",
                                              "packers_done", "chunks", "reader_start", "all_in", "reader_end");

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/arrival_gate.hpp"
+#include "kernels/expert_major.hpp"  // kMaxTopk: the top-k of the slots ExpertSums reads
 #include "kernels/timeline.hpp"
 #include "kernels/internode_plan.hpp"  // PackColumn
 #include "kernels/step_failure.hpp"
@@ -72,8 +73,9 @@ struct RecordJob {
   ExpertSums sums;
 };
 
-// The most top-k an ExpertSums record takes (its packer keeps a record's slots in shared memory).
-constexpr int kExpertSumsMaxTopk = 32;
+// The most top-k an ExpertSums record takes: that of the expert-major kernels whose slots it reads (its packer keeps
+// a record's slots in shared memory).
+constexpr int kExpertSumsMaxTopk = expert_major::kMaxTopk;
 
 // A push made before the host knows the counts (docs/internode.md, "Push during notify"): the kernel waits until
 // every rank's count row is in our notify area (signal[slot] >= expected), then adds to each push-table row's remote

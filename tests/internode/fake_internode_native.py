@@ -52,7 +52,6 @@ expert_major_grid = fake_expert_major.whole_gpu_grid
 expert_major_layout = fake_expert_major.layout
 expert_major_copy = fake_expert_major.copy
 expert_major_partials = fake_expert_major.partials
-EXPERT_SUMS_MAX_TOPK = 32
 expert_major_pair_ranks = fake_expert_major.pair_ranks
 expert_major_pad = fake_expert_major.pad
 GATE_COLUMNS = GATE_FIXED_COLUMNS
@@ -841,8 +840,8 @@ class InternodeContext:
         if row_bytes <= 0 or (x | row_bytes | send | own_dst | stride) % 16 or row_bytes > stride:
             raise ValueError("pack_and_push: expert sums need rows of a multiple of 16 bytes within the record, and "
                              "16-byte aligned rows and records")
-        if not 1 <= topk <= EXPERT_SUMS_MAX_TOPK or not slot_of:
-            raise ValueError(f"pack_and_push: expert sums need slot_of and a top-k of 1..{EXPERT_SUMS_MAX_TOPK}, "
+        if not 1 <= topk <= EXPERT_MAJOR_MAX_TOPK or not slot_of:
+            raise ValueError(f"pack_and_push: expert sums need slot_of and a top-k of 1..{EXPERT_MAJOR_MAX_TOPK}, "
                              f"got {topk}")
         if weights and (weights_offset < row_bytes or weights_offset % 4 or weights_offset + 4 * topk > stride):
             raise ValueError("pack_and_push: the expert sums' weights must lie in the record behind the payload")
