@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build with CUDA, run the GPU test suites and the benchmarks, keep logs under $OUT.
 # Usage (on the lent 2xH200 machine, from the repository root): bash scripts/gpu-check.sh [step ...]
-# Steps: kernels moelayer internode bench_dispatch bench_dispatcher bench_sync_free bench_proxy bench_internode
+# Steps: kernels moelayer copy_agent internode bench_dispatch bench_dispatcher bench_sync_free bench_proxy bench_internode
 # bench_dispatch_emulated train
 # (default: all but train, bench_sync_free, bench_internode and bench_dispatch_emulated);
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), profile_internode
@@ -66,6 +66,12 @@ for step in "${steps[@]}"; do
       fi
       unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     moelayer) run moelayer 180 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
+    copy_agent)  # the defaults with a GPU per rank: the loopback's copy agent moves the bytes, no drains, the legacy
+      # default stream (docs/internode.md, "The copy agent"); then Megatron's MoELayer and hooks the same way
+      run copy_agent_internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 \
+        tests/internode/test_internode_gpu.py -k "copy_agent or legacy_default_stream"
+      run copy_agent_megatron 300 python3 -m pytest -q -rf tests/megatron/test_moelayer_gpu.py \
+        tests/megatron/test_dispatcher_on_internode_gpu.py ;;
     internode) run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode \
                  ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
     bench_dispatch) run bench_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --json "$OUT/dispatch.json" ;;

@@ -170,6 +170,7 @@ class ProxyOptions:
     ib_sq_depth: int = DEFAULT_QUEUE_DEPTH
     ib_rq_depth: int = DEFAULT_QUEUE_DEPTH
     dump_trigger: str = ""               # UCCL_EP_PROXY_DUMP_FILE
+    loopback_copy_agent: str = ""        # a copy agent's segment (HostComm starts one: UCCL_EP_LOOPBACK_COPY_AGENT=on)
     transport_reason: str = field(default="", compare=False)  # not passed to the native proxy
 
     def kwargs(self) -> dict[str, Any]:
@@ -248,11 +249,25 @@ class HostComm:
                 kwargs["max_inflight_writes"] >= kwargs["reorder_window"]:
             raise SettingsError(f"the reorder window ({kwargs['reorder_window']}) must exceed the writes in flight "
                                 f"({kwargs['max_inflight_writes']}); raise UCCL_EP_REORDER_WINDOW")
-        self.options = kwargs
         self.rank, self.world = rank, world
         self._closed = False
+        # host memory only: the proxy threads' copies are memcpy, which no CUDA call of the caller can hold, so the
+        # agent runs here only when asked for (tests of its protocol without a GPU)
+        self.copy_agent = None
+        if (kwargs["transport"] == "loopback" and not kwargs["loopback_copy_agent"]
+                and self.settings.emulation.loopback_copy_agent == "on"):
+            from uccl_ep_train.loopback_copy_agent import CopyAgent
+
+            self.copy_agent = CopyAgent(kwargs["num_threads"], -1)
+            kwargs["loopback_copy_agent"] = self.copy_agent.name
+        self.options = kwargs
         self.buffer = _C.HostBuffer(data_bytes)
-        self.proxy = _C.Proxy(self.buffer, **kwargs)
+        try:
+            self.proxy = _C.Proxy(self.buffer, **kwargs)
+        except BaseException:
+            if self.copy_agent is not None:
+                self.copy_agent.close()
+            raise
         self._started = False
 
     # ------------------------------------------------------------------ bootstrap
@@ -352,6 +367,8 @@ class HostComm:
                 print(f"uccl-ep: rank {self.rank}: close: the proxy did not deliver every write: {exc}",
                       file=sys.stderr)
         self.proxy.stop()
+        if self.copy_agent is not None:
+            self.copy_agent.close()
 
     def __enter__(self) -> "HostComm":
         return self

@@ -45,20 +45,20 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     READ_GO, read_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED)
 from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
-                                               shared_gpu_spin_blocks)
+                                               shared_gpu_spin_blocks, use_copy_agent)
 from uccl_ep_train.upload_staging import UploadStaging
 
 
-def drain_after_waits(setting: str) -> bool:
-    """Whether the host waits for its stream after every network wait (UCCL_EP_DRAIN_AFTER_WAITS): ``always``
-    (the default) or ``never``. ``never`` lets the host launch the next steps while a wait spins, the first step to a
-    sync-free call. It stalled on the loopback transport until session 35 found why: a pageable copy (``.cpu()``,
-    ``.item()``, ``.to(cuda)`` of a large tensor) that waits behind a running kernel on the legacy default stream holds
-    every other thread's CUDA copies and launches in the process, and an event creation on any stream, until that
-    kernel ends; the loopback's proxy threads copy the bytes our spinning kernel waits for. With the loopback's events
-    made ahead, ``never`` is correct on a non-default, non-blocking stream (tests: all routings and dtypes, time-sliced
-    and under MPS); on the legacy default stream the loopback refuses it (``check_stream_without_drains``). Over verbs
-    the proxy makes no CUDA call, but nobody has run it on a NIC. docs/internode.md, "Drains"."""
+def drain_after_waits(setting: str, transport: str = "loopback", copy_agent: bool = False) -> bool:
+    """Whether the host waits for its stream after every network wait (UCCL_EP_DRAIN_AFTER_WAITS). ``never`` lets
+    the host launch the next steps while a wait spins, and a sync-free dispatch return before the count read; a
+    caller's CUDA call made meanwhile may then wait for our spinning kernel. That is harmless where the bytes the
+    kernel waits for move beside the process -- over verbs, and over the loopback with its copy agent -- and stalls
+    the loopback whose proxy threads copy: a pageable copy on the legacy default stream, a free or a module load
+    holds the driver locks their copies need (sessions 33-35). ``auto`` (the default) is ``never`` for the former
+    and ``always`` for the latter. docs/internode.md, "Drains" and "The copy agent"."""
+    if setting == "auto":
+        return not (transport == "verbs" or copy_agent)
     return setting == "always"
 
 
@@ -68,17 +68,20 @@ def drain_after_waits(setting: str) -> bool:
 _LEGACY_STREAMS = (0, 1)
 
 
-def check_stream_without_drains(drains: bool, transport: str, stream: int, rank: int) -> None:
+def check_stream_without_drains(drains: bool, transport: str, stream: int, rank: int,
+                                copy_agent: bool = False) -> None:
     """Raise before any launch where a call would stall: without drains (UCCL_EP_DRAIN_AFTER_WAITS=never), over the
-    loopback transport, on the legacy default stream. There any pageable copy of the caller that queues behind our
-    spinning wait would hold the proxies' copies until the GPU deadline (docs/internode.md, "Drains")."""
-    if drains or transport != "loopback" or stream not in _LEGACY_STREAMS:
+    loopback transport whose proxy threads copy (no copy agent), on the legacy default stream. There any pageable
+    copy of the caller that queues behind our spinning wait would hold the proxies' copies until the GPU deadline
+    (docs/internode.md, "Drains")."""
+    if drains or transport != "loopback" or copy_agent or stream not in _LEGACY_STREAMS:
         return
     raise InternodeError(
         f"rank {rank}: UCCL_EP_DRAIN_AFTER_WAITS=never over the loopback transport needs the caller on a non-default "
         f"stream, and this call runs on the legacy default stream: a pageable copy there (.cpu(), .item()) while our "
         f"wait spins would hold the loopback's copies until the GPU deadline. Run the calls under "
-        f"`with torch.cuda.stream(torch.cuda.Stream()):`, or leave UCCL_EP_DRAIN_AFTER_WAITS at always "
+        f"`with torch.cuda.stream(torch.cuda.Stream()):`, let the copy agent move the loopback's bytes "
+        f"(UCCL_EP_LOOPBACK_COPY_AGENT=on), or leave UCCL_EP_DRAIN_AFTER_WAITS at auto or always "
         f"(docs/internode.md, \"Drains\")")
 
 
@@ -362,6 +365,9 @@ class NativeInternodeBackend:
     """The ``Backend`` of uccl_ep_train.backends when the group spans several (possibly emulated) nodes."""
 
     name = "native-internode"
+    #: The process that moves this rank's loopback bytes (loopback_copy_agent.CopyAgent), or None: the proxy threads
+    #: copy (over verbs there is nothing to copy).
+    _copy_agent: Optional[Any] = None
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -411,6 +417,16 @@ class NativeInternodeBackend:
                                                p.num_threads)
                 if hazard:
                     warnings.warn(hazard, RuntimeWarning, stacklevel=2)
+        # who moves the loopback's bytes: a process of our own (the copy agent) or the proxy threads
+        self._copy_agent = None
+        if loopback_on_gpu:
+            gpus: List[Any] = [None] * self.R
+            dist.all_gather_object(gpus, device_pci_address(self.device), group=self._gloo)
+            if use_copy_agent(e.loopback_copy_agent, shares_gpu=gpus.count(gpus[self.rank]) > 1):
+                from uccl_ep_train.loopback_copy_agent import CopyAgent
+
+                # (stopped by destroy(); if this setup raises, by its __del__, or by itself once we are gone)
+                self._copy_agent = CopyAgent(p.num_threads, self.device.index)
         self._cx = self._k.InternodeContext(
             rank=self.rank, world=self.R, device=self.device.index, rdma_bytes=self.rdma_bytes,
             nvl_bytes=self.nvl_bytes, num_threads=p.num_threads, fifos_per_thread=p.fifos_per_thread,
@@ -422,7 +438,8 @@ class NativeInternodeBackend:
             gpu_timeout_secs=float(s.kernel.gpu_timeout_secs), transport=self.transport.name,
             ib_devices=list(self.transport.devices), gid_index=list(self.transport.gid_index),
             sl=-1 if t.ib_sl is None else t.ib_sl, tc=-1 if t.ib_tc is None else t.ib_tc,
-            dump_trigger=p.dump_file or "")
+            dump_trigger=p.dump_file or "",
+            loopback_copy_agent=self._copy_agent.name if self._copy_agent is not None else "")
         infos = [self._cx.proxy_local_info(i) for i in range(p.num_threads)]
         gathered: List[Any] = [None] * self.R
         gpu = device_pci_address(self.device)
@@ -478,12 +495,15 @@ class NativeInternodeBackend:
         self._notify_slot = self._barrier_slot + 1
         self._fixed_tables: dict = {}  # (phase, row bytes) -> device push table that never changes (barrier, notify)
         self._zero_rows: dict = {}  # payload bytes -> zero row (combine: a node without a partial sum adds it)
-        self._drain_after_waits = self.device.type == "cuda" and drain_after_waits(s.kernel.drain_after_waits)
-        # sync-free dispatches return before the count read only where the setting says never (the CPU stand-in,
-        # which never drains, follows the setting too: its tests see the GPU's behaviour)
-        self._sync_free_returns_early = not drain_after_waits(s.kernel.drain_after_waits)
-        # without drains, the loopback's calls must come from a non-default stream (check_stream_without_drains)
-        self._check_stream = self.device.type == "cuda" and not self._drain_after_waits
+        drains = drain_after_waits(s.kernel.drain_after_waits, self.transport.name, self._copy_agent is not None)
+        self._drain_after_waits = self.device.type == "cuda" and drains
+        # sync-free dispatches return before the count read only without drains (the CPU stand-in, which never
+        # drains, follows the setting too: its tests see the GPU's behaviour)
+        self._sync_free_returns_early = not drains
+        # without drains, the loopback's calls must come from a non-default stream unless the copy agent moves its
+        # bytes (check_stream_without_drains)
+        self._check_stream = (self.device.type == "cuda" and not self._drain_after_waits
+                              and self.transport.name == "loopback" and self._copy_agent is None)
         self.gated_arrivals = bool(s.kernel.gated_arrivals)  # docs/internode.md, "Gated arrivals"
         self.skip_dispatch_barrier = bool(s.kernel.skip_dispatch_barrier)
         self.push_head = bool(s.kernel.push_head)
@@ -2613,6 +2633,8 @@ class NativeInternodeBackend:
             print(f"uccl-ep: rank {self.rank}: destroy found an error: {exc}", file=sys.stderr)
         finally:
             self._cx.destroy()
+            if self._copy_agent is not None:  # (after the endpoints, which wait for their copies)
+                self._copy_agent.close()
 
 
 @functools.lru_cache(maxsize=64)

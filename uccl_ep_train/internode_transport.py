@@ -46,6 +46,16 @@ def other_nodes_on_this_gpu(gpu_of_rank: Sequence[Optional[str]], rank: int, ran
     return [r for r, gpu in enumerate(gpu_of_rank) if gpu == mine and r // ranks_per_node != node]
 
 
+def use_copy_agent(setting: str, shares_gpu: bool) -> bool:
+    """Whether a rank's loopback has a copy agent move its bytes (UCCL_EP_LOOPBACK_COPY_AGENT): ``on``, ``off``, or
+    ``auto``: where no other rank shares this rank's GPU. Where ranks share one, the loopback's copies within the
+    GPU are kernels of the driver's (other_nodes_on_this_gpu), and the agent's context would be one more to
+    time-slice with our spinning grids; that case keeps the proxy threads' copies, as tested since session 20."""
+    if setting == "auto":
+        return not shares_gpu
+    return setting == "on"
+
+
 # The share of the GPU's SM count that a spinning grid may take in blocks when ranks of several nodes share a GPU, so
 # the copy kernels of the loopback find whole SMs free. Capping blocks per SM does not do it: a packer block holds
 # 256 threads x 128 registers, half an SM's register file, so 2 blocks per SM already fill every SM

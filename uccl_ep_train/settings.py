@@ -243,12 +243,13 @@ class KernelSettings:
         "UCCL_EP_PINNED_UPLOADS", "internode: small tables (push tables, gates, plans) go to the device from a pinned "
         "area allocated at setup (docs/internode.md, Host cost per call); 0: from pageable memory, as before session "
         "25 (for an A/B)", _bool))
-    drain_after_waits: str = field(default="always", metadata=_meta(
-        "UCCL_EP_DRAIN_AFTER_WAITS", "internode: after every network wait the host waits for its stream (always). "
+    drain_after_waits: str = field(default="auto", metadata=_meta(
+        "UCCL_EP_DRAIN_AFTER_WAITS", "internode: always: after every network wait the host waits for its stream. "
         "never: launch on while the wait spins, and sync-free dispatches (num_worst_tokens) may return before the "
-        "host reads the counts (docs/internode.md, Sync-free dispatch); over the loopback only from a non-default "
-        "stream, where it is tested correct, and refused on the legacy default stream (docs/internode.md, Drains); "
-        "not yet run over verbs on a NIC", _choice("always", "never")))
+        "host reads the counts (docs/internode.md, Sync-free dispatch). auto: never where the proxies make no CUDA "
+        "call after setup (verbs, and the loopback with its copy agent: UCCL_EP_LOOPBACK_COPY_AGENT), always where "
+        "the proxy threads copy (docs/internode.md, Drains). Over the loopback without the agent, never is correct "
+        "only from a non-default stream, and refused on the legacy default stream", _choice("auto", "always", "never")))
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,13 @@ class EmulationSettings:
         "UCCL_EP_LOOPBACK_DELAY_US", "extra delivery delay of each loopback write in microseconds", _int(0)))
     loopback_seed: int = field(default=0, metadata=_meta(
         "UCCL_EP_LOOPBACK_SEED", "seed of the loopback reordering", _int(0)))
+    loopback_copy_agent: str = field(default="auto", metadata=_meta(
+        "UCCL_EP_LOOPBACK_COPY_AGENT", "who moves the loopback's bytes. on: a process of each rank's own, the copy "
+        "agent, as a NIC's DMA engine moves them: nothing the training process does (a free, a module load, a "
+        "pageable copy) can hold a write back, and the proxy threads make no CUDA call after setup "
+        "(docs/internode.md, The copy agent). off: the proxy threads, with CUDA copies in the training process. "
+        "auto: the agent for the internode backend where each rank has a GPU of its own; the proxy threads where "
+        "ranks share a GPU and for host memory (HostComm)", _choice("auto", "on", "off")))
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,7 @@ void bind_internode(py::module_& m) {
                        uint64_t loopback_delay_us, double loopback_bandwidth_gbps, uint64_t loopback_seed,
                        double gpu_timeout_secs, std::string transport, std::vector<std::string> ib_devices,
                        int ib_port, std::variant<int, std::vector<int>> gid_index, int sl, int tc,
-                       std::string dump_trigger) {
+                       std::string dump_trigger, std::string loopback_copy_agent) {
              in::ProxyParams p;
              p.num_threads = num_threads;
              p.fifos_per_thread = fifos_per_thread;
@@ -371,6 +371,7 @@ void bind_internode(py::module_& m) {
              p.loopback_delay_us = loopback_delay_us;
              p.loopback_bandwidth_gbps = loopback_bandwidth_gbps;
              p.loopback_seed = loopback_seed;
+             p.loopback_copy_agent = loopback_copy_agent;
              p.transport = transport;
              p.ib_devices = ib_devices;
              p.ib_port = ib_port;
@@ -391,8 +392,9 @@ void bind_internode(py::module_& m) {
            py::arg("loopback_reorder"), py::arg("loopback_delay_us"), py::arg("loopback_bandwidth_gbps"),
            py::arg("loopback_seed"), py::arg("gpu_timeout_secs"), py::arg("transport") = "loopback",
            py::arg("ib_devices") = std::vector<std::string>{}, py::arg("ib_port") = 1, py::arg("gid_index") = -1,
-           py::arg("sl") = -1, py::arg("tc") = -1, py::arg("dump_trigger") = "",
-           "dump_trigger: UCCL_EP_PROXY_DUMP_FILE. transport: 'loopback' (one host) or 'verbs' (ib_devices: this GPU's RDMA devices; gid_index: one int for "
+           py::arg("sl") = -1, py::arg("tc") = -1, py::arg("dump_trigger") = "", py::arg("loopback_copy_agent") = "",
+           "loopback_copy_agent: a copy agent's segment name (its process moves the loopback's bytes; empty: the proxy "
+           "threads copy). dump_trigger: UCCL_EP_PROXY_DUMP_FILE. transport: 'loopback' (one host) or 'verbs' (ib_devices: this GPU's RDMA devices; gid_index: one int for "
            "every device or a list, -1 chooses; sl / tc: -1 is the NIC family's default)")
       .def_property_readonly("rank", &in::Context::rank)
       .def_property_readonly("world", &in::Context::world)

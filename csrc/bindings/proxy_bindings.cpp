@@ -17,6 +17,7 @@
 #include "proxy/proxy.hpp"
 #include "proxy/selftest.hpp"
 #include "proxy/transport_factory.hpp"
+#include "transport/loopback_copy_agent.hpp"
 #include "bindings/proxy_stats_dict.hpp"
 #include "bindings/wire_log.hpp"
 #include "uccl_ep/command.hpp"
@@ -283,6 +284,30 @@ void bind_host_core(py::module_& m) {
   }, py::arg("depth"), py::arg("producers"), py::arg("per_producer"), py::arg("pause_every") = 0,
      py::arg("timeout_secs") = 60.0);
 
+  // ---- the loopback's copy agent (transport/loopback_copy_agent.hpp)
+  py::class_<CopyAgentSegment, std::shared_ptr<CopyAgentSegment>>(
+      m, "CopyAgentSegment", "the shared memory between a rank's loopback endpoints and its copy agent process")
+      .def_static("create", &CopyAgentSegment::create, py::arg("lanes"), py::arg("device"),
+                  "a segment for `lanes` proxy threads of the rank on `device` (-1: host memory only)")
+      .def_property_readonly("name", &CopyAgentSegment::name)
+      .def_property_readonly("lanes", &CopyAgentSegment::lanes)
+      .def_property_readonly("device", &CopyAgentSegment::device)
+      .def_property_readonly("agent_pid", &CopyAgentSegment::agent_pid)
+      .def_property_readonly("state", [](const CopyAgentSegment& s) {
+        switch (s.state()) {
+          case CopyAgentState::kStarting: return "starting";
+          case CopyAgentState::kReady: return "ready";
+          case CopyAgentState::kClosing: return "closing";
+          case CopyAgentState::kFailed: return "failed";
+        }
+        return "unknown";
+      })
+      .def_property_readonly("agent_message", &CopyAgentSegment::agent_message)
+      .def("request_close", &CopyAgentSegment::request_close);
+  m.def("run_copy_agent", &run_copy_agent, py::arg("name"), py::call_guard<py::gil_scoped_release>(),
+        "the copy agent's loop, in its own process: 0 once closed on request, 1 when the client is gone, 2 when it "
+        "could not start (the segment says why)");
+
   // ---- proxy
   py::class_<PyProxy>(m, "Proxy")
       .def(py::init([](std::shared_ptr<SharedHostMemory> data, int rank, int world, int num_threads,
@@ -291,7 +316,8 @@ void bind_host_core(py::module_& m) {
                        int reorder_window, uint32_t num_signal_slots, std::string transport, int loopback_reorder,
                        uint64_t loopback_delay_us, double loopback_bandwidth_gbps, uint64_t loopback_seed,
                        std::vector<std::string> ib_devices, std::vector<int> ib_gid_index, int ib_port, int ib_sl,
-                       int ib_tc, int ib_sq_depth, int ib_rq_depth, std::string dump_trigger) {
+                       int ib_tc, int ib_sq_depth, int ib_rq_depth, std::string dump_trigger,
+                       std::string loopback_copy_agent) {
              ProxyConfig cfg;
              cfg.rank = rank;
              cfg.world = world;
@@ -312,6 +338,8 @@ void bind_host_core(py::module_& m) {
              spec.loopback.delay_us = loopback_delay_us;
              spec.loopback.bandwidth_gbps = loopback_bandwidth_gbps;
              spec.loopback.seed = loopback_seed;
+             if (transport == "loopback" && !loopback_copy_agent.empty())
+               spec.loopback.copy_agent = CopyAgentSegment::open(loopback_copy_agent);
              spec.verbs.devices = ib_devices;
              spec.verbs.gid_index = ib_gid_index;
              spec.verbs.port = ib_port;
@@ -335,7 +363,9 @@ void bind_host_core(py::module_& m) {
            py::arg("loopback_delay_us") = 0, py::arg("loopback_bandwidth_gbps") = 0.0, py::arg("loopback_seed") = 0,
            py::arg("ib_devices") = std::vector<std::string>{}, py::arg("ib_gid_index") = std::vector<int>{},
            py::arg("ib_port") = 1, py::arg("ib_sl") = -1, py::arg("ib_tc") = -1, py::arg("ib_sq_depth") = 1024,
-           py::arg("ib_rq_depth") = 1024, py::arg("dump_trigger") = "")
+           py::arg("ib_rq_depth") = 1024, py::arg("dump_trigger") = "", py::arg("loopback_copy_agent") = "",
+           "loopback_copy_agent: the segment name of a copy agent (uccl_ep_train.loopback_copy_agent) that moves the "
+           "loopback's bytes in a process of its own; empty: the proxy threads copy")
       .def_property_readonly("num_fifos", [](PyProxy& p) { return p.proxy->num_fifos(); })
       .def_property_readonly("caps", [](PyProxy& p) {
         TransportCaps c = p.proxy->caps();

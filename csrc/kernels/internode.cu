@@ -26,6 +26,7 @@
 #include "proxy/errors.hpp"
 #include "proxy/proxy.hpp"
 #include "proxy/transport_factory.hpp"
+#include "transport/loopback_copy_agent.hpp"
 
 #if defined(UCCL_EP_WITH_CUDA) && !defined(UCCL_EP_HIP)
 #define UCCL_EP_INTERNODE_PROXY 1
@@ -696,6 +697,8 @@ Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nv
     spec.loopback.delay_us = p.loopback_delay_us;
     spec.loopback.bandwidth_gbps = p.loopback_bandwidth_gbps;
     spec.loopback.seed = p.loopback_seed;
+    if (spec.name == "loopback" && !p.loopback_copy_agent.empty())
+      spec.loopback.copy_agent = CopyAgentSegment::open(p.loopback_copy_agent);
     spec.verbs.devices = p.ib_devices;
     spec.verbs.port = p.ib_port;
     spec.verbs.gid_index = p.gid_index;

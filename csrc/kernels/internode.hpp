@@ -118,6 +118,9 @@ struct ProxyParams {
   uint64_t loopback_delay_us = 0;
   double loopback_bandwidth_gbps = 0;  // GB/s of the whole proxy, split over its threads
   uint64_t loopback_seed = 0;
+  // A copy agent's segment (uccl_ep_train/loopback_copy_agent.py): its process moves the loopback's bytes. Empty:
+  // the proxy threads copy.
+  std::string loopback_copy_agent;
   std::string dump_trigger;  // UCCL_EP_PROXY_DUMP_FILE (ProxyConfig::dump_trigger)
   // "loopback" (ranks on one host: shared memory and CUDA IPC) or "verbs" (RDMA NICs). Python decides which
   // (internode.resolve_internode_transport) and which NICs (topology.plan()).

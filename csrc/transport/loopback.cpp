@@ -18,6 +18,7 @@
 
 #include "proxy/errors.hpp"
 #include "proxy/host_memory.hpp"
+#include "transport/loopback_copy_agent.hpp"
 
 #ifdef UCCL_EP_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -56,28 +57,7 @@ uint64_t now_ns() {
                       std::chrono::steady_clock::now().time_since_epoch()).count());
 }
 
-// A process that exited but is not yet reaped is a zombie: kill(pid, 0) still succeeds, so read its state.
-bool process_alive(int pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  if (!f) return true;  // no procfs: trust kill()
-  std::string line;
-  std::getline(f, line);
-  const size_t p = line.rfind(')');
-  if (p == std::string::npos || p + 2 >= line.size()) return true;
-  const char st = line[p + 2];
-  if (st == 'Z' || st == 'X') return false;
-  // A process inside exit() (PF_EXITING in the flags, field 9 of stat) never writes again, but it can stay in that
-  // state for long: a CUDA process's exit tears its contexts down in the driver, which may wait for GPU work. Count it
-  // as dead now, so the survivors abort their waits instead of sitting out the GPU deadline.
-  std::istringstream rest(line.substr(p + 2));
-  std::string field;
-  unsigned long long flags = 0;
-  for (int i = 3; i <= 9 && (rest >> field); ++i)
-    if (i == 9) flags = std::strtoull(field.c_str(), nullptr, 10);
-  constexpr unsigned long long kPfExiting = 0x00000004ull;
-  return (flags & kPfExiting) == 0;
-}
+bool process_alive(int pid) { return loopback_process_alive(pid); }
 
 struct Writer {
   std::vector<uint8_t> b;
@@ -117,6 +97,7 @@ struct LocalRegion {
   std::string shm_name;  // host memory
   size_t shm_offset = 0, shm_bytes = 0;
   std::vector<uint8_t> ipc;  // device memory: CUDA IPC handle
+  int slot = -1;             // the copy agent's name for it
 };
 
 struct RemoteRegion {
@@ -126,6 +107,7 @@ struct RemoteRegion {
   void* map_base = nullptr;  // to unmap
   size_t map_bytes = 0;
   bool ipc_opened = false;
+  int slot = -1;  // the copy agent's name for it
 };
 
 struct Peer {
@@ -163,6 +145,7 @@ class LoopbackTransport final : public Transport {
     h->state.store(kStateRunning, std::memory_order_release);
     header_ = h;
     in_order_ = o.reorder <= 1;
+    if (o.copy_agent) lane_ = std::make_unique<CopyAgentLane>(o.copy_agent, o.thread_index);
     if (o.bandwidth_gbps > 0) {
       ns_per_byte_ = 1.0 / o.bandwidth_gbps;  // GB/s == bytes/ns
       if (!o_.wire) o_.wire = std::make_shared<LoopbackWire>();  // a wire of its own
@@ -171,6 +154,12 @@ class LoopbackTransport final : public Transport {
 
   ~LoopbackTransport() override {
     header_->state.store(kStateClosed, std::memory_order_release);
+    if (lane_) {  // the agent's copies write through its mappings, not ours: wait for them before peers unmap
+      const uint64_t deadline = now_ns() + kDrainDeadlineNs;
+      while (lane_->landed() < lane_->posted() && lane_->failure(lane_->posted()).empty() && now_ns() < deadline)
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      lane_.reset();
+    }
     // Device copies still running would write through the mappings closed below: wait for them, with a deadline
     // (a copy engine that never finishes means a wedged GPU; then leak the mappings rather than hang the process).
     bool drained = true;
@@ -240,7 +229,7 @@ class LoopbackTransport final : public Transport {
         throw ProxyError("loopback: device regions on two devices (" + std::to_string(device_) + ", " +
                          std::to_string(a.device) + ") in one endpoint; use one endpoint per GPU");
       device_ = a.device;
-      prepare_device_copies();
+      if (!lane_) prepare_device_copies();  // (with the copy agent this process makes no copy)
 #else
       throw ProxyError("loopback: device memory registration needs a build with CUDA (UCCL_EP_WITH_GPU=CUDA)");
 #endif
@@ -310,6 +299,8 @@ class LoopbackTransport final : public Transport {
           rr.base = static_cast<char*>(rr.map_base) + off;
         } else if (r == o_.rank) {
           rr.base = static_cast<char*>(regions_.at(i).r.base);
+        } else if (lane_) {
+          // (the agent maps it; we address it by slot and offset)
         } else {
 #ifdef UCCL_EP_WITH_CUDA
           cudaIpcMemHandle_t h;
@@ -324,8 +315,15 @@ class LoopbackTransport final : public Transport {
           throw ProxyError("loopback: rank " + std::to_string(r) + " registered device memory; this build has no CUDA");
 #endif
         }
+        if (lane_)
+          rr.slot = rr.kind == MemoryKind::kHost ? o_.copy_agent->host_slot(name, off, obj, rr.bytes)
+                                                 : o_.copy_agent->device_slot(ipc, rr.bytes);
         p.regions.push_back(rr);
       }
+    }
+    if (lane_) {
+      for (size_t i = 0; i < regions_.size(); ++i) regions_[i].slot = peers_[o_.rank].regions.at(i).slot;
+      wait_for_agent_mappings();
     }
     connected_ = true;
   }
@@ -363,7 +361,7 @@ class LoopbackTransport final : public Transport {
   size_t poll(std::vector<Completion>& out, size_t max) override {
     if (!connected_) return 0;
 #ifdef UCCL_EP_WITH_CUDA
-    (void)bind_thread();  // first poll of the proxy thread, before any post; a failure shows at the first post
+    if (!lane_) (void)bind_thread();  // first poll of the proxy thread, before any post; a failure shows at the first post
 #endif
     const size_t start = out.size();
     const uint64_t now = now_ns();
@@ -408,7 +406,8 @@ class LoopbackTransport final : public Transport {
         << (f.copying() ? ", its copy still running" : "") << (f.error.empty() ? "" : ", failed: " + f.error) << ")";
     }
     if (ring_full_) m << "; a receiver's immediate ring was full at the last completion";
-    m << "; totals: " << runs_ << " copies for " << writes_in_runs_ << " writes; " << copies_ << " device copies, "
+    if (lane_) m << "; " << lane_->describe();
+    m << "; totals: " << runs_ << " copies for " << writes_in_runs_ << " writes; " << copies_ << (lane_ ? " agent copies, " : " device copies, ")
       << copy_ns_ / 1000 << " us copying (longest " << max_copy_ns_ / 1000 << " us)";
 #ifdef UCCL_EP_WITH_CUDA
     if (device_ >= 0)  // none free: posts are refused until a copy is seen finished
@@ -422,7 +421,8 @@ class LoopbackTransport final : public Transport {
   static constexpr uint64_t kLivenessPeriodNs = 5'000'000;
   static constexpr uint64_t kCopyDeadlineNs = 300'000'000'000ull;  // one device copy: a wedged GPU, not a slow one
   static constexpr uint64_t kDrainDeadlineNs = 10'000'000'000ull;  // copies still running when the endpoint closes
-  static constexpr uint64_t kReorderHoldNs = 50'000;  // a due write waits at most this long for others to shuffle with
+  static constexpr uint64_t kReorderHoldNs = 50'000;
+  static constexpr uint64_t kAgentMapDeadlineNs = 60'000'000'000ull;  // the agent opening the group's regions  // a due write waits at most this long for others to shuffle with
 
   // A posted operation. Its bytes start moving at post (host: memcpy at once; device: an async copy on our stream),
   // as a NIC starts DMA at once; what the emulation delays is the *completion*: the immediate (and the local
@@ -435,12 +435,13 @@ class LoopbackTransport final : public Transport {
     uint64_t deliver_at = 0;
     uint64_t started_ns = 0;
     std::string error;  // set: complete with this error (nothing was copied)
+    uint64_t ticket = 0;  // its copy run's ticket with the copy agent, until seen landed
+    bool owns_event = false;  // the last write of its copy run: counts the copy (and gives its event back)
 #ifdef UCCL_EP_WITH_CUDA
     cudaEvent_t event = nullptr;  // device copy not yet seen finished
-    bool owns_event = false;      // the last write of its copy run: gives the event back once it is seen finished
-    bool copying() const { return event != nullptr; }
+    bool copying() const { return event != nullptr || ticket != 0; }
 #else
-    bool copying() const { return false; }
+    bool copying() const { return ticket != 0; }
 #endif
   };
 
@@ -477,15 +478,14 @@ class LoopbackTransport final : public Transport {
   // of the emulation -- a NIC streams a chain of writes -- so it is not charged per write. Each write still
   // completes on its own, and none before the whole copy landed.
   struct CopyRun {
-    char* to = nullptr;
-    const char* from = nullptr;
+    uintptr_t to = 0, from = 0;  // pointers here; with the copy agent, offsets in the regions' slots
     uint64_t bytes = 0;
     int dst = -1, local_region = -1, remote_region = -1;
     bool host = false;         // host to host: a memcpy at the flush
     size_t first = 0, count = 0;  // the writes: posted_[first, first + count)
   };
 
-  void add_to_run(size_t index, char* to, const char* from, bool host) {
+  void add_to_run(size_t index, uintptr_t to, uintptr_t from, bool host) {
     const WriteRequest& w = posted_[index].w;
     const bool continues = run_.count && run_.dst == w.dst_rank && run_.local_region == w.local_region &&
                            run_.remote_region == w.remote_region && run_.host == host &&
@@ -502,6 +502,7 @@ class LoopbackTransport final : public Transport {
   // Whether a write may be accepted now: it may open a copy run, which takes an event at its flush, beside the run
   // still open (host-only endpoints: always).
   bool event_left_for_a_new_run() const {
+    if (lane_) return lane_->has_room(run_.count ? 2 : 1);
 #ifdef UCCL_EP_WITH_CUDA
     return device_ < 0 || free_events_.size() > (run_.count ? 1u : 0u);
 #else
@@ -513,14 +514,20 @@ class LoopbackTransport final : public Transport {
   void flush_run() {
     if (!run_.count) return;
     std::string err;
+    uint64_t ticket = 0;
 #ifdef UCCL_EP_WITH_CUDA
     cudaEvent_t ev = nullptr;
 #endif
-    if (run_.host) {
-      std::memcpy(run_.to, run_.from, run_.bytes);
+    if (lane_) {
+      ticket = lane_->post(regions_[run_.local_region].slot, run_.from,
+                           peers_[run_.dst].regions[run_.remote_region].slot, run_.to, run_.bytes);
+      if (!ticket) err = "the copy agent's lane is full (post_writes accepts a write only while it has room)";
+    } else if (run_.host) {
+      std::memcpy(reinterpret_cast<char*>(run_.to), reinterpret_cast<const char*>(run_.from), run_.bytes);
     } else {
 #ifdef UCCL_EP_WITH_CUDA
-      err = start_device_copy(run_.to, run_.from, run_.bytes, &ev);
+      err = start_device_copy(reinterpret_cast<char*>(run_.to), reinterpret_cast<const char*>(run_.from), run_.bytes,
+                              &ev);
 #else
       err = "device memory needs a build with CUDA";
 #endif
@@ -531,15 +538,17 @@ class LoopbackTransport final : public Transport {
         op.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(run_.dst) + ": " + err;
         continue;
       }
+      op.ticket = ticket;
+      op.owns_event = i + 1 == run_.first + run_.count;
 #ifdef UCCL_EP_WITH_CUDA
       op.event = ev;
-      op.owns_event = i + 1 == run_.first + run_.count;
 #endif
     }
     ++runs_;
     writes_in_runs_ += run_.count;
     run_ = CopyRun{};
   }
+
 
   // Validate, then queue the bytes' copy (flush_run starts it). A failure is kept in the op and reported as its
   // completion. `index`: the op's place in posted_.
@@ -577,9 +586,11 @@ class LoopbackTransport final : public Transport {
       return fail("remote range [" + std::to_string(w.remote_offset) + ", +" + std::to_string(w.bytes) +
                   ") exceeds region " + std::to_string(w.remote_region) + " of " + std::to_string(rr.bytes) +
                   " bytes");
-    char* to = rr.base + w.remote_offset;
-    const char* from = static_cast<const char*>(lr.r.base) + w.local_offset;
-    add_to_run(index, to, from, is_host(rr.kind) && is_host(lr.r.kind));
+    if (lane_)  // (the agent knows the regions by slot: a run is contiguous in offsets)
+      return add_to_run(index, w.remote_offset, w.local_offset, false);
+    add_to_run(index, reinterpret_cast<uintptr_t>(rr.base + w.remote_offset),
+               reinterpret_cast<uintptr_t>(static_cast<const char*>(lr.r.base) + w.local_offset),
+               is_host(rr.kind) && is_host(lr.r.kind));
   }
 
 #ifdef UCCL_EP_WITH_CUDA
@@ -646,6 +657,7 @@ class LoopbackTransport final : public Transport {
 
   // Has the op's device copy finished? false while it runs; on failure or past the copy deadline sets op.error.
   bool landed(Op& op, uint64_t now) {
+    if (op.ticket) return landed_by_agent(op, now);
 #ifdef UCCL_EP_WITH_CUDA
     if (!op.event) return true;
     const cudaError_t q = cudaEventQuery(op.event);
@@ -675,6 +687,44 @@ class LoopbackTransport final : public Transport {
     (void)now;
 #endif
     return true;
+  }
+
+  // landed() for a copy the agent makes: its lane's landed count reaches the run's ticket (no CUDA call here).
+  bool landed_by_agent(Op& op, uint64_t now) {
+    if (lane_->landed() >= op.ticket) {
+      if (op.owns_event) {
+        ++copies_;
+        copy_ns_ += now - op.started_ns;
+        max_copy_ns_ = std::max(max_copy_ns_, now - op.started_ns);
+      }
+      op.ticket = 0;
+      return true;
+    }
+    std::string why = lane_->failure(op.ticket);
+    if (why.empty() && now - op.started_ns > kCopyDeadlineNs)
+      why = "a " + std::to_string(op.w.bytes) + "-byte copy did not land within " +
+            std::to_string(kCopyDeadlineNs / 1000000000ull) + " s (" + lane_->describe() + ")";
+    if (why.empty()) return false;
+    op.error = "loopback rank " + std::to_string(o_.rank) + " -> rank " + std::to_string(op.w.dst_rank) + ": " + why;
+    op.ticket = 0;
+    return true;
+  }
+
+  // connect(): the agent maps each region as it is added; a copy it cannot resolve would fail later, so wait here,
+  // while the regions' names still exist, and raise what went wrong.
+  void wait_for_agent_mappings() {
+    std::vector<int> slots;
+    for (const Peer& p : peers_)
+      for (const RemoteRegion& rr : p.regions) slots.push_back(rr.slot);
+    const uint64_t deadline = now_ns() + kAgentMapDeadlineNs;
+    while (!o_.copy_agent->slots_mapped(slots)) {
+      std::string why = lane_->failure(~0ull);
+      if (why.empty() && now_ns() > deadline)
+        why = "did not map this endpoint's " + std::to_string(slots.size()) + " regions within " +
+              std::to_string(kAgentMapDeadlineNs / 1000000000ull) + " s (" + lane_->describe() + ")";
+      if (!why.empty()) throw ProxyError("loopback rank " + std::to_string(o_.rank) + ": copy agent: " + why);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
   }
 
   // A write that is not due yet (NIC cap or delay) is not asked about: every cudaEventQuery takes the driver's lock,
@@ -756,6 +806,7 @@ class LoopbackTransport final : public Transport {
   uint64_t runs_ = 0, writes_in_runs_ = 0;  // copies started, and the writes they carried
   uint64_t copies_ = 0, copy_ns_ = 0, max_copy_ns_ = 0;  // finished device copies (for debug_state)
   int device_ = -1;                 // owner of our registered device memory (-1: none)
+  std::unique_ptr<CopyAgentLane> lane_;  // with a copy agent: where our copies go
 #ifdef UCCL_EP_WITH_CUDA
   // Copy runs in flight at once (an event each): the proxy's in-flight caps are far below it by default
   // (UCCL_IB_MAX_INFLIGHT_NORMAL); above it, posts are refused until a copy is seen finished.

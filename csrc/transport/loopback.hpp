@@ -15,6 +15,8 @@
 
 namespace uccl_ep {
 
+class CopyAgentSegment;
+
 // A stretch of time the emulated wire was busy without a pause: [start_ns, end_ns) on the steady clock
 // (CLOCK_MONOTONIC, as the proxies' and Python's time.monotonic_ns), and what crossed it.
 struct WireRun {
@@ -61,6 +63,10 @@ struct LoopbackOptions {
   std::shared_ptr<LoopbackWire> wire;
   uint64_t seed = 0;
   uint32_t ring_capacity = 4096;  // immediates buffered per (receiver endpoint, sender rank)
+  // When set, every write's bytes are moved by the copy agent of this segment (another process: see
+  // loopback_copy_agent.hpp), on lane thread_index, and the endpoint makes no CUDA call after connect().
+  // Unset: this process copies (cudaMemcpyAsync on the proxy thread; memcpy for host memory).
+  std::shared_ptr<CopyAgentSegment> copy_agent;
 };
 
 std::unique_ptr<Transport> make_loopback_transport(const LoopbackOptions& options);

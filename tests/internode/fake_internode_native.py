@@ -79,7 +79,7 @@ _SHM, _PREFIX = "/dev/shm", "uccl-ep-fake-internode"
 _CTOR_ARGS = ("rank world device rdma_bytes nvl_bytes num_threads fifos_per_thread fifo_depth cpus idle_backoff_us "
               "timeout_secs max_inflight_writes max_inflight_bytes reorder_window num_signal_slots loopback_reorder "
               "loopback_delay_us loopback_bandwidth_gbps loopback_seed gpu_timeout_secs").split()
-_CTOR_OPTIONAL = {"transport", "ib_devices", "ib_port", "gid_index", "sl", "tc", "dump_trigger"}
+_CTOR_OPTIONAL = {"transport", "ib_devices", "ib_port", "gid_index", "sl", "tc", "dump_trigger", "loopback_copy_agent"}
 _unlink_later: List[str] = []  # RDMA/counter files of this process: unlink_shared_host_memory_names() removes them
 
 

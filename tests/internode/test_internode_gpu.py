@@ -69,7 +69,8 @@ def _cases(rank, world, G, cases, iters, H=256):
     nat, ref, dev = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, dev, rank, world, cases, iters, H=H)
-        return done, dict(nat.proxy_stats(), drain_after_waits=nat._drain_after_waits)
+        return done, dict(nat.proxy_stats(), drain_after_waits=nat._drain_after_waits,
+                          copy_agent=nat._copy_agent is not None)
     finally:
         nat.destroy()
 
@@ -165,29 +166,94 @@ def test_on_gpus_an_expert_major_combine_equals_the_reference_whether_its_pack_s
         assert sums == (packs if G == 1 and in_pack == "1" else 0) and (packs > 0) == (G == 1), (sums, packs)
 
 
-@pytest.mark.parametrize("which", ["every", "expert-major-reader"])
-def test_without_drains_every_output_matches_when_the_caller_runs_on_a_non_default_stream(which):
-    """UCCL_EP_DRAIN_AFTER_WAITS=never: the host launches on while a network wait spins, and the test's own reads
-    (pageable .cpu() copies, uploads) follow at once. Over the loopback that is correct only off the legacy default
-    stream: there, a pageable copy that waits behind a running kernel holds every other thread's copies and launches
-    in the process, the loopback proxy's included, until that kernel (our wait) gives up (docs/internode.md,
-    "Drains"). On a non-blocking stream, with the loopback's events made ahead, every output equals the reference:
-    all routings and dtypes, and expert-major receives read by the gated reader from a reordering transport."""
-    _need(2)
-    # (tests.distributed puts each rank on a side stream; on the legacy stream the backend would refuse the calls)
-    env = {"UCCL_EP_TEST_SIDE_STREAM": "1", "UCCL_EP_DRAIN_AFTER_WAITS": "never", "CUDA_MODULE_LOADING": "EAGER",
-           "CUDA_DEVICE_MAX_CONNECTIONS": "32", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+def _every_output_without_drains(which, env, copy_agent):
+    """Every case against the reference on 2 GPUs without drains: all routings and dtypes ("every"), or expert-major
+    receives read by the gated reader from a reordering transport with a 16 KiB in-flight cap; ``copy_agent``: whether
+    a copy agent must have moved the loopback's bytes."""
     if which == "every":
         out = run_distributed(_cases, 2, 1, ALL, 1, timeout=420, env=env)
         for done, stats in out:
             assert done == len(ALL), done
-            assert stats["drain_after_waits"] is False, "UCCL_EP_DRAIN_AFTER_WAITS=never did not reach the backend"
+            assert stats["drain_after_waits"] is False, "the backend drained after its waits"
+            assert stats["copy_agent"] is copy_agent, stats
     else:
-        env.update(UCCL_EP_EXPERT_MAJOR_IN_READER="always", UCCL_EP_LOOPBACK_REORDER="8",
+        env = dict(env, UCCL_EP_EXPERT_MAJOR_IN_READER="always", UCCL_EP_LOOPBACK_REORDER="8",
                    UCCL_IB_MAX_INFLIGHT_BYTES="16384", UCCL_EP_LOOPBACK_SEED="3")
         out = run_distributed(_expert_major_cases, 2, 1, EXPERT_MAJOR_CASES, timeout=420, env=env)
         for done, *_ in out:
             assert done == len(EXPERT_MAJOR_CASES), done
+
+
+@pytest.mark.parametrize("which", ["every", "expert-major-reader"])
+def test_without_drains_every_output_matches_when_the_caller_runs_on_a_non_default_stream(which):
+    """UCCL_EP_DRAIN_AFTER_WAITS=never with the proxy threads copying (no copy agent): the host launches on while a
+    network wait spins, and the test's own reads (pageable .cpu() copies, uploads) follow at once. Over the loopback
+    that is correct only off the legacy default stream: there, a pageable copy that waits behind a running kernel
+    holds every other thread's copies and launches in the process, the loopback proxy's included, until that kernel
+    (our wait) gives up (docs/internode.md, "Drains"). On a non-blocking stream, with the loopback's events made
+    ahead, every output equals the reference."""
+    _need(2)
+    # (tests.distributed puts each rank on a side stream; on the legacy stream the backend would refuse the calls)
+    _every_output_without_drains(which, {
+        "UCCL_EP_TEST_SIDE_STREAM": "1", "UCCL_EP_DRAIN_AFTER_WAITS": "never", "CUDA_MODULE_LOADING": "EAGER",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "32", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60",
+        "UCCL_EP_LOOPBACK_COPY_AGENT": "off"}, copy_agent=False)
+
+
+@pytest.mark.parametrize("which", ["every", "expert-major-reader"])
+def test_with_the_copy_agent_every_output_matches_without_drains_on_the_legacy_default_stream(which):
+    """The defaults with a GPU per rank: a copy agent process moves the loopback's bytes, so the host does not drain
+    (UCCL_EP_DRAIN_AFTER_WAITS=auto), on torch's legacy default stream, with lazy module loading and CUDA's default
+    queues -- where the proxy threads' own copies stalled until the GPU deadline (the test's pageable reads, and the
+    first launches of torch's kernels, behind our spinning waits: docs/internode.md, "Drains"). Every output equals
+    the reference."""
+    _need(2)
+    _every_output_without_drains(which, {"UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"},
+                                 copy_agent=True)
+
+
+def _frees_and_reads_while_our_waits_spin(rank, world, G, rounds=4):
+    from uccl_ep_train.backends import DispatchArgs
+
+    nat, ref, dev = _backends(rank, world, G)
+    try:
+        assert torch.cuda.current_stream(dev).cuda_stream == 0  # the legacy default stream
+        g = torch.Generator().manual_seed(17 + rank)
+        T, K, E, H = 512, 4, 4 * world, 2048
+        for it in range(rounds):
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+            x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+            outs = []
+            for b, d in ((ref, torch.device("cpu")), (nat, dev)):
+                tpr, tpn, tpe, itr = b.get_dispatch_layout(idx.to(d), E)
+                r = b.dispatch(DispatchArgs(x.to(d), None, None, tpr, tpn, itr, tpe, idx.to(d), None))
+                if b is nat:  # while our reader may still spin: free cached memory (cudaFree), read a result
+                    junk = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+                    del junk
+                    torch.cuda.empty_cache()
+                    float(r.recv_x[:1].float().sum())  # a pageable read on the legacy stream, behind our reader
+                y = (r.recv_x.float() * (1.0 + rank)).to(torch.bfloat16)
+                cx, _ = b.combine(y, r.handle, None, None)
+                if b is nat:
+                    torch.cuda.empty_cache()
+                outs.append((r.recv_x.cpu(), cx.cpu()))
+            assert torch.equal(outs[0][0], outs[1][0]), f"rank {rank} round {it}: recv_x"
+            assert torch.equal(outs[0][1], outs[1][1]), f"rank {rank} round {it}: combined_x"
+        return rounds, nat._copy_agent is not None, nat._drain_after_waits
+    finally:
+        nat.destroy()
+
+
+def test_with_the_copy_agent_a_caller_that_frees_memory_and_reads_while_our_waits_spin_gets_every_output():
+    """What held the proxy threads' copies in sessions 33-35, done on purpose by both ranks right after each call
+    returns (no drains, the defaults with a GPU per rank): cudaFree through torch.cuda.empty_cache() and a pageable
+    read on the legacy default stream while our reader spins, over a slow wire so that it spins long. The copy agent
+    copies in another process, so the calls finish and equal the reference."""
+    _need(2)
+    env = {"UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "30", "UCCL_EP_LOOPBACK_BW_GBPS": "1"}
+    out = run_distributed(_frees_and_reads_while_our_waits_spin, 2, 1, timeout=300, env=env)
+    for rank, (rounds, agent, drains) in enumerate(out):
+        assert rounds == 4 and agent and drains is False, (rank, rounds, agent, drains)
 
 
 def _sync_free_before_counts(rank, world, G):
@@ -238,11 +304,13 @@ def _never_on_the_default_stream(rank, world, G):
 
 
 def test_without_drains_a_loopback_call_on_the_legacy_default_stream_raises_before_any_launch():
-    """UCCL_EP_DRAIN_AFTER_WAITS=never, called on torch's default stream over the loopback: dispatch raises at its
-    entry, naming the rank and the fix, and no command of it reached the proxies (nothing was launched)."""
+    """UCCL_EP_DRAIN_AFTER_WAITS=never, called on torch's default stream over a loopback whose proxy threads copy (no
+    copy agent): dispatch raises at its entry, naming the rank and the fix, and no command of it reached the proxies
+    (nothing was launched)."""
     _need(2)
     out = run_distributed(_never_on_the_default_stream, 2, 1, timeout=240,
-                          env={"UCCL_EP_DRAIN_AFTER_WAITS": "never", "UCCL_EP_CPU_TIMEOUT_SECS": "30"})
+                          env={"UCCL_EP_DRAIN_AFTER_WAITS": "never", "UCCL_EP_CPU_TIMEOUT_SECS": "30",
+                               "UCCL_EP_LOOPBACK_COPY_AGENT": "off"})
     for rank, (err, commands) in enumerate(out):
         assert err is not None and f"rank {rank}: UCCL_EP_DRAIN_AFTER_WAITS=never" in err, err
         assert "torch.cuda.stream" in err, err

@@ -162,14 +162,31 @@ def test_the_nic_follows_the_gpus_pci_address_when_cuda_visible_devices_renumber
     assert "0000:26:00.0" in missing.problem
 
 
-def test_the_host_drains_after_every_network_wait_unless_told_never():
+def test_by_default_the_host_drains_after_network_waits_only_where_the_proxy_threads_copy():
+    """auto (the default) drains where the loopback's proxy threads make the copies our waits need, and launches on
+    where the bytes move beside the process: verbs, or the loopback's copy agent. always and never are as said."""
     from uccl_ep_train.internode import drain_after_waits
     from uccl_ep_train.settings import SettingsError, load_settings
 
-    assert load_settings({}).kernel.drain_after_waits == "always"
-    assert drain_after_waits("always") and not drain_after_waits("never")
+    assert load_settings({}).kernel.drain_after_waits == "auto"
+    assert drain_after_waits("auto", "loopback", copy_agent=False)
+    assert not drain_after_waits("auto", "loopback", copy_agent=True)
+    assert not drain_after_waits("auto", "verbs")
+    for transport, agent in (("loopback", False), ("loopback", True), ("verbs", False)):
+        assert drain_after_waits("always", transport, agent) and not drain_after_waits("never", transport, agent)
     with pytest.raises(SettingsError, match="UCCL_EP_DRAIN_AFTER_WAITS"):
-        load_settings({"UCCL_EP_DRAIN_AFTER_WAITS": "auto"})  # the old lazy-loading rule is gone: say so, loudly
+        load_settings({"UCCL_EP_DRAIN_AFTER_WAITS": "sometimes"})
+
+
+def test_the_internode_loopback_takes_a_copy_agent_by_default_only_where_each_rank_has_a_gpu_of_its_own():
+    from uccl_ep_train.internode_transport import use_copy_agent
+    from uccl_ep_train.settings import SettingsError, load_settings
+
+    assert load_settings({}).emulation.loopback_copy_agent == "auto"
+    assert use_copy_agent("auto", shares_gpu=False) and not use_copy_agent("auto", shares_gpu=True)
+    assert use_copy_agent("on", shares_gpu=True) and not use_copy_agent("off", shares_gpu=False)
+    with pytest.raises(SettingsError, match="UCCL_EP_LOOPBACK_COPY_AGENT"):
+        load_settings({"UCCL_EP_LOOPBACK_COPY_AGENT": "yes"})
 
 
 def test_without_drains_the_loopback_refuses_calls_on_the_legacy_default_stream_and_allows_side_streams():
@@ -185,6 +202,7 @@ def test_without_drains_the_loopback_refuses_calls_on_the_legacy_default_stream_
     check_stream_without_drains(False, "loopback", side, 3)  # a torch pool stream: non-blocking
     check_stream_without_drains(False, "verbs", 0, 3)  # the verbs proxy makes no CUDA call
     check_stream_without_drains(True, "loopback", 0, 3)  # drains: the host is in our drain while the wait spins
+    check_stream_without_drains(False, "loopback", 0, 3, copy_agent=True)  # the agent's copies take no lock of ours
 
 
 def test_a_buffer_on_its_comm_stream_has_the_backend_check_the_callers_stream_too():

@@ -1,6 +1,7 @@
 """UCCLTokenDispatcher's six hooks on the native internode backend on GPUs, without drains, over training steps.
 
-2 emulated nodes x 1 rank (UCCL_EP_RANKS_PER_NODE=1) with UCCL_EP_DRAIN_AFTER_WAITS=never. In sync-free mode, from
+2 emulated nodes x 1 rank (UCCL_EP_RANKS_PER_NODE=1), without drains (the default there: a copy agent moves the
+loopback's bytes). In sync-free mode, from
 the second step on, each step's forward dispatch follows the previous step's last combine (the backward of a
 dispatch) and returns before the host reads the counts (docs/internode.md, "Sync-free dispatch: returning before the
 count read"); the combine after it reads them. Every step's output and gradients must equal the communication-free
@@ -24,11 +25,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 
 TOL = 1e-4  # float32 on the GPU: the oracle and the experts sum in different orders
 STEPS = 3
-# Without drains over the loopback the caller must be on a non-default stream (the Buffer refuses the legacy default
-# one: a pageable copy there behind our spinning wait stalled the loopback until the GPU deadline, docs/internode.md,
-# "Drains"): each rank's steps run on a side stream, as a training loop without drains must.
-ENV = {"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_DRAIN_AFTER_WAITS": "never", "UCCL_EP_CPU_TIMEOUT_SECS": "60",
-       "UCCL_EP_GPU_TIMEOUT_SECS": "60", "UCCL_EP_TEST_SIDE_STREAM": "1"}
+# The defaults with a GPU per rank: a copy agent moves the loopback's bytes, so the host does not drain, and the steps
+# run on the legacy default stream as Megatron's do (without the agent the Buffer refuses that caller: a pageable copy
+# there behind our spinning wait stalled the proxy threads' copies; docs/internode.md, "Drains", "The copy agent").
+ENV = {"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
 
 
 def _cases():

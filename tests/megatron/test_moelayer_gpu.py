@@ -49,16 +49,15 @@ def test_moelayer_with_uccl_matches_alltoall_outputs_and_gradients_in_bf16(group
 
 def test_moelayer_in_sync_free_mode_without_drains_matches_alltoall_over_training_steps():
     # 2 emulated nodes x 1: from the second step on each forward dispatch returns before the host reads the counts,
-    # and SequentialMLP takes the fixed-size rows (padding counted in the last expert). On a side stream: without
-    # drains the Buffer refuses a caller on the legacy default stream (docs/internode.md, "Drains")
+    # and SequentialMLP takes the fixed-size rows (padding counted in the last expert). The defaults: a copy agent
+    # moves the loopback's bytes, so no drains, on the legacy default stream (docs/internode.md, "The copy agent")
     steps = 3
     results = run_distributed(functools.partial(hook_cases.moelayer_case, ep=2, num_experts=8, topk=2, tokens=256,
                                                 hidden=256, reference="alltoall", device="cuda", bf16=True,
                                                 steps=steps, uccl_env={"UCCL_EP_SYNC_FREE": "1"}),
                               2, backend="nccl", timeout=300,
                               env={"UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60",
-                                   "UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_DRAIN_AFTER_WAITS": "never",
-                                   "UCCL_EP_TEST_SIDE_STREAM": "1"})
+                                   "UCCL_EP_RANKS_PER_NODE": "1"})
     for rank, r in enumerate(results):
         assert r["uccl_backend"] == ["native-internode"], (rank, r["uccl_backend"])
         assert r["out_rel"] < BF16_REL and r["grad_x_rel"] < BF16_REL and r["grad_params_rel"] < BF16_REL, (rank, r)

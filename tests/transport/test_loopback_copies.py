@@ -1,6 +1,8 @@
 """The loopback transport moves the adjacent writes of one post as one copy, and still completes each write on its
 own: every byte lands where its write said, and every signal is counted (host memory here; the device copies take the
-same path, through one cudaMemcpyAsync and one event, on the GPU machine)."""
+same path, through one cudaMemcpyAsync and one event, on the GPU machine), whether the proxy thread copies or a copy
+agent process does."""
+import os
 import re
 
 import numpy as np
@@ -17,10 +19,12 @@ DATA = 1 << 16
 HALF = DATA // 2
 
 
-def _unstarted(**kw):
+def _unstarted(copier="proxy", **kw):
     """One rank writing to itself, its proxy not started yet: every command pushed is taken in the first round and
-    posted as one chain."""
-    c = comm.HostComm(DATA, 0, 1, settings=load_settings({}), num_signal_slots=64, num_threads=1,
+    posted as one chain. ``copier``: who moves the bytes, the proxy thread or a copy agent process
+    (UCCL_EP_LOOPBACK_COPY_AGENT)."""
+    env = {"UCCL_EP_LOOPBACK_COPY_AGENT": "on" if copier == "agent" else "off"}
+    c = comm.HostComm(DATA, 0, 1, settings=load_settings(env), num_signal_slots=64, num_threads=1,
                       fifos_per_thread=1, idle_backoff_us=20, timeout_secs=5.0, **kw)
     c.connect_infos([c.local_infos()])
     native.module().unlink_shared_host_memory_names()
@@ -35,10 +39,11 @@ def _copies_and_writes(c):
     return int(m.group(1)), int(m.group(2))
 
 
+@pytest.mark.parametrize("copier", ["proxy", "agent"])
 @pytest.mark.parametrize("reorder", [0, 4])
-def test_adjacent_writes_of_one_post_move_as_one_copy_and_each_still_lands_and_signals(reorder):
+def test_adjacent_writes_of_one_post_move_as_one_copy_and_each_still_lands_and_signals(reorder, copier):
     C = native.module()
-    c = _unstarted(loopback_reorder=reorder)
+    c = _unstarted(copier, loopback_reorder=reorder)
     try:
         # (local offset, remote offset, bytes): three that continue each other, one that skips 64 bytes at the
         # source, one that continues that, and one that continues the source but not the destination
@@ -57,8 +62,12 @@ def test_adjacent_writes_of_one_post_move_as_one_copy_and_each_still_lands_and_s
             landed[ro - HALF:ro - HALF + n] = True
         assert not data[HALF:][~landed].any()  # nothing between or past the writes was touched
         assert c.signals()[:2].tolist() == [1 + 3 + 5, 2 + 4 + 6]
+        if copier == "agent":  # its three copies were made by another process, and landed
+            assert c.copy_agent.pid != os.getpid()
+            assert f"copy agent pid {c.copy_agent.pid} lane 0: 3 of 3 copies landed" in c.proxy.describe()
     finally:
         c.close()
+    assert c.copy_agent is None or not c.copy_agent.alive()  # (close stops the agent too)
 
 
 def test_writes_posted_apart_are_copied_apart_even_when_they_continue_each_other():

@@ -486,6 +486,7 @@ def run(args) -> int:
 
     from uccl_ep_train.backends import BackendContext, DispatchArgs
     from uccl_ep_train.internode import NativeInternodeBackend
+    from uccl_ep_train.internode_transport import use_copy_agent
     from uccl_ep_train.settings import load_settings
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -506,9 +507,10 @@ def run(args) -> int:
     G = world // args.emulate_nodes
     dev = torch.device("cuda", local)
     settings = load_settings()
-    if settings.kernel.drain_after_waits == "never":
-        # without drains the calls must come from a non-default stream over the loopback (docs/internode.md,
-        # "Drains"): every launch, copy and timing of this run goes to one side stream
+    if settings.kernel.drain_after_waits == "never" and \
+            not use_copy_agent(settings.emulation.loopback_copy_agent, shares_gpu=args.share_gpu):
+        # without drains, over a loopback whose proxy threads copy, the calls must come from a non-default stream
+        # (docs/internode.md, "Drains"): every launch, copy and timing of this run goes to one side stream
         torch.cuda.set_stream(torch.cuda.Stream(dev))
     ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=dev,
                          num_nvl_bytes=args.nvl_bytes, num_rdma_bytes=args.rdma_bytes, settings=settings)
@@ -725,6 +727,8 @@ def run(args) -> int:
         # whether the host waited for its stream after each network wait (internode.drain_after_waits): without the
         # drains the host steps below are launch times and the GPU runs the steps back to back
         "drain_after_waits": nat._drain_after_waits,
+        # whether a copy agent process moved the loopback's bytes (UCCL_EP_LOOPBACK_COPY_AGENT), not the proxy threads
+        "loopback_copy_agent": nat._copy_agent is not None,
         # whether the readers of each hop's arrivals (unpack with one GPU per node, the source's sum) ran during the
         # hop, gated chunk by chunk (UCCL_EP_GATED_ARRIVALS); the hop figures then end when the reader is done
         "gated_arrivals": nat.gated_arrivals,
