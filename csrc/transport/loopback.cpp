@@ -361,7 +361,7 @@ class LoopbackTransport final : public Transport {
   size_t poll(std::vector<Completion>& out, size_t max) override {
     if (!connected_) return 0;
 #ifdef UCCL_EP_WITH_CUDA
-    if (!lane_) (void)bind_thread();  // first poll of the proxy thread, before any post; a failure shows at the first post
+    if (!lane_) (void)bind_thread();  // first poll of the thread, before any post; a failure shows at the first post
 #endif
     const size_t start = out.size();
     const uint64_t now = now_ns();
@@ -407,8 +407,8 @@ class LoopbackTransport final : public Transport {
     }
     if (ring_full_) m << "; a receiver's immediate ring was full at the last completion";
     if (lane_) m << "; " << lane_->describe();
-    m << "; totals: " << runs_ << " copies for " << writes_in_runs_ << " writes; " << copies_ << (lane_ ? " agent copies, " : " device copies, ")
-      << copy_ns_ / 1000 << " us copying (longest " << max_copy_ns_ / 1000 << " us)";
+    m << "; totals: " << runs_ << " copies for " << writes_in_runs_ << " writes; " << copies_
+      << (lane_ ? " agent copies, " : " device copies, ") << copy_ns_ / 1000 << " us copying (longest " << max_copy_ns_ / 1000 << " us)";
 #ifdef UCCL_EP_WITH_CUDA
     if (device_ >= 0)  // none free: posts are refused until a copy is seen finished
       m << "; " << free_events_.size() << " of " << kCopyEvents << " copy events free";
@@ -421,8 +421,8 @@ class LoopbackTransport final : public Transport {
   static constexpr uint64_t kLivenessPeriodNs = 5'000'000;
   static constexpr uint64_t kCopyDeadlineNs = 300'000'000'000ull;  // one device copy: a wedged GPU, not a slow one
   static constexpr uint64_t kDrainDeadlineNs = 10'000'000'000ull;  // copies still running when the endpoint closes
-  static constexpr uint64_t kReorderHoldNs = 50'000;
-  static constexpr uint64_t kAgentMapDeadlineNs = 60'000'000'000ull;  // the agent opening the group's regions  // a due write waits at most this long for others to shuffle with
+  static constexpr uint64_t kReorderHoldNs = 50'000;  // a due write waits at most this long for others to shuffle with
+  static constexpr uint64_t kAgentMapDeadlineNs = 60'000'000'000ull;  // the agent opening the group's regions
 
   // A posted operation. Its bytes start moving at post (host: memcpy at once; device: an async copy on our stream),
   // as a NIC starts DMA at once; what the emulation delays is the *completion*: the immediate (and the local
@@ -548,7 +548,6 @@ class LoopbackTransport final : public Transport {
     writes_in_runs_ += run_.count;
     run_ = CopyRun{};
   }
-
 
   // Validate, then queue the bytes' copy (flush_run starts it). A failure is kept in the op and reported as its
   // completion. `index`: the op's place in posted_.

@@ -986,9 +986,11 @@ def test_on_gpus_records_past_the_last_combines_partial_sums_pack_after_notify_a
 
 def test_on_gpus_a_receive_past_num_worst_tokens_raises_naming_it_rank_or_expert_major_and_the_next_calls_match():
     """The GPU twin of the CPU test (2 x 1): rank-major and expert-major receives past num_worst_tokens raise after
-    their records landed, and the next calls match the reference."""
+    their records landed, and the next calls match the reference. With drains, as the CPU stand-in runs: each
+    dispatch raises itself (without them a sync-free dispatch returns before the count read and the next call
+    raises its error: test_without_drains_a_sync_free_dispatch_returns_before_the_count_read_...)."""
     _need(2)
-    out = run_distributed(_scenario, 2, 1, "worst", timeout=240)
+    out = run_distributed(_scenario, 2, 1, "worst", timeout=240, env={"UCCL_EP_DRAIN_AFTER_WAITS": "always"})
     for rank, (seen, done) in enumerate(out):
         (rm_err, rm_in_step), (em_err, em_in_step) = seen
         assert "raise num_worst_tokens" in rm_err and "raise num_worst_tokens" in em_err, f"rank {rank}: {seen}"
