@@ -412,11 +412,6 @@ class NativeInternodeBackend:
         mps = mps_enabled(self.device.index) if loopback_on_gpu else None
         if self.device.type == "cuda":  # no CUDA on the CPU stand-in
             torch.cuda.set_device(self.device)
-            if loopback_on_gpu:
-                hazard = loopback_queue_hazard(self.rank, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), mps,
-                                               p.num_threads)
-                if hazard:
-                    warnings.warn(hazard, RuntimeWarning, stacklevel=2)
         # who moves the loopback's bytes: a process of our own (the copy agent) or the proxy threads
         self._copy_agent = None
         if loopback_on_gpu:
@@ -427,6 +422,11 @@ class NativeInternodeBackend:
 
                 # (stopped by destroy(); if this setup raises, by its __del__, or by itself once we are gone)
                 self._copy_agent = CopyAgent(p.num_threads, self.device.index)
+            else:  # the proxy threads' copies share this process's hardware work queues with our kernels
+                hazard = loopback_queue_hazard(self.rank, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), mps,
+                                               p.num_threads)
+                if hazard:
+                    warnings.warn(hazard, RuntimeWarning, stacklevel=2)
         self._cx = self._k.InternodeContext(
             rank=self.rank, world=self.R, device=self.device.index, rdma_bytes=self.rdma_bytes,
             nvl_bytes=self.nvl_bytes, num_threads=p.num_threads, fifos_per_thread=p.fifos_per_thread,
