@@ -10,6 +10,7 @@ process, and is its entry point (``python -m uccl_ep_train.loopback_copy_agent S
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -35,8 +36,10 @@ class CopyAgent:
     def __init__(self, lanes: int, device: int, start_timeout_secs: float = START_TIMEOUT_SECS):
         self.segment = native.module().CopyAgentSegment.create(lanes, device)
         self.name: str = self.segment.name
+        # (the child imports this package as we do: our sys.path, which a launcher may have extended, goes with it)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self._process: Optional[subprocess.Popen] = subprocess.Popen(
-            [sys.executable, "-m", "uccl_ep_train.loopback_copy_agent", self.name], stdin=subprocess.DEVNULL)
+            [sys.executable, "-m", "uccl_ep_train.loopback_copy_agent", self.name], stdin=subprocess.DEVNULL, env=env)
         try:
             self._wait_ready(start_timeout_secs)
         except BaseException:

@@ -310,6 +310,9 @@ namespace {
 
 class Agent {
  public:
+  static constexpr uint64_t kHotNs = 200'000'000;    // spin this long after the last copy
+  static constexpr uint64_t kIdleNs = 2'000'000'000;  // then sleep 20 us at a time until this, then 500 us
+
   explicit Agent(std::shared_ptr<CopyAgentSegment> seg) : seg_(std::move(seg)), l_(seg_->layout()) {
     lanes_.resize(l_->lanes);
   }
@@ -353,12 +356,14 @@ class Agent {
       }
       if (!worked && seg_->state() == CopyAgentState::kClosing && idle()) return 0;
       if (worked) continue;
-      // Hot for 2 ms after the last work (a hop's copies come in bursts microseconds apart), then a light sleep.
+      // Hot (yielding, no sleep) for kHotNs after the last work: a hop's copies come microseconds apart, and a
+      // training step's calls milliseconds apart, and a sleeping agent would start the next call's first copy one
+      // timer slack (~50-100 us) late. Then light sleeps, and long ones once the run looks idle.
       const uint64_t idle_ns = now - last_work;
-      if (idle_ns < 2'000'000)
+      if (idle_ns < kHotNs)
         std::this_thread::yield();
       else
-        std::this_thread::sleep_for(std::chrono::microseconds(idle_ns < 50'000'000 ? 20 : 500));
+        std::this_thread::sleep_for(std::chrono::microseconds(idle_ns < kIdleNs ? 20 : 500));
     }
   }
 
