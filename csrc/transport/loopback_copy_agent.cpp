@@ -402,10 +402,14 @@ class Agent {
   }
 #endif
 
+  // Nothing left to start or to see land (a failed lane starts nothing more: what its endpoint still posts is
+  // answered by the failure, so it does not keep the agent from closing).
   bool idle() const {
-    for (int i = 0; i < l_->lanes; ++i)
-      if (lanes_[i].next < l_->lane(i)->head.load(std::memory_order_acquire) || !lanes_[i].inflight.empty())
+    for (int i = 0; i < l_->lanes; ++i) {
+      const Lane& ln = lanes_[i];
+      if (!ln.inflight.empty() || (!ln.failed && ln.next < l_->lane(i)->head.load(std::memory_order_acquire)))
         return false;
+    }
     return true;
   }
 
