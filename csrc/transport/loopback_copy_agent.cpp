@@ -133,7 +133,6 @@ std::shared_ptr<CopyAgentSegment> CopyAgentSegment::create(int lanes, int device
   // The segment outlives this SharedHostMemory's registry entry: map it by name like everyone else, then let the
   // creator's mapping go (its name stays linked until the process unlinks its names after connect).
   std::shared_ptr<CopyAgentSegment> seg = open(mem->name());
-  seg->owner_ = true;
   seg->keep_ = std::move(mem);
   return seg;
 }

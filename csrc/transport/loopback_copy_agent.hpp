@@ -66,7 +66,6 @@ class CopyAgentSegment {
   CopyAgentSegmentLayout* layout_ = nullptr;
   size_t bytes_ = 0;
   std::string name_;
-  bool owner_ = false;
   std::shared_ptr<SharedHostMemory> keep_;  // the creator's allocation (its name, until the process unlinks it)
 };
 
