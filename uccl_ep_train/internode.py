@@ -501,9 +501,8 @@ class NativeInternodeBackend:
         # drains, follows the setting too: its tests see the GPU's behaviour)
         self._sync_free_returns_early = not drains
         # without drains, the loopback's calls must come from a non-default stream unless the copy agent moves its
-        # bytes (check_stream_without_drains)
-        self._check_stream = (self.device.type == "cuda" and not self._drain_after_waits
-                              and self.transport.name == "loopback" and self._copy_agent is None)
+        # bytes (check_stream_without_drains, the one rule; this only spares the stream lookup where it cannot refuse)
+        self._check_stream = self.device.type == "cuda" and not self._drain_after_waits
         self.gated_arrivals = bool(s.kernel.gated_arrivals)  # docs/internode.md, "Gated arrivals"
         self.skip_dispatch_barrier = bool(s.kernel.skip_dispatch_barrier)
         self.push_head = bool(s.kernel.push_head)
@@ -659,7 +658,8 @@ class NativeInternodeBackend:
         the caller's stream then waits on ours, and a pageable copy queued there behind our spinning wait stalls the
         loopback just the same (docs/internode.md, "Drains")."""
         if self._check_stream:
-            check_stream_without_drains(self._drain_after_waits, self.transport.name, stream, self.rank)
+            check_stream_without_drains(self._drain_after_waits, self.transport.name, stream, self.rank,
+                                        copy_agent=self._copy_agent is not None)
 
     def _refuse_a_stall_without_drains(self) -> None:
         """check_stream_without_drains at a call's entry; the stream is looked up only where it can matter."""

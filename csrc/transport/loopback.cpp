@@ -1,15 +1,14 @@
 #include "transport/loopback.hpp"
 
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <random>
 #include <sstream>
 #include <cstdlib>
@@ -56,8 +55,6 @@ uint64_t now_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now().time_since_epoch()).count());
 }
-
-bool process_alive(int pid) { return loopback_process_alive(pid); }
 
 struct Writer {
   std::vector<uint8_t> b;
@@ -158,6 +155,10 @@ class LoopbackTransport final : public Transport {
       const uint64_t deadline = now_ns() + kDrainDeadlineNs;
       while (lane_->landed() < lane_->posted() && lane_->failure(lane_->posted()).empty() && now_ns() < deadline)
         std::this_thread::sleep_for(std::chrono::microseconds(100));
+      if (lane_->landed() < lane_->posted() && lane_->failure(lane_->posted()).empty())
+        std::fprintf(stderr, "uccl-ep: loopback rank %d thread %d closed with copies unfinished after %llu s (%s)\n",
+                     o_.rank, o_.thread_index, (unsigned long long)(kDrainDeadlineNs / 1000000000ull),
+                     lane_->describe().c_str());
       lane_.reset();
     }
     // Device copies still running would write through the mappings closed below: wait for them, with a deadline
@@ -458,7 +459,7 @@ class LoopbackTransport final : public Transport {
       if (r == o_.rank || p.dead) continue;
       const uint32_t st = p.control->state.load(std::memory_order_acquire);
       if (st == kStateClosed) continue;  // closed cleanly: only an error if we still send to it (see start)
-      if (!process_alive(p.pid)) {
+      if (!loopback_process_alive(p.pid)) {
         p.dead = true;
         Completion c;
         c.kind = Completion::Kind::kLocalWrite;

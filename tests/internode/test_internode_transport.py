@@ -214,7 +214,7 @@ def test_a_buffer_on_its_comm_stream_has_the_backend_check_the_callers_stream_to
     from uccl_ep_train.buffer import Buffer
     from uccl_ep_train.internode import InternodeError, NativeInternodeBackend
 
-    backend = types.SimpleNamespace(_check_stream=True, _drain_after_waits=False, rank=2,
+    backend = types.SimpleNamespace(_check_stream=True, _drain_after_waits=False, rank=2, _copy_agent=None,
                                     transport=types.SimpleNamespace(name="loopback"))
     backend.check_caller_stream = lambda s: NativeInternodeBackend.check_caller_stream(backend, s)
     ran = []
