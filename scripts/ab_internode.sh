@@ -6,7 +6,8 @@
 # Here:   git archive --format=tar --prefix=old/ <rev> > ab-old.tar
 # Device: bash scripts/ab_internode.sh ab-old.tar      (carry ab-old.tar and .whl)
 # Settings: RUNS (default 3) capped pairs at UCCL_EP_LOOPBACK_BW_GBPS=${CAP:-50}, then one uncapped pair; ITERS
-# (default 20) calls per timed loop; VARIANT="NAME=VALUE ..." adds a third run per round: this tree with those
+# (default 20) calls per timed loop; NPROC (default 2) ranks as 2 emulated nodes (4: 2 x 2; "--share-gpu" in
+# BENCH_ARGS where they outnumber the GPUs); VARIANT="NAME=VALUE ..." adds a third run per round: this tree with those
 # settings (e.g. VARIANT=UCCL_EP_PUSH_HEAD=0), and one uncapped at the end; BENCH_ARGS: more bench options for
 # every run (e.g. "--share-gpu" on one GPU, under MPS started by the caller); NEW_ARGS: more options for this tree's
 # runs only (e.g. "--timeline 10", which an older backend may not support). VARIANTS="NAME|ENV=V ENV=V|OPTIONS;..."
@@ -33,7 +34,7 @@ bench() {  # bench TAG DIR CAP "BENCH OPTIONS" [NAME=VALUE ...]
   local tag=$1 dir=$2 cap=$3 opts=$4; shift 4
   (( $(date +%s) + 150 <= deadline )) || { echo "$tag skipped (BUDGET_SECS)" >>"$OUT/summary.txt"; return; }
   (cd "$dir" && env "$@" UCCL_EP_LOOPBACK_BW_GBPS=$cap PYTHONPATH="/tmp/site:$dir" timeout 150 torchrun --standalone \
-     --nproc-per-node 2 -m uccl_ep_train bench internode --emulate-nodes 2 --iters "${ITERS:-20}" ${BENCH_ARGS:-} \
+     --nproc-per-node "${NPROC:-2}" -m uccl_ep_train bench internode --emulate-nodes 2 --iters "${ITERS:-20}" ${BENCH_ARGS:-} \
      $opts --json "$work/$tag.json" >"$work/$tag.log" 2>&1; local rc=$?; echo "$tag rc=$rc" >>"$OUT/summary.txt"
    [[ $rc == 0 ]] || tail -25 "$work/$tag.log" >>"$OUT/summary.txt")
 }

@@ -37,7 +37,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     RecordLayout, record_layout, check_topology, Counts, local_count_row, counts_from_rows, SendPlan, send_plan,
     recv_counts, block_offsets, remote_block_offset, num_recv_rows, chunk_records, chunk_bytes, chunk_lanes,
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
-    describe_gpu_error, pack_records, forward_row_bases, stamp_arrivals, int32_column, check_area, _align, _bytes_of,
+    describe_gpu_error, pack_records, forward_row_bases, int32_column, check_area, _align, _bytes_of,
     NOTIFY_MAX_EXPERTS, expert_major_places, notify_row_words, recv_expert_counts,
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
@@ -578,6 +578,7 @@ class NativeInternodeBackend:
         self.packs_and_pushes_during_notify = 0  # launches that did both (_pack_and_push_during_notify)
         self.count_rows_pushed_with_records = 0  # ... and pushed our count row too (no push_chunks for it)
         self.dispatch_barriers_skipped = 0
+        self.forwards_during_hop = 0  # dispatches whose forwarders read their arrivals as they landed (G > 1)
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
         if self.read_before_counts:
@@ -588,6 +589,8 @@ class NativeInternodeBackend:
                                          [0] * (self.N * self.L), 16, 0, 0, 0, self._read_gate.data_ptr(),
                                          self._read_dims.data_ptr(), self._stream())
             self._drain("setup: the reader-before-counts kernel's first launch")
+        if self.G > 1:
+            self._first_forward_launches()
         self._destroyed = False
         track(self)
         self.last_traffic = None
@@ -598,6 +601,24 @@ class NativeInternodeBackend:
         self._lap_t = 0.0
         # ... and this to read the pack-and-push launches' GPU stamps (start_kernel_timeline)
         self.kernel_timeline: Optional[KernelTimeline] = None
+
+    def _first_forward_launches(self) -> None:
+        """The forwarder's reader's first launches (gated and not), with nothing spinning: the first real one queues
+        behind the push, whose kernel may spin for FIFO room that the proxies make ("Drains": a lazy module load then
+        waits for it). One record whose dest rows are all -1: nothing leaves it."""
+        layout = _record_layout((16,), self.G)
+        record = torch.full((1, layout.stride), 255, dtype=torch.uint8, device=self.device)
+        zeros = torch.zeros((1, self.G), dtype=torch.int64, device=self.device)
+        out = torch.empty((1, self.G), dtype=torch.int64, device=self.device)
+        for gate in (None, self._cx.arrival_gate(0, 0, 1, self._phases["dispatch_network"])):
+            self._k.forward_arrivals(self._forward_targets.data_ptr(), self._forward_targets_or, layout.final_bytes,
+                                     self.G, record.data_ptr(), layout.stride, 1, layout.final_bytes,
+                                     zeros.data_ptr(), zeros.data_ptr(), layout.dest_rows_offset,
+                                     layout.arrival_offset, out.data_ptr(), self._stream(), gate=gate)
+        self._drain("setup: the dispatch forward's first launches")
+        if bool((out != -1).any()):
+            raise InternodeError(f"rank {self.rank}: the dispatch forward kernel misread a record whose dest rows are "
+                                 f"all -1 (got {out.tolist()}); rebuild _C")
 
     def start_kernel_timeline(self, launches: int) -> None:
         """Stamp the next ``launches`` pack_and_push launches on the GPU (docs/internode.md, "Kernel timeline")."""
@@ -1214,6 +1235,27 @@ class NativeInternodeBackend:
                              stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation,
                              rank=self.rank, phase=self._phases[phase])
 
+    def _forward_arrivals(self, counts: Counts, shape: Any, layout: RecordLayout, A: int, recv_base: int,
+                          first_row: int, gate: Any) -> torch.Tensor:
+        """The dispatch forward over NVLink (G > 1): forward_arrivals on this rank's stream, every local GPU that
+        needs an arrival getting its final row (one launch, each row read once), gated on ``gate`` (None: the hop is
+        in). Returns the arrivals' final rows at each local GPU [A, G] (-1: none), which the kernel writes."""
+        G = self.G
+        fwd_dest = torch.empty((A, G), dtype=torch.int64, device=self.device)
+        if not A:
+            return fwd_dest
+        if shape.forward_limits is None:
+            shape.forward_limits = self._upload([num_recv_rows(counts, self.node * G + j) for j in range(G)])
+        self._k.forward_arrivals(self._forward_targets.data_ptr(), self._forward_targets_or, layout.final_bytes, G,
+                                 self._cx.rdma_ptr + recv_base, layout.stride, A, layout.final_bytes,
+                                 shape.forward_limits.data_ptr(), shape.forward_bases.data_ptr(),
+                                 layout.dest_rows_offset, layout.arrival_offset, fwd_dest.data_ptr(), self._stream(),
+                                 gate=gate, first_row=first_row if 0 <= first_row < A else 0,
+                                 err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                                 stop_generation=self._cx.stop_generation, rank=self.rank,
+                                 phase=self._phases["dispatch_forward"])
+        return fwd_dest
+
     def _lap(self, step: Optional[str]) -> None:
         """Benchmarks: add the host wall time since the previous lap to ``step`` (None: start a call)."""
         if self.host_timing is None:
@@ -1313,22 +1355,30 @@ class NativeInternodeBackend:
                        _column_args(rows, layout))
                 pending = pending._replace(own=own, own_columns=rows)
             return arrivals[:, :layout.final_bytes], layout, None, A, pending._replace(first_row=own_row)
-        self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, hop=hop, rest=rest,
-                            then=_chain(own_after_push, plan_ahead), push=push)
-        self._lap("dispatch.network")
-        if G == 1:
-            # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
-            # source rank, tokens in order within each), so they are read in place instead of copied to the NVL area,
-            # and a row's arrival is its index (not stamped: unpack writes it); nobody forwards, so no dest rows.
-            self._lap("dispatch.forward")
-            return arrivals[:, :layout.final_bytes], layout, None, A, None
-        fwd_dest = stamp_arrivals(arrivals, layout, G, shape.forward_bases)
-        if A:  # NVLink hop: every local GPU that needs the record gets its final row; one launch, each row read once
-            if shape.forward_limits is None:
-                shape.forward_limits = self._upload([num_recv_rows(counts, self.node * G + j) for j in range(G)])
-            self._forward_rows(self._forward_targets, self._forward_targets_or, layout.final_bytes, fwd_dest,
-                               self._cx.rdma_ptr + recv_base, stride, A, layout.final_bytes, shape.forward_limits,
-                               "dispatch_forward")
+        if G > 1 and self.gated_arrivals:
+            # docs/internode.md, "Gated forward": the forwarder reads each arrival as its chunk lands and forwards it
+            # over NVLink during the hop, starting with our own node's block, which is in before the hop starts
+            pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=push)
+            if plan_ahead is not None:
+                plan_ahead()
+            self._lap("dispatch.push")
+            own_row = (own_block - recv_base) // stride
+            fwd_dest = self._forward_arrivals(counts, shape, layout, A, recv_base, own_row, pending.gate)
+            self.forwards_during_hop += 1
+            self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
+            self._lap("dispatch.network")
+        else:
+            self._push_and_wait(hop.rows, hop.waits, "dispatch_network", hop.per_chunk, hop=hop, rest=rest,
+                                then=_chain(own_after_push, plan_ahead), push=push)
+            self._lap("dispatch.network")
+            if G == 1:
+                # One GPU per node: the arrivals are the final rows already, in their order (blocks by source node =
+                # source rank, tokens in order within each), so they are read in place instead of copied to the NVL
+                # area, and a row's arrival is its index (not stamped: unpack writes it); nobody forwards, so no dest
+                # rows.
+                self._lap("dispatch.forward")
+                return arrivals[:, :layout.final_bytes], layout, None, A, None
+            fwd_dest = self._forward_arrivals(counts, shape, layout, A, recv_base, 0, None)
         self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)

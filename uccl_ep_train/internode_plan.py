@@ -733,16 +733,18 @@ def forward_row_bases(counts: Counts, rank: int, ranks_per_node: int) -> torch.T
     return torch.repeat_interleave(before[sources], torch.tensor(recv_counts(counts, rank, G)), dim=0)
 
 
-def stamp_arrivals(arrivals: torch.Tensor, layout: RecordLayout, G: int, bases: torch.Tensor) -> torch.Tensor:
-    """Write each arrival's row index into its record; return its final rows at each GPU of the node [A, G] int64:
-    the record's dest rows plus ``bases`` (forward_row_bases, on the arrivals' device), -1 where not needed."""
+def stamp_arrivals(arrivals: torch.Tensor, arrival_offset: int, dest_rows_offset: int, G: int, bases: torch.Tensor
+                   ) -> torch.Tensor:
+    """Write each arrival's row index into its record (the int32 at ``arrival_offset``); return its final rows at each
+    GPU of the node [A, G] int64: the record's dest rows (G int32 at ``dest_rows_offset``) plus ``bases``
+    (forward_row_bases, on the arrivals' device), -1 where not needed. The forwarder's reader (forward_arrivals)
+    does this row by row as the arrivals land."""
     A = arrivals.size(0)
     if A == 0:
         return torch.empty((0, G), dtype=torch.int64, device=arrivals.device)
-    arrivals[:, layout.arrival_offset:layout.arrival_offset + 4] = \
+    arrivals[:, arrival_offset:arrival_offset + 4] = \
         torch.arange(A, dtype=torch.int32, device=arrivals.device).view(-1, 1).view(torch.uint8)
-    rel = arrivals[:, layout.dest_rows_offset:layout.dest_rows_offset + 4 * G].contiguous().view(torch.int32) \
-        .to(torch.int64)
+    rel = arrivals[:, dest_rows_offset:dest_rows_offset + 4 * G].contiguous().view(torch.int32).to(torch.int64)
     return torch.where(rel >= 0, rel + bases, rel)
 
 

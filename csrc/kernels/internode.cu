@@ -430,6 +430,21 @@ __global__ void scatter_rows_kernel(char* dst, long long dst_stride, const long 
   }
 }
 
+// Where row r goes at local GPU j: the address of row d of dsts[j]'s area, 0 for none (d < 0). A row past the area
+// (a corrupt index or record) is reported, never written; any row to write sets *any.
+__device__ __forceinline__ unsigned long long forward_target(const unsigned long long* dsts, long long dst_stride,
+                                                             const long long* dst_rows, int j, long long d,
+                                                             long long r, bool* any, ErrorWord* err, StopFlag stop,
+                                                             int rank, int phase) {
+  if (d >= dst_rows[j]) {
+    report(err, stop, kErrScatterRange, rank, j, int(r), phase, d, dst_rows[j]);
+    return 0;
+  }
+  if (d < 0) return 0;
+  *any = true;
+  return dsts[j] + static_cast<unsigned long long>(d * dst_stride);
+}
+
 // Dispatch forward over NVLink: arrival row r goes to every local GPU j with dst_idx[r * targets + j] >= 0, at that
 // row of dsts[j]'s final rows. One launch for the node's GPUs, each row read once: scatter_rows per GPU took G
 // launches and G reads of each row. The targets' addresses go to shared memory (any number of GPUs per node).
@@ -447,17 +462,9 @@ __global__ void forward_rows_kernel(const unsigned long long* dsts, long long ds
   for (long long r = blockIdx.x; r < n; r += gridDim.x) {
     if (threadIdx.x == 0) s_any = false;
     __syncthreads();
-    for (int j = threadIdx.x; j < targets; j += blockDim.x) {
-      const long long d = dst_idx[r * targets + j];
-      unsigned long long at = 0;
-      if (d >= dst_rows[j]) {  // a corrupt index: never write outside the destination area
-        report(err, stop, kErrScatterRange, rank, j, int(r), phase, d, dst_rows[j]);
-      } else if (d >= 0) {
-        at = dsts[j] + static_cast<unsigned long long>(d * dst_stride);
-        s_any = true;
-      }
-      s_out[j] = at;
-    }
+    for (int j = threadIdx.x; j < targets; j += blockDim.x)
+      s_out[j] = forward_target(dsts, dst_stride, dst_rows, j, dst_idx[r * targets + j], r, &s_any, err, stop, rank,
+                                phase);
     __syncthreads();
     if (s_any) {  // (a row no GPU needs is not read)
       const V* in = reinterpret_cast<const V*>(src + r * src_stride);
@@ -469,6 +476,71 @@ __global__ void forward_rows_kernel(const unsigned long long* dsts, long long ds
     }
     __syncthreads();  // (s_out and s_any are rewritten for the next row)
   }
+}
+
+// Dispatch forward over NVLink as the forwarder's reader of its arrivals: arrival r goes to every local GPU j whose
+// dest row in the record is >= 0, at that row plus bases[r][j] (forward_row_bases), and that final row is written to
+// dst_idx_out[r][j] (-1: GPU j does not need it) for the combine. The copies carry r in the record's arrival field,
+// patched in registers (a second store of the field to a peer would race the row's own over NVLink); the arrival
+// area gets it too. kGated: the kernel runs during the hop: block 0 watches the counters and each row first waits
+// for the chunk that carries it, then is read through L2. Rows go from first_row to the end, then from 0: our own
+// node's block is in before the hop starts.
+template <typename V, bool kGated>
+__global__ void forward_arrivals_kernel(const unsigned long long* dsts, long long dst_stride, int targets, char* src,
+                                        long long src_stride, long long n, long long row_bytes,
+                                        const long long* dst_rows, const long long* bases, long long dest_rows_offset,
+                                        long long arrival_offset, long long* dst_idx_out, long long first_row,
+                                        ErrorWord* err, StopFlag stop, int rank, int phase, ArrivalGate gate) {
+  extern __shared__ unsigned long long s_out[];  // per target: this row's destination address, 0 = none
+  __shared__ bool s_stopped, s_any, s_ok;
+  if constexpr (kGated) {
+    reader_begins(gate);
+    if (blockIdx.x == 0) {  // the watcher (arrival_gate.hpp); the rows go to the other blocks
+      gate_watch(gate);
+      return;
+    }
+  }
+  if (threadIdx.x == 0) s_stopped = stopped(stop);
+  __syncthreads();
+  if (s_stopped) return;
+  const long long block = blockIdx.x - (kGated ? 1 : 0), grid = gridDim.x - (kGated ? 1 : 0);
+  const long long words = row_bytes / static_cast<long long>(sizeof(V));
+  constexpr long long kWord = sizeof(V);
+  const long long stamp_word = arrival_offset / kWord;  // the first word holding the arrival field
+  for (long long k = block; k < n; k += grid) {
+    const long long r = (first_row + k) % n;
+    if constexpr (kGated) {
+      if (!block_gate_rows(gate, r, r, &s_ok)) return;  // reported by the wait: the host raises
+    }
+    char* rec = src + r * src_stride;
+    if (threadIdx.x == 0) s_any = false;
+    __syncthreads();
+    for (int j = threadIdx.x; j < targets; j += blockDim.x) {
+      const int rel = load_word<kGated>(reinterpret_cast<const int*>(rec + dest_rows_offset) + j);
+      const long long d = rel < 0 ? -1 : rel + bases[r * targets + j];
+      dst_idx_out[r * targets + j] = d;
+      s_out[j] = forward_target(dsts, dst_stride, dst_rows, j, d, r, &s_any, err, stop, rank, phase);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) *reinterpret_cast<int*>(rec + arrival_offset) = int(r);
+    if (s_any) {  // (a row no GPU needs is not read)
+      const V* in = reinterpret_cast<const V*>(rec);
+      for (long long w = threadIdx.x; w < words; w += blockDim.x) {
+        V v = load_word<kGated>(in + w);
+        if (w >= stamp_word && w * kWord < arrival_offset + 4) {  // the arrival field's bytes, little endian
+          unsigned char* b = reinterpret_cast<unsigned char*>(&v);
+          for (long long i = 0; i < kWord; ++i) {
+            const long long at = w * kWord + i - arrival_offset;
+            if (at >= 0 && at < 4) b[i] = static_cast<unsigned char>(static_cast<unsigned>(r) >> (8 * at));
+          }
+        }
+        for (int j = 0; j < targets; ++j)
+          if (s_out[j]) reinterpret_cast<V*>(s_out[j])[w] = v;
+      }
+    }
+    __syncthreads();  // (s_out and s_any are rewritten for the next row)
+  }
+  if constexpr (kGated) reader_ends(gate);
 }
 
 // Source side of combine: token t's result is the sum, in fp32 and in ascending node m, of its partial sums
@@ -643,6 +715,47 @@ void forward_rows(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride, uin
                                                                     row_bytes, rows, ew, stop, rank, phase);
   });
   check(cudaGetLastError(), "forward_rows launch");
+}
+
+void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride, int targets, uintptr_t src,
+                      int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows, uintptr_t bases,
+                      int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out, uintptr_t stream,
+                      const ArrivalGate* gate, int64_t first_row, uintptr_t err, uintptr_t stop_flag,
+                      int stop_generation, int rank, int phase) {
+  if (n <= 0) return;
+  if (!dsts || !src || !dst_rows || !bases || !dst_idx_out) throw std::invalid_argument("forward_arrivals: null pointer");
+  if (targets <= 0 || targets > kMaxForwardTargets)
+    throw std::invalid_argument("forward_arrivals: " + std::to_string(targets) + " local GPUs; 1 to " +
+                                std::to_string(kMaxForwardTargets) + " are supported");
+  if (row_bytes <= 0 || row_bytes > src_stride || arrival_offset % 4 || arrival_offset < 0 ||
+      arrival_offset + 4 > row_bytes || dest_rows_offset % 4 || dest_rows_offset < 0 ||
+      dest_rows_offset + 4LL * targets > src_stride)
+    throw std::invalid_argument("forward_arrivals: the record layout (row bytes " + std::to_string(row_bytes) +
+                                ", arrival at " + std::to_string(arrival_offset) + ", dest rows at " +
+                                std::to_string(dest_rows_offset) + ", stride " + std::to_string(src_stride) +
+                                ") does not hold the arrival in the forwarded bytes and the dest rows in the record");
+  if (first_row < 0 || first_row >= n) throw std::invalid_argument("forward_arrivals: first_row outside the rows");
+  check_gate(gate, "forward_arrivals");
+  const uint64_t all = dst_bases_or | uint64_t(src) | uint64_t(dst_stride) | uint64_t(src_stride) |
+                       uint64_t(row_bytes);
+  const int blocks = gated_grid(int(std::min<int64_t>(n, 2048)), gate) + (gate ? 1 : 0);
+  const size_t shared = size_t(targets) * sizeof(unsigned long long);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  auto* d = reinterpret_cast<const unsigned long long*>(dsts);
+  auto* sp = reinterpret_cast<char*>(src);
+  auto* rows = reinterpret_cast<const long long*>(dst_rows);
+  auto* b = reinterpret_cast<const long long*>(bases);
+  auto* out = reinterpret_cast<long long*>(dst_idx_out);
+  auto* ew = reinterpret_cast<ErrorWord*>(err);
+  const StopFlag stop{reinterpret_cast<int32_t*>(stop_flag), stop_generation};
+  const ArrivalGate g = gate ? *gate : ArrivalGate{};
+  by_word_size(all, [&](auto word) {
+    using V = decltype(word);
+    auto kernel = gate ? forward_arrivals_kernel<V, true> : forward_arrivals_kernel<V, false>;
+    kernel<<<blocks, 256, shared, s>>>(d, dst_stride, targets, sp, src_stride, n, row_bytes, rows, b,
+                                       dest_rows_offset, arrival_offset, out, first_row, ew, stop, rank, phase, g);
+  });
+  check(cudaGetLastError(), "forward_arrivals launch");
 }
 
 #if defined(UCCL_EP_INTERNODE_PROXY)

@@ -43,7 +43,7 @@ from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_
                                           READ_GO, READ_OWN_COUNT, READ_OWN_FIRST, READ_ROWS, SLOT_PAGE, Counts,
                                           RecordLayout, gate_lane_target, gate_threshold, local_count_row,
                                           pack_records as _pack_records, place_blocks, read_before_counts,
-                                          rows_from_own_row, send_plan as _send_plan)
+                                          rows_from_own_row, send_plan as _send_plan, stamp_arrivals)
 
 PUSH_COLUMNS = 7
 # the expert-major kernels (csrc/kernels/expert_major.hpp), shared with the intranode stand-in
@@ -187,6 +187,38 @@ def forward_rows(dsts: int, dst_bases_or: int, dst_stride: int, dst_idx: int, ta
         ok = (d >= 0) & ~bad
         if bool(ok.any()):
             rows(bases[j], dst_stride, int(d[ok].max()) + 1)[d[ok]] = source[ok]
+
+
+def forward_arrivals(dsts: int, dst_bases_or: int, dst_stride: int, targets: int, src: int, src_stride: int, n: int,
+                     row_bytes: int, dst_rows: int, bases: int, dest_rows_offset: int, arrival_offset: int,
+                     dst_idx_out: int, stream: int, gate: "ArrivalGate | None" = None, first_row: int = 0,
+                     err: int = 0, stop_flag: int = 0, stop_generation: int = 0, rank: int = -1,
+                     phase: int = 0) -> None:
+    """forward_arrivals_kernel: stamp_arrivals' rule (each arrival's index into its record, its final rows into
+    dst_idx_out [n, targets]), then forward_rows' copies; gated, every row waits for its chunk first."""
+    if n <= 0:
+        return
+    if not (dsts and src and dst_rows and bases and dst_idx_out):
+        raise ValueError("forward_arrivals: null pointer")
+    if not 0 < targets <= FORWARD_MAX_TARGETS:
+        raise ValueError(f"forward_arrivals: {targets} local GPUs; 1 to {FORWARD_MAX_TARGETS} are supported")
+    if (row_bytes <= 0 or row_bytes > src_stride or arrival_offset % 4 or arrival_offset < 0
+            or arrival_offset + 4 > row_bytes or dest_rows_offset % 4 or dest_rows_offset < 0
+            or dest_rows_offset + 4 * targets > src_stride):
+        raise ValueError("forward_arrivals: the record layout does not hold the arrival in the forwarded bytes and "
+                         "the dest rows in the record")
+    if not 0 <= first_row < n:
+        raise ValueError("forward_arrivals: first_row outside the rows")
+    if _stopped(stop_flag, stop_generation):
+        return
+    if gate is not None and not gate.wait_rows(list(range(first_row, n)) + list(range(first_row))):
+        return
+    records = _at(src, n * src_stride).as_strided((n, src_stride), (src_stride, 1))
+    out = _at(dst_idx_out, 8 * n * targets, torch.int64).view(n, targets)
+    out.copy_(stamp_arrivals(records, arrival_offset, dest_rows_offset, targets,
+                             _at(bases, 8 * n * targets, torch.int64).view(n, targets)))
+    forward_rows(dsts, dst_bases_or, dst_stride, dst_idx_out, targets, src, src_stride, n, row_bytes, dst_rows,
+                 stream, err, stop_flag, stop_generation, rank, phase)
 
 
 def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of: int, zero: int, num_nodes: int,

@@ -623,3 +623,117 @@ def sync_free_dispatch_returns_before_the_count_read(nat, ref, dev, rank, world)
         err = str(exc)
     in_step = all(nat._cx.signal_value(s) == nat._expected[s] for s in range(nat.N * nat.L))
     return early, err, in_step, compare_cases(nat, ref, dev, rank, world, [ALL[0], ALL[7], ALL[8]], 1)
+
+
+# (payload bytes of the record, the targets' offset): 16-byte words, and 4-byte words where the targets sit 4-byte
+# aligned (forward_arrivals patches the arrival field inside a word of either size)
+FORWARD_ARRIVAL_SHAPES = [(48, 0), (20, 4)]
+FORWARD_ARRIVAL_SHAPE_IDS = ["16B", "4B"]
+
+
+def check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_stamped(cx, forward_arrivals, rdma, dev,
+                                                                                    codes, shape):
+    """forward_arrivals (the dispatch forward as the forwarder's reader of its arrivals). Ten records, pushed by the
+    rank to itself in chunks of 3 through two lanes (chunk c through lane (1 + c) % 2, counters 7 and 8), land over
+    stale bytes; the forward is gated on them and starts at row 4. Every record must reach each of three targets
+    (areas carved from the RDMA region) at its dest row plus its base, with its arrival index in the arrival field
+    and everything else as sent; dst_idx_out must hold those rows (-1 where the record names none, exactly); the
+    receive area's records get their arrival index too; nothing else changes. On a GPU (``cx``'s loopback delays
+    each write) the forward must still be waiting while the chunks land. Then the last chunk never comes: the wait
+    fails at the GPU deadline naming lane 0's counter, and the record it carries reaches no target. Last, ungated,
+    a record whose row at target 1 is past that area's rows is reported (target 1, its row) and not written."""
+    from uccl_ep_train.internode_plan import record_layout
+
+    payload, offset = shape
+    G, n, per, hint, slot, cap = 3, 10, 3, 1, 7, 50
+    layout = record_layout((payload,), G)
+    stride, final = layout.stride, layout.final_bytes
+    send, recv, span = 0, 4096, 4096
+    bases_at = [12288 + offset + j * span for j in range(G)]
+    end = bases_at[-1] + span
+    g = torch.Generator().manual_seed(payload)
+    idx = torch.stack([torch.randperm(cap, generator=g)[:n] for _ in range(G)], 1)
+    idx[torch.rand((n, G), generator=g) < 0.3] = -1  # rows some GPUs do not need
+    idx[2] = -1  # a record no GPU needs
+    base = (torch.rand((n, G), generator=g) * (idx.clamp(min=0) + 1)).long()  # forward_row_bases' part of the row
+    targets = torch.tensor([cx.rdma_ptr + b for b in bases_at], dtype=torch.int64, device=dev)
+    bases_or = functools.reduce(operator.or_, (cx.rdma_ptr + b for b in bases_at))
+    limits = torch.full((G,), cap, dtype=torch.int64, device=dev)
+    cuda = dev.type == "cuda"
+    stream = torch.cuda.current_stream().cuda_stream if cuda else 0
+
+    def records(rows):
+        rec = torch.randint(0, 256, (n, stride), dtype=torch.uint8, generator=g)
+        rel = torch.where(rows >= 0, rows - base, torch.full_like(rows, -1)).to(torch.int32)
+        rec[:, layout.dest_rows_offset:layout.dest_rows_offset + 4 * G] = rel.view(torch.uint8).view(n, 4 * G)
+        return rec
+
+    def run(rows, landing, gated):
+        sent = records(rows)
+        rdma[send:send + n * stride] = sent.reshape(-1).to(dev)
+        rdma[recv:end] = torch.randint(0, 256, (end - recv,), dtype=torch.uint8, generator=g).to(dev)
+        if gated:
+            rdma[recv:recv + n * stride] = 0xAB  # stale bytes where the records land
+        else:
+            rdma[recv:recv + n * stride] = sent.reshape(-1).to(dev)
+        before = rdma[:end].cpu().clone()  # (.cpu() is no copy on the CPU stand-in)
+        out = torch.full((n, G), -7, dtype=torch.int64, device=dev)
+        gate = None
+        if gated:
+            counters = [cx.signal_value(slot + f) for f in range(2)]
+            push = torch.tensor([[0, send, recv, stride, landing, slot, hint]], dtype=torch.int64, device=dev)
+            table = torch.tensor([[0, n, slot, hint] + counters], dtype=torch.int64, device=dev)
+            gate = cx.arrival_gate(table.data_ptr(), 1, per, 1)
+            cx.push_chunks(push.data_ptr(), 1, per, 1, stream)
+        forward_arrivals(targets.data_ptr(), bases_or, final, G, cx.rdma_ptr + recv, stride, n, final,
+                         limits.data_ptr(), base.to(dev).data_ptr(), layout.dest_rows_offset, layout.arrival_offset,
+                         out.data_ptr(), stream, gate=gate, first_row=4, err=cx.error_word_ptr,
+                         stop_flag=cx.stop_flag_ptr, stop_generation=cx.stop_generation, rank=0, phase=3)
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+            if gated and landing == n:
+                time.sleep(0.03)  # the writes land 20 ms apart
+                assert not done.query(), "the gated forward finished before its chunks landed"
+            done.synchronize()
+        return sent, before, rdma[:end].cpu().clone(), out.cpu()
+
+    def expected(sent, before, rows, forwarded):
+        want = before.clone()
+        for r in range(n):
+            if r not in forwarded:
+                continue
+            stamped = sent[r].clone()
+            stamped[layout.arrival_offset:layout.arrival_offset + 4] = torch.tensor([r], dtype=torch.int32) \
+                .view(torch.uint8)
+            at = recv + r * stride
+            want[at:at + stride] = stamped
+            for j in range(G):
+                d = int(rows[r, j])
+                if 0 <= d < cap:
+                    want[bases_at[j] + d * final:bases_at[j] + (d + 1) * final] = stamped[:final]
+        return want
+
+    sent, before, after, out = run(idx, n, True)
+    assert cx.error_fields()["code"] == 0, cx.error_message()
+    assert torch.equal(out, idx), f"the final rows differ:\n{out}\nwant\n{idx}"
+    assert torch.equal(after[recv:], expected(sent, before, idx, range(n))[recv:]), \
+        "a forwarded row differs from its record with its arrival stamped, or something else changed"
+    sent, before, after, out = run(idx, n - 1, True)  # the tenth record's chunk (3, lane 0) never comes
+    e = cx.error_fields()
+    assert (e["code"], e["slot"]) == (codes["wait_timeout"], slot), e
+    for j in range(G):
+        d = int(idx[9, j])
+        if d >= 0:
+            at = bases_at[j] + d * final
+            assert torch.equal(after[at:at + final], before[at:at + final]), "a row was forwarded after its wait failed"
+    cx.clear_error()
+    bad = idx.clone()
+    bad[5, 1] = cap  # one row past target 1's area: reported, not written
+    sent, before, after, out = run(bad, n, False)
+    e = cx.error_fields()
+    assert (e["code"], e["slot"], e["aux"], e["observed"], e["expected"]) == \
+        (codes["scatter_range"], 1, 5, cap, cap), e
+    assert torch.equal(after[bases_at[1] + cap * final:bases_at[1] + span],
+                       before[bases_at[1] + cap * final:bases_at[1] + span]), "written past the area"
+    cx.clear_error()

@@ -23,6 +23,8 @@ from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_sm
                              FORWARD_ROW_SHAPES, FORWARD_ROW_SHAPE_IDS,
                              check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,
+                             FORWARD_ARRIVAL_SHAPES, FORWARD_ARRIVAL_SHAPE_IDS,
+                             check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_stamped,
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
                              check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
@@ -698,12 +700,29 @@ def test_an_expert_major_combine_sums_its_rows_in_the_pack_with_one_gpu_per_node
     assert all(sums == 0 for _, sums, _ in off)
 
 
+def _forwarded_during_hop(rank, world, G, cases):
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
+        return done, nat.forwards_during_hop
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "after-the-hop"])
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
-def test_outputs_also_match_when_arrivals_are_read_only_after_the_whole_hop(world, G):
-    """UCCL_EP_GATED_ARRIVALS=0 keeps the wait for every counter before the readers run (the other tests run the
-    gated readers)."""
-    out = run_distributed(_cases, world, G, ALL[:5], 1, timeout=120, env=dict(ENV, UCCL_EP_GATED_ARRIVALS="0"))
-    assert all(done == 5 for done, _, _ in out)
+def test_outputs_match_whether_arrivals_are_read_and_forwarded_as_they_land_or_only_after_the_whole_hop(world, G,
+                                                                                                      gated):
+    """UCCL_EP_GATED_ARRIVALS=0 keeps the wait for every counter before the readers run; by default the readers, and
+    with several GPUs per node the forwarders too (forward_arrivals), read each chunk as it lands."""
+    env = ENV if gated else dict(ENV, UCCL_EP_GATED_ARRIVALS="0")
+    out = run_distributed(_forwarded_during_hop, world, G, ALL[:5], timeout=120, env=env)
+    assert all(done == 5 for done, _ in out)
+    forwarded = [n for _, n in out]
+    if gated and G > 1:
+        assert all(n > 0 for n in forwarded), f"no dispatch forwarded during its hop: {forwarded}"
+    else:
+        assert forwarded == [0] * world, forwarded
 
 
 def _absent_peer(rank, world, G):
@@ -794,6 +813,17 @@ def test_stand_in_gated_unpack_reads_landed_rows_and_times_out_naming_the_lane_o
     try:
         check_a_gated_unpack_reads_rows_only_after_their_chunks_land(
             cx, fake.unpack_records, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"), fake.ERROR_CODES)
+    finally:
+        cx.destroy()
+
+
+@pytest.mark.parametrize("shape", FORWARD_ARRIVAL_SHAPES, ids=FORWARD_ARRIVAL_SHAPE_IDS)
+def test_stand_in_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_stamped(shape):
+    cx = _context(gpu_timeout_secs=0.2)
+    try:
+        check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_stamped(
+            cx, fake.forward_arrivals, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"), fake.ERROR_CODES,
+            shape)
     finally:
         cx.destroy()
 

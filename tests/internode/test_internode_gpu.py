@@ -38,6 +38,8 @@ from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # 
                              FORWARD_ROW_SHAPES, FORWARD_ROW_SHAPE_IDS,
                              check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
+                             FORWARD_ARRIVAL_SHAPES, FORWARD_ARRIVAL_SHAPE_IDS,
+                             check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_stamped,
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
                              check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
@@ -853,6 +855,22 @@ def test_a_gated_unpack_waits_for_each_chunk_and_a_missing_chunk_times_out_namin
         check_a_gated_unpack_reads_rows_only_after_their_chunks_land(
             cx, k.unpack_records, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev,
             dict(k.ERROR_CODES))
+    finally:
+        cx.destroy()
+
+
+@pytest.mark.parametrize("shape", FORWARD_ARRIVAL_SHAPES, ids=FORWARD_ARRIVAL_SHAPE_IDS)
+def test_the_gated_forward_sends_each_record_once_its_chunk_landed_with_its_arrival_stamped(shape):
+    """The dispatch forward as the forwarder's reader (forward_arrivals_kernel; docs/internode.md, "Gated forward"),
+    on one rank whose proxy writes to itself, each write delayed 20 ms: waits for each chunk, forwards byte for byte
+    with the arrival stamped, times out naming a missing chunk's counter, checks its range."""
+    k = native.module().internode
+    cx = _one_rank_context(max_inflight_writes=1, loopback_delay_us=20000, gpu_timeout_secs=2.0)
+    try:
+        dev = torch.device("cuda", 0)
+        check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_stamped(
+            cx, k.forward_arrivals, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev,
+            dict(k.ERROR_CODES), shape)
     finally:
         cx.destroy()
 

@@ -126,7 +126,8 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
             assert signals[f][slot] == c, (f, slot)  # exactly: nothing more arrives on a counter than awaited
         A = sum(inn.recv_counts(counts, f, G))
         arrivals = rdma[f][half:half + A * stride].view(A, stride)
-        dest = inn.stamp_arrivals(arrivals, layout, G, inn.forward_row_bases(counts, f, G))
+        dest = plan.stamp_arrivals(arrivals, layout.arrival_offset, layout.dest_rows_offset, G,
+                                  inn.forward_row_bases(counts, f, G))
         fwd.append(dest)
         node = f // G
         for j in range(G):
