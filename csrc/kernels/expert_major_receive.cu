@@ -18,11 +18,15 @@
 namespace uccl_ep::internode {
 namespace {
 
-// A row per warp: its payload goes to up to top-k rows. Blocks of 1024 threads, not unpack_records' 256: where ranks
-// share a GPU the gated readers are held to a few blocks (Context::set_spin_blocks), and at 256 threads those kept
-// too few rows in flight to follow the wire (~470 us behind the last chunk under MPS, session 29).
+// Blocks of 1024 threads, not unpack_records' 256: where ranks share a GPU the gated readers are held to a few blocks
+// (Context::set_spin_blocks), and at 256 threads those kept too few rows in flight to follow the wire (~470 us behind
+// the last chunk under MPS, session 29). A tile is 8 rows, 4 warps to a row's payload: each row goes to up to top-k
+// rows, and one SM's stores bound a tile, so the rows of the hop's last chunk must spread over many SMs (with 32 rows
+// to a block the reader ended ~35 us after the last chunk landed on 2x H200, against ~10 for unpack_records).
 constexpr int kReceiveThreads = 1024;
 constexpr int kWarps = kReceiveThreads / kWarpSize;
+constexpr int kTileRows = 8;
+constexpr int kWarpsPerRow = kWarps / kTileRows;
 using expert_major::kMaxTopk;
 
 // The source of final row r: the last s with source_rows[s] <= r (a source without rows shares its start with the
@@ -36,27 +40,37 @@ __device__ __forceinline__ int source_of(const long long* source_rows, int num_s
   return lo;
 }
 
-// Row r by one warp: its expert-major rows (from the record's ids and ranks, or the handle's slot_of), the plan's
-// columns at each of them when they are made here, then the payload loaded once and stored to each.
-// Our own rows are [own_lo, own_hi), records own_rec.. of our send list (OwnRowsArgs' place, or the device words').
+// Final row r: our own rows [lo, hi) are records rec.. of our send list, never packed (OwnRowsArgs' place, or the
+// device words'); the others are in the arrivals.
+struct RowPlace {
+  long long lo, hi, rec;
+  __device__ __forceinline__ bool own(long long r) const { return r >= lo && r < hi; }
+};
+
+// Byte `off` of row r's record: in the arrivals, or (our own rows) in the column holding it.
+__device__ __forceinline__ const char* row_field(const ExpertMajorReceive& a, const OwnRowsArgs& own,
+                                                 const RowPlace& at, long long r, long long off) {
+  const char* row = reinterpret_cast<const char*>(a.src) + r * a.src_stride + off;
+  return at.own(r) ? own.field(own.tokens[at.rec + r - at.lo], off, row) : row;
+}
+
+// Row r by one warp, all but its payload: its expert-major rows (from the record's ids and ranks, or the handle's
+// slot_of) into `slots`, the plan's columns at each of them when they are made here, the scales, src_idx and
+// arrival. Returns how many expert-major rows it has.
 template <bool kGated>
-__device__ void read_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, long long own_lo, long long own_hi,
-                         long long own_rec, long long r, int lane, int* scratch, int* slots) {
+__device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, const RowPlace& at, long long r,
+                         int lane, int* scratch, int* slots) {
   const char* row = reinterpret_cast<const char*>(a.src) + r * a.src_stride;
-  // byte `off` of row r's record: in the arrivals, or (our own rows, never packed) in the column holding it
-  const bool own_row = r >= own_lo && r < own_hi;
-  const long long token = own_row ? own.tokens[own_rec + r - own_lo] : 0;
-  const auto field = [&](long long off) -> const char* {
-    return own_row ? own.field(token, off, row + off) : row + off;
-  };
   int* slot_of = reinterpret_cast<int*>(a.slot_of) + r * a.topk;
   const int s = a.slots_given ? 0 : source_of(reinterpret_cast<const long long*>(a.source_rows), a.num_sources, r);
   const int m = warp_compact<kWarps>(a.topk, lane, scratch, slots, [&](int k) -> int {
     if (a.slots_given) return slot_of[k];
     int p = -1;
-    const long long e = load_word<kGated>(reinterpret_cast<const long long*>(field(a.ids_offset)) + k) - a.expert_lo;
+    const long long e =
+        load_word<kGated>(reinterpret_cast<const long long*>(row_field(a, own, at, r, a.ids_offset)) + k) -
+        a.expert_lo;
     if (e >= 0 && e < a.num_local_experts) {
-      const int rank = load_word<kGated>(reinterpret_cast<const int*>(field(a.ranks_offset)) + k);
+      const int rank = load_word<kGated>(reinterpret_cast<const int*>(row_field(a, own, at, r, a.ranks_offset)) + k);
       const long long* place = reinterpret_cast<const long long*>(a.places) + (s * a.num_local_experts + e) * 2;
       // a rank past the source's count (counts that do not match the ids) is dropped, never written out of bounds
       if (rank >= 0 && rank < place[1] && place[0] + rank < a.expert_rows) {
@@ -67,18 +81,15 @@ __device__ void read_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, lo
         reinterpret_cast<long long*>(a.em_expert)[q] = e;
         if (a.em_weights)
           reinterpret_cast<float*>(a.em_weights)[q] =
-              load_word<kGated>(reinterpret_cast<const float*>(field(a.weights_offset)) + k);
+              load_word<kGated>(reinterpret_cast<const float*>(row_field(a, own, at, r, a.weights_offset)) + k);
       }
     }
     slot_of[k] = p;
     return p;
   });
-  const int units = static_cast<int>(a.x_bytes / 16);
-  int4* out_x = reinterpret_cast<int4*>(a.out_x);
-  warp_copy_v4_to_each<4, kGated>(reinterpret_cast<const int4*>(field(a.x_offset)), units, lane, m,
-                                  [&](int j) { return out_x + static_cast<long long>(slots[j]) * units; });
   float* out_scales = reinterpret_cast<float*>(a.out_scales);
-  const float* scales = out_scales != nullptr ? reinterpret_cast<const float*>(field(a.scales_offset)) : nullptr;
+  const float* scales =
+      out_scales != nullptr ? reinterpret_cast<const float*>(row_field(a, own, at, r, a.scales_offset)) : nullptr;
   for (int sc = lane; out_scales != nullptr && sc < a.num_scales; sc += kWarpSize) {
     const float v = load_word<kGated>(scales + sc);
     for (int j = 0; j < m; ++j) out_scales[static_cast<long long>(slots[j]) * a.num_scales + sc] = v;
@@ -86,21 +97,24 @@ __device__ void read_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, lo
   if (lane == 0) {
     if (a.src_idx_out)
       reinterpret_cast<long long*>(a.src_idx_out)[r] =
-          own_row ? token : load_word<kGated>(reinterpret_cast<const int*>(row + a.src_idx_offset));
+          at.own(r) ? own.tokens[at.rec + r - at.lo]
+                    : load_word<kGated>(reinterpret_cast<const int*>(row + a.src_idx_offset));
     if (a.arrival_out)
       reinterpret_cast<long long*>(a.arrival_out)[r] =
           a.arrival_offset < 0 ? r : load_word<kGated>(reinterpret_cast<const int*>(row + a.arrival_offset));
   }
-  warp_sync();  // slots is reused by the warp's next row
+  return m;
 }
 
-// A tile of kWarps rows per block step; with a gate, block 0 watches the counters (arrival_gate.cuh) and each tile
-// waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as unpack_records'.
+// A tile of kTileRows rows per block step; with a gate, block 0 watches the counters (arrival_gate.cuh) and each tile
+// waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as unpack_records'. A warp
+// per row places it, then kWarpsPerRow warps copy a share each of its payload to its expert-major rows.
 template <bool kGated>
 __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(ExpertMajorReceive a, OwnRowsArgs own,
                                                                             ArrivalGate gate, long long first_row) {
-  __shared__ int s_scratch[kWarps][kMaxTopk];
-  __shared__ int s_slots[kWarps][kMaxTopk];
+  __shared__ int s_scratch[kTileRows][kMaxTopk];
+  __shared__ int s_slots[kTileRows][kMaxTopk];
+  __shared__ int s_rows[kTileRows];  // each row's expert-major rows
   __shared__ bool s_ok;
   const long long* dims = reinterpret_cast<const long long*>(a.dims);
   if (dims) {
@@ -115,28 +129,42 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
   const long long block = blockIdx.x - (kGated ? 1 : 0), grid = gridDim.x - (kGated ? 1 : 0);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   long long n = a.num_rows;
-  long long own_lo = own.first_row, own_hi = own.first_row + own.count, own_rec = own.first_record;
+  RowPlace at{own.first_row, own.first_row + own.count, own.first_record};
   if (dims) {  // read before the counts: the words say where (the watcher above took its gate's rows from them)
     n = dims[kReadRows];
-    first_row = own_lo = dims[kReadFirstRow];
-    own_hi = own_lo + dims[kReadOwnCount];
-    own_rec = dims[kReadOwnFirst];
+    first_row = at.lo = dims[kReadFirstRow];
+    at.hi = at.lo + dims[kReadOwnCount];
+    at.rec = dims[kReadOwnFirst];
   }
-  const long long tiles_a = (n - first_row + kWarps - 1) / kWarps, tiles_b = (first_row + kWarps - 1) / kWarps;
+  const int units = static_cast<int>(a.x_bytes / 16);
+  int4* out_x = reinterpret_cast<int4*>(a.out_x);
+  const int tile_row = warp / kWarpsPerRow, part = warp % kWarpsPerRow;
+  const int begin = part * units / kWarpsPerRow, stop = (part + 1) * units / kWarpsPerRow;
+  const long long tiles_a = (n - first_row + kTileRows - 1) / kTileRows;
+  const long long tiles_b = (first_row + kTileRows - 1) / kTileRows;
   for (long long t = block; t < tiles_a + tiles_b; t += grid) {
     long long lo, end;
     if (t < tiles_a) {
-      lo = first_row + t * kWarps;
-      end = lo + kWarps < n ? lo + kWarps : n;
+      lo = first_row + t * kTileRows;
+      end = lo + kTileRows < n ? lo + kTileRows : n;
     } else {
-      lo = (t - tiles_a) * kWarps;
-      end = lo + kWarps < first_row ? lo + kWarps : first_row;
+      lo = (t - tiles_a) * kTileRows;
+      end = lo + kTileRows < first_row ? lo + kTileRows : first_row;
     }
     if constexpr (kGated) {
       if (!block_gate_rows(gate, lo, end - 1, &s_ok)) return;
     }
-    if (lo + warp < end)
-      read_row<kGated>(a, own, own_lo, own_hi, own_rec, lo + warp, lane, s_scratch[warp], s_slots[warp]);
+    if (warp < kTileRows && lo + warp < end)
+      s_rows[warp] = place_row<kGated>(a, own, at, lo + warp, lane, s_scratch[warp], s_slots[warp]);
+    __syncthreads();
+    const long long r = lo + tile_row;
+    if (r < end) {
+      const int* slots = s_slots[tile_row];
+      const int4* src = reinterpret_cast<const int4*>(row_field(a, own, at, r, a.x_offset)) + begin;
+      warp_copy_v4_to_each<4, kGated>(src, stop - begin, lane, s_rows[tile_row],
+                                      [&](int j) { return out_x + static_cast<long long>(slots[j]) * units + begin; });
+    }
+    __syncthreads();  // s_rows and s_slots are rewritten by the next tile
   }
   if constexpr (kGated) reader_ends(gate);
 }
@@ -239,7 +267,7 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
   }
   if (!a.src || !a.out_x || (a.topk > 0 && !a.slot_of)) bad("null source, output or slot_of");
   check_gate(gate, "expert_major_receive");
-  const int blocks = gated_grid(int(std::min<int64_t>((a.num_rows + kWarps - 1) / kWarps, 1024)), gate);
+  const int blocks = gated_grid(int(std::min<int64_t>((a.num_rows + kTileRows - 1) / kTileRows, 1024)), gate);
   auto launch = [&](auto kernel) {
     kernel<<<blocks + (gate ? 1 : 0), kReceiveThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         a, own_args, gate ? *gate : ArrivalGate{}, first_row);
