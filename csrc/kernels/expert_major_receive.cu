@@ -20,9 +20,10 @@ namespace {
 
 // Blocks of 1024 threads, not unpack_records' 256: where ranks share a GPU the gated readers are held to a few blocks
 // (Context::set_spin_blocks), and at 256 threads those kept too few rows in flight to follow the wire (~470 us behind
-// the last chunk under MPS, session 29). A tile is 8 rows, 4 warps to a row's payload: each row goes to up to top-k
-// rows, and one SM's stores bound a tile, so the rows of the hop's last chunk must spread over many SMs (with 32 rows
-// to a block the reader ended ~35 us after the last chunk landed on 2x H200, against ~10 for unpack_records).
+// the last chunk under MPS, session 29). A block step reads 8 rows, 4 warps to a row's payload: each row goes to up to
+// top-k rows and one SM's stores bound a step, so the rows of the hop's last chunk must spread over many SMs (at 32
+// rows a step, a warp each, the reader ended ~35 us after the last chunk landed on 2x H200, against ~10 for
+// unpack_records).
 constexpr int kReceiveThreads = 1024;
 constexpr int kWarps = kReceiveThreads / kWarpSize;
 constexpr int kTileRows = 8;
@@ -55,11 +56,11 @@ __device__ __forceinline__ const char* row_field(const ExpertMajorReceive& a, co
 }
 
 // Row r by one warp, all but its payload: its expert-major rows (from the record's ids and ranks, or the handle's
-// slot_of) into `slots`, the plan's columns at each of them when they are made here, the scales, src_idx and
-// arrival. Returns how many expert-major rows it has.
+// slot_of) into `slots`; returns how many. The row's `writer` warp also writes the plan's columns at each of them
+// when they are made here, slot_of, the scales, src_idx and arrival (the other warps of the row find the same rows).
 template <bool kGated>
 __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, const RowPlace& at, long long r,
-                         int lane, int* scratch, int* slots) {
+                         int lane, int* scratch, int* slots, bool writer) {
   const char* row = reinterpret_cast<const char*>(a.src) + r * a.src_stride;
   int* slot_of = reinterpret_cast<int*>(a.slot_of) + r * a.topk;
   const int s = a.slots_given ? 0 : source_of(reinterpret_cast<const long long*>(a.source_rows), a.num_sources, r);
@@ -76,6 +77,7 @@ __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, co
       if (rank >= 0 && rank < place[1] && place[0] + rank < a.expert_rows) {
         const long long q = place[0] + rank;
         p = static_cast<int>(q);
+        if (!writer) return p;
         reinterpret_cast<long long*>(a.em_token)[q] = r;
         reinterpret_cast<long long*>(a.em_slot)[q] = k;
         reinterpret_cast<long long*>(a.em_expert)[q] = e;
@@ -84,9 +86,10 @@ __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, co
               load_word<kGated>(reinterpret_cast<const float*>(row_field(a, own, at, r, a.weights_offset)) + k);
       }
     }
-    slot_of[k] = p;
+    if (writer) slot_of[k] = p;
     return p;
   });
+  if (!writer) return m;
   float* out_scales = reinterpret_cast<float*>(a.out_scales);
   const float* scales =
       out_scales != nullptr ? reinterpret_cast<const float*>(row_field(a, own, at, r, a.scales_offset)) : nullptr;
@@ -107,14 +110,14 @@ __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, co
 }
 
 // A tile of kTileRows rows per block step; with a gate, block 0 watches the counters (arrival_gate.cuh) and each tile
-// waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as unpack_records'. A warp
-// per row places it, then kWarpsPerRow warps copy a share each of its payload to its expert-major rows.
+// waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as unpack_records'. The warps
+// of a row each find its expert-major rows (no block barrier between finding and copying) and copy a share of its
+// payload to them.
 template <bool kGated>
 __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(ExpertMajorReceive a, OwnRowsArgs own,
                                                                             ArrivalGate gate, long long first_row) {
-  __shared__ int s_scratch[kTileRows][kMaxTopk];
-  __shared__ int s_slots[kTileRows][kMaxTopk];
-  __shared__ int s_rows[kTileRows];  // each row's expert-major rows
+  __shared__ int s_scratch[kWarps][kMaxTopk];
+  __shared__ int s_slots[kWarps][kMaxTopk];
   __shared__ bool s_ok;
   const long long* dims = reinterpret_cast<const long long*>(a.dims);
   if (dims) {
@@ -154,17 +157,15 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
     if constexpr (kGated) {
       if (!block_gate_rows(gate, lo, end - 1, &s_ok)) return;
     }
-    if (warp < kTileRows && lo + warp < end)
-      s_rows[warp] = place_row<kGated>(a, own, at, lo + warp, lane, s_scratch[warp], s_slots[warp]);
-    __syncthreads();
     const long long r = lo + tile_row;
     if (r < end) {
-      const int* slots = s_slots[tile_row];
+      int* slots = s_slots[warp];
+      const int m = place_row<kGated>(a, own, at, r, lane, s_scratch[warp], slots, part == 0);
       const int4* src = reinterpret_cast<const int4*>(row_field(a, own, at, r, a.x_offset)) + begin;
-      warp_copy_v4_to_each<4, kGated>(src, stop - begin, lane, s_rows[tile_row],
+      warp_copy_v4_to_each<4, kGated>(src, stop - begin, lane, m,
                                       [&](int j) { return out_x + static_cast<long long>(slots[j]) * units + begin; });
+      warp_sync();  // the warp's slots are rewritten by its next row
     }
-    __syncthreads();  // s_rows and s_slots are rewritten by the next tile
   }
   if constexpr (kGated) reader_ends(gate);
 }
