@@ -20,14 +20,15 @@ namespace {
 
 // Blocks of 1024 threads, not unpack_records' 256: where ranks share a GPU the gated readers are held to a few blocks
 // (Context::set_spin_blocks), and at 256 threads those kept too few rows in flight to follow the wire (~470 us behind
-// the last chunk under MPS, session 29). A block step reads 8 rows, 4 warps to a row's payload: each row goes to up to
-// top-k rows and one SM's stores bound a step, so the rows of the hop's last chunk must spread over many SMs (at 32
-// rows a step, a warp each, the reader ended ~35 us after the last chunk landed on 2x H200, against ~10 for
-// unpack_records).
+// the last chunk under MPS, session 29). How many warps share a row (expert_major_receive picks):
+// - 4 with a grid of its own, a block step reading 8 rows: each row goes to up to top-k rows and one SM's stores bound
+//   a step, so the rows of the hop's last chunk must spread over many SMs (at 32 rows a step the reader ended ~35 us
+//   after the last chunk landed on 2x H200, against ~10 for unpack_records);
+// - 1 in a grid held to a few blocks, a step reading 32 rows: there each block's throughput bounds the reader, and
+//   a warp to a row finds each row's expert-major rows once (a reader launched late behind its hop, under MPS, ended
+//   up to ~140 us after the last chunk with 4, ~40-60 with 1).
 constexpr int kReceiveThreads = 1024;
 constexpr int kWarps = kReceiveThreads / kWarpSize;
-constexpr int kTileRows = 8;
-constexpr int kWarpsPerRow = kWarps / kTileRows;
 using expert_major::kMaxTopk;
 
 // The source of final row r: the last s with source_rows[s] <= r (a source without rows shares its start with the
@@ -109,13 +110,14 @@ __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, co
   return m;
 }
 
-// A tile of kTileRows rows per block step; with a gate, block 0 watches the counters (arrival_gate.cuh) and each tile
-// waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as unpack_records'. The warps
-// of a row each find its expert-major rows (no block barrier between finding and copying) and copy a share of its
-// payload to them.
+// A tile of kWarps / warps_per_row rows per block step; with a gate, block 0 watches the counters (arrival_gate.cuh)
+// and each tile waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as
+// unpack_records'. The warps of a row each find its expert-major rows (no block barrier between finding and copying)
+// and copy a share of its payload to them.
 template <bool kGated>
 __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(ExpertMajorReceive a, OwnRowsArgs own,
-                                                                            ArrivalGate gate, long long first_row) {
+                                                                            ArrivalGate gate, long long first_row,
+                                                                            int warps_per_row) {
   __shared__ int s_scratch[kWarps][kMaxTopk];
   __shared__ int s_slots[kWarps][kMaxTopk];
   __shared__ bool s_ok;
@@ -141,18 +143,18 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
   }
   const int units = static_cast<int>(a.x_bytes / 16);
   int4* out_x = reinterpret_cast<int4*>(a.out_x);
-  const int tile_row = warp / kWarpsPerRow, part = warp % kWarpsPerRow;
-  const int begin = part * units / kWarpsPerRow, stop = (part + 1) * units / kWarpsPerRow;
-  const long long tiles_a = (n - first_row + kTileRows - 1) / kTileRows;
-  const long long tiles_b = (first_row + kTileRows - 1) / kTileRows;
+  const int tile_rows = kWarps / warps_per_row, tile_row = warp / warps_per_row, part = warp % warps_per_row;
+  const int begin = part * units / warps_per_row, stop = (part + 1) * units / warps_per_row;
+  const long long tiles_a = (n - first_row + tile_rows - 1) / tile_rows;
+  const long long tiles_b = (first_row + tile_rows - 1) / tile_rows;
   for (long long t = block; t < tiles_a + tiles_b; t += grid) {
     long long lo, end;
     if (t < tiles_a) {
-      lo = first_row + t * kTileRows;
-      end = lo + kTileRows < n ? lo + kTileRows : n;
+      lo = first_row + t * tile_rows;
+      end = lo + tile_rows < n ? lo + tile_rows : n;
     } else {
-      lo = (t - tiles_a) * kTileRows;
-      end = lo + kTileRows < first_row ? lo + kTileRows : first_row;
+      lo = (t - tiles_a) * tile_rows;
+      end = lo + tile_rows < first_row ? lo + tile_rows : first_row;
     }
     if constexpr (kGated) {
       if (!block_gate_rows(gate, lo, end - 1, &s_ok)) return;
@@ -268,10 +270,12 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
   }
   if (!a.src || !a.out_x || (a.topk > 0 && !a.slot_of)) bad("null source, output or slot_of");
   check_gate(gate, "expert_major_receive");
-  const int blocks = gated_grid(int(std::min<int64_t>((a.num_rows + kTileRows - 1) / kTileRows, 1024)), gate);
+  const int warps_per_row = gate && gate->max_grid > 0 ? 1 : 4;  // (see kReceiveThreads)
+  const int64_t tile_rows = kWarps / warps_per_row;
+  const int blocks = gated_grid(int(std::min<int64_t>((a.num_rows + tile_rows - 1) / tile_rows, 1024)), gate);
   auto launch = [&](auto kernel) {
     kernel<<<blocks + (gate ? 1 : 0), kReceiveThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-        a, own_args, gate ? *gate : ArrivalGate{}, first_row);
+        a, own_args, gate ? *gate : ArrivalGate{}, first_row, warps_per_row);
   };
   gate ? launch(expert_major_receive_kernel<true>) : launch(expert_major_receive_kernel<false>);
   uccl_ep::check_launch("internode", "expert_major_receive");
