@@ -136,13 +136,29 @@ def partials(x: int, topk_weights: int, slot_of: int, recv_info: int, num_rows: 
             torch.where(so >= 0, got, torch.zeros((), dtype=torch.float32))
 
 
-def pair_ranks(topk_idx: int, num_tokens: int, topk: int, num_experts: int, ranks: int, stream: int) -> None:
-    """pair_ranks_kernel: per (token, slot) naming expert e, the (token, slot) pairs before it naming e; -1 dropped."""
+CHUNK_PAIRS, CHUNK_MAX_EXPERTS = 256, 1024  # expert_major.cu's chunked pair ranks
+
+
+def pair_ranks_workspace_bytes(num_tokens: int, topk: int, num_experts: int) -> int:
+    """pair_ranks_workspace_bytes: the chunks' int32 counts per expert; 0 where the chunked launches do not apply."""
+    if num_tokens < 0 or topk < 0 or not 1 <= num_experts <= CHUNK_MAX_EXPERTS:
+        return 0
+    return -(-num_tokens * topk // CHUNK_PAIRS) * num_experts * 4
+
+
+def pair_ranks(topk_idx: int, num_tokens: int, topk: int, num_experts: int, ranks: int, stream: int,
+               workspace: int = 0, workspace_bytes: int = 0) -> None:
+    """pair_ranks_kernel (or the chunked launches, with a workspace): per (token, slot) naming expert e, the (token,
+    slot) pairs before it naming e; -1 dropped."""
     if num_tokens < 0 or topk < 0 or num_experts < 1:
         raise ValueError("expert_major_pair_ranks: needs num_tokens >= 0, topk >= 0 and num_experts >= 1")
     pairs = num_tokens * topk
     if pairs == 0:
         return
+    need = pair_ranks_workspace_bytes(num_tokens, topk, num_experts)
+    if workspace and need and workspace_bytes < need:
+        raise ValueError(f"expert_major_pair_ranks: the workspace has {workspace_bytes} bytes, the chunks' counts "
+                         f"need {need} (pair_ranks_workspace_bytes)")
     ids = _at(topk_idx, 8 * pairs, torch.int64)
     out = _at(ranks, 4 * pairs, torch.int32)
     valid = (ids >= 0) & (ids < num_experts)

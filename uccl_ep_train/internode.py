@@ -2312,7 +2312,12 @@ class NativeInternodeBackend:
         how many (token, slot) pairs before it name e (int32, -1 on dropped slots; one launch)."""
         T, K = topk_idx.shape
         ranks = torch.empty((T, K), dtype=torch.int32, device=self.device)
-        self._k.expert_major_pair_ranks(topk_idx.data_ptr(), T, K, num_experts, ranks.data_ptr(), self._stream())
+        # the chunked launches' counts (a short workspace from the caching allocator; 0 bytes: the one-launch kernel)
+        nbytes = self._k.expert_major_pair_ranks_workspace_bytes(T, K, num_experts)
+        work = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if nbytes else None
+        self._k.expert_major_pair_ranks(topk_idx.data_ptr(), T, K, num_experts, ranks.data_ptr(), self._stream(),
+                                        workspace=work.data_ptr() if work is not None else 0, workspace_bytes=nbytes)
+        self._keep_pair_ranks_work = work  # alive until the launches have run (the next call's replaces it)
         return ranks
 
     def _expert_major_pad(self, info: torch.Tensor, alignment: int, rows: int, out: List[torch.Tensor],

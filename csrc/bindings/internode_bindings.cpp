@@ -279,9 +279,14 @@ void bind_internode(py::module_& m) {
         "the expert-major weights back to their slots");
 
   k.def("expert_major_pair_ranks", &em::pair_ranks, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("topk"),
-        py::arg("num_experts"), py::arg("ranks"), py::arg("stream"),
+        py::arg("num_experts"), py::arg("ranks"), py::arg("stream"), py::arg("workspace") = 0,
+        py::arg("workspace_bytes") = 0,
         "the sender's half of an expert-major receive made by the reader: per (token, slot) naming expert e, how "
-        "many (token, slot) pairs before it name e (int32 [tokens, topk]; -1 on dropped slots)");
+        "many (token, slot) pairs before it name e (int32 [tokens, topk]; -1 on dropped slots); with a workspace of "
+        "expert_major_pair_ranks_workspace_bytes, three short launches over chunks of pairs");
+  k.def("expert_major_pair_ranks_workspace_bytes", &em::pair_ranks_workspace_bytes, py::arg("num_tokens"),
+        py::arg("topk"), py::arg("num_experts"),
+        "bytes of device workspace expert_major_pair_ranks' chunked launches need (0: they do not apply)");
   k.def("expert_major_pad", &em::pad, py::arg("recv_info"), py::arg("num_local_experts"), py::arg("alignment"),
         py::arg("expert_rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("out_x"),
         py::arg("out_scales"), py::arg("em_token"), py::arg("em_slot"), py::arg("em_expert"), py::arg("em_weights"),

@@ -47,7 +47,12 @@ void partials(uintptr_t x, uintptr_t topk_weights, uintptr_t slot_of, uintptr_t 
 // the reader"): for each (token t, slot k) of topk_idx (int64 [num_tokens, topk], global ids) naming expert e in
 // [0, num_experts), ranks[t][k] (int32) = how many (token, slot) pairs before it, in (token, slot) order, name e; -1
 // on dropped slots. A receiver adds where source s's pairs of e start among its expert-major rows and has the row.
-void pair_ranks(uintptr_t topk_idx, int64_t num_tokens, int topk, int num_experts, uintptr_t ranks, uintptr_t stream);
+// `workspace` (device, workspace_bytes >= pair_ranks_workspace_bytes(...) > 0): three short launches over chunks of
+// pairs instead of one that reads the ids once per four experts; 0 (or more than kChunkMaxExperts experts): that one.
+constexpr int kChunkMaxExperts = 1024;  // the chunked launches' shared memory: (warps + 1) int32 per expert
+int64_t pair_ranks_workspace_bytes(int64_t num_tokens, int topk, int num_experts);
+void pair_ranks(uintptr_t topk_idx, int64_t num_tokens, int topk, int num_experts, uintptr_t ranks, uintptr_t stream,
+                uintptr_t workspace = 0, int64_t workspace_bytes = 0);
 
 // The rows of an expert-major receive that no token fills: each segment's padding up to the alignment and the tail
 // after the last segment (recv_info: int32 [received rows, 0, raw count per local expert]), up to expert_rows. Their

@@ -53,6 +53,7 @@ expert_major_layout = fake_expert_major.layout
 expert_major_copy = fake_expert_major.copy
 expert_major_partials = fake_expert_major.partials
 expert_major_pair_ranks = fake_expert_major.pair_ranks
+expert_major_pair_ranks_workspace_bytes = fake_expert_major.pair_ranks_workspace_bytes
 expert_major_pad = fake_expert_major.pad
 GATE_COLUMNS = GATE_FIXED_COLUMNS
 COUNT_ROW_MAX_BINS = 12288

@@ -354,11 +354,16 @@ def test_a_reader_before_the_count_read_takes_its_gate_rows_and_own_records_from
         assert (got_ids[n:] == 99).all() and (got_src[n:] == -5).all()
 
 
-@pytest.mark.parametrize("T,K,E", [(4096, 8, 256), (333, 4, 6), (1, 2, 3), (0, 8, 16)])
-def test_pair_ranks_kernel_ranks_each_pair_among_the_earlier_pairs_of_its_expert_and_marks_dropped_slots(T, K, E):
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-launch", "chunked"])
+@pytest.mark.parametrize("T,K,E", [(4096, 8, 256), (333, 4, 6), (1, 2, 3), (0, 8, 16), (8192, 8, 1024),
+                                   (3000, 6, 1)])
+def test_pair_ranks_kernel_ranks_each_pair_among_the_earlier_pairs_of_its_expert_and_marks_dropped_slots(T, K, E,
+                                                                                                       chunked):
     """expert_major_pair_ranks against its definition, over ids with dropped slots (-1), duplicate experts within a
     token and expert counts that are no multiple of a block's four experts: rank = the (token, slot) pairs before it
-    in (token, slot) order that name the same expert; -1 on a dropped slot."""
+    in (token, slot) order that name the same expert; -1 on a dropped slot. Both ways: the one launch, and (with a
+    workspace) the three over chunks of pairs, whose counts cross chunk, warp and lane boundaries here (one expert
+    only: every pair of a chunk counts)."""
     g = torch.Generator().manual_seed(T + K + E)
     idx = torch.randint(0, E, (T, K), generator=g)
     idx[torch.rand((T, K), generator=g) < 0.1] = -1
@@ -368,8 +373,16 @@ def test_pair_ranks_kernel_ranks_each_pair_among_the_earlier_pairs_of_its_expert
         hit = (flat == e).nonzero().flatten()
         want[hit] = torch.arange(hit.numel())
     got = torch.full((T, K), 12345, dtype=torch.int32, device=DEV)  # (poisoned: every entry must be written)
-    K_.expert_major_pair_ranks(idx.to(DEV).data_ptr(), T, K, E, got.data_ptr(), STREAM())
+    nbytes = K_.expert_major_pair_ranks_workspace_bytes(T, K, E) if chunked else 0
+    work = torch.full((max(nbytes, 1),), 0x7F, dtype=torch.uint8, device=DEV)  # (poisoned: counts are written first)
+    K_.expert_major_pair_ranks(idx.to(DEV).data_ptr(), T, K, E, got.data_ptr(), STREAM(),
+                               workspace=work.data_ptr() if nbytes else 0, workspace_bytes=nbytes)
     assert torch.equal(got.cpu().view(-1).to(torch.int64), want)
+    if chunked and T * K:
+        assert nbytes == -(-T * K // 256) * E * 4, nbytes
+        with pytest.raises(ValueError, match="workspace"):  # too small: refused before any launch
+            K_.expert_major_pair_ranks(idx.to(DEV).data_ptr(), T, K, E, got.data_ptr(), STREAM(),
+                                       workspace=work.data_ptr(), workspace_bytes=nbytes - 4)
 
 
 @pytest.mark.parametrize("counts,alignment,rows", [([5, 0, 9, 1], 4, 24), ([5, 0, 9, 1], 4, 40), ([3, 3], 1, 6),
