@@ -185,8 +185,9 @@ class KernelSettings:
         _float(0.001)))
     gated_arrivals: bool = field(default=True, metadata=_meta(
         "UCCL_EP_GATED_ARRIVALS", "internode: the kernel that reads a hop's arrivals (dispatch's unpack with one GPU "
-        "per node, combine's sum of partial sums) starts with the hop and reads each chunk as its counter shows it "
-        "landed; 0: it starts after the whole hop (docs/internode.md, Gated arrivals)", _bool))
+        "per node, the dispatch forward over NVLink with several, combine's sum of partial sums) starts with the hop "
+        "and reads each chunk as its counter shows it landed; 0: it starts after the whole hop (docs/internode.md, "
+        "Gated arrivals, Gated forward)", _bool))
     skip_dispatch_barrier: bool = field(default=True, metadata=_meta(
         "UCCL_EP_SKIP_DISPATCH_BARRIER", "internode: a cached dispatch right after a combine skips its entry barrier "
         "when that combine's traffic proves every rank is done with the areas (docs/internode.md, Areas and entry "
