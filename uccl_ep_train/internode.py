@@ -2309,7 +2309,8 @@ class NativeInternodeBackend:
 
     def _pair_ranks(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
         """The records' column for an expert-major receive made by the reader: per (token, slot) naming expert e,
-        how many (token, slot) pairs before it name e (int32, -1 on dropped slots; one launch)."""
+        how many (token, slot) pairs before it name e (int32, -1 on dropped slots; docs/internode.md, "Expert-major
+        rows in the reader": three short launches over chunks of pairs, one for more than 1024 experts)."""
         T, K = topk_idx.shape
         ranks = torch.empty((T, K), dtype=torch.int32, device=self.device)
         # the chunked launches' counts (a short workspace from the caching allocator; 0 bytes: the one-launch kernel)
