@@ -670,7 +670,7 @@ def run(args) -> int:
                       "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()},
                       **{k: getattr(nat, k, None) for k in ("packs_and_pushes_during_notify", "reads_before_counts",
                                                             "reads_before_counts_declined",
-                                                            "spare_read_outputs_taken")}}
+                                                            "spare_read_outputs_taken", "forwards_during_hop")}}
             if timeline is not None:
                 shared["kernel_timeline_by_rank"] = timeline
             if wire is not None:
@@ -761,6 +761,8 @@ def run(args) -> int:
         "reads_before_counts": getattr(nat, "reads_before_counts", None),
         "reads_before_counts_declined": getattr(nat, "reads_before_counts_declined", None),
         "spare_read_outputs_taken": getattr(nat, "spare_read_outputs_taken", None),
+        # dispatches whose forwarder read and forwarded its arrivals during the hop (several GPUs per node; rank 0)
+        "forwards_during_hop": getattr(nat, "forwards_during_hop", None),
     }
     # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
     row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}
