@@ -2313,12 +2313,12 @@ class NativeInternodeBackend:
         rows in the reader": three short launches over chunks of pairs, one for more than 1024 experts)."""
         T, K = topk_idx.shape
         ranks = torch.empty((T, K), dtype=torch.int32, device=self.device)
-        # the chunked launches' counts (a short workspace from the caching allocator; 0 bytes: the one-launch kernel)
+        # the chunked launches' counts (0 bytes: the one-launch kernel). From the caching allocator on the stream the
+        # launches use, so freeing it when this returns is stream-ordered behind them
         nbytes = self._k.expert_major_pair_ranks_workspace_bytes(T, K, num_experts)
         work = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if nbytes else None
         self._k.expert_major_pair_ranks(topk_idx.data_ptr(), T, K, num_experts, ranks.data_ptr(), self._stream(),
                                         workspace=work.data_ptr() if work is not None else 0, workspace_bytes=nbytes)
-        self._keep_pair_ranks_work = work  # alive until the launches have run (the next call's replaces it)
         return ranks
 
     def _expert_major_pad(self, info: torch.Tensor, alignment: int, rows: int, out: List[torch.Tensor],

@@ -230,7 +230,6 @@ struct PackPushJob {
   const float* sums_weights;
   long long sums_row_bytes, sums_weights_offset;
   int sums_topk;
-  bool sums_f32;
 };
 
 // Record `rec` of an expert-major combine (ExpertSums): combine row r's local experts' rows summed, by the whole
@@ -1161,7 +1160,6 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
   j.sums_row_bytes = sums.row_bytes;
   j.sums_weights_offset = sums.weights_offset;
   j.sums_topk = sums.topk;
-  j.sums_f32 = sums.f32;
   const int blocks = 1 + int(std::min<int64_t>(job.num_records, spin_blocks_ > 0 ? spin_blocks_ : 1024));
   unsigned long long* stamps = nullptr;
   if (timeline_ && timeline_used_ < timeline_capacity_) stamps = timeline_ + int64_t(kTimelineFields) * timeline_used_++;
