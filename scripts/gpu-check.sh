@@ -156,6 +156,7 @@ for step in "${steps[@]}"; do
       for r in runs/gpu*; do
         { echo "== $r"; cat "$r/throughput.json" 2>/dev/null; grep -h "lm loss" "$r/train.log"; } >>"$OUT/train-summary.txt"
       done ;;
+    none) ;;  # build only (scripts/ab_internode.sh)
     *) echo "unknown step $step" >>"$log" ;;
   esac
 done

@@ -42,7 +42,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks, READ_DIMS,
-    READ_GO, read_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED)
+    READ_GO, read_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED, GATHER_MAX_TILES, GATHER_MIN_TILE_ROWS,
+    gather_flag_bytes, gather_tile_rows)
 from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
                                                shared_gpu_spin_blocks, use_copy_agent)
@@ -150,6 +151,9 @@ class InternodeHandle:
     # combine (G > 1): int64 [received rows, G], each row's arrival row at its forwarder (the local GPU of its
     # source) in that GPU's column, -1 in the others: the index table of the gather's forward_rows launches
     gather_index: Optional[torch.Tensor] = None
+    # combine (G > 1, pipelined gather): int32 [G, max arrivals of a forwarder], our row of forwarder f's arrival a,
+    # -1 where another GPU holds it: the index table of gather_tiles
+    gather_by_arrival: Optional[torch.Tensor] = None
     # what the handle's first combine plans for the backward pass while its partial sums land (_guesses)
     later_guesses: Optional[list] = None
     device: Optional[torch.device] = field(default=None, repr=False)
@@ -359,6 +363,9 @@ class CombineShape:
     # (payload bytes, int64 [3, G] on the device: every local GPU's gather block for our rows' payload, their
     # weights, its rows; the OR of each of the first two rows)
     gather: Optional[Tuple[int, torch.Tensor, Tuple[int, int]]] = None
+    # the pipelined gather's table (G > 1, docs/internode.md, "Pipelined combine gather"): (wire row bytes, int64
+    # [3, G] on the device: our gather block at each forwarder, our flag row there, its arrivals)
+    gather_tiles: Optional[Tuple[int, torch.Tensor]] = None
 
 
 class NativeInternodeBackend:
@@ -459,6 +466,11 @@ class NativeInternodeBackend:
         self.max_write_bytes = min(int(g[2]) for g in gathered) or CMD_MAX_BYTES
         self.write_bytes = min(min(int(g[3]) for g in gathered), self.max_write_bytes)
         self._cx.proxy_connect([[gathered[r][0][i] for r in range(self.R)] for i in range(p.num_threads)])
+        flag_bytes = gather_flag_bytes(self.G)
+        if flag_bytes:  # the gather's tile flags start below every epoch, on every rank before the barrier
+            _raw_bytes(self._cx.nvl_ptr + self.nvl_bytes - flag_bytes, flag_bytes, self.device).zero_()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         dist.barrier(group=self._gloo)
         native.module().unlink_shared_host_memory_names()
         self._cx.proxy_start()
@@ -487,7 +499,10 @@ class NativeInternodeBackend:
         # small tables go to the device from pinned memory allocated now (a first pinned allocation may synchronize)
         self._staging = (UploadStaging(self.device, self._cx.copy_to_device)
                          if self.device.type == "cuda" and s.kernel.pinned_uploads else None)
-        self.half_nvl = self.nvl_bytes // 2 // CMD_UNIT * CMD_UNIT
+        # the NVL region: final rows below half_nvl, the combine's gather blocks above, the gather's tile flags at the
+        # end (several GPUs per node; zeroed at setup, before the barrier that precedes any combine)
+        self._flag_base = self.nvl_bytes - gather_flag_bytes(self.G)
+        self.half_nvl = self._flag_base // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         if self._cx.num_fifos != self.L:
             raise InternodeError(f"the proxy has {self._cx.num_fifos} FIFOs, planning assumed {self.L}")
@@ -508,6 +523,16 @@ class NativeInternodeBackend:
         self.push_head = bool(s.kernel.push_head)
         self.pack_and_push = bool(s.kernel.pack_and_push)
         self.expert_sums_in_pack = bool(s.kernel.expert_sums_in_pack)
+        # docs/internode.md, "Pipelined combine gather": every rank of the group takes the same way (the forwarders
+        # wait for flags only the pipelined gather raises), so nothing of one rank's hop decides it
+        self.pipelined_gather = (bool(s.kernel.pipelined_combine_gather) and self.G > 1 and self.pack_and_push
+                                 and self.G <= self._k.NODE_SUMS_MAX_RANKS_PER_NODE)
+        if self.G > 1 and self._k.GATHER_MAX_TILES != GATHER_MAX_TILES:
+            raise InternodeError(f"the module has {self._k.GATHER_MAX_TILES} gather tile flags, planning assumed "
+                                 f"{GATHER_MAX_TILES} (rebuild _C)")
+        self._gather_epoch = 0  # pipelined combines so far: the value their tile flags are raised to (the same count
+        # on every rank of the group)
+        self.pipelined_gathers = 0  # (tests, benchmarks)
         self.expert_sums_in_packs = 0  # expert-major combines whose pack summed the rows (tests, benchmarks)
         # hops whose records were written and pushed in one launch, by phase (tests, benchmarks)
         self.packs_and_pushes = {"dispatch_network": 0, "combine_network": 0}
@@ -591,6 +616,8 @@ class NativeInternodeBackend:
             self._drain("setup: the reader-before-counts kernel's first launch")
         if self.G > 1:
             self._first_forward_launches()
+        if self.pipelined_gather:
+            self._first_gather_launches()
         self._destroyed = False
         track(self)
         self.last_traffic = None
@@ -619,6 +646,32 @@ class NativeInternodeBackend:
         if bool((out != -1).any()):
             raise InternodeError(f"rank {self.rank}: the dispatch forward kernel misread a record whose dest rows are "
                                  f"all -1 (got {out.tolist()}); rebuild _C")
+
+    def _first_gather_launches(self) -> None:
+        """The pipelined combine gather's kernels' first launches, with nothing spinning, as _first_forward_launches
+        does for the forward: gather_tiles with no arrivals (nothing copied or flagged), wait_gather_flags on flags
+        already at the epoch, and pack_and_push with node sums over one record of our own node whose copies nobody
+        holds (written as zeros to a scratch row, nothing pushed)."""
+        dev, G, k = self.device, self.G, self._k
+        targets = torch.zeros((3, G), dtype=torch.int64, device=dev)  # no gather block, no flag row, no arrivals
+        by_arrival = torch.full((G, 1), -1, dtype=torch.int32, device=dev)
+        k.gather_tiles(targets[0].data_ptr(), targets[1].data_ptr(), G, by_arrival.data_ptr(), 1,
+                       targets[2].data_ptr(), GATHER_MIN_TILE_ROWS, 0, 16, 0, 0, 0, 16, 1, self._stream())
+        flags = torch.ones((G, GATHER_MAX_TILES), dtype=torch.int32, device=dev)
+        self._cx.wait_gather_flags(flags.data_ptr(), G, 1, 1, self._phases["combine_gather"], self._stream())
+        scratch = torch.full((2, 16), 255, dtype=torch.uint8, device=dev)
+        table = torch.tensor([[self.rank, 0, 0, 16, 0, self._barrier_slot, 0]], dtype=torch.int64, device=dev)
+        ready = torch.zeros(1, dtype=torch.int32, device=dev)
+        rows_of = torch.full((G, 1), -1, dtype=torch.int32, device=dev)
+        node_sums = (scratch[1].data_ptr(), rows_of.data_ptr(), G, 16, 0, False, flags.data_ptr(),
+                     GATHER_MIN_TILE_ROWS, 1)
+        self._cx.pack_and_push(table.data_ptr(), 1, 1, self._cx.rdma_ptr, scratch[0].data_ptr(), 0, 1, 16, 0, 0, 0, 1,
+                               [], -1, 0, ready.data_ptr(), self._phases["combine_network"], self._stream(),
+                               node_sums=node_sums)
+        self._drain("setup: the pipelined combine gather's first launches")
+        if bool((scratch[0] != 0).any()):
+            raise InternodeError(f"rank {self.rank}: the node sum of a record nobody holds a copy of is not zero (got "
+                                 f"{scratch[0].tolist()}); rebuild _C")
 
     def start_kernel_timeline(self, launches: int) -> None:
         """Stamp the next ``launches`` pack_and_push launches on the GPU (docs/internode.md, "Kernel timeline")."""
@@ -1136,10 +1189,11 @@ class NativeInternodeBackend:
     def _pack_and_push(self, hop: HopPlan, phase: str, send: int, stride: int, num_records: int,
                        columns: List[Tuple[int, int, int]], own: Tuple[int, int, int], hop1_token: int = 0,
                        dest_rows: int = 0, G: int = 0, src_idx_offset: int = -1, dest_rows_offset: int = 0,
-                       expert_sums: Optional[tuple] = None) -> None:
+                       expert_sums: Optional[tuple] = None, node_sums: Optional[tuple] = None) -> None:
         """The pack_and_push kernel (docs/internode.md, "Pack and push"): the records -- record r at ``send`` + r x
         ``stride``, carrying row ``hop1_token[r]`` (0: row r) of every column (address, row bytes, offset in the
-        record), or with ``expert_sums`` (_expert_sums) combine row r summed from expert-major rows, our own node's
+        record), or with ``expert_sums`` (_expert_sums) combine row r summed from expert-major rows, or with
+        ``node_sums`` (_gather_in_tiles) arrival r's node sum once its copies' tiles are flagged, our own node's
         (``own`` = (first record, records, where they go)) elsewhere -- written, and each of the hop's chunks pushed
         once its records are."""
         chunks = sum(-(-records // hop.per_chunk) for _, _, _, _, records, _, _ in hop.rows if records > 0)
@@ -1149,7 +1203,7 @@ class NativeInternodeBackend:
         self._cx.pack_and_push(hop.rows_at, len(hop.rows), hop.per_chunk, send, own_dst, own_first, own_count, stride,
                                hop1_token, dest_rows, G, num_records, columns, src_idx_offset, dest_rows_offset,
                                self._chunk_ready.data_ptr(), self._phases[phase], self._stream(),
-                               expert_sums=expert_sums)
+                               expert_sums=expert_sums, node_sums=node_sums)
         self.packs_and_pushes[phase] += 1
         if self.kernel_timeline is not None:
             self.kernel_timeline.note(COMBINE if phase == "combine_network" else DISPATCH)
@@ -2497,11 +2551,29 @@ class NativeInternodeBackend:
             else:
                 gather(others)
             self._lap("combine.gather")
+        elif self.pipelined_gather:
+            # docs/internode.md, "Pipelined combine gather": our copies go to the forwarders tile by tile, each tile
+            # flagged over NVLink; our node sums are written and pushed by one launch, each record once its copies'
+            # tiles are flagged, so the hop starts with the first tiles and no barrier sits before it
+            epoch, tile = self._gather_in_tiles(h, shape, rows, w, nrecv, pay, kw, cstride, block)
+            self.pipelined_gathers += 1
+            self._lap("combine.gather")
+            if A:
+                sum_rows = self._forward_sum_rows(h, A, rows_per_block)
+                if self._packs_and_pushes(hop):
+                    node_sums = (self._cx.nvl_ptr + gbase, sum_rows.data_ptr(), G, pay, kw, x.dtype == torch.float32,
+                                 self._cx.nvl_ptr + self._flag_base, tile, epoch)
+                    fused = lambda: self._pack_and_push(  # noqa: E731
+                        hop, "combine_network", self._cx.rdma_ptr + c_send, cstride, A, [],
+                        (own_first, own, self._cx.rdma_ptr + c_recv + back_offs[self.node]), node_sums=node_sums)
+                else:  # no record for another node (or too many for one launch): wait for every tile, then sum
+                    self._cx.wait_gather_flags(self._cx.nvl_ptr + self._flag_base, G, -(-A // tile), epoch,
+                                               self._phases["combine_gather"], self._stream())
+                    self._node_sums(x, sum_rows, zero, A, pay, kw, cstride, gbase, c_send, c_recv, back_offs,
+                                    own_first, own)
+            self._lap("combine.node_sum")
         else:
-            if h.gather_index is None:  # where each row goes at its forwarder: the same in every combine
-                h.gather_index = torch.full((nrecv, G), -1, dtype=torch.int64, device=dev)
-                for j, sel in enumerate(rows_by_source_local(h.counts, self.rank, G, dev)):  # (source local j)
-                    h.gather_index[sel, j] = h.recv_arrival[sel]
+            gather_index = self._gather_index(h, nrecv)
             if shape.gather is None or shape.gather[0] != pay:
                 at = [self.peer_nvl[j] + gbase + self.local * block for j in range(G)]
                 weights_at = [a + pay for a in at]
@@ -2512,25 +2584,13 @@ class NativeInternodeBackend:
             if nrecv:  # one launch per column (payload, weights), each row to its forwarder's gather block
                 for src, nbytes, i in ((rows, pay, 0), (w, 4 * kw, 1)):
                     if nbytes:
-                        self._forward_rows(table[i], bases_or[i], cstride, h.gather_index, src.data_ptr(), nbytes,
+                        self._forward_rows(table[i], bases_or[i], cstride, gather_index, src.data_ptr(), nbytes,
                                            nrecv, nbytes, table[2], "combine_gather")
             self._barrier("combine gather")  # every copy of our arrivals is in our gather blocks
             self._lap("combine.gather")
-            # forwarder: each arrival's copies added in fp32 in ascending local rank and rounded once to x's dtype,
-            # straight into its send record (payload, then the fp32 weights): one kernel
             if A:
-                if h.forward_sum_rows is None or h.forward_sum_rows[0] != rows_per_block:
-                    arrival = torch.arange(A, device=dev)
-                    first = torch.arange(G, device=dev).unsqueeze(1) * rows_per_block
-                    table = torch.where(h.fwd_dest_rows.t() >= 0, first + arrival, -1).to(torch.int32).contiguous()
-                    h.forward_sum_rows = (rows_per_block, table)
-                self._k.sum_node_partials(self._cx.rdma_ptr + c_send, self._cx.rdma_ptr + c_send + pay if kw else 0,
-                                          self._cx.nvl_ptr + gbase, cstride, h.forward_sum_rows[1].data_ptr(),
-                                          zero.data_ptr(), G, A, pay, kw, x.dtype == torch.float32, self._stream(),
-                                          out_x_stride=cstride, out_w_stride=cstride)
-            if own:  # our own node's node sums: from the send area to where the source's sum reads them
-                dst, src = c_recv + back_offs[self.node], c_send + own_first * cstride
-                self._rdma[dst:dst + own * cstride].copy_(self._rdma[src:src + own * cstride])
+                self._node_sums(x, self._forward_sum_rows(h, A, rows_per_block), zero, A, pay, kw, cstride, gbase,
+                                c_send, c_recv, back_offs, own_first, own)
             self._lap("combine.node_sum")
 
         pending = ahead = plan_ahead = None
@@ -2601,6 +2661,76 @@ class NativeInternodeBackend:
         expert-major row first (docs/internode.md, "Expert-major sums in the pack")."""
         return (x.data_ptr(), pay, x.dtype == torch.float32, h.slot_of.data_ptr(), h.num_topk,
                 ew.data_ptr() if ew is not None else 0, pay)
+
+    def _gather_index(self, h: InternodeHandle, nrecv: int) -> torch.Tensor:
+        """int64 [nrecv, G]: each received row's arrival at its forwarder (the local GPU of its source) in that GPU's
+        column, -1 in the others; the same in every combine of the handle, made at its first."""
+        if h.gather_index is None:
+            G = self.G
+            h.gather_index = torch.full((nrecv, G), -1, dtype=torch.int64, device=self.device)
+            for j, sel in enumerate(rows_by_source_local(h.counts, self.rank, G, self.device)):  # (source local j)
+                h.gather_index[sel, j] = h.recv_arrival[sel]
+        return h.gather_index
+
+    def _forward_sum_rows(self, h: InternodeHandle, A: int, rows_per_block: int) -> torch.Tensor:
+        """int32 [G, A]: the gather row (counted from the first block) of local GPU j's copy of arrival a, -1 where
+        GPU j sent none; made at the handle's first combine (and again for another gather block size)."""
+        if h.forward_sum_rows is None or h.forward_sum_rows[0] != rows_per_block:
+            arrival = torch.arange(A, device=self.device)
+            first = torch.arange(self.G, device=self.device).unsqueeze(1) * rows_per_block
+            table = torch.where(h.fwd_dest_rows.t() >= 0, first + arrival, -1).to(torch.int32).contiguous()
+            h.forward_sum_rows = (rows_per_block, table)
+        return h.forward_sum_rows[1]
+
+    def _node_sums(self, x: torch.Tensor, sum_rows: torch.Tensor, zero: torch.Tensor, A: int, pay: int, kw: int,
+                   cstride: int, gbase: int, c_send: int, c_recv: int, back_offs: List[int], own_first: int,
+                   own: int) -> None:
+        """The forwarder's node sums once every copy is in its gather blocks: each arrival's copies added in fp32 in
+        ascending local rank and rounded once to x's dtype, straight into its send record (payload, then the fp32
+        weights) in one kernel; then our own node's node sums from the send area to where the source's sum reads
+        them."""
+        self._k.sum_node_partials(self._cx.rdma_ptr + c_send, self._cx.rdma_ptr + c_send + pay if kw else 0,
+                                  self._cx.nvl_ptr + gbase, cstride, sum_rows.data_ptr(), zero.data_ptr(), self.G, A,
+                                  pay, kw, x.dtype == torch.float32, self._stream(), out_x_stride=cstride,
+                                  out_w_stride=cstride)
+        if own:
+            dst, src = c_recv + back_offs[self.node], c_send + own_first * cstride
+            self._rdma[dst:dst + own * cstride].copy_(self._rdma[src:src + own * cstride])
+
+    def _gather_in_tiles(self, h: InternodeHandle, shape: CombineShape, rows: torch.Tensor,
+                         w: Optional[torch.Tensor], nrecv: int, pay: int, kw: int, cstride: int,
+                         block: int) -> Tuple[int, int]:
+        """The local side of the pipelined combine gather (docs/internode.md, "Pipelined combine gather"): our rows
+        (and fp32 weights) to each forwarder's gather block for us, in its arrival order, a tile at a time, each tile
+        then flagged in the forwarder's NVL region. Returns (the epoch the flags are raised to, arrivals per tile),
+        which every rank of the node derives alike from the counts and its count of combines."""
+        G = self.G
+        arrivals = [h.counts.totals(G).arrivals[self.node * G + f] for f in range(G)]
+        tile = gather_tile_rows(arrivals)
+        self._gather_epoch += 1
+        if self._gather_epoch >= 2 ** 31:
+            raise InternodeError(f"rank {self.rank}: 2^31 pipelined combines: the int32 tile flags would wrap "
+                                 "(UCCL_EP_PIPELINED_COMBINE_GATHER=0 goes on without them)")
+        by_arrival = h.gather_by_arrival
+        if by_arrival is None:  # our row of each forwarder's arrival, -1 where it is another GPU's
+            index = self._gather_index(h, nrecv)
+            by_arrival = torch.full((G, max(max(arrivals), 1)), -1, dtype=torch.int32, device=self.device)
+            for f in range(G):
+                sel = (index[:, f] >= 0).nonzero().squeeze(1)
+                by_arrival[f, index[sel, f]] = sel.to(torch.int32)
+            h.gather_by_arrival = by_arrival
+        if shape.gather_tiles is None or shape.gather_tiles[0] != cstride:
+            at = [self.peer_nvl[f] + self.half_nvl + self.local * block for f in range(G)]
+            flags = [self.peer_nvl[f] + self._flag_base + 4 * self.local * GATHER_MAX_TILES for f in range(G)]
+            shape.gather_tiles = (cstride, self._upload([at, flags, arrivals]))
+        table = shape.gather_tiles[1]
+        self._k.gather_tiles(table[0].data_ptr(), table[1].data_ptr(), G, by_arrival.data_ptr(), by_arrival.size(1),
+                             table[2].data_ptr(), tile, rows.data_ptr() if nrecv else 0, pay,
+                             w.data_ptr() if kw and nrecv else 0, kw, nrecv, cstride, self._gather_epoch,
+                             self._stream(), err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                             stop_generation=self._cx.stop_generation, rank=self.rank,
+                             phase=self._phases["combine_gather"])
+        return self._gather_epoch, tile
 
     def _combine_shape(self, counts: Counts, cstride: int) -> CombineShape:
         """The CombineShape of a handle with these counts for wire rows of ``cstride`` bytes, after checking that

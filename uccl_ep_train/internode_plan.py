@@ -79,8 +79,25 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
     partial = _align(4 * (hidden + num_topk))
     notify = num_ranks * _align(8 * notify_row_words(num_ranks, N))
     rdma = 2 * N * num_tokens * max(record.stride, partial) + notify
-    nvl = 2 * num_ranks * num_tokens * max(record.final_bytes, partial)
+    nvl = 2 * num_ranks * num_tokens * max(record.final_bytes, partial) + gather_flag_bytes(G)
     return _align(nvl, 4096), _align(rdma, 4096)
+
+
+# The pipelined combine gather's tile flags (csrc/kernels/internode.hpp, NodeSums; docs/internode.md, "Pipelined
+# combine gather"): int32 [G][GATHER_MAX_TILES] at the end of each rank's NVL region, one row per local GPU.
+GATHER_MAX_TILES = 1024
+GATHER_MIN_TILE_ROWS = 32  # a tile is a block's work: 8 warps of 4 rows
+
+
+def gather_flag_bytes(ranks_per_node: int) -> int:
+    """The NVL bytes the tile flags take (none with one GPU per node: it gathers nothing over NVLink)."""
+    return _align(4 * ranks_per_node * GATHER_MAX_TILES, 4096) if ranks_per_node > 1 else 0
+
+
+def gather_tile_rows(arrivals: Sequence[int]) -> int:
+    """Arrivals per tile of the pipelined combine gather for forwarders with these arrivals (the node's: every GPU of
+    the node computes the same from the same counts), so that each forwarder's tiles fit its GATHER_MAX_TILES flags."""
+    return max(GATHER_MIN_TILE_ROWS, -(-max(arrivals, default=0) // GATHER_MAX_TILES))
 
 
 def check_topology(num_ranks: int, ranks_per_node: int, num_lanes: int = 1) -> int:

@@ -200,6 +200,11 @@ class KernelSettings:
         "UCCL_EP_PACK_AND_PUSH", "internode: a hop's sender writes its records and pushes their chunks in one "
         "launch, each chunk as soon as its records are written (docs/internode.md, Pack and push); 0: separate "
         "launches (the push head, UCCL_EP_PUSH_HEAD, then applies)", _bool))
+    pipelined_combine_gather: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_PIPELINED_COMBINE_GATHER", "internode, several GPUs per node: a combine's local GPUs copy their rows "
+        "to the forwarders in tiles and flag each tile over NVLink; each forwarder sums and pushes a chunk once its "
+        "tiles are flagged, so the hop starts with the first tiles (docs/internode.md, Pipelined combine gather); 0: "
+        "the whole gather, a group barrier, the node sum, then the hop", _bool))
     expert_sums_in_pack: bool = field(default=True, metadata=_meta(
         "UCCL_EP_EXPERT_SUMS_IN_PACK", "internode, one GPU per node: an expert-major combine's pack sums each "
         "token's local expert rows as it writes the token's record, so each chunk leaves once its rows are summed "

@@ -48,6 +48,9 @@ in::OwnRows own_rows(const OwnRowsArg& arg) {
 
 // pack_and_push's expert_sums: (x, row_bytes, f32, slot_of, topk, weights, weights_offset), in::ExpertSums.
 using ExpertSumsArg = std::tuple<uintptr_t, int64_t, bool, uintptr_t, int, uintptr_t, int64_t>;
+// pack_and_push's node_sums: (gather, rows_of, ranks_per_node, payload_bytes, num_weights, f32, flags, tile_rows,
+// epoch), in::NodeSums.
+using NodeSumsArg = std::tuple<uintptr_t, uintptr_t, int, int64_t, int, bool, uintptr_t, int64_t, int32_t>;
 
 in::RecordJob record_job(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride,
                          uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
@@ -118,6 +121,7 @@ void bind_internode(py::module_& m) {
   codes["scatter_range"] = int(in::kErrScatterRange);
   codes["aborted"] = int(in::kErrAborted);
   codes["records_unwritten"] = int(in::kErrRecordsUnwritten);
+  codes["gather_flag_timeout"] = int(in::kErrGatherFlagTimeout);
   k.attr("ERROR_CODES") = codes;
   k.def("phase_name", [](int p) { return std::string(in::phase_name(p)); }, py::arg("phase"));
   k.def("scatter_rows", &in::scatter_rows, py::arg("dst"), py::arg("dst_stride"), py::arg("dst_idx"), py::arg("src"),
@@ -148,6 +152,16 @@ void bind_internode(py::module_& m) {
         "to each of them; gate (InternodeContext.arrival_gate): each row waits for its chunk, so it runs during the "
         "hop, from first_row on; range check, error word and stop flag as forward_rows");
 
+  k.attr("GATHER_MAX_TILES") = in::kGatherMaxTiles;
+  k.attr("NODE_SUMS_MAX_RANKS_PER_NODE") = in::kNodeSumsMaxRanksPerNode;
+  k.def("gather_tiles", &in::gather_tiles, py::arg("dsts"), py::arg("flags"), py::arg("targets"),
+        py::arg("by_arrival"), py::arg("max_arrivals"), py::arg("arrivals"), py::arg("tile_rows"), py::arg("x"),
+        py::arg("payload_bytes"), py::arg("w"), py::arg("num_weights"), py::arg("num_rows"), py::arg("dst_stride"),
+        py::arg("epoch"), py::arg("stream"), py::arg("err") = 0, py::arg("stop_flag") = 0,
+        py::arg("stop_generation") = 0, py::arg("rank") = -1, py::arg("phase") = 0,
+        "pipelined combine gather, the local side: our rows by_arrival[f, a] (int32 [targets, max_arrivals], -1: "
+        "none) of x (and the fp32 weights w) to row a of our gather block at forwarder f (dsts[f]), a tile of "
+        "tile_rows arrivals at a time, each tile's int32 flag (flags[f] + 4 t) then raised to epoch");
   k.def("sum_node_partials", &in::sum_node_partials, py::arg("out_x"), py::arg("out_w"), py::arg("src"),
         py::arg("src_stride"), py::arg("row_of"), py::arg("zero"), py::arg("num_nodes"), py::arg("num_tokens"),
         py::arg("payload_bytes"), py::arg("num_weights"), py::arg("fp32"), py::arg("stream"),
@@ -495,12 +509,17 @@ void bind_internode(py::module_& m) {
              int64_t own_first, int64_t own_count, int64_t stride, uintptr_t hop1_token, uintptr_t dest_rows,
              int ranks_per_node, int64_t num_records, const Columns& columns, int64_t src_idx_offset,
              int64_t dest_rows_offset, uintptr_t ready, int phase, uintptr_t stream,
-             std::optional<ExpertSumsArg> expert_sums) {
+             std::optional<ExpertSumsArg> expert_sums, std::optional<NodeSumsArg> node_sums) {
             in::RecordJob job = record_job(send, own_dst, own_first, own_count, stride, hop1_token, dest_rows,
                                            ranks_per_node, num_records, columns, src_idx_offset, dest_rows_offset);
             if (expert_sums) {
               auto& [x, row_bytes, f32, slot_of, topk, weights, weights_offset] = *expert_sums;
               job.sums = in::ExpertSums{x, row_bytes, f32, slot_of, topk, weights, weights_offset};
+            }
+            if (node_sums) {
+              auto& [gather, rows_of, g, payload_bytes, num_weights, f32, flags, tile_rows, epoch] = *node_sums;
+              job.node_sums = in::NodeSums{gather, rows_of, g, payload_bytes, num_weights, f32, flags, tile_rows,
+                                           epoch};
             }
             cx.pack_and_push(table, n, chunk_records, job, ready, phase, stream);
           },
@@ -508,11 +527,13 @@ void bind_internode(py::module_& m) {
           py::arg("own_first"), py::arg("own_count"), py::arg("stride"), py::arg("hop1_token"), py::arg("dest_rows"),
           py::arg("ranks_per_node"), py::arg("num_records"), py::arg("columns"), py::arg("src_idx_offset"),
           py::arg("dest_rows_offset"), py::arg("ready"), py::arg("phase"), py::arg("stream"),
-          py::arg("expert_sums") = py::none(),
+          py::arg("expert_sums") = py::none(), py::arg("node_sums") = py::none(),
           "pack_records and push_chunks in one launch: each chunk pushed once its records are written; "
           "hop1_token 0: record r carries row r; src_idx_offset < 0: no index fields; ready: int32 zeros, one per "
           "chunk, left zero. expert_sums = (x, row_bytes, f32, slot_of, topk, weights, weights_offset): no columns; "
-          "record r is combine row r summed from its local experts' expert-major rows (ExpertSums, internode.hpp)")
+          "record r is combine row r summed from its local experts' expert-major rows (ExpertSums, internode.hpp). "
+          "node_sums = (gather, rows_of, ranks_per_node, payload_bytes, num_weights, f32, flags, tile_rows, epoch): "
+          "no columns; record r is arrival r's node sum, read once its copies' tile flags reach epoch (NodeSums)")
       .def(
           "pack_and_push_after_counts",
           [](in::Context& cx, uintptr_t table, int n, int64_t chunk_records, uintptr_t send, int64_t stride,
@@ -546,6 +567,10 @@ void bind_internode(py::module_& m) {
            "a gate for sum_node_partials / unpack_records over this call's arrivals; table: device int64 "
            "[blocks][GATE_COLUMNS + num_fifos] (first row, records, first slot, FIFO hint, counter bases), kept "
            "alive until the gated launch ran")
+      .def("wait_gather_flags", &in::Context::wait_gather_flags, py::arg("flags"), py::arg("ranks_per_node"),
+           py::arg("tiles"), py::arg("epoch"), py::arg("phase"), py::arg("stream"),
+           "wait on `stream` until every local GPU's flag of tiles 0..tiles-1 (int32 [ranks_per_node, "
+           "GATHER_MAX_TILES] at flags) is at epoch (a forwarder whose node sums no pack_and_push writes)")
       .def("wait_signals", &in::Context::wait_signals, py::arg("targets"), py::arg("phase"), py::arg("stream"),
            "wait on `stream` until signal[slot] >= expected for every (slot, expected) in targets")
       .def("record_drain_mark", &in::Context::record_drain_mark, py::arg("stream"),

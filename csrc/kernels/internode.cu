@@ -230,6 +230,12 @@ struct PackPushJob {
   const float* sums_weights;
   long long sums_row_bytes, sums_weights_offset;
   int sums_topk;
+  // NodeSums (internode.hpp): node_gather set, record r is the node sum of arrival r's copies in our gather blocks
+  const char* node_gather;
+  const int* node_rows_of;
+  const int* node_flags;
+  long long node_tile_rows;
+  int node_G, node_units, node_weights, node_epoch;
 };
 
 // Record `rec` of an expert-major combine (ExpertSums): combine row r's local experts' rows summed, by the whole
@@ -267,10 +273,62 @@ __device__ void write_expert_sum_record(char* rec, long long r, const PackPushJo
   __syncthreads();  // s_slots and s_n are rewritten for the block's next record
 }
 
-// What the packers write into a record: its columns (write_record), or an expert-major combine row summed in bf16 or
-// fp32 (write_expert_sum_record). A template argument, so the column copy keeps its own register budget: the sums'
-// loads in flight take twice the registers and would halve the copy's resident blocks.
-enum RecordSource { kColumns = 0, kSumsBf16 = 1, kSumsF32 = 2 };
+// Record `rec` of a pipelined combine (NodeSums): once every local GPU has flagged the tile of r, the copies summed in
+// fp32 in ascending local GPU and rounded once -- sum_node_partials' order, so the bytes equal its -- and the weights
+// likewise. Every GPU, not only those holding a copy: a GPU flags a tile after everything earlier on its stream (the
+// last dispatch's unpack), so a pushed chunk proves the whole node is past it, as the group barrier before the node
+// sum did; a cached dispatch's skipped entry barrier rests on that (docs/internode.md, "Areas and entry barriers"). Every thread of the block calls it (it synchronizes); s_rows holds
+// kNodeSumsMaxRanksPerNode ints of shared memory. False for every thread: a flag did not come (reported, or the rank
+// stopped) and the record is not written.
+template <bool kF32>
+__device__ bool write_node_sum_record(char* rec, long long r, const PackPushJob& job, int* s_rows, int* s_n,
+                                      bool* s_ok, int rank, int phase, unsigned long long timeout_ns, ErrorWord* err,
+                                      StopFlag stop) {
+  if (threadIdx.x == 0) {
+    int m = 0;
+    for (int j = 0; j < job.node_G; ++j) {
+      const int row = job.node_rows_of[j * job.num_records + r];
+      if (row >= 0) s_rows[m++] = row;
+    }
+    *s_n = m;
+    *s_ok = true;
+  }
+  __syncthreads();
+  if (threadIdx.x < job.node_G) {
+    const long long tile = r / job.node_tile_rows;
+    if (!wait_flag(job.node_flags + threadIdx.x * kGatherMaxTiles + tile, job.node_epoch, timeout_ns, err, stop, rank,
+                   phase, int(threadIdx.x), int(tile)))
+      *s_ok = false;
+  }
+  __syncthreads();
+  if (!*s_ok) return false;
+  const int n = *s_n, units = job.node_units;
+  const int warps = blockDim.x / kWarpSize, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int per_warp = (units + warps - 1) / warps;
+  const int lo = min(units, warp * per_warp), count = min(units, lo + per_warp) - lo;
+  int4* dst = reinterpret_cast<int4*>(rec) + lo;
+  // (L2 loads: a peer wrote the copies over NVLink while this kernel ran)
+  warp_sum_rows<kF32, 4, 4, true>(
+      n, count, lane,
+      [&](int j) { return reinterpret_cast<const int4*>(job.node_gather + s_rows[j] * job.stride) + lo; },
+      [&](int u, const int4& v) { dst[u] = v; });
+  for (int k = threadIdx.x; k < job.node_weights; k += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < n; ++j)
+      acc += ld_cg_f32(reinterpret_cast<const float*>(job.node_gather + s_rows[j] * job.stride + 16LL * units) + k);
+    reinterpret_cast<float*>(rec + 16LL * units)[k] = acc;
+  }
+  __syncthreads();  // s_rows, s_n and s_ok are rewritten for the block's next record
+  return true;
+}
+
+// What the packers write into a record: its columns (write_record), an expert-major combine row summed in bf16 or
+// fp32 (write_expert_sum_record), or a node sum of a pipelined combine (write_node_sum_record). A template argument,
+// so the column copy keeps its own register budget: the sums' loads in flight take twice the registers and would
+// halve the copy's resident blocks.
+enum RecordSource { kColumns = 0, kSumsBf16 = 1, kSumsF32 = 2, kNodeSumsBf16 = 3, kNodeSumsF32 = 4 };
+template <int kSource>
+constexpr bool kIsNodeSums = kSource == kNodeSumsBf16 || kSource == kNodeSumsF32;
 
 template <int kSource>
 __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
@@ -361,7 +419,9 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
   // node's records go last, and nowhere without own_dst (counted on the device: they are written after notify).
   const long long n = s_n, own_first = s_own_first, own_end = own_first + s_own_count, sent = n - s_own_count;
   const long long last = job.own_dst ? n : sent;
-  __shared__ int s_sum_slots[kSource == kColumns ? 1 : kExpertSumsMaxTopk], s_sum_n;
+  __shared__ int s_sum_slots[kSource == kColumns ? 1 : kIsNodeSums<kSource> ? kNodeSumsMaxRanksPerNode
+                                                                              : kExpertSumsMaxTopk], s_sum_n;
+  __shared__ bool s_sum_ok;
   for (long long w = blockIdx.x - 1; w < last; w += gridDim.x - 1) {
     // the records that are sent first, in order (so the first chunks fill first), our own node's last
     const long long r = w < own_first ? w : (w < sent ? w + s_own_count : own_first + (w - sent));
@@ -370,7 +430,11 @@ __global__ void __launch_bounds__(kPackThreads) pack_and_push_kernel(
     if constexpr (kSource == kColumns)
       write_record(rec, job.hop1_token ? job.hop1_token[r] : r, job.args, job.src_idx_offset,
                    job.dest_rows + r * job.G, job.G, job.dest_rows_offset, threadIdx.x, blockDim.x);
-    else
+    else if constexpr (kIsNodeSums<kSource>) {
+      if (!write_node_sum_record<kSource == kNodeSumsF32>(rec, r, job, s_sum_slots, &s_sum_n, &s_sum_ok, rank, phase,
+                                                          timeout_ns, err, stop))
+        return;  // (the pusher gives up on the chunk at its deadline, or sees the stop flag first)
+    } else
       write_expert_sum_record<kSource == kSumsF32>(rec, r, job, s_sum_slots, &s_sum_n);
     if (own) continue;
     __threadfence();  // every thread's stores of the record, device-wide, before thread 0 counts it
@@ -542,6 +606,62 @@ __global__ void forward_arrivals_kernel(const unsigned long long* dsts, long lon
   if constexpr (kGated) reader_ends(gate);
 }
 
+// The local side of the pipelined combine gather (gather_tiles, internode.hpp): a block per (tile, forwarder), every
+// forwarder's tile 0 first, then tile 1, ..., so that each forwarder can sum and push its first records early; a warp
+// per arrival row. Each thread's copies are made visible system-wide (the forwarder's GPU reads them) before the block
+// meets, and then one thread releases the tile's flag.
+constexpr int kGatherThreads = 256;
+
+template <typename V>
+__global__ void __launch_bounds__(kGatherThreads) gather_tiles_kernel(
+    const unsigned long long* dsts, const unsigned long long* flags, int targets, const int* by_arrival,
+    long long max_arrivals, const long long* arrivals, long long tile_rows, const char* x, long long payload_bytes,
+    const float* w, int num_weights, long long num_rows, long long dst_stride, int epoch, ErrorWord* err,
+    StopFlag stop, int rank, int phase) {
+  __shared__ bool s_stopped;
+  if (threadIdx.x == 0) s_stopped = stopped(stop);
+  __syncthreads();
+  if (s_stopped) return;
+  const int warps = blockDim.x / kWarpSize, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const long long tiles = (max_arrivals + tile_rows - 1) / tile_rows;
+  const long long words = payload_bytes / static_cast<long long>(sizeof(V));
+  for (long long p = blockIdx.x; p < tiles * targets; p += gridDim.x) {
+    const long long t = p / targets, lo = t * tile_rows;
+    const int f = int(p % targets);
+    const long long n = arrivals[f];
+    if (lo >= n) continue;
+    const long long hi = lo + tile_rows < n ? lo + tile_rows : n;
+    char* block = reinterpret_cast<char*>(dsts[f]);
+    for (long long a = lo + warp; a < hi; a += warps) {
+      const int r = by_arrival[f * max_arrivals + a];
+      if (r < 0) continue;
+      if (r >= num_rows) {  // a corrupt index: never read outside our rows
+        if (lane == 0) report(err, stop, kErrScatterRange, rank, f, int(a), phase, r, num_rows);
+        continue;
+      }
+      V* out = reinterpret_cast<V*>(block + a * dst_stride);
+      const V* in = reinterpret_cast<const V*>(x + static_cast<long long>(r) * payload_bytes);
+      for (long long u = lane; u < words; u += kWarpSize) out[u] = in[u];
+      float* out_w = reinterpret_cast<float*>(block + a * dst_stride + payload_bytes);
+      for (int k = lane; k < num_weights; k += kWarpSize) out_w[k] = w[static_cast<long long>(r) * num_weights + k];
+    }
+    drain_stores_before_release();  // this thread's copies, system-wide, before the block meets
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_sys(reinterpret_cast<int*>(flags[f]) + t, epoch);
+  }
+}
+
+// Context::wait_gather_flags: one block, a thread per (local GPU, tile) in turn.
+__global__ void wait_gather_flags_kernel(const int* flags, int ranks_per_node, long long tiles, int epoch,
+                                         unsigned long long timeout_ns, ErrorWord* err, StopFlag stop, int rank,
+                                         int phase) {
+  for (long long p = threadIdx.x; p < ranks_per_node * tiles; p += blockDim.x) {
+    const int j = int(p / tiles);
+    const long long t = p % tiles;
+    if (!wait_flag(flags + j * kGatherMaxTiles + t, epoch, timeout_ns, err, stop, rank, phase, j, int(t))) return;
+  }
+}
+
 // Source side of combine: token t's result is the sum, in fp32 and in ascending node m, of its partial sums
 // row_of[m * num_tokens + t] (-1: node m had none; the zero row stands in, which adds nothing) of the receive area,
 // rounded once to x's dtype; the fp32 weights behind the payload likewise. One warp per token, a block per tile of
@@ -664,6 +784,38 @@ void by_word_size(uint64_t all, Launch launch) {
     launch(uint32_t{});
   else
     launch(uint8_t{});
+}
+
+void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arrival, int64_t max_arrivals,
+                  uintptr_t arrivals, int64_t tile_rows, uintptr_t x, int64_t payload_bytes, uintptr_t w,
+                  int num_weights, int64_t num_rows, int64_t dst_stride, int32_t epoch, uintptr_t stream,
+                  uintptr_t err, uintptr_t stop_flag, int stop_generation, int rank, int phase) {
+  if (max_arrivals <= 0 || targets <= 0) return;
+  if (!dsts || !flags || !by_arrival || !arrivals || (!x && num_rows > 0))
+    throw std::invalid_argument("gather_tiles: null pointer");
+  if (tile_rows < 1 || (max_arrivals + tile_rows - 1) / tile_rows > kGatherMaxTiles)
+    throw std::invalid_argument("gather_tiles: " + std::to_string(max_arrivals) + " arrivals in tiles of " +
+                                std::to_string(tile_rows) + " rows need more than " +
+                                std::to_string(kGatherMaxTiles) + " flags");
+  if (payload_bytes <= 0 || payload_bytes % 4 || dst_stride % 16 ||
+      dst_stride < payload_bytes + 4 * int64_t(num_weights) ||
+      (num_weights > 0 && num_rows > 0 && (!w || w % 4)))
+    throw std::invalid_argument("gather_tiles: the payload (a multiple of 4 bytes) and the 4-byte aligned fp32 "
+                                "weights must fit a row of dst_stride (a multiple of 16) bytes");
+  if (epoch < 1) throw std::invalid_argument("gather_tiles: epochs start at 1 (the flags start at 0)");
+  const int64_t tiles = (max_arrivals + tile_rows - 1) / tile_rows;
+  const int blocks = int(std::min<int64_t>(tiles * targets, 1024));
+  // the payload's word size: the rows' addresses (our gather blocks are 16-byte aligned; x, a caller's tensor, may
+  // not be)
+  by_word_size(uint64_t(x) | uint64_t(payload_bytes) | uint64_t(dst_stride), [&](auto word) {
+    gather_tiles_kernel<decltype(word)><<<blocks, kGatherThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+        reinterpret_cast<const unsigned long long*>(dsts), reinterpret_cast<const unsigned long long*>(flags), targets,
+        reinterpret_cast<const int*>(by_arrival), max_arrivals, reinterpret_cast<const long long*>(arrivals),
+        tile_rows, reinterpret_cast<const char*>(x), payload_bytes, reinterpret_cast<const float*>(w), num_weights,
+        num_rows, dst_stride, epoch, reinterpret_cast<ErrorWord*>(err),
+        StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation}, rank, phase);
+  });
+  check(cudaGetLastError(), "gather_tiles launch");
 }
 
 void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_t src, int64_t src_stride,
@@ -1160,17 +1312,56 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
   j.sums_row_bytes = sums.row_bytes;
   j.sums_weights_offset = sums.weights_offset;
   j.sums_topk = sums.topk;
+  const NodeSums& ns = job.node_sums;
+  if (ns.gather) {
+    if (sums.x || !job.columns.empty() || job.hop1_token || job.ranks_per_node || job.src_idx_offset >= 0)
+      throw std::invalid_argument("pack_and_push: node sums take no columns, expert sums, tokens, final rows or index "
+                                  "fields (record r is arrival r's node sum)");
+    if (ns.payload_bytes <= 0 || (ns.gather | uintptr_t(ns.payload_bytes) | job.send | job.own_dst |
+                                  uintptr_t(job.stride)) % 16 ||
+        ns.num_weights < 0 || ns.payload_bytes + 4 * int64_t(ns.num_weights) > job.stride)
+      throw std::invalid_argument("pack_and_push: node sums need a payload of a multiple of 16 bytes and the fp32 "
+                                  "weights within the record, and 16-byte aligned rows and records");
+    if (ns.ranks_per_node < 1 || ns.ranks_per_node > kNodeSumsMaxRanksPerNode || !ns.rows_of || !ns.flags)
+      throw std::invalid_argument("pack_and_push: node sums need rows_of, flags and 1.." +
+                                  std::to_string(kNodeSumsMaxRanksPerNode) + " GPUs per node");
+    if (ns.tile_rows < 1 || (job.num_records + ns.tile_rows - 1) / ns.tile_rows > kGatherMaxTiles || ns.epoch < 1)
+      throw std::invalid_argument("pack_and_push: node sums' tiles must cover the records with at most " +
+                                  std::to_string(kGatherMaxTiles) + " flags, at an epoch >= 1");
+  }
+  j.node_gather = reinterpret_cast<const char*>(ns.gather);
+  j.node_rows_of = reinterpret_cast<const int*>(ns.rows_of);
+  j.node_flags = reinterpret_cast<const int*>(ns.flags);
+  j.node_tile_rows = ns.tile_rows;
+  j.node_G = ns.ranks_per_node;
+  j.node_units = int(ns.payload_bytes / 16);
+  j.node_weights = ns.num_weights;
+  j.node_epoch = ns.epoch;
   const int blocks = 1 + int(std::min<int64_t>(job.num_records, spin_blocks_ > 0 ? spin_blocks_ : 1024));
   unsigned long long* stamps = nullptr;
   if (timeline_ && timeline_used_ < timeline_capacity_) stamps = timeline_ + int64_t(kTimelineFields) * timeline_used_++;
   hop_stamps_ = stamps;
-  const auto kernel = !sums.x ? pack_and_push_kernel<kColumns>
-                               : sums.f32 ? pack_and_push_kernel<kSumsF32> : pack_and_push_kernel<kSumsBf16>;
+  const auto kernel = ns.gather ? (ns.f32 ? pack_and_push_kernel<kNodeSumsF32> : pack_and_push_kernel<kNodeSumsBf16>)
+                     : !sums.x  ? pack_and_push_kernel<kColumns>
+                     : sums.f32 ? pack_and_push_kernel<kSumsF32>
+                                : pack_and_push_kernel<kSumsBf16>;
   kernel<<<blocks, kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const DeviceFifo*>(fifos_dev_), proxy_->num_fifos(), reinterpret_cast<const long long*>(table), n,
       chunk_records, j, count_row_shift(at, signals_dev_, world_), reinterpret_cast<int*>(ready), rank_, phase,
       timeout_ns_, error_dev_, StopFlag{stop_dev_, stop_generation_}, stamps);
   check(cudaGetLastError(), "pack_and_push launch");
+}
+
+void Context::wait_gather_flags(uintptr_t flags, int ranks_per_node, int64_t tiles, int32_t epoch, int phase,
+                                uintptr_t stream) {
+  if (tiles <= 0 || ranks_per_node <= 0) return;
+  if (!flags || tiles > kGatherMaxTiles || epoch < 1)
+    throw std::invalid_argument("wait_gather_flags: flags, 1.." + std::to_string(kGatherMaxTiles) +
+                                " tiles and an epoch >= 1");
+  wait_gather_flags_kernel<<<1, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const int*>(flags), ranks_per_node, tiles, epoch, timeout_ns_, error_dev_,
+      StopFlag{stop_dev_, stop_generation_}, rank_, phase);
+  check(cudaGetLastError(), "wait_gather_flags launch");
 }
 
 void Context::set_timeline(uintptr_t stamps, int capacity) {
@@ -1273,6 +1464,11 @@ std::string Context::error_message() const {
       return who + "pack_and_push: the records of chunk " + std::to_string(e.slot) + " (for rank " +
              std::to_string(e.aux) + ") were not all written within " + std::to_string(secs) + " s: " +
              std::to_string(e.observed) + " of " + std::to_string(e.expected) + " (a packer block never ran?)";
+    case kErrGatherFlagTimeout:
+      return who + "pipelined combine gather: local GPU " + std::to_string(e.slot) + " did not flag tile " +
+             std::to_string(e.aux) + " of our arrivals within " + std::to_string(secs) + " s: the flag is at " +
+             std::to_string(e.observed) + ", waited for epoch " + std::to_string(e.expected) +
+             " (that rank stopped, or never reached this combine)";
     default:
       return who + "unknown GPU error code " + std::to_string(e.code);
   }
@@ -1372,6 +1568,7 @@ void Context::pack_and_push_after_counts(uintptr_t, int, int64_t, const RecordJo
 void Context::launch_pack_and_push(uintptr_t, int, int64_t, const RecordJob&, const CountRowOffsets*, uintptr_t, int,
                                    uintptr_t) {}
 void Context::check_count_rows(const CountRowOffsets&, const std::string&) const {}
+void Context::wait_gather_flags(uintptr_t, int, int64_t, int32_t, int, uintptr_t) {}
 void Context::set_timeline(uintptr_t, int) {}
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>&, int, uintptr_t) {}
 ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) { return ArrivalGate{}; }

@@ -63,6 +63,28 @@ struct ExpertSums {
   int64_t weights_offset = 0;
 };
 
+// Pipelined combine gather, several GPUs per node (docs/internode.md, "Pipelined combine gather"). Each local GPU
+// copies its rows for a forwarder into its gather block there in tiles of `tile_rows` of the forwarder's arrivals
+// (gather_tiles), and after each tile raises its flag of that tile in the forwarder's NVL region to the call's epoch.
+// The forwarder's pack_and_push (NodeSums with gather set) writes record r as the node sum of arrival r once every
+// local GPU flagged its tile, and pushes each chunk once its records are summed: the hop starts with the
+// first tiles instead of after the whole gather and a barrier. The flags are never reset: each combine raises them to
+// a higher epoch (int32, counted by every rank of the group alike).
+constexpr int kGatherMaxTiles = 1024;  // flags per (forwarder, local GPU); tile_rows grows with the arrivals
+constexpr int kNodeSumsMaxRanksPerNode = 256;  // a packer block's threads wait for a record's flags, one GPU each
+
+struct NodeSums {
+  uintptr_t gather = 0;      // row 0 of our gather area (NVL): GPU j's copy of arrival r at row rows_of[j][r]
+  uintptr_t rows_of = 0;     // int32 [ranks_per_node][num_records]; -1: GPU j holds no copy of arrival r
+  int ranks_per_node = 0;
+  int64_t payload_bytes = 0; // rows of the record stride: the payload, then num_weights fp32 weights
+  int num_weights = 0;
+  bool f32 = false;          // payload in float32, else bfloat16
+  uintptr_t flags = 0;       // int32 [ranks_per_node][kGatherMaxTiles] in our NVL region: GPU j's flag of tile t
+  int64_t tile_rows = 0;
+  int32_t epoch = 0;
+};
+
 struct RecordJob {
   uintptr_t send = 0, own_dst = 0;
   int64_t own_first = 0, own_count = 0, stride = 0, num_records = 0;
@@ -71,6 +93,7 @@ struct RecordJob {
   std::vector<PackColumn> columns;
   int64_t src_idx_offset = -1, dest_rows_offset = 0;
   ExpertSums sums;
+  NodeSums node_sums;
 };
 
 // The most top-k an ExpertSums record takes: that of the expert-major kernels whose slots it reads (its packer keeps
@@ -231,6 +254,11 @@ class Context {
   // chunks pushed once every count row is in, each block placed as push_after_counts places it.
   void pack_and_push_after_counts(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job,
                                   const CountRowOffsets& at, uintptr_t ready, int phase, uintptr_t stream);
+  // The pipelined combine gather's tile flags (NodeSums) where no pack_and_push waits for them (a forwarder with no
+  // record for another node): wait until GPU j's flag of every tile t < tiles is at `epoch`, for j < ranks_per_node.
+  // A flag still below it at the GPU deadline is reported (kErrGatherFlagTimeout).
+  void wait_gather_flags(uintptr_t flags, int ranks_per_node, int64_t tiles, int32_t epoch, int phase,
+                         uintptr_t stream);
   // Wait until signal[slot] >= expected for every (slot, expected) pair; deadline: the GPU timeout. The pairs go
   // as kernel arguments, kWaitTargetsPerLaunch per launch. A wait also ends early when the error word is set (by
   // another kernel of this rank, or by abort_waits()).
@@ -335,6 +363,19 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
                       int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out, uintptr_t stream,
                       const ArrivalGate* gate = nullptr, int64_t first_row = 0, uintptr_t err = 0,
                       uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0);
+
+// The local side of the pipelined combine gather (NodeSums; asynchronous on `stream`): for each forwarder f < targets
+// and each tile t of its arrivals[f] arrivals (device int64 [targets]; tile_rows each), our rows
+// by_arrival[f * max_arrivals + a] (device int32 [targets, max_arrivals]; -1: the arrival is not ours) of x
+// (payload_bytes each, rows back to back) and of w (num_weights fp32 each; 0: none) go to row a of dsts[f] (device
+// uint64 [targets]: our gather block at forwarder f, rows of dst_stride bytes, the weights behind the payload); then
+// flag t of flags[f] (device uint64 [targets]: our int32 flag row at forwarder f) is raised to `epoch`, released at
+// system scope after every copy of the tile. A row index >= num_rows is reported (kErrScatterRange) and not copied.
+// Nothing is copied or flagged once the rank is stopped. Payload bytes and w must be multiples of 4, dst_stride of 16.
+void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arrival, int64_t max_arrivals,
+                  uintptr_t arrivals, int64_t tile_rows, uintptr_t x, int64_t payload_bytes, uintptr_t w,
+                  int num_weights, int64_t num_rows, int64_t dst_stride, int32_t epoch, uintptr_t stream,
+                  uintptr_t err = 0, uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0);
 
 // Source side of combine (asynchronous on `stream`): out_x[t] (x's dtype: bf16, or fp32 with `fp32`; [num_tokens,
 // payload_bytes]) = the fp32 sum in ascending node m of the payloads of rows row_of[m * num_tokens + t] (device int32

@@ -60,8 +60,10 @@ COUNT_ROW_MAX_BINS = 12288
 PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "combine_gather": 4, "barrier": 5,
           "notify": 6}
 ERROR_CODES = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5,
-               "records_unwritten": 6}
+               "records_unwritten": 6, "gather_flag_timeout": 7}
 PACK_PUSH_MAX_ROWS = 256
+GATHER_MAX_TILES = 1024
+NODE_SUMS_MAX_RANKS_PER_NODE = 256
 READ_MAX_COUNTERS = 128
 _PHASE_NAMES = {1: "dispatch network hop (push_chunks / wait_signals)",
                 2: "combine network hop (push_chunks / wait_signals)",
@@ -256,6 +258,55 @@ def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of:
     if num_weights:
         _at(out_w, (num_tokens - 1) * ws + 4 * num_weights).as_strided((num_tokens, 4 * num_weights), (ws, 1)).copy_(
             acc_w.view(torch.uint8).view(num_tokens, 4 * num_weights))
+
+
+def gather_tiles(dsts: int, flags: int, targets: int, by_arrival: int, max_arrivals: int, arrivals: int,
+                 tile_rows: int, x: int, payload_bytes: int, w: int, num_weights: int, num_rows: int, dst_stride: int,
+                 epoch: int, stream: int, err: int = 0, stop_flag: int = 0, stop_generation: int = 0, rank: int = -1,
+                 phase: int = 0) -> None:
+    """gather_tiles_kernel: for each forwarder f, our rows by_arrival[f, a] of x (and the fp32 weights w) to row a of
+    dsts[f], then flag t of flags[f] (int32) set to ``epoch`` for each of its tiles -- every copy of a forwarder lands
+    before its flags, as the kernel's release orders them; an index >= num_rows is reported, not copied."""
+    if max_arrivals <= 0 or targets <= 0:
+        return
+    if not (dsts and flags and by_arrival and arrivals) or (not x and num_rows > 0):
+        raise ValueError("gather_tiles: null pointer")
+    if tile_rows < 1 or -(-max_arrivals // tile_rows) > GATHER_MAX_TILES:
+        raise ValueError(f"gather_tiles: {max_arrivals} arrivals in tiles of {tile_rows} rows need more than "
+                         f"{GATHER_MAX_TILES} flags")
+    if (payload_bytes <= 0 or payload_bytes % 4 or dst_stride % 16
+            or dst_stride < payload_bytes + 4 * num_weights or (num_weights > 0 and num_rows > 0 and (not w or w % 4))):
+        raise ValueError("gather_tiles: the payload (a multiple of 4 bytes) and the 4-byte aligned fp32 weights must "
+                         "fit a row of dst_stride (a multiple of 16) bytes")
+    if epoch < 1:
+        raise ValueError("gather_tiles: epochs start at 1 (the flags start at 0)")
+    if _stopped(stop_flag, stop_generation):
+        return
+    blocks = _at(dsts, 8 * targets, torch.int64).tolist()
+    flag_rows = _at(flags, 8 * targets, torch.int64).tolist()
+    counts = _at(arrivals, 8 * targets, torch.int64).tolist()
+    index = _at(by_arrival, 4 * targets * max_arrivals, torch.int32).view(targets, max_arrivals).to(torch.int64)
+    src_x = _at(x, num_rows * payload_bytes).view(num_rows, payload_bytes) if num_rows else None
+    src_w = _at(w, 4 * num_rows * num_weights).view(num_rows, 4 * num_weights) if num_rows and num_weights else None
+    for f in range(targets):
+        n = counts[f]
+        if n <= 0:
+            continue
+        r = index[f, :n]
+        bad = r >= num_rows
+        if bool(bad.any()):
+            a = int(bad.nonzero()[0])
+            _report(err, (stop_flag, stop_generation), ERROR_CODES["scatter_range"], rank, f, a, phase, int(r[a]),
+                    num_rows)
+        ok = (r >= 0) & ~bad
+        if bool(ok.any()):
+            at = ok.nonzero().squeeze(1)
+            out = _at(blocks[f], (n - 1) * dst_stride + payload_bytes + 4 * num_weights).as_strided(
+                (n, payload_bytes + 4 * num_weights), (dst_stride, 1))
+            out[at, :payload_bytes] = src_x[r[at]]
+            if src_w is not None:
+                out[at, payload_bytes:] = src_w[r[at]]
+        _at(flag_rows[f], 4 * -(-n // tile_rows), torch.int32).fill_(epoch)
 
 
 def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int,
@@ -801,19 +852,30 @@ class InternodeContext:
     def pack_and_push(self, table: int, n: int, chunk_records: int, send: int, own_dst: int, own_first: int,
                       own_count: int, stride: int, hop1_token: int, dest_rows: int, ranks_per_node: int,
                       num_records: int, columns: list, src_idx_offset: int, dest_rows_offset: int, ready: int,
-                      phase: int, stream: int, expert_sums: Optional[tuple] = None) -> None:
+                      phase: int, stream: int, expert_sums: Optional[tuple] = None,
+                      node_sums: Optional[tuple] = None) -> None:
         """pack_and_push_kernel: the records written (record r carries row hop1_token[r], or r when hop1_token is 0;
         index fields only where src_idx_offset >= 0; our own node's at own_dst), then push_chunks over the table --
         every write the kernel makes, in an order it may make them (a chunk leaves only once its records are in). The
         kernel's chunk counters must be zero at launch and are left zero: checked here. A chunk some of whose records
         no packer writes fails as the kernel's pusher does at the GPU deadline (``records_unwritten``); here nothing
         is pushed then, while the kernel has pushed the chunks before it. ``expert_sums`` (ExpertSums): record r is
-        combine row r, its local experts' expert-major rows summed as expert_major_partials sums them."""
+        combine row r, its local experts' expert-major rows summed as expert_major_partials sums them. ``node_sums``
+        (NodeSums): record r is arrival r's node sum, summed as sum_node_partials sums it once every local GPU's flag
+        of its tile reaches the epoch; a flag still short at the GPU deadline is reported (``gather_flag_timeout``), and
+        nothing is written or pushed then."""
         if num_records <= 0:
             return
         if expert_sums is not None:  # the rows the packers sum, made first (the kernel sums them record by record)
             columns, keep_alive = self._expert_sum_columns(expert_sums, num_records, stride, send, own_dst, columns,
                                                            hop1_token, ranks_per_node, src_idx_offset)
+        if node_sums is not None:
+            if expert_sums is not None or columns or hop1_token or ranks_per_node or src_idx_offset >= 0:
+                raise ValueError("pack_and_push: node sums take no columns, expert sums, tokens, final rows or index "
+                                 "fields (record r is arrival r's node sum)")
+            columns, keep_alive = self._node_sum_columns(node_sums, num_records, stride, send, own_dst, phase)
+            if columns is None:
+                return
         if not 0 < n <= PACK_PUSH_MAX_ROWS:
             raise ValueError(f"pack_and_push: 1..{PACK_PUSH_MAX_ROWS} push table rows, got {n}")
         if not 0 <= own_first <= own_first + own_count <= num_records:
@@ -886,6 +948,67 @@ class InternodeContext:
                                    rows.data_ptr(), w.data_ptr() if w is not None else 0, 1, 0)
         cols = [(rows.data_ptr(), row_bytes, 0)] + ([(w.data_ptr(), 4 * topk, weights_offset)] if weights else [])
         return cols, [rows, w, info]
+
+    def _node_sum_columns(self, node_sums: tuple, num_records: int, stride: int, send: int, own_dst: int,
+                          phase: int) -> Tuple[Optional[list], list]:
+        """pack_and_push's checks of NodeSums, its packers' waits for the tile flags, then the column the records
+        amount to: the node sums, one row of ``stride`` bytes per record (None: a flag did not come, reported)."""
+        gather, rows_of, G, payload_bytes, num_weights, f32, flags, tile_rows, epoch = node_sums
+        if payload_bytes <= 0 or (gather | payload_bytes | send | own_dst | stride) % 16 or num_weights < 0 \
+                or payload_bytes + 4 * num_weights > stride:
+            raise ValueError("pack_and_push: node sums need a payload of a multiple of 16 bytes and the fp32 weights "
+                             "within the record, and 16-byte aligned rows and records")
+        if not 1 <= G <= NODE_SUMS_MAX_RANKS_PER_NODE or not rows_of or not flags:
+            raise ValueError(f"pack_and_push: node sums need rows_of, flags and 1..{NODE_SUMS_MAX_RANKS_PER_NODE} GPUs "
+                             "per node")
+        if tile_rows < 1 or -(-num_records // tile_rows) > GATHER_MAX_TILES or epoch < 1:
+            raise ValueError(f"pack_and_push: node sums' tiles must cover the records with at most {GATHER_MAX_TILES} "
+                             "flags, at an epoch >= 1")
+        tiles = -(-num_records // tile_rows)
+        wanted = [(j, t) for t in range(tiles) for j in range(G)]  # every GPU's flag of every tile, in record order
+        start = time.monotonic()
+        while wanted:
+            seen = _at(flags, 4 * G * GATHER_MAX_TILES, torch.int32).view(G, GATHER_MAX_TILES)
+            wanted = [(j, t) for j, t in wanted if int(seen[j, t]) < epoch]
+            if not wanted:
+                break
+            if _stopped(*self._stop_now()):
+                return None, []
+            if time.monotonic() - start > self._timeout:
+                j, t = wanted[0]
+                _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["gather_flag_timeout"], self.rank, j, t,
+                        phase, int(seen[j, t]), epoch)
+                return None, []
+            time.sleep(1e-4)
+        sums = torch.zeros((num_records, stride), dtype=torch.uint8)
+        zero = torch.zeros(payload_bytes, dtype=torch.uint8)
+        sum_node_partials(sums.data_ptr(), sums.data_ptr() + payload_bytes if num_weights else 0, gather, stride,
+                          rows_of, zero.data_ptr(), G, num_records, payload_bytes, num_weights, f32, 0,
+                          out_x_stride=stride, out_w_stride=stride)
+        return [(sums.data_ptr(), stride, 0)], [sums, zero]
+
+    def wait_gather_flags(self, flags: int, ranks_per_node: int, tiles: int, epoch: int, phase: int,
+                          stream: int) -> None:
+        """Context::wait_gather_flags: GPU j's flag of every tile t < tiles at ``epoch``, for every j."""
+        if tiles <= 0 or ranks_per_node <= 0:
+            return
+        if not flags or tiles > GATHER_MAX_TILES or epoch < 1:
+            raise ValueError(f"wait_gather_flags: flags, 1..{GATHER_MAX_TILES} tiles and an epoch >= 1")
+        start = time.monotonic()
+        while True:
+            seen = _at(flags, 4 * ranks_per_node * GATHER_MAX_TILES, torch.int32).view(ranks_per_node,
+                                                                                      GATHER_MAX_TILES)[:, :tiles]
+            late = (seen < epoch).nonzero().tolist()
+            if not late:
+                return
+            if _stopped(*self._stop_now()):
+                return
+            if time.monotonic() - start > self._timeout:
+                j, t = late[0]
+                _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["gather_flag_timeout"], self.rank, j, t,
+                        phase, int(seen[j, t]), epoch)
+                return
+            time.sleep(1e-4)
 
     def _write(self, dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> bool:
         """What the proxy and transport do with one WRITE_SIGNAL: the bytes land, then the counter moves."""
@@ -968,7 +1091,10 @@ class InternodeContext:
                "corrupt, or was read before its bytes landed)",
             5: "GPU waits aborted by the host (the proxy failed)",
             6: f"pack_and_push: the records of chunk {e.slot} (for rank {e.aux}) were not all written within {secs} s: "
-               f"{e.observed} of {e.expected} (a packer block never ran?)"}.get(e.code, f"unknown GPU error code {e.code}")
+               f"{e.observed} of {e.expected} (a packer block never ran?)",
+            7: f"pipelined combine gather: local GPU {e.slot} did not flag tile {e.aux} of our arrivals within {secs} "
+               f"s: the flag is at {e.observed}, waited for epoch {e.expected} (that rank stopped, or never reached "
+               "this combine)"}.get(e.code, f"unknown GPU error code {e.code}")
 
     def _stop_now(self) -> tuple:
         return self.stop_flag_ptr, self._generation

@@ -224,6 +224,129 @@ def check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_namin
     cx.clear_error()
 
 
+def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
+        cx, gather_tiles, rdma, nvl, dev, codes, f32):
+    """The pipelined combine gather (docs/internode.md, "Pipelined combine gather") on one rank that writes to itself,
+    playing a forwarder and its node's 3 GPUs: GPU j's gather_tiles copies its random rows (and 3 fp32 weights) of a
+    random subset of 40 arrivals into its gather block, in tiles of 8, and flags each tile; pack_and_push with node
+    sums writes record a as the sum over j of those copies (fp32 in j order, one rounding: torch's) and pushes the 34
+    records for "other nodes" in chunks of 4, the last 6 going to our own place. GPU 2 gathers late, from another
+    thread and stream, over stale bytes: the records must still be exact, so the packers waited for its flags (also
+    where it holds no copy: every GPU's flag gates every tile). Then
+    wait_gather_flags returns for the epoch reached; at the next epoch, with GPU 1 never flagging, both it and
+    pack_and_push fail at the GPU deadline naming the GPU, a tile it holds, its flag and the epoch, and nothing is
+    pushed. ``rdma``, ``nvl``: uint8 views of cx's regions on ``dev``; ``codes``: the module's ERROR_CODES."""
+    import threading
+
+    dtype = torch.float32 if f32 else torch.bfloat16
+    H, kw, A, own, tile, per, G = 64 // dtype.itemsize, 3, 40, 6, 8, 4, 3
+    pay, stride, max_tiles = 64, 80, 1024
+    send, recv, own_at, slot, hint = 0, 8192, 16384, 7, 1
+    flags_at, gather_at, rows_per_block = 0, 16384, 48  # NVL: flags int32 [G][max_tiles], then the gather blocks
+    cuda = dev.type == "cuda"
+    g = torch.Generator().manual_seed(23 + f32)
+    held = torch.rand((G, A), generator=g) < 0.6
+    held[2, 8:16] = False  # a tile GPU 2 holds nothing of: its flag is still waited for (its stream is past the unpack)
+    held[1] = True
+    xs = [torch.randn((A, H), generator=g).to(dtype).to(dev) for _ in range(G)]
+    ws = [torch.rand((A, kw), generator=g).to(dev) for _ in range(G)]
+    # GPU j's row of arrival a: a permutation of its rows (its rows are in its own order, not the forwarder's)
+    perms = [torch.randperm(A, generator=g) for _ in range(G)]
+    nvl[:flags_at + 4 * G * max_tiles] = 0
+    nvl[gather_at:gather_at + G * rows_per_block * stride] = 0xAB  # stale bytes where the copies go
+    rdma[:own_at + own * stride] = 0xCD
+    expect_x = torch.zeros((A, H))
+    expect_w = torch.zeros((A, kw))
+    for j in range(G):
+        rows = perms[j].to(dev)
+        expect_x += torch.where(held[j].unsqueeze(1), xs[j][rows].float().cpu(), 0.0)
+        expect_w += torch.where(held[j].unsqueeze(1), ws[j][rows].cpu(), 0.0)
+    expect_x = expect_x.to(dtype)
+    rows_of = torch.where(held, torch.arange(G).unsqueeze(1) * rows_per_block + torch.arange(A), -1)
+    rows_of = rows_of.to(torch.int32).to(dev)
+
+    # GPU j's tables: where its gather block and flag row sit at the forwarder, and its row of each arrival
+    tables = [(torch.tensor([cx.nvl_ptr + gather_at + j * rows_per_block * stride], dtype=torch.int64, device=dev),
+               torch.tensor([cx.nvl_ptr + flags_at + 4 * j * max_tiles], dtype=torch.int64, device=dev),
+               torch.where(held[j], perms[j], -1).to(torch.int32).view(1, A).to(dev)) for j in range(G)]
+    arrivals = torch.tensor([A], dtype=torch.int64, device=dev)
+
+    def gather(j, epoch, stream):
+        dsts, flags, by_arrival = tables[j]
+        gather_tiles(dsts.data_ptr(), flags.data_ptr(), 1, by_arrival.data_ptr(), A, arrivals.data_ptr(), tile,
+                     xs[j].data_ptr(), pay, ws[j].data_ptr(), kw, A, stride, epoch, stream,
+                     err=cx.error_word_ptr, stop_flag=cx.stop_flag_ptr, stop_generation=cx.stop_generation, rank=0,
+                     phase=4)
+
+    main = torch.cuda.Stream(dev) if cuda else None
+    late = torch.cuda.Stream(dev) if cuda else None
+    stream = main.cuda_stream if cuda else 0
+
+    def late_gather():
+        if cuda:
+            torch.cuda.set_device(dev)
+        time.sleep(0.3)
+        gather(2, 1, late.cuda_stream if cuda else 0)
+        if cuda:
+            late.synchronize()
+
+    table = torch.tensor([[0, send, recv, stride, A - own, slot, hint]], dtype=torch.int64, device=dev)
+    ready = torch.zeros(16, dtype=torch.int32, device=dev)
+    if cuda:
+        torch.cuda.synchronize(dev)  # the tables are on the device before any launch on the side streams
+    base = [cx.signal_value(slot + f) for f in range(2)]
+    for j in range(2):
+        gather(j, 1, stream)
+    node_sums = (cx.nvl_ptr + gather_at, rows_of.data_ptr(), G, pay, kw, f32, cx.nvl_ptr + flags_at, tile, 1)
+    late_thread = threading.Thread(target=late_gather)
+    late_thread.start()  # on the GPU the packers spin while GPU 2's gather comes; the stand-in waits in this thread
+    cx.pack_and_push(table.data_ptr(), 1, per, cx.rdma_ptr + send, cx.rdma_ptr + own_at, A - own, own, stride,
+                     0, 0, 0, A, [], -1, 0, ready.data_ptr(), 2, stream, node_sums=node_sums)
+    late_thread.join()
+    if cuda:
+        main.synchronize()
+    assert cx.error_fields()["code"] == 0, cx.error_message()
+    chunks = -(-(A - own) // per)  # lanes (hint + c) % 2: lane 1 carries the even chunks
+    want = [base[0] + sum(min(per, A - own - c * per) for c in range(chunks) if (hint + c) % 2 == 0),
+            base[1] + sum(min(per, A - own - c * per) for c in range(chunks) if (hint + c) % 2 == 1)]
+    _await_counters(cx, [slot, slot + 1], want)
+    landed = torch.cat([rdma[recv:recv + (A - own) * stride], rdma[own_at:own_at + own * stride]]).view(A, stride)
+    got_x = landed[:, :pay].contiguous().view(dtype).cpu()
+    got_w = landed[:, pay:pay + 4 * kw].contiguous().view(torch.float32).cpu()
+    assert torch.equal(got_x, expect_x), "node sums differ from the copies' sum (a record read before its tile?)"
+    assert torch.equal(got_w, expect_w), "summed weights differ"
+    assert int(ready.count_nonzero()) == 0, "pack_and_push left chunk counters behind"
+    cx.wait_gather_flags(cx.nvl_ptr + flags_at, G, A // tile, 1, 4, stream)  # every tile of every GPU flagged
+    if cuda:
+        main.synchronize()
+    assert cx.error_fields()["code"] == 0, cx.error_message()
+    # epoch 2: GPUs 0 and 2 gather, GPU 1 never does
+    gather(0, 2, stream)
+    gather(2, 2, stream)
+    t0 = time.monotonic()
+    node_sums = node_sums[:-1] + (2,)
+    cx.pack_and_push(table.data_ptr(), 1, per, cx.rdma_ptr + send, cx.rdma_ptr + own_at, A - own, own, stride,
+                     0, 0, 0, A, [], -1, 0, ready.data_ptr(), 2, stream, node_sums=node_sums)
+    if cuda:
+        main.synchronize()
+    assert time.monotonic() - t0 < 30, "the packers waited far past their deadline"
+    e = cx.error_fields()
+    tiles_of_1 = {int(a) // tile for a in held[1].nonzero().squeeze(1)}
+    assert (e["code"], e["slot"], e["observed"], e["expected"]) == (codes["gather_flag_timeout"], 1, 1, 2), e
+    assert e["aux"] in tiles_of_1, (e, tiles_of_1)
+    msg = cx.error_message()
+    assert "local GPU 1 did not flag tile" in msg and "waited for epoch 2" in msg, msg
+    assert [cx.signal_value(slot + f) for f in range(2)] == want, "a chunk left without its node sums"
+    cx.clear_error()
+    ready.zero_()  # (a failed launch may leave counts behind: the backend drops its counters then)
+    cx.wait_gather_flags(cx.nvl_ptr + flags_at, G, 1, 2, 4, stream)
+    if cuda:
+        main.synchronize()
+    e = cx.error_fields()
+    assert (e["code"], e["slot"], e["aux"], e["expected"]) == (codes["gather_flag_timeout"], 1, 0, 2), e
+    cx.clear_error()
+
+
 def check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them(cx, rdma, dev, codes):
     """push_after_counts on one rank that writes to itself (node 0: no source node comes before it, so each block
     stays at its row's offset; the moves themselves are proven by place_blocks and the multi-rank comparisons). Its

@@ -28,6 +28,7 @@ from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_sm
                              check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it,
                              check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks,
                              check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
+                             check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
                              compare_cases, records_past_the_partial_sums, too_few_worst_rows)
 
@@ -658,15 +659,16 @@ def _packs_and_pushes(rank, world, G, cases, iters):
 
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_a_hops_records_are_written_and_pushed_in_one_launch_unless_turned_off_and_outputs_match_either_way(world, G):
-    """UCCL_EP_PACK_AND_PUSH (default on): dispatches that pack after notify, and with one GPU per node combines too,
-    write their records and push them in one launch (pack_and_push); with 0, none does. Every output equals the
-    reference both ways (the stand-in checks that the chunk counters are zero at every launch)."""
+    """UCCL_EP_PACK_AND_PUSH (default on): dispatches that pack after notify, and combines too (with several GPUs per
+    node the forwarders' node sums, "Pipelined combine gather"), write their records and push them in one launch
+    (pack_and_push); with 0, none does. Every output equals the reference both ways (the stand-in checks that the
+    chunk counters are zero at every launch)."""
     cases = ALL[:4]
     on = run_distributed(_packs_and_pushes, world, G, cases, 1, timeout=120, env=ENV)
     off = run_distributed(_packs_and_pushes, world, G, cases, 1, timeout=120, env=dict(ENV, UCCL_EP_PACK_AND_PUSH="0"))
     assert all(done == len(cases) for done, _ in on + off)
     assert all(n["dispatch_network"] > 0 for _, n in on)
-    assert all((n["combine_network"] > 0) == (G == 1) for _, n in on)
+    assert all(n["combine_network"] > 0 for _, n in on)
     assert all(n == {"dispatch_network": 0, "combine_network": 0} for _, n in off)
 
 
@@ -723,6 +725,33 @@ def test_outputs_match_whether_arrivals_are_read_and_forwarded_as_they_land_or_o
         assert all(n > 0 for n in forwarded), f"no dispatch forwarded during its hop: {forwarded}"
     else:
         assert forwarded == [0] * world, forwarded
+
+
+def _pipelined_gathers(rank, world, G, cases):
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
+        return done, nat.pipelined_gathers, nat._gather_epoch
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "barrier"])
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (6, 3)], ids=["2x1", "2x2", "2x3"])
+def test_a_combine_with_several_gpus_per_node_gathers_in_flagged_tiles_unless_turned_off_and_outputs_match_either_way(
+        world, G, pipelined):
+    """docs/internode.md, "Pipelined combine gather": with several GPUs per node every combine copies its rows to the
+    forwarders in flagged tiles and each forwarder sums and pushes its records as their tiles are flagged, every rank
+    at the same epoch; UCCL_EP_PIPELINED_COMBINE_GATHER=0 keeps the whole gather and a barrier before the node sum.
+    One GPU per node gathers nothing over NVLink either way."""
+    env = ENV if pipelined else dict(ENV, UCCL_EP_PIPELINED_COMBINE_GATHER="0")
+    out = run_distributed(_pipelined_gathers, world, G, ALL, timeout=240, env=env)
+    assert all(done == len(ALL) for done, _, _ in out)
+    gathers, epochs = [n for _, n, _ in out], [e for _, _, e in out]
+    if pipelined and G > 1:
+        assert all(n > 0 for n in gathers) and len(set(epochs)) == 1 and epochs[0] == gathers[0], (gathers, epochs)
+    else:
+        assert gathers == [0] * world, gathers
 
 
 def _absent_peer(rank, world, G):
@@ -786,6 +815,17 @@ def test_stand_in_pack_and_push_fails_naming_a_chunk_whose_records_are_never_wri
     try:
         check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it(
             cx, torch.device("cpu"), fake.ERROR_CODES)
+    finally:
+        cx.destroy()
+
+
+@pytest.mark.parametrize("f32", [False, True], ids=["bf16", "fp32"])
+def test_stand_in_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_and_names_a_gpu_that_never_flags(f32):
+    cx = _context(gpu_timeout_secs=2.0)
+    try:
+        check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
+            cx, fake.gather_tiles, fake._at(cx.rdma_ptr, cx.rdma_bytes), fake._at(cx.nvl_ptr, cx.nvl_bytes),
+            torch.device("cpu"), fake.ERROR_CODES, f32)
     finally:
         cx.destroy()
 

@@ -670,7 +670,8 @@ def run(args) -> int:
                       "beside_compute_us": {k: statistics.mean(v) * 1e6 for k, v in (beside or {}).items()},
                       **{k: getattr(nat, k, None) for k in ("packs_and_pushes_during_notify", "reads_before_counts",
                                                             "reads_before_counts_declined",
-                                                            "spare_read_outputs_taken", "forwards_during_hop")}}
+                                                            "spare_read_outputs_taken", "forwards_during_hop",
+                                                            "pipelined_gathers")}}
             if timeline is not None:
                 shared["kernel_timeline_by_rank"] = timeline
             if wire is not None:
@@ -763,6 +764,8 @@ def run(args) -> int:
         "spare_read_outputs_taken": getattr(nat, "spare_read_outputs_taken", None),
         # dispatches whose forwarder read and forwarded its arrivals during the hop (several GPUs per node; rank 0)
         "forwards_during_hop": getattr(nat, "forwards_during_hop", None),
+        # combines whose local GPUs gathered in flagged tiles, each forwarder pushing as they were flagged (rank 0)
+        "pipelined_gathers": getattr(nat, "pipelined_gathers", None),
     }
     # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
     row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}
