@@ -540,16 +540,21 @@ def _setup_warnings(rank, world, G):
     return [str(w.message) for w in seen if "hardware work queue" in str(w.message)]
 
 
-def test_loopback_setup_warns_when_cuda_gives_the_process_one_hardware_queue():
-    """CUDA_DEVICE_MAX_CONNECTIONS=1 (what Megatron launchers set) let a loopback copy wait behind a kernel spinning
-    for its bytes until the GPU deadline (session 22, one H200): every rank says so at setup, naming what to set.
-    With the CUDA default nobody warns."""
+def test_loopback_setup_warns_when_cuda_gives_the_proxy_threads_copies_one_hardware_queue():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (what Megatron launchers set) let a loopback copy made by the proxy threads wait
+    behind a kernel spinning for its bytes until the GPU deadline (session 22, one H200): where the proxy threads copy
+    (UCCL_EP_LOOPBACK_COPY_AGENT=off), every rank says so at setup, naming what to set. With the CUDA default nobody
+    warns, nor with the copy agent (the default with a GPU per rank since session 38), whose copies are another
+    process's."""
     _need(2)
-    one = run_distributed(_setup_warnings, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    threads = {"UCCL_EP_LOOPBACK_COPY_AGENT": "off"}
+    one = run_distributed(_setup_warnings, 2, 1, timeout=120, env=dict(threads, CUDA_DEVICE_MAX_CONNECTIONS="1"))
     for rank, said in enumerate(one):
         assert len(said) == 1 and said[0].startswith(f"rank {rank}: the loopback transport"), said
         assert "CUDA_DEVICE_MAX_CONNECTIONS=1 gives this process 1 hardware work queue(s)" in said[0]
-    assert run_distributed(_setup_warnings, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == [[], []]
+    assert run_distributed(_setup_warnings, 2, 1, timeout=120,
+                           env=dict(threads, CUDA_DEVICE_MAX_CONNECTIONS="8")) == [[], []]
+    assert run_distributed(_setup_warnings, 2, 1, timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == [[], []]
 
 
 def _random_routing(nat, dev, T, H, E, K, seed):
