@@ -43,7 +43,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks, READ_DIMS,
     READ_GO, read_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED, GATHER_MAX_TILES, GATHER_MIN_TILE_ROWS,
-    gather_flag_bytes, gather_tile_rows)
+    node_flag_bytes, gather_tile_rows)
 from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
                                                shared_gpu_spin_blocks, use_copy_agent)
@@ -466,7 +466,7 @@ class NativeInternodeBackend:
         self.max_write_bytes = min(int(g[2]) for g in gathered) or CMD_MAX_BYTES
         self.write_bytes = min(min(int(g[3]) for g in gathered), self.max_write_bytes)
         self._cx.proxy_connect([[gathered[r][0][i] for r in range(self.R)] for i in range(p.num_threads)])
-        flag_bytes = gather_flag_bytes(self.G)
+        flag_bytes = node_flag_bytes(self.G)
         if flag_bytes:  # the gather's tile flags start below every epoch, on every rank before the barrier
             _raw_bytes(self._cx.nvl_ptr + self.nvl_bytes - flag_bytes, flag_bytes, self.device).zero_()
             if self.device.type == "cuda":
@@ -501,7 +501,8 @@ class NativeInternodeBackend:
                          if self.device.type == "cuda" and s.kernel.pinned_uploads else None)
         # the NVL region: final rows below half_nvl, the combine's gather blocks above, the gather's tile flags at the
         # end (several GPUs per node; zeroed at setup, before the barrier that precedes any combine)
-        self._flag_base = self.nvl_bytes - gather_flag_bytes(self.G)
+        self._flag_base = self.nvl_bytes - node_flag_bytes(self.G)
+        self._forward_flag_base = self._flag_base + 4 * self.G * GATHER_MAX_TILES
         self.half_nvl = self._flag_base // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         if self._cx.num_fifos != self.L:
@@ -533,6 +534,13 @@ class NativeInternodeBackend:
         self._gather_epoch = 0  # pipelined combines so far: the value their tile flags are raised to (the same count
         # on every rank of the group)
         self.pipelined_gathers = 0  # (tests, benchmarks)
+        # docs/internode.md, "The dispatch forward's node barrier": likewise the same on every rank
+        self.forward_node_barrier = bool(s.kernel.forward_node_barrier) and self.G > 1
+        self._forward_epoch = 0  # dispatch forwards ended with it so far: their flags' value
+        # our flag row in each local GPU's NVL region (column 0 of the forward's block)
+        self._forward_flag_targets = torch.tensor(
+            [self.peer_nvl[j] + self._forward_flag_base + 4 * self.local * GATHER_MAX_TILES for j in range(self.G)],
+            dtype=torch.int64).to(self.device) if self.G > 1 else None
         self.expert_sums_in_packs = 0  # expert-major combines whose pack summed the rows (tests, benchmarks)
         # hops whose records were written and pushed in one launch, by phase (tests, benchmarks)
         self.packs_and_pushes = {"dispatch_network": 0, "combine_network": 0}
@@ -604,6 +612,7 @@ class NativeInternodeBackend:
         self.count_rows_pushed_with_records = 0  # ... and pushed our count row too (no push_chunks for it)
         self.dispatch_barriers_skipped = 0
         self.forwards_during_hop = 0  # dispatches whose forwarders read their arrivals as they landed (G > 1)
+        self.forward_node_barriers = 0  # dispatch forwards that ended with the node barrier over NVLink (G > 1)
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
         if self.read_before_counts:
@@ -642,10 +651,16 @@ class NativeInternodeBackend:
                                      self.G, record.data_ptr(), layout.stride, 1, layout.final_bytes,
                                      zeros.data_ptr(), zeros.data_ptr(), layout.dest_rows_offset,
                                      layout.arrival_offset, out.data_ptr(), self._stream(), gate=gate)
+        flags = torch.zeros(self.G, dtype=torch.int32, device=self.device)  # the node barrier's kernels too
+        at = (flags.data_ptr() + 4 * torch.arange(self.G, dtype=torch.int64)).to(self.device)
+        self._k.raise_flags(at.data_ptr(), self.G, 1, self._stream())
+        raised = torch.ones((self.G, GATHER_MAX_TILES), dtype=torch.int32, device=self.device)
+        self._cx.wait_gather_flags(raised.data_ptr(), self.G, 1, 1, self._phases["dispatch_forward"], self._stream())
         self._drain("setup: the dispatch forward's first launches")
-        if bool((out != -1).any()):
+        if bool((out != -1).any()) or bool((flags != 1).any()):
             raise InternodeError(f"rank {self.rank}: the dispatch forward kernel misread a record whose dest rows are "
-                                 f"all -1 (got {out.tolist()}); rebuild _C")
+                                 f"all -1 (got {out.tolist()}), or raise_flags missed a flag ({flags.tolist()}); "
+                                 "rebuild _C")
 
     def _first_gather_launches(self) -> None:
         """The pipelined combine gather's kernels' first launches, with nothing spinning, as _first_forward_launches
@@ -1433,11 +1448,30 @@ class NativeInternodeBackend:
                 self._lap("dispatch.forward")
                 return arrivals[:, :layout.final_bytes], layout, None, A, None
             fwd_dest = self._forward_arrivals(counts, shape, layout, A, recv_base, 0, None)
-        self._barrier("dispatch forward")  # every forwarder's rows are in our NVL area
+        self._forwarded()  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
         return final, layout, fwd_dest, A, None
+
+    def _forwarded(self) -> None:
+        """The end of the dispatch forward (several GPUs per node): every forwarder of our node has written its rows
+        to our final rows. By default a node barrier over NVLink (docs/internode.md, "The dispatch forward's node
+        barrier"): our flag raised in every local GPU's NVL region behind our forward on the stream, then a wait for
+        every local GPU's flag in ours; with UCCL_EP_FORWARD_NODE_BARRIER=0 a group barrier through the proxies."""
+        if not self.forward_node_barrier:
+            self._barrier("dispatch forward")
+            return
+        self._forward_epoch += 1
+        if self._forward_epoch >= 2 ** 31:
+            raise InternodeError(f"rank {self.rank}: 2^31 dispatch forwards: the int32 forward flags would wrap "
+                                 "(UCCL_EP_FORWARD_NODE_BARRIER=0 goes on without them)")
+        self._k.raise_flags(self._forward_flag_targets.data_ptr(), self.G, self._forward_epoch, self._stream(),
+                            stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation)
+        self._cx.wait_gather_flags(self._cx.nvl_ptr + self._forward_flag_base, self.G, 1, self._forward_epoch,
+                                   self._phases["dispatch_forward"], self._stream())
+        self.forward_node_barriers += 1
+        self._settle("dispatch forward")
 
     @staticmethod
     def _own_readable(rows: List[torch.Tensor], layout: RecordLayout) -> bool:

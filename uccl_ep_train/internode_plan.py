@@ -79,19 +79,21 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
     partial = _align(4 * (hidden + num_topk))
     notify = num_ranks * _align(8 * notify_row_words(num_ranks, N))
     rdma = 2 * N * num_tokens * max(record.stride, partial) + notify
-    nvl = 2 * num_ranks * num_tokens * max(record.final_bytes, partial) + gather_flag_bytes(G)
+    nvl = 2 * num_ranks * num_tokens * max(record.final_bytes, partial) + node_flag_bytes(G)
     return _align(nvl, 4096), _align(rdma, 4096)
 
 
-# The pipelined combine gather's tile flags (csrc/kernels/internode.hpp, NodeSums; docs/internode.md, "Pipelined
-# combine gather"): int32 [G][GATHER_MAX_TILES] at the end of each rank's NVL region, one row per local GPU.
+# The NVLink flags among a node's GPUs, at the end of each rank's NVL region: the pipelined combine gather's tile flags
+# (csrc/kernels/internode.hpp, NodeSums; docs/internode.md, "Pipelined combine gather"), int32 [G][GATHER_MAX_TILES],
+# a row per local GPU; then the dispatch forward's flags ("The dispatch forward's node barrier"), rows of the same
+# width of which column 0 is used (wait_gather_flags reads either block).
 GATHER_MAX_TILES = 1024
 GATHER_MIN_TILE_ROWS = 32  # a tile is a block's work: 8 warps of 4 rows
 
 
-def gather_flag_bytes(ranks_per_node: int) -> int:
-    """The NVL bytes the tile flags take (none with one GPU per node: it gathers nothing over NVLink)."""
-    return _align(4 * ranks_per_node * GATHER_MAX_TILES, 4096) if ranks_per_node > 1 else 0
+def node_flag_bytes(ranks_per_node: int) -> int:
+    """The NVL bytes the flags take (none with one GPU per node: nothing moves over NVLink)."""
+    return _align(2 * 4 * ranks_per_node * GATHER_MAX_TILES, 4096) if ranks_per_node > 1 else 0
 
 
 def gather_tile_rows(arrivals: Sequence[int]) -> int:

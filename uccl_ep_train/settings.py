@@ -205,6 +205,10 @@ class KernelSettings:
         "to the forwarders in tiles and flag each tile over NVLink; each forwarder sums and pushes a chunk once its "
         "tiles are flagged, so the hop starts with the first tiles (docs/internode.md, Pipelined combine gather); 0: "
         "the whole gather, a group barrier, the node sum, then the hop", _bool))
+    forward_node_barrier: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_FORWARD_NODE_BARRIER", "internode, several GPUs per node: after the dispatch forward each forwarder "
+        "raises a flag in every local GPU's NVL region, and each GPU waits for its node's flags before reading its "
+        "rows (docs/internode.md, The dispatch forward's node barrier); 0: a group barrier through the proxies", _bool))
     expert_sums_in_pack: bool = field(default=True, metadata=_meta(
         "UCCL_EP_EXPERT_SUMS_IN_PACK", "internode, one GPU per node: an expert-major combine's pack sums each "
         "token's local expert rows as it writes the token's record, so each chunk leaves once its rows are summed "

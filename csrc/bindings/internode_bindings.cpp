@@ -121,7 +121,7 @@ void bind_internode(py::module_& m) {
   codes["scatter_range"] = int(in::kErrScatterRange);
   codes["aborted"] = int(in::kErrAborted);
   codes["records_unwritten"] = int(in::kErrRecordsUnwritten);
-  codes["gather_flag_timeout"] = int(in::kErrGatherFlagTimeout);
+  codes["node_flag_timeout"] = int(in::kErrNodeFlagTimeout);
   k.attr("ERROR_CODES") = codes;
   k.def("phase_name", [](int p) { return std::string(in::phase_name(p)); }, py::arg("phase"));
   k.def("scatter_rows", &in::scatter_rows, py::arg("dst"), py::arg("dst_stride"), py::arg("dst_idx"), py::arg("src"),
@@ -162,6 +162,10 @@ void bind_internode(py::module_& m) {
         "pipelined combine gather, the local side: our rows by_arrival[f, a] (int32 [targets, max_arrivals], -1: "
         "none) of x (and the fp32 weights w) to row a of our gather block at forwarder f (dsts[f]), a tile of "
         "tile_rows arrivals at a time, each tile's int32 flag (flags[f] + 4 t) then raised to epoch");
+  k.def("raise_flags", &in::raise_flags, py::arg("flags"), py::arg("n"), py::arg("epoch"), py::arg("stream"),
+        py::arg("stop_flag") = 0, py::arg("stop_generation") = 0,
+        "the int32 at each of the n addresses in flags (device uint64 [n]) set to epoch, released at system scope "
+        "after everything earlier on the stream; nothing while the stop flag holds stop_generation");
   k.def("sum_node_partials", &in::sum_node_partials, py::arg("out_x"), py::arg("out_w"), py::arg("src"),
         py::arg("src_stride"), py::arg("row_of"), py::arg("zero"), py::arg("num_nodes"), py::arg("num_tokens"),
         py::arg("payload_bytes"), py::arg("num_weights"), py::arg("fp32"), py::arg("stream"),

@@ -651,6 +651,15 @@ __global__ void __launch_bounds__(kGatherThreads) gather_tiles_kernel(
   }
 }
 
+// raise_flags: a thread per flag. The stores before it on the stream are complete (they are earlier kernels); the
+// drain makes this thread's view of them system-wide before its release.
+__global__ void raise_flags_kernel(const unsigned long long* flags, int n, int epoch, StopFlag stop) {
+  const int i = threadIdx.x;
+  if (i >= n || stopped(stop)) return;
+  drain_stores_before_release();
+  st_release_sys(reinterpret_cast<int*>(flags[i]), epoch);
+}
+
 // Context::wait_gather_flags: one block, a thread per (local GPU, tile) in turn.
 __global__ void wait_gather_flags_kernel(const int* flags, int ranks_per_node, long long tiles, int epoch,
                                          unsigned long long timeout_ns, ErrorWord* err, StopFlag stop, int rank,
@@ -816,6 +825,17 @@ void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arr
         StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation}, rank, phase);
   });
   check(cudaGetLastError(), "gather_tiles launch");
+}
+
+void raise_flags(uintptr_t flags, int n, int32_t epoch, uintptr_t stream, uintptr_t stop_flag,
+                 int stop_generation) {
+  if (n <= 0) return;
+  if (!flags || n > 1024 || epoch < 1)
+    throw std::invalid_argument("raise_flags: 1..1024 flag addresses and an epoch >= 1");
+  raise_flags_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const unsigned long long*>(flags), n, epoch,
+      StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation});
+  check(cudaGetLastError(), "raise_flags launch");
 }
 
 void scatter_rows(uintptr_t dst, int64_t dst_stride, uintptr_t dst_idx, uintptr_t src, int64_t src_stride,
@@ -1464,11 +1484,11 @@ std::string Context::error_message() const {
       return who + "pack_and_push: the records of chunk " + std::to_string(e.slot) + " (for rank " +
              std::to_string(e.aux) + ") were not all written within " + std::to_string(secs) + " s: " +
              std::to_string(e.observed) + " of " + std::to_string(e.expected) + " (a packer block never ran?)";
-    case kErrGatherFlagTimeout:
-      return who + "pipelined combine gather: local GPU " + std::to_string(e.slot) + " did not flag tile " +
-             std::to_string(e.aux) + " of our arrivals within " + std::to_string(secs) + " s: the flag is at " +
-             std::to_string(e.observed) + ", waited for epoch " + std::to_string(e.expected) +
-             " (that rank stopped, or never reached this combine)";
+    case kErrNodeFlagTimeout:
+      return who + "NVLink flags: local GPU " + std::to_string(e.slot) + " did not raise flag " +
+             std::to_string(e.aux) + " (a tile of our combine arrivals, or 0: its dispatch forward) within " +
+             std::to_string(secs) + " s: the flag is at " + std::to_string(e.observed) + ", waited for epoch " +
+             std::to_string(e.expected) + " (that rank stopped, or never reached this call)";
     default:
       return who + "unknown GPU error code " + std::to_string(e.code);
   }

@@ -256,7 +256,7 @@ class Context {
                                   const CountRowOffsets& at, uintptr_t ready, int phase, uintptr_t stream);
   // The pipelined combine gather's tile flags (NodeSums) where no pack_and_push waits for them (a forwarder with no
   // record for another node): wait until GPU j's flag of every tile t < tiles is at `epoch`, for j < ranks_per_node.
-  // A flag still below it at the GPU deadline is reported (kErrGatherFlagTimeout).
+  // A flag still below it at the GPU deadline is reported (kErrNodeFlagTimeout).
   void wait_gather_flags(uintptr_t flags, int ranks_per_node, int64_t tiles, int32_t epoch, int phase,
                          uintptr_t stream);
   // Wait until signal[slot] >= expected for every (slot, expected) pair; deadline: the GPU timeout. The pairs go
@@ -376,6 +376,13 @@ void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arr
                   uintptr_t arrivals, int64_t tile_rows, uintptr_t x, int64_t payload_bytes, uintptr_t w,
                   int num_weights, int64_t num_rows, int64_t dst_stride, int32_t epoch, uintptr_t stream,
                   uintptr_t err = 0, uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0);
+
+// Raise `n` NVLink flags (asynchronous on `stream`): the int32 at flags[i] (device uint64 [n]: addresses, e.g. our
+// flag row in each local GPU's NVL region) set to `epoch`, released at system scope after everything earlier on the
+// stream -- the node barrier after the dispatch forward (docs/internode.md, "The dispatch forward's node barrier").
+// Nothing is raised once the rank is stopped: a failed forward must not let the node's GPUs read its rows.
+void raise_flags(uintptr_t flags, int n, int32_t epoch, uintptr_t stream, uintptr_t stop_flag = 0,
+                 int stop_generation = 0);
 
 // Source side of combine (asynchronous on `stream`): out_x[t] (x's dtype: bf16, or fp32 with `fp32`; [num_tokens,
 // payload_bytes]) = the fp32 sum in ascending node m of the payloads of rows row_of[m * num_tokens + t] (device int32

@@ -19,8 +19,9 @@ enum ErrorCode : int32_t {
   kErrAborted = 5,        // the host aborted the GPU waits (its proxy failed; the host names the proxy error)
   kErrRecordsUnwritten = 6,  // pack_and_push: a chunk's records not all written past the deadline; slot = chunk,
                              // aux = destination rank, observed = records counted, expected = records of the chunk
-  kErrGatherFlagTimeout = 7,  // pipelined combine: a local GPU's copies of a tile of our arrivals not flagged past the
-                              // deadline; slot = that local GPU, aux = tile, observed = its flag, expected = the epoch
+  kErrNodeFlagTimeout = 7,  // an NVLink flag of a local GPU not raised past the deadline (a tile of the pipelined
+                            // combine gather, or the end of its dispatch forward); slot = that local GPU, aux = the
+                            // flag (tile; 0 for the forward), observed = its value, expected = the epoch
 };
 
 // Which step was running (ErrorWord::phase); passed by the host with each launch.

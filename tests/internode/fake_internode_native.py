@@ -60,7 +60,7 @@ COUNT_ROW_MAX_BINS = 12288
 PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "combine_gather": 4, "barrier": 5,
           "notify": 6}
 ERROR_CODES = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5,
-               "records_unwritten": 6, "gather_flag_timeout": 7}
+               "records_unwritten": 6, "node_flag_timeout": 7}
 PACK_PUSH_MAX_ROWS = 256
 GATHER_MAX_TILES = 1024
 NODE_SUMS_MAX_RANKS_PER_NODE = 256
@@ -307,6 +307,19 @@ def gather_tiles(dsts: int, flags: int, targets: int, by_arrival: int, max_arriv
             if src_w is not None:
                 out[at, payload_bytes:] = src_w[r[at]]
         _at(flag_rows[f], 4 * -(-n // tile_rows), torch.int32).fill_(epoch)
+
+
+def raise_flags(flags: int, n: int, epoch: int, stream: int, stop_flag: int = 0, stop_generation: int = 0) -> None:
+    """raise_flags_kernel: the int32 at each of the n addresses in flags set to ``epoch`` (after everything this
+    process wrote before: program order), none while the stop flag holds ``stop_generation``."""
+    if n <= 0:
+        return
+    if not flags or n > 1024 or epoch < 1:
+        raise ValueError("raise_flags: 1..1024 flag addresses and an epoch >= 1")
+    if _stopped(stop_flag, stop_generation):
+        return
+    for at in _at(flags, 8 * n, torch.int64).tolist():
+        ctypes.c_int32.from_address(at).value = epoch
 
 
 def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int,
@@ -862,7 +875,7 @@ class InternodeContext:
         is pushed then, while the kernel has pushed the chunks before it. ``expert_sums`` (ExpertSums): record r is
         combine row r, its local experts' expert-major rows summed as expert_major_partials sums them. ``node_sums``
         (NodeSums): record r is arrival r's node sum, summed as sum_node_partials sums it once every local GPU's flag
-        of its tile reaches the epoch; a flag still short at the GPU deadline is reported (``gather_flag_timeout``), and
+        of its tile reaches the epoch; a flag still short at the GPU deadline is reported (``node_flag_timeout``), and
         nothing is written or pushed then."""
         if num_records <= 0:
             return
@@ -976,7 +989,7 @@ class InternodeContext:
                 return None, []
             if time.monotonic() - start > self._timeout:
                 j, t = wanted[0]
-                _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["gather_flag_timeout"], self.rank, j, t,
+                _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["node_flag_timeout"], self.rank, j, t,
                         phase, int(seen[j, t]), epoch)
                 return None, []
             time.sleep(1e-4)
@@ -1005,7 +1018,7 @@ class InternodeContext:
                 return
             if time.monotonic() - start > self._timeout:
                 j, t = late[0]
-                _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["gather_flag_timeout"], self.rank, j, t,
+                _report(self.error_word_ptr, self._stop_now(), ERROR_CODES["node_flag_timeout"], self.rank, j, t,
                         phase, int(seen[j, t]), epoch)
                 return
             time.sleep(1e-4)
@@ -1092,9 +1105,9 @@ class InternodeContext:
             5: "GPU waits aborted by the host (the proxy failed)",
             6: f"pack_and_push: the records of chunk {e.slot} (for rank {e.aux}) were not all written within {secs} s: "
                f"{e.observed} of {e.expected} (a packer block never ran?)",
-            7: f"pipelined combine gather: local GPU {e.slot} did not flag tile {e.aux} of our arrivals within {secs} "
-               f"s: the flag is at {e.observed}, waited for epoch {e.expected} (that rank stopped, or never reached "
-               "this combine)"}.get(e.code, f"unknown GPU error code {e.code}")
+            7: f"NVLink flags: local GPU {e.slot} did not raise flag {e.aux} (a tile of our combine arrivals, or 0: its "
+               f"dispatch forward) within {secs} s: the flag is at {e.observed}, waited for epoch {e.expected} (that "
+               "rank stopped, or never reached this call)"}.get(e.code, f"unknown GPU error code {e.code}")
 
     def _stop_now(self) -> tuple:
         return self.stop_flag_ptr, self._generation

@@ -332,10 +332,10 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
     assert time.monotonic() - t0 < 30, "the packers waited far past their deadline"
     e = cx.error_fields()
     tiles_of_1 = {int(a) // tile for a in held[1].nonzero().squeeze(1)}
-    assert (e["code"], e["slot"], e["observed"], e["expected"]) == (codes["gather_flag_timeout"], 1, 1, 2), e
+    assert (e["code"], e["slot"], e["observed"], e["expected"]) == (codes["node_flag_timeout"], 1, 1, 2), e
     assert e["aux"] in tiles_of_1, (e, tiles_of_1)
     msg = cx.error_message()
-    assert "local GPU 1 did not flag tile" in msg and "waited for epoch 2" in msg, msg
+    assert "local GPU 1 did not raise flag" in msg and "waited for epoch 2" in msg, msg
     assert [cx.signal_value(slot + f) for f in range(2)] == want, "a chunk left without its node sums"
     cx.clear_error()
     ready.zero_()  # (a failed launch may leave counts behind: the backend drops its counters then)
@@ -343,8 +343,47 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
     if cuda:
         main.synchronize()
     e = cx.error_fields()
-    assert (e["code"], e["slot"], e["aux"], e["expected"]) == (codes["gather_flag_timeout"], 1, 0, 2), e
+    assert (e["code"], e["slot"], e["aux"], e["expected"]) == (codes["node_flag_timeout"], 1, 0, 2), e
     cx.clear_error()
+
+
+def check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named(cx, raise_flags, nvl, dev, codes):
+    """The dispatch forward's node barrier (docs/internode.md, "The dispatch forward's node barrier") on one rank
+    playing a node of 3 GPUs: GPUs 0 and 2 raise their flags (column 0 of their rows) to epoch 5, and the wait for every
+    GPU's flag fails at the GPU deadline naming GPU 1, flag 0, the value it saw and the epoch; a stopped rank raises
+    nothing; once GPU 1 raises its flag the wait passes. ``nvl``: a uint8 view of cx's NVL region on ``dev``."""
+    G, width, epoch = 3, 1024, 5
+    cuda = dev.type == "cuda"
+    stream = torch.cuda.current_stream().cuda_stream if cuda else 0
+    nvl[:4 * G * width] = 0
+    at = torch.tensor([cx.nvl_ptr + 4 * j * width for j in range(G)], dtype=torch.int64, device=dev)
+    flags = nvl[:4 * G * width].view(torch.int32).view(G, width)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    raise_flags(at[0:1].data_ptr(), 1, epoch, stream)
+    raise_flags(at[2:3].data_ptr(), 1, epoch, stream)
+    sync()
+    assert flags[:, 0].tolist() == [epoch, 0, epoch] and int(flags[:, 1:].count_nonzero()) == 0, flags[:, :2]
+    t0 = time.monotonic()
+    cx.wait_gather_flags(cx.nvl_ptr, G, 1, epoch, 3, stream)
+    sync()
+    assert time.monotonic() - t0 < 30, "the wait went far past its deadline"
+    e = cx.error_fields()
+    assert (e["code"], e["slot"], e["aux"], e["observed"], e["expected"]) == (codes["node_flag_timeout"], 1, 0, 0, epoch)
+    msg = cx.error_message()
+    assert "local GPU 1 did not raise flag 0" in msg and f"waited for epoch {epoch}" in msg, msg
+    # a stopped rank (the error above set its stop flag) raises nothing
+    raise_flags(at[1:2].data_ptr(), 1, epoch, stream, stop_flag=cx.stop_flag_ptr, stop_generation=cx.stop_generation)
+    sync()
+    assert int(flags[1, 0]) == 0, "a stopped rank raised its flag"
+    cx.clear_error()
+    raise_flags(at[1:2].data_ptr(), 1, epoch, stream, stop_flag=cx.stop_flag_ptr, stop_generation=cx.stop_generation)
+    cx.wait_gather_flags(cx.nvl_ptr, G, 1, epoch, 3, stream)
+    sync()
+    assert cx.error_fields()["code"] == 0, cx.error_message()
 
 
 def check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them(cx, rdma, dev, codes):

@@ -30,6 +30,7 @@ from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_sm
                              check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
                              check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
+                             check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named,
                              compare_cases, records_past_the_partial_sums, too_few_worst_rows)
 
 RDMA = 16 << 20
@@ -727,31 +728,35 @@ def test_outputs_match_whether_arrivals_are_read_and_forwarded_as_they_land_or_o
         assert forwarded == [0] * world, forwarded
 
 
-def _pipelined_gathers(rank, world, G, cases):
+def _nvlink_flags(rank, world, G, cases):
     nat, ref = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
-        return done, nat.pipelined_gathers, nat._gather_epoch
+        return done, (nat.pipelined_gathers, nat._gather_epoch), (nat.forward_node_barriers, nat._forward_epoch)
     finally:
         nat.destroy()
 
 
-@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "barrier"])
+@pytest.mark.parametrize("gather,forward", [(True, True), (False, True), (True, False), (False, False)],
+                         ids=["both", "forward-flags-only", "gather-flags-only", "group-barriers"])
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (6, 3)], ids=["2x1", "2x2", "2x3"])
-def test_a_combine_with_several_gpus_per_node_gathers_in_flagged_tiles_unless_turned_off_and_outputs_match_either_way(
-        world, G, pipelined):
-    """docs/internode.md, "Pipelined combine gather": with several GPUs per node every combine copies its rows to the
-    forwarders in flagged tiles and each forwarder sums and pushes its records as their tiles are flagged, every rank
-    at the same epoch; UCCL_EP_PIPELINED_COMBINE_GATHER=0 keeps the whole gather and a barrier before the node sum.
-    One GPU per node gathers nothing over NVLink either way."""
-    env = ENV if pipelined else dict(ENV, UCCL_EP_PIPELINED_COMBINE_GATHER="0")
-    out = run_distributed(_pipelined_gathers, world, G, ALL, timeout=240, env=env)
+def test_combines_gather_in_flagged_tiles_and_forwards_end_with_node_flags_unless_turned_off_and_outputs_match(
+        world, G, gather, forward):
+    """With several GPUs per node every combine copies its rows to the forwarders in flagged tiles and each forwarder
+    sums and pushes its records as their tiles are flagged (docs/internode.md, "Pipelined combine gather"), and every
+    dispatch forward ends with flags among the node's GPUs ("The dispatch forward's node barrier"), every rank at the
+    same epochs. UCCL_EP_PIPELINED_COMBINE_GATHER=0 keeps the whole gather and a group barrier before the node sum,
+    UCCL_EP_FORWARD_NODE_BARRIER=0 the group barrier after the forward, each on its own. With one GPU per node nothing
+    moves over NVLink either way. Every output matches the reference in every combination."""
+    env = dict(ENV, UCCL_EP_PIPELINED_COMBINE_GATHER=str(int(gather)), UCCL_EP_FORWARD_NODE_BARRIER=str(int(forward)))
+    out = run_distributed(_nvlink_flags, world, G, ALL, timeout=240, env=env)
     assert all(done == len(ALL) for done, _, _ in out)
-    gathers, epochs = [n for _, n, _ in out], [e for _, _, e in out]
-    if pipelined and G > 1:
-        assert all(n > 0 for n in gathers) and len(set(epochs)) == 1 and epochs[0] == gathers[0], (gathers, epochs)
-    else:
-        assert gathers == [0] * world, gathers
+    for which, on in ((1, gather), (2, forward)):
+        counts, epochs = [o[which][0] for o in out], [o[which][1] for o in out]
+        if on and G > 1:
+            assert all(n > 0 for n in counts) and len(set(epochs)) == 1 and epochs[0] == counts[0], (counts, epochs)
+        else:
+            assert counts == [0] * world, (which, counts)
 
 
 def _absent_peer(rank, world, G):
@@ -826,6 +831,15 @@ def test_stand_in_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_a
         check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
             cx, fake.gather_tiles, fake._at(cx.rdma_ptr, cx.rdma_bytes), fake._at(cx.nvl_ptr, cx.nvl_bytes),
             torch.device("cpu"), fake.ERROR_CODES, f32)
+    finally:
+        cx.destroy()
+
+
+def test_stand_in_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named():
+    cx = _context(gpu_timeout_secs=0.5)
+    try:
+        check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named(
+            cx, fake.raise_flags, fake._at(cx.nvl_ptr, cx.nvl_bytes), torch.device("cpu"), fake.ERROR_CODES)
     finally:
         cx.destroy()
 

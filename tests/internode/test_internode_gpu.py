@@ -45,6 +45,7 @@ from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # 
                              check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags,
                              check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
+                             check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named,
                              compare_cases, records_past_the_partial_sums, too_few_worst_rows)
 
 RDMA = 64 << 20
@@ -911,25 +912,39 @@ def test_the_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_and_na
         cx.destroy()
 
 
-def _pipelined_gathers(rank, world, G, cases):
+def _nvlink_flag_counts(rank, world, G, cases):
     nat, ref, dev = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, dev, rank, world, cases, 1)
-        return done, nat.pipelined_gathers
+        return done, nat.pipelined_gathers, nat.forward_node_barriers
     finally:
         nat.destroy()
 
 
-@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "barrier"])
-def test_on_gpus_a_combine_gathers_in_flagged_tiles_unless_turned_off_and_outputs_match_either_way(pipelined):
-    """2 x 2 (the GPU twin of the CPU test): every output equals the reference whether the forwarders sum and push
-    each record once its copies' tiles are flagged over NVLink, or after the whole gather and a barrier."""
+@pytest.mark.parametrize("flags", ["both", "neither"])
+def test_on_gpus_combines_gather_in_flagged_tiles_and_forwards_end_with_node_flags_unless_turned_off(flags):
+    """2 x 2 (the GPU twin of the CPU tests): every output equals the reference whether the forwarders sum and push
+    each record once its copies' tiles are flagged over NVLink and each dispatch forward ends with flags among the
+    node's GPUs, or the whole gather, the node sum and the forward each end with a group barrier."""
     _need(4)
-    env = {"UCCL_EP_PIPELINED_COMBINE_GATHER": "1" if pipelined else "0", "UCCL_EP_CPU_TIMEOUT_SECS": "60",
-           "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
-    out = run_distributed(_pipelined_gathers, 4, 2, ALL, timeout=420, env=env)
-    assert all(done == len(ALL) for done, _ in out), out
-    assert all((n > 0) == pipelined for _, n in out), out
+    on = "1" if flags == "both" else "0"
+    env = {"UCCL_EP_PIPELINED_COMBINE_GATHER": on, "UCCL_EP_FORWARD_NODE_BARRIER": on,
+           "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_nvlink_flag_counts, 4, 2, ALL, timeout=420, env=env)
+    assert all(done == len(ALL) for done, _, _ in out), out
+    assert all((n > 0) == (on == "1") and (m > 0) == (on == "1") for _, n, m in out), out
+
+
+def test_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named():
+    """raise_flags and the wait for a node's flags (the dispatch forward's node barrier) on one GPU."""
+    k = native.module().internode
+    cx = _one_rank_context(gpu_timeout_secs=1.0)
+    try:
+        dev = torch.device("cuda", 0)
+        check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named(
+            cx, k.raise_flags, torch.as_tensor(_View(cx.nvl_ptr, cx.nvl_bytes), device=dev), dev, dict(k.ERROR_CODES))
+    finally:
+        cx.destroy()
 
 
 def test_pack_and_push_fails_at_the_deadline_naming_a_chunk_whose_records_are_never_written():
