@@ -467,7 +467,7 @@ class NativeInternodeBackend:
         self.write_bytes = min(min(int(g[3]) for g in gathered), self.max_write_bytes)
         self._cx.proxy_connect([[gathered[r][0][i] for r in range(self.R)] for i in range(p.num_threads)])
         flag_bytes = node_flag_bytes(self.G)
-        if flag_bytes:  # the gather's tile flags start below every epoch, on every rank before the barrier
+        if flag_bytes:  # the node's flags start below every epoch, on every rank before the barrier
             _raw_bytes(self._cx.nvl_ptr + self.nvl_bytes - flag_bytes, flag_bytes, self.device).zero_()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -499,8 +499,8 @@ class NativeInternodeBackend:
         # small tables go to the device from pinned memory allocated now (a first pinned allocation may synchronize)
         self._staging = (UploadStaging(self.device, self._cx.copy_to_device)
                          if self.device.type == "cuda" and s.kernel.pinned_uploads else None)
-        # the NVL region: final rows below half_nvl, the combine's gather blocks above, the gather's tile flags at the
-        # end (several GPUs per node; zeroed at setup, before the barrier that precedes any combine)
+        # the NVL region: final rows below half_nvl, the combine's gather blocks above, the flags among the node's GPUs
+        # at the end (several GPUs per node: the gather's tile flags, then the forward's; zeroed at setup)
         self._flag_base = self.nvl_bytes - node_flag_bytes(self.G)
         self._forward_flag_base = self._flag_base + 4 * self.G * GATHER_MAX_TILES
         self.half_nvl = self._flag_base // 2 // CMD_UNIT * CMD_UNIT
@@ -2747,12 +2747,13 @@ class NativeInternodeBackend:
                                  "(UCCL_EP_PIPELINED_COMBINE_GATHER=0 goes on without them)")
         by_arrival = h.gather_by_arrival
         if by_arrival is None:  # our row of each forwarder's arrival, -1 where it is another GPU's
-            index = self._gather_index(h, nrecv)
-            by_arrival = torch.full((G, max(max(arrivals), 1)), -1, dtype=torch.int32, device=self.device)
-            for f in range(G):
-                sel = (index[:, f] >= 0).nonzero().squeeze(1)
-                by_arrival[f, index[sel, f]] = sel.to(torch.int32)
-            h.gather_by_arrival = by_arrival
+            # (a scatter whose -1 entries land in a spare column: a nonzero() would make the host wait for the GPU)
+            width = max(max(arrivals), 1)
+            index = self._gather_index(h, nrecv).t()
+            spare = torch.full((G, width + 1), -1, dtype=torch.int32, device=self.device)
+            ours = torch.arange(nrecv, dtype=torch.int32, device=self.device).expand(G, nrecv)
+            spare.scatter_(1, torch.where(index >= 0, index, width), ours)
+            by_arrival = h.gather_by_arrival = spare[:, :width].contiguous()
         if shape.gather_tiles is None or shape.gather_tiles[0] != cstride:
             at = [self.peer_nvl[f] + self.half_nvl + self.local * block for f in range(G)]
             flags = [self.peer_nvl[f] + self._flag_base + 4 * self.local * GATHER_MAX_TILES for f in range(G)]
