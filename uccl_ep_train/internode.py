@@ -98,6 +98,28 @@ class _DeviceView:
                                          "strides": None}
 
 
+# Settings that choose how the ranks synchronize with each other: a rank that took the other way would wait for flags
+# or signals its peers never send, until the GPU deadline. Checked alike at setup (environment name -> field).
+_GROUP_SETTINGS = {"UCCL_EP_PIPELINED_COMBINE_GATHER": "pipelined_combine_gather",
+                   "UCCL_EP_FORWARD_NODE_BARRIER": "forward_node_barrier",
+                   "UCCL_EP_PACK_AND_PUSH": "pack_and_push"}
+
+
+def group_settings_disagree(per_rank: List[Tuple[Any, ...]], names: Tuple[str, ...]) -> Optional[str]:
+    """None when every rank holds the same values of the settings ``names`` (``per_rank[r]``: rank r's values in
+    that order), else what differs and on which ranks, with what to do."""
+    for i, name in enumerate(names):
+        values = [v[i] for v in per_rank]
+        if len(set(values)) > 1:
+            by_value: dict = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(v, []).append(r)
+            seen = "; ".join(f"{v} on ranks {rs}" for v, rs in by_value.items())
+            return (f"{name} differs between the ranks ({seen}); every rank must use the same value (they would "
+                    "wait for each other's flags or barriers in vain)")
+    return None
+
+
 def _raw_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """uint8 tensor over a region of the native module, without copying or owning it."""
     if device.type == "cuda":
@@ -450,8 +472,13 @@ class NativeInternodeBackend:
         infos = [self._cx.proxy_local_info(i) for i in range(p.num_threads)]
         gathered: List[Any] = [None] * self.R
         gpu = device_pci_address(self.device)
+        agreed = tuple(getattr(s.kernel, field) for field in _GROUP_SETTINGS.values())
         dist.all_gather_object(gathered, (infos, self._cx.nvl_ipc_handle(), int(self._cx.max_write_bytes),
-                                          chunk_bytes(self.inflight_bytes, t.write_bytes), gpu), group=self._gloo)
+                                          chunk_bytes(self.inflight_bytes, t.write_bytes), gpu, agreed),
+                               group=self._gloo)
+        disagreement = group_settings_disagree([g[5] for g in gathered], tuple(_GROUP_SETTINGS))
+        if disagreement:  # (every rank sees the same values, so every rank raises here)
+            raise InternodeError(f"rank {self.rank}: {disagreement}")
         others = other_nodes_on_this_gpu([g[4] for g in gathered], self.rank, self.G)
         if others and self.transport.name == "loopback":
             # the copies of those ranks' writes are kernels on this GPU: leave them room beside our spinning grids

@@ -759,6 +759,30 @@ def test_combines_gather_in_flagged_tiles_and_forwards_end_with_node_flags_unles
             assert counts == [0] * world, (which, counts)
 
 
+def _setup_with_own_setting(rank, world, G, name, value_of_last_rank):
+    from uccl_ep_train.internode import InternodeError
+
+    if rank == world - 1:
+        os.environ[name] = value_of_last_rank
+    try:
+        nat, _ = _backends(rank, world, G)
+    except InternodeError as exc:
+        return str(exc)
+    nat.destroy()
+    return "no error"
+
+
+@pytest.mark.parametrize("name", ["UCCL_EP_PIPELINED_COMBINE_GATHER", "UCCL_EP_FORWARD_NODE_BARRIER",
+                                  "UCCL_EP_PACK_AND_PUSH"])
+def test_a_synchronization_setting_that_differs_between_ranks_is_refused_at_setup_on_every_rank_naming_it(name):
+    """A rank that took the other way would wait for flags or barriers its peers never send, until the GPU deadline:
+    setup compares these settings across the group and every rank raises, naming the setting and who holds what."""
+    out = run_distributed(_setup_with_own_setting, 4, 2, name, "0", timeout=60, env=ENV)
+    for rank, msg in enumerate(out):
+        assert f"rank {rank}: {name} differs between the ranks" in msg, msg
+        assert "False on ranks [3]" in msg and "True on ranks [0, 1, 2]" in msg, msg
+
+
 def _absent_peer(rank, world, G):
     from uccl_ep_train.backends import DispatchArgs
     from uccl_ep_train.internode import InternodeError
