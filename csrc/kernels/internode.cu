@@ -277,9 +277,9 @@ __device__ void write_expert_sum_record(char* rec, long long r, const PackPushJo
 // fp32 in ascending local GPU and rounded once -- sum_node_partials' order, so the bytes equal its -- and the weights
 // likewise. Every GPU, not only those holding a copy: a GPU flags a tile after everything earlier on its stream (the
 // last dispatch's unpack), so a pushed chunk proves the whole node is past it, as the group barrier before the node
-// sum did; a cached dispatch's skipped entry barrier rests on that (docs/internode.md, "Areas and entry barriers"). Every thread of the block calls it (it synchronizes); s_rows holds
-// kNodeSumsMaxRanksPerNode ints of shared memory. False for every thread: a flag did not come (reported, or the rank
-// stopped) and the record is not written.
+// sum did; a cached dispatch's skipped entry barrier rests on that (docs/internode.md, "Areas and entry barriers").
+// Every thread of the block calls it (it synchronizes); s_rows holds kNodeSumsMaxRanksPerNode ints of shared memory.
+// False for every thread: a flag did not come (reported, or the rank stopped) and the record is not written.
 template <bool kF32>
 __device__ bool write_node_sum_record(char* rec, long long r, const PackPushJob& job, int* s_rows, int* s_n,
                                       bool* s_ok, int rank, int phase, unsigned long long timeout_ns, ErrorWord* err,
@@ -647,7 +647,9 @@ __global__ void __launch_bounds__(kGatherThreads) gather_tiles_kernel(
     }
     drain_stores_before_release();  // this thread's copies, system-wide, before the block meets
     __syncthreads();
-    if (threadIdx.x == 0) st_release_sys(reinterpret_cast<int*>(flags[f]) + t, epoch);
+    // a stopped rank (a corrupt index here, or any failure of this rank) flags nothing: the forwarder must time out
+    // naming us rather than sum a tile with copies missing
+    if (threadIdx.x == 0 && !stopped(stop)) st_release_sys(reinterpret_cast<int*>(flags[f]) + t, epoch);
   }
 }
 

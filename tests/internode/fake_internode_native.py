@@ -306,6 +306,8 @@ def gather_tiles(dsts: int, flags: int, targets: int, by_arrival: int, max_arriv
             out[at, :payload_bytes] = src_x[r[at]]
             if src_w is not None:
                 out[at, payload_bytes:] = src_w[r[at]]
+        if _stopped(stop_flag, stop_generation):  # (a corrupt index above stopped the rank: no flag after it)
+            return
         _at(flag_rows[f], 4 * -(-n // tile_rows), torch.int32).fill_(epoch)
 
 

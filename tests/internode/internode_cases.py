@@ -235,7 +235,8 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
     where it holds no copy: every GPU's flag gates every tile). Then
     wait_gather_flags returns for the epoch reached; at the next epoch, with GPU 1 never flagging, both it and
     pack_and_push fail at the GPU deadline naming the GPU, a tile it holds, its flag and the epoch, and nothing is
-    pushed. ``rdma``, ``nvl``: uint8 views of cx's regions on ``dev``; ``codes``: the module's ERROR_CODES."""
+    pushed. A row index past GPU 0's rows is reported and its tile never flagged. ``rdma``, ``nvl``: uint8 views of
+    cx's regions on ``dev``; ``codes``: the module's ERROR_CODES."""
     import threading
 
     dtype = torch.float32 if f32 else torch.bfloat16
@@ -344,6 +345,20 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
         main.synchronize()
     e = cx.error_fields()
     assert (e["code"], e["slot"], e["aux"], e["expected"]) == (codes["node_flag_timeout"], 1, 0, 2), e
+    cx.clear_error()
+    # epoch 3: GPU 0's table names a row it does not have for arrival 21 (tile 2): reported, and that tile never
+    # flagged, so its forwarder cannot sum the tile with a copy missing
+    dsts, flags, by_arrival = tables[0]
+    by_arrival[0, 21] = A
+    if cuda:
+        torch.cuda.synchronize(dev)  # (the table's change, on the default stream, before the launch on ours)
+    gather(0, 3, stream)
+    if cuda:
+        main.synchronize()
+    e = cx.error_fields()
+    assert (e["code"], e["slot"], e["aux"], e["observed"], e["expected"]) == (codes["scatter_range"], 0, 21, A, A), e
+    flag_row = nvl[flags_at:flags_at + 4 * max_tiles].view(torch.int32)
+    assert int(flag_row[21 // tile]) == 2, "a tile with a corrupt index was flagged"
     cx.clear_error()
 
 
