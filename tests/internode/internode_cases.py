@@ -303,7 +303,8 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
     late_thread.start()  # on the GPU the packers spin while GPU 2's gather comes; the stand-in waits in this thread
     cx.pack_and_push(table.data_ptr(), 1, per, cx.rdma_ptr + send, cx.rdma_ptr + own_at, A - own, own, stride,
                      0, 0, 0, A, [], -1, 0, ready.data_ptr(), 2, stream, node_sums=node_sums)
-    late_thread.join()
+    late_thread.join(timeout=60)  # (the late gather never waits; a thread still alive here would be a hang)
+    assert not late_thread.is_alive(), "GPU 2's late gather did not finish within 60 s"
     if cuda:
         main.synchronize()
     assert cx.error_fields()["code"] == 0, cx.error_message()
