@@ -386,8 +386,9 @@ class CombineShape:
     # weights, its rows; the OR of each of the first two rows)
     gather: Optional[Tuple[int, torch.Tensor, Tuple[int, int]]] = None
     # the pipelined gather's table (G > 1, docs/internode.md, "Pipelined combine gather"): (wire row bytes, int64
-    # [3, G] on the device: our gather block at each forwarder, our flag row there, its arrivals)
-    gather_tiles: Optional[Tuple[int, torch.Tensor]] = None
+    # [3, G] on the device: our gather block at each forwarder, our flag row there, its arrivals; arrivals per tile;
+    # the most arrivals of a forwarder, at least 1)
+    gather_tiles: Optional[Tuple[int, torch.Tensor, int, int]] = None
 
 
 class NativeInternodeBackend:
@@ -493,9 +494,13 @@ class NativeInternodeBackend:
         self.max_write_bytes = min(int(g[2]) for g in gathered) or CMD_MAX_BYTES
         self.write_bytes = min(min(int(g[3]) for g in gathered), self.max_write_bytes)
         self._cx.proxy_connect([[gathered[r][0][i] for r in range(self.R)] for i in range(p.num_threads)])
-        flag_bytes = node_flag_bytes(self.G)
-        if flag_bytes:  # the node's flags start below every epoch, on every rank before the barrier
-            _raw_bytes(self._cx.nvl_ptr + self.nvl_bytes - flag_bytes, flag_bytes, self.device).zero_()
+        # the NVL region: final rows below half_nvl, the combine's gather blocks above, the flags among the node's GPUs
+        # at the end (several GPUs per node: the gather's tile flags, then the forward's), which start below every
+        # epoch on every rank before the barrier
+        self._flag_base = self.nvl_bytes - node_flag_bytes(self.G)
+        self._forward_flag_base = self._flag_base + 4 * self.G * GATHER_MAX_TILES
+        if self._flag_base < self.nvl_bytes:
+            _raw_bytes(self._cx.nvl_ptr + self._flag_base, self.nvl_bytes - self._flag_base, self.device).zero_()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         dist.barrier(group=self._gloo)
@@ -526,10 +531,6 @@ class NativeInternodeBackend:
         # small tables go to the device from pinned memory allocated now (a first pinned allocation may synchronize)
         self._staging = (UploadStaging(self.device, self._cx.copy_to_device)
                          if self.device.type == "cuda" and s.kernel.pinned_uploads else None)
-        # the NVL region: final rows below half_nvl, the combine's gather blocks above, the flags among the node's GPUs
-        # at the end (several GPUs per node: the gather's tile flags, then the forward's; zeroed at setup)
-        self._flag_base = self.nvl_bytes - node_flag_bytes(self.G)
-        self._forward_flag_base = self._flag_base + 4 * self.G * GATHER_MAX_TILES
         self.half_nvl = self._flag_base // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         if self._cx.num_fifos != self.L:
@@ -682,7 +683,7 @@ class NativeInternodeBackend:
         at = (flags.data_ptr() + 4 * torch.arange(self.G, dtype=torch.int64)).to(self.device)
         self._k.raise_flags(at.data_ptr(), self.G, 1, self._stream())
         raised = torch.ones((self.G, GATHER_MAX_TILES), dtype=torch.int32, device=self.device)
-        self._cx.wait_gather_flags(raised.data_ptr(), self.G, 1, 1, self._phases["dispatch_forward"], self._stream())
+        self._cx.wait_node_flags(raised.data_ptr(), self.G, 1, 1, self._phases["dispatch_forward"], self._stream())
         self._drain("setup: the dispatch forward's first launches")
         if bool((out != -1).any()) or bool((flags != 1).any()):
             raise InternodeError(f"rank {self.rank}: the dispatch forward kernel misread a record whose dest rows are "
@@ -691,16 +692,15 @@ class NativeInternodeBackend:
 
     def _first_gather_launches(self) -> None:
         """The pipelined combine gather's kernels' first launches, with nothing spinning, as _first_forward_launches
-        does for the forward: gather_tiles with no arrivals (nothing copied or flagged), wait_gather_flags on flags
-        already at the epoch, and pack_and_push with node sums over one record of our own node whose copies nobody
+        does for the forward (which also launches wait_node_flags first): gather_tiles with no arrivals (nothing
+        copied or flagged), and pack_and_push with node sums over one record of our own node whose copies nobody
         holds (written as zeros to a scratch row, nothing pushed)."""
         dev, G, k = self.device, self.G, self._k
         targets = torch.zeros((3, G), dtype=torch.int64, device=dev)  # no gather block, no flag row, no arrivals
         by_arrival = torch.full((G, 1), -1, dtype=torch.int32, device=dev)
         k.gather_tiles(targets[0].data_ptr(), targets[1].data_ptr(), G, by_arrival.data_ptr(), 1,
                        targets[2].data_ptr(), GATHER_MIN_TILE_ROWS, 0, 16, 0, 0, 0, 16, 1, self._stream())
-        flags = torch.ones((G, GATHER_MAX_TILES), dtype=torch.int32, device=dev)
-        self._cx.wait_gather_flags(flags.data_ptr(), G, 1, 1, self._phases["combine_gather"], self._stream())
+        flags = torch.ones((G, GATHER_MAX_TILES), dtype=torch.int32, device=dev)  # (already at the epoch)
         scratch = torch.full((2, 16), 255, dtype=torch.uint8, device=dev)
         table = torch.tensor([[self.rank, 0, 0, 16, 0, self._barrier_slot, 0]], dtype=torch.int64, device=dev)
         ready = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -1489,13 +1489,10 @@ class NativeInternodeBackend:
         if not self.forward_node_barrier:
             self._barrier("dispatch forward")
             return
-        self._forward_epoch += 1
-        if self._forward_epoch >= 2 ** 31:
-            raise InternodeError(f"rank {self.rank}: 2^31 dispatch forwards: the int32 forward flags would wrap "
-                                 "(UCCL_EP_FORWARD_NODE_BARRIER=0 goes on without them)")
+        self._forward_epoch = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
         self._k.raise_flags(self._forward_flag_targets.data_ptr(), self.G, self._forward_epoch, self._stream(),
                             stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation)
-        self._cx.wait_gather_flags(self._cx.nvl_ptr + self._forward_flag_base, self.G, 1, self._forward_epoch,
+        self._cx.wait_node_flags(self._cx.nvl_ptr + self._forward_flag_base, self.G, 1, self._forward_epoch,
                                    self._phases["dispatch_forward"], self._stream())
         self.forward_node_barriers += 1
         self._settle("dispatch forward")
@@ -2628,7 +2625,7 @@ class NativeInternodeBackend:
                         hop, "combine_network", self._cx.rdma_ptr + c_send, cstride, A, [],
                         (own_first, own, self._cx.rdma_ptr + c_recv + back_offs[self.node]), node_sums=node_sums)
                 else:  # no record for another node (or too many for one launch): wait for every tile, then sum
-                    self._cx.wait_gather_flags(self._cx.nvl_ptr + self._flag_base, G, -(-A // tile), epoch,
+                    self._cx.wait_node_flags(self._cx.nvl_ptr + self._flag_base, G, -(-A // tile), epoch,
                                                self._phases["combine_gather"], self._stream())
                     self._node_sums(x, sum_rows, zero, A, pay, kw, cstride, gbase, c_send, c_recv, back_offs,
                                     own_first, own)
@@ -2723,6 +2720,14 @@ class NativeInternodeBackend:
         return (x.data_ptr(), pay, x.dtype == torch.float32, h.slot_of.data_ptr(), h.num_topk,
                 ew.data_ptr() if ew is not None else 0, pay)
 
+    def _next_epoch(self, epoch: int, setting: str) -> int:
+        """The epoch after ``epoch`` for a kind of NVLink flags (every rank counts its calls alike), refused before the
+        int32 flags would wrap."""
+        if epoch + 1 >= 2 ** 31:
+            raise InternodeError(f"rank {self.rank}: 2^31 calls raised the int32 NVLink flags of {setting}; they would "
+                                 f"wrap ({setting}=0 goes on without them)")
+        return epoch + 1
+
     def _gather_index(self, h: InternodeHandle, nrecv: int) -> torch.Tensor:
         """int64 [nrecv, G]: each received row's arrival at its forwarder (the local GPU of its source) in that GPU's
         column, -1 in the others; the same in every combine of the handle, made at its first."""
@@ -2766,26 +2771,22 @@ class NativeInternodeBackend:
         then flagged in the forwarder's NVL region. Returns (the epoch the flags are raised to, arrivals per tile),
         which every rank of the node derives alike from the counts and its count of combines."""
         G = self.G
-        arrivals = [h.counts.totals(G).arrivals[self.node * G + f] for f in range(G)]
-        tile = gather_tile_rows(arrivals)
-        self._gather_epoch += 1
-        if self._gather_epoch >= 2 ** 31:
-            raise InternodeError(f"rank {self.rank}: 2^31 pipelined combines: the int32 tile flags would wrap "
-                                 "(UCCL_EP_PIPELINED_COMBINE_GATHER=0 goes on without them)")
+        self._gather_epoch = self._next_epoch(self._gather_epoch, "UCCL_EP_PIPELINED_COMBINE_GATHER")
+        if shape.gather_tiles is None or shape.gather_tiles[0] != cstride:
+            arrivals = [h.counts.totals(G).arrivals[self.node * G + f] for f in range(G)]
+            at = [self.peer_nvl[f] + self.half_nvl + self.local * block for f in range(G)]
+            flags = [self.peer_nvl[f] + self._flag_base + 4 * self.local * GATHER_MAX_TILES for f in range(G)]
+            shape.gather_tiles = (cstride, self._upload([at, flags, arrivals]), gather_tile_rows(arrivals),
+                                  max(max(arrivals), 1))
+        _, table, tile, width = shape.gather_tiles
         by_arrival = h.gather_by_arrival
         if by_arrival is None:  # our row of each forwarder's arrival, -1 where it is another GPU's
             # (a scatter whose -1 entries land in a spare column: a nonzero() would make the host wait for the GPU)
-            width = max(max(arrivals), 1)
             index = self._gather_index(h, nrecv).t()
             spare = torch.full((G, width + 1), -1, dtype=torch.int32, device=self.device)
             ours = torch.arange(nrecv, dtype=torch.int32, device=self.device).expand(G, nrecv)
             spare.scatter_(1, torch.where(index >= 0, index, width), ours)
             by_arrival = h.gather_by_arrival = spare[:, :width].contiguous()
-        if shape.gather_tiles is None or shape.gather_tiles[0] != cstride:
-            at = [self.peer_nvl[f] + self.half_nvl + self.local * block for f in range(G)]
-            flags = [self.peer_nvl[f] + self._flag_base + 4 * self.local * GATHER_MAX_TILES for f in range(G)]
-            shape.gather_tiles = (cstride, self._upload([at, flags, arrivals]))
-        table = shape.gather_tiles[1]
         self._k.gather_tiles(table[0].data_ptr(), table[1].data_ptr(), G, by_arrival.data_ptr(), by_arrival.size(1),
                              table[2].data_ptr(), tile, rows.data_ptr() if nrecv else 0, pay,
                              w.data_ptr() if kw and nrecv else 0, kw, nrecv, cstride, self._gather_epoch,

@@ -86,7 +86,7 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
 # The NVLink flags among a node's GPUs, at the end of each rank's NVL region: the pipelined combine gather's tile flags
 # (csrc/kernels/internode.hpp, NodeSums; docs/internode.md, "Pipelined combine gather"), int32 [G][GATHER_MAX_TILES],
 # a row per local GPU; then the dispatch forward's flags ("The dispatch forward's node barrier"), rows of the same
-# width of which column 0 is used (wait_gather_flags reads either block).
+# width of which column 0 is used (wait_node_flags reads either block).
 GATHER_MAX_TILES = 1024
 GATHER_MIN_TILE_ROWS = 32  # a tile is a block's work: 8 warps of 4 rows
 

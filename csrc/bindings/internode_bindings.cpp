@@ -571,10 +571,10 @@ void bind_internode(py::module_& m) {
            "a gate for sum_node_partials / unpack_records over this call's arrivals; table: device int64 "
            "[blocks][GATE_COLUMNS + num_fifos] (first row, records, first slot, FIFO hint, counter bases), kept "
            "alive until the gated launch ran")
-      .def("wait_gather_flags", &in::Context::wait_gather_flags, py::arg("flags"), py::arg("ranks_per_node"),
+      .def("wait_node_flags", &in::Context::wait_node_flags, py::arg("flags"), py::arg("ranks_per_node"),
            py::arg("tiles"), py::arg("epoch"), py::arg("phase"), py::arg("stream"),
-           "wait on `stream` until every local GPU's flag of tiles 0..tiles-1 (int32 [ranks_per_node, "
-           "GATHER_MAX_TILES] at flags) is at epoch (a forwarder whose node sums no pack_and_push writes)")
+           "wait on `stream` until every local GPU's flags 0..tiles-1 (int32 [ranks_per_node, GATHER_MAX_TILES] at "
+           "flags) are at epoch: the pipelined gather's tiles, or the dispatch forward's node barrier (tiles 1)")
       .def("wait_signals", &in::Context::wait_signals, py::arg("targets"), py::arg("phase"), py::arg("stream"),
            "wait on `stream` until signal[slot] >= expected for every (slot, expected) in targets")
       .def("record_drain_mark", &in::Context::record_drain_mark, py::arg("stream"),

@@ -662,8 +662,8 @@ __global__ void raise_flags_kernel(const unsigned long long* flags, int n, int e
   st_release_sys(reinterpret_cast<int*>(flags[i]), epoch);
 }
 
-// Context::wait_gather_flags: one block, a thread per (local GPU, tile) in turn.
-__global__ void wait_gather_flags_kernel(const int* flags, int ranks_per_node, long long tiles, int epoch,
+// Context::wait_node_flags: one block, a thread per (local GPU, flag) in turn.
+__global__ void wait_node_flags_kernel(const int* flags, int ranks_per_node, long long tiles, int epoch,
                                          unsigned long long timeout_ns, ErrorWord* err, StopFlag stop, int rank,
                                          int phase) {
   for (long long p = threadIdx.x; p < ranks_per_node * tiles; p += blockDim.x) {
@@ -1374,16 +1374,16 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
   check(cudaGetLastError(), "pack_and_push launch");
 }
 
-void Context::wait_gather_flags(uintptr_t flags, int ranks_per_node, int64_t tiles, int32_t epoch, int phase,
+void Context::wait_node_flags(uintptr_t flags, int ranks_per_node, int64_t tiles, int32_t epoch, int phase,
                                 uintptr_t stream) {
   if (tiles <= 0 || ranks_per_node <= 0) return;
   if (!flags || tiles > kGatherMaxTiles || epoch < 1)
-    throw std::invalid_argument("wait_gather_flags: flags, 1.." + std::to_string(kGatherMaxTiles) +
+    throw std::invalid_argument("wait_node_flags: flags, 1.." + std::to_string(kGatherMaxTiles) +
                                 " tiles and an epoch >= 1");
-  wait_gather_flags_kernel<<<1, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  wait_node_flags_kernel<<<1, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int*>(flags), ranks_per_node, tiles, epoch, timeout_ns_, error_dev_,
       StopFlag{stop_dev_, stop_generation_}, rank_, phase);
-  check(cudaGetLastError(), "wait_gather_flags launch");
+  check(cudaGetLastError(), "wait_node_flags launch");
 }
 
 void Context::set_timeline(uintptr_t stamps, int capacity) {
@@ -1590,7 +1590,7 @@ void Context::pack_and_push_after_counts(uintptr_t, int, int64_t, const RecordJo
 void Context::launch_pack_and_push(uintptr_t, int, int64_t, const RecordJob&, const CountRowOffsets*, uintptr_t, int,
                                    uintptr_t) {}
 void Context::check_count_rows(const CountRowOffsets&, const std::string&) const {}
-void Context::wait_gather_flags(uintptr_t, int, int64_t, int32_t, int, uintptr_t) {}
+void Context::wait_node_flags(uintptr_t, int, int64_t, int32_t, int, uintptr_t) {}
 void Context::set_timeline(uintptr_t, int) {}
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>&, int, uintptr_t) {}
 ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) { return ArrivalGate{}; }

@@ -254,11 +254,13 @@ class Context {
   // chunks pushed once every count row is in, each block placed as push_after_counts places it.
   void pack_and_push_after_counts(uintptr_t table, int n, int64_t chunk_records, const RecordJob& job,
                                   const CountRowOffsets& at, uintptr_t ready, int phase, uintptr_t stream);
-  // The pipelined combine gather's tile flags (NodeSums) where no pack_and_push waits for them (a forwarder with no
-  // record for another node): wait until GPU j's flag of every tile t < tiles is at `epoch`, for j < ranks_per_node.
-  // A flag still below it at the GPU deadline is reported (kErrNodeFlagTimeout).
-  void wait_gather_flags(uintptr_t flags, int ranks_per_node, int64_t tiles, int32_t epoch, int phase,
-                         uintptr_t stream);
+  // Wait on the GPU for NVLink flags among the node's GPUs (int32 rows of kGatherMaxTiles at `flags`, one row per
+  // local GPU): until GPU j's flag t is at `epoch` for every j < ranks_per_node and t < tiles. Two users: the
+  // pipelined combine gather's tile flags where no pack_and_push waits for them (a forwarder with no record for
+  // another node), and the dispatch forward's node barrier (tiles = 1). A flag still below it at the GPU deadline is
+  // reported (kErrNodeFlagTimeout).
+  void wait_node_flags(uintptr_t flags, int ranks_per_node, int64_t tiles, int32_t epoch, int phase,
+                       uintptr_t stream);
   // Wait until signal[slot] >= expected for every (slot, expected) pair; deadline: the GPU timeout. The pairs go
   // as kernel arguments, kWaitTargetsPerLaunch per launch. A wait also ends early when the error word is set (by
   // another kernel of this rank, or by abort_waits()).

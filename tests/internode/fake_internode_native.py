@@ -1002,13 +1002,13 @@ class InternodeContext:
                           out_x_stride=stride, out_w_stride=stride)
         return [(sums.data_ptr(), stride, 0)], [sums, zero]
 
-    def wait_gather_flags(self, flags: int, ranks_per_node: int, tiles: int, epoch: int, phase: int,
+    def wait_node_flags(self, flags: int, ranks_per_node: int, tiles: int, epoch: int, phase: int,
                           stream: int) -> None:
-        """Context::wait_gather_flags: GPU j's flag of every tile t < tiles at ``epoch``, for every j."""
+        """Context::wait_node_flags: GPU j's flag of every tile t < tiles at ``epoch``, for every j."""
         if tiles <= 0 or ranks_per_node <= 0:
             return
         if not flags or tiles > GATHER_MAX_TILES or epoch < 1:
-            raise ValueError(f"wait_gather_flags: flags, 1..{GATHER_MAX_TILES} tiles and an epoch >= 1")
+            raise ValueError(f"wait_node_flags: flags, 1..{GATHER_MAX_TILES} tiles and an epoch >= 1")
         start = time.monotonic()
         while True:
             seen = _at(flags, 4 * ranks_per_node * GATHER_MAX_TILES, torch.int32).view(ranks_per_node,

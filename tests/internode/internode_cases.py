@@ -233,7 +233,7 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
     records for "other nodes" in chunks of 4, the last 6 going to our own place. GPU 2 gathers late, from another
     thread and stream, over stale bytes: the records must still be exact, so the packers waited for its flags (also
     where it holds no copy: every GPU's flag gates every tile). Then
-    wait_gather_flags returns for the epoch reached; at the next epoch, with GPU 1 never flagging, both it and
+    wait_node_flags returns for the epoch reached; at the next epoch, with GPU 1 never flagging, both it and
     pack_and_push fail at the GPU deadline naming the GPU, a tile it holds, its flag and the epoch, and nothing is
     pushed. A row index past GPU 0's rows is reported and its tile never flagged. ``rdma``, ``nvl``: uint8 views of
     cx's regions on ``dev``; ``codes``: the module's ERROR_CODES."""
@@ -318,7 +318,7 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
     assert torch.equal(got_x, expect_x), "node sums differ from the copies' sum (a record read before its tile?)"
     assert torch.equal(got_w, expect_w), "summed weights differ"
     assert int(ready.count_nonzero()) == 0, "pack_and_push left chunk counters behind"
-    cx.wait_gather_flags(cx.nvl_ptr + flags_at, G, A // tile, 1, 4, stream)  # every tile of every GPU flagged
+    cx.wait_node_flags(cx.nvl_ptr + flags_at, G, A // tile, 1, 4, stream)  # every tile of every GPU flagged
     if cuda:
         main.synchronize()
     assert cx.error_fields()["code"] == 0, cx.error_message()
@@ -341,7 +341,7 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
     assert [cx.signal_value(slot + f) for f in range(2)] == want, "a chunk left without its node sums"
     cx.clear_error()
     ready.zero_()  # (a failed launch may leave counts behind: the backend drops its counters then)
-    cx.wait_gather_flags(cx.nvl_ptr + flags_at, G, 1, 2, 4, stream)
+    cx.wait_node_flags(cx.nvl_ptr + flags_at, G, 1, 2, 4, stream)
     if cuda:
         main.synchronize()
     e = cx.error_fields()
@@ -384,7 +384,7 @@ def check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named(cx, rai
     sync()
     assert flags[:, 0].tolist() == [epoch, 0, epoch] and int(flags[:, 1:].count_nonzero()) == 0, flags[:, :2]
     t0 = time.monotonic()
-    cx.wait_gather_flags(cx.nvl_ptr, G, 1, epoch, 3, stream)
+    cx.wait_node_flags(cx.nvl_ptr, G, 1, epoch, 3, stream)
     sync()
     assert time.monotonic() - t0 < 30, "the wait went far past its deadline"
     e = cx.error_fields()
@@ -397,7 +397,7 @@ def check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named(cx, rai
     assert int(flags[1, 0]) == 0, "a stopped rank raised its flag"
     cx.clear_error()
     raise_flags(at[1:2].data_ptr(), 1, epoch, stream, stop_flag=cx.stop_flag_ptr, stop_generation=cx.stop_generation)
-    cx.wait_gather_flags(cx.nvl_ptr, G, 1, epoch, 3, stream)
+    cx.wait_node_flags(cx.nvl_ptr, G, 1, epoch, 3, stream)
     sync()
     assert cx.error_fields()["code"] == 0, cx.error_message()
 

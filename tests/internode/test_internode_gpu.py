@@ -898,7 +898,7 @@ def test_pack_and_push_writes_what_pack_records_writes_and_pushes_every_chunk_on
 
 @pytest.mark.parametrize("f32", [False, True], ids=["bf16", "fp32"])
 def test_the_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_and_names_a_gpu_that_never_flags(f32):
-    """The pipelined combine gather's kernels (gather_tiles, pack_and_push with node sums, wait_gather_flags;
+    """The pipelined combine gather's kernels (gather_tiles, pack_and_push with node sums, wait_node_flags;
     docs/internode.md, "Pipelined combine gather") on one rank playing a forwarder and its node's 3 GPUs, one of
     which gathers late from another stream while the packers spin."""
     k = native.module().internode
