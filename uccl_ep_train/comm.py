@@ -11,10 +11,11 @@ import functools
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar
 
 from uccl_ep_train import native
 from uccl_ep_train import topology as topo_mod
+from uccl_ep_train.cpu_placement import cpu_share
 from uccl_ep_train.settings import Settings, SettingsError, load_settings
 
 #: Default in-flight byte cap when UCCL_IB_MAX_INFLIGHT_BYTES is unset: 2 MiB on loopback, IB and RoCE ...
@@ -184,11 +185,12 @@ class ProxyOptions:
 
 def proxy_options(settings: Settings, rank: int, world: int, *, num_signal_slots: int = 1024,
                   low_latency: bool = False, gpu: Optional[int] = None,
-                  topology: Optional[topo_mod.Topology] = None) -> ProxyOptions:
+                  topology: Optional[topo_mod.Topology] = None, host_slot: Tuple[int, int] = (0, 1)) -> ProxyOptions:
     """Translate settings into proxy arguments; raises SettingsError for combinations the host core cannot run.
 
     ``gpu`` and ``topology`` only matter for the verbs transport (see :func:`choose_transport`); tests pass a
-    recorded topology."""
+    recorded topology. ``host_slot``: (this rank's index among its host's ranks, how many the host runs), which
+    share of UCCL_EP_PROXY_CPUS its threads take (cpu_placement.py; the default takes the whole list)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")
     if not 1 <= num_signal_slots <= 16383:
@@ -199,7 +201,8 @@ def proxy_options(settings: Settings, rank: int, world: int, *, num_signal_slots
     default_bytes = DEFAULT_INFLIGHT_BYTES_EFA if choice.efa else DEFAULT_INFLIGHT_BYTES
     return ProxyOptions(
         rank=rank, world=world, num_threads=p.num_threads, fifos_per_thread=p.fifos_per_thread,
-        fifo_depth=p.fifo_depth, cpus=tuple(p.cpus), idle_backoff_us=p.idle_backoff_us, timeout_secs=p.timeout_secs,
+        fifo_depth=p.fifo_depth, cpus=_proxy_cpu_share(p.cpus, host_slot), idle_backoff_us=p.idle_backoff_us,
+        timeout_secs=p.timeout_secs,
         max_inflight_writes=writes,
         max_inflight_bytes=t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes,
         reorder_window=t.reorder_window, num_signal_slots=num_signal_slots, transport=choice.transport,
@@ -209,6 +212,13 @@ def proxy_options(settings: Settings, rank: int, world: int, *, num_signal_slots
         ib_sl=-1 if t.ib_sl is None else t.ib_sl, ib_tc=-1 if t.ib_tc is None else t.ib_tc,
         ib_sq_depth=max(DEFAULT_QUEUE_DEPTH, writes), ib_rq_depth=max(DEFAULT_QUEUE_DEPTH, writes),
         dump_trigger=p.dump_file or "", transport_reason=choice.reason)
+
+
+def _proxy_cpu_share(pool: Sequence[int], host_slot: Tuple[int, int]) -> Tuple[int, ...]:
+    try:
+        return cpu_share(pool, *host_slot)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def with_timeout_hint(exc: BaseException) -> BaseException:
@@ -227,18 +237,20 @@ class HostComm:
 
     Create one per rank, then call :meth:`connect` (through torch.distributed) or :func:`connect_in_process`.
     Errors of the proxy threads surface as ``uccl_ep_train._C.ProxyError`` from :meth:`check`, :meth:`wait_idle`,
-    :meth:`wait_signal` and the push methods; deadlines raise ``TimeoutError``.
+    :meth:`wait_signal` and the push methods; deadlines raise ``TimeoutError``. ``host_slot``: which share of
+    UCCL_EP_PROXY_CPUS this rank's threads take (proxy_options).
     """
 
     def __init__(self, data_bytes: int, rank: int, world: int, *, settings: Optional[Settings] = None,
                  num_signal_slots: int = 1024, low_latency: bool = False, gpu: Optional[int] = None,
-                 topology: Optional[topo_mod.Topology] = None, **overrides: Any):
+                 topology: Optional[topo_mod.Topology] = None, host_slot: Tuple[int, int] = (0, 1),
+                 **overrides: Any):
         if data_bytes <= 0:
             raise ValueError(f"data_bytes={data_bytes} must be positive")
         _C = native.module()
         self.settings = settings if settings is not None else load_settings()
         opts = proxy_options(self.settings, rank, world, num_signal_slots=num_signal_slots, low_latency=low_latency,
-                             gpu=gpu, topology=topology)
+                             gpu=gpu, topology=topology, host_slot=host_slot)
         self.transport_reason = opts.transport_reason
         kwargs = opts.kwargs()
         unknown = set(overrides) - set(kwargs)
@@ -258,7 +270,7 @@ class HostComm:
                 and self.settings.emulation.loopback_copy_agent == "on"):
             from uccl_ep_train.loopback_copy_agent import CopyAgent
 
-            self.copy_agent = CopyAgent(kwargs["num_threads"], -1)
+            self.copy_agent = CopyAgent(kwargs["num_threads"], -1, cpus=kwargs["cpus"])
             kwargs["loopback_copy_agent"] = self.copy_agent.name
         self.options = kwargs
         self.buffer = _C.HostBuffer(data_bytes)

@@ -47,6 +47,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
 from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
                                                shared_gpu_spin_blocks, use_copy_agent)
+from uccl_ep_train.cpu_placement import rank_cpus
 from uccl_ep_train.upload_staging import UploadStaging
 
 
@@ -442,6 +443,8 @@ class NativeInternodeBackend:
         mps = mps_enabled(self.device.index) if loopback_on_gpu else None
         if self.device.type == "cuda":  # no CUDA on the CPU stand-in
             torch.cuda.set_device(self.device)
+        # our share of the host's UCCL_EP_PROXY_CPUS, for the proxy threads and the copy agent (cpu_placement.py)
+        self.proxy_cpus = rank_cpus(p.cpus, self.rank, self._gloo)
         # who moves the loopback's bytes: a process of our own (the copy agent) or the proxy threads
         self._copy_agent = None
         if loopback_on_gpu:
@@ -451,7 +454,7 @@ class NativeInternodeBackend:
                 from uccl_ep_train.loopback_copy_agent import CopyAgent
 
                 # (stopped by destroy(); if this setup raises, by its __del__, or by itself once we are gone)
-                self._copy_agent = CopyAgent(p.num_threads, self.device.index)
+                self._copy_agent = CopyAgent(p.num_threads, self.device.index, cpus=self.proxy_cpus)
             else:  # the proxy threads' copies share this process's hardware work queues with our kernels
                 hazard = loopback_queue_hazard(self.rank, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), mps,
                                                p.num_threads)
@@ -460,7 +463,7 @@ class NativeInternodeBackend:
         self._cx = self._k.InternodeContext(
             rank=self.rank, world=self.R, device=self.device.index, rdma_bytes=self.rdma_bytes,
             nvl_bytes=self.nvl_bytes, num_threads=p.num_threads, fifos_per_thread=p.fifos_per_thread,
-            fifo_depth=p.fifo_depth, cpus=list(p.cpus), idle_backoff_us=p.idle_backoff_us,
+            fifo_depth=p.fifo_depth, cpus=list(self.proxy_cpus), idle_backoff_us=p.idle_backoff_us,
             timeout_secs=self.cpu_timeout, max_inflight_writes=t.ib_max_inflight_normal,
             max_inflight_bytes=self.inflight_bytes, reorder_window=t.reorder_window, num_signal_slots=slots,
             loopback_reorder=e.loopback_reorder, loopback_delay_us=e.loopback_delay_us,

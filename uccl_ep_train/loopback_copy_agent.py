@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from uccl_ep_train import native
 
@@ -31,15 +31,19 @@ class CopyAgentError(RuntimeError):
 class CopyAgent:
     """One rank's copy agent: the shared segment (``name`` goes to the loopback endpoints: ``loopback_copy_agent``)
     and the process serving it, for ``lanes`` proxy threads of the rank whose device is ``device`` (-1: host memory
-    only). Raises CopyAgentError, with the agent's own message, when it does not come up."""
+    only), its threads confined to ``cpus`` when given (the rank's share of UCCL_EP_PROXY_CPUS: cpu_placement.py).
+    Raises CopyAgentError, with the agent's own message, when it does not come up."""
 
-    def __init__(self, lanes: int, device: int, start_timeout_secs: float = START_TIMEOUT_SECS):
+    def __init__(self, lanes: int, device: int, start_timeout_secs: float = START_TIMEOUT_SECS,
+                 cpus: Sequence[int] = ()):
         self.segment = native.module().CopyAgentSegment.create(lanes, device)
         self.name: str = self.segment.name
         # (the child imports this package as we do: our sys.path, which a launcher may have extended, goes with it)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        pin = ["--cpus", ",".join(str(int(c)) for c in cpus)] if cpus else []
         self._process: Optional[subprocess.Popen] = subprocess.Popen(
-            [sys.executable, "-m", "uccl_ep_train.loopback_copy_agent", self.name], stdin=subprocess.DEVNULL, env=env)
+            [sys.executable, "-m", "uccl_ep_train.loopback_copy_agent", self.name, *pin], stdin=subprocess.DEVNULL,
+            env=env)
         try:
             self._wait_ready(start_timeout_secs)
         except BaseException:
@@ -94,9 +98,11 @@ class CopyAgent:
 
 def main(argv: Optional[list] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m uccl_ep_train.loopback_copy_agent SEGMENT", file=sys.stderr)
+    if len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--cpus"):
+        print("usage: python -m uccl_ep_train.loopback_copy_agent SEGMENT [--cpus 0,1,...]", file=sys.stderr)
         return 2
+    if len(args) == 3:  # before the native module starts its lane threads, which inherit it
+        os.sched_setaffinity(0, [int(c) for c in args[2].split(",")])
     return int(native.module().run_copy_agent(args[0]))
 
 

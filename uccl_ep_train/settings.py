@@ -136,8 +136,9 @@ class ProxySettings:
     fifo_depth: int = field(default=2048, metadata=_meta(
         "UCCL_EP_FIFO_DEPTH", "commands per FIFO ring (power of two)", _int(2, 1 << 20)))
     cpus: tuple[int, ...] = field(default=(), metadata=_meta(
-        "UCCL_EP_PROXY_CPUS", "CPUs to pin proxy threads to, e.g. 0-3,8 (empty: no pinning; doctor suggests cores "
-        "near the NIC)", _cpu_list))
+        "UCCL_EP_PROXY_CPUS", "CPUs of this host to pin proxy threads (and the loopback's copy agent) to, e.g. "
+        "0-31; each rank of the host takes its own contiguous share, in local-rank order (empty: no pinning; doctor "
+        "suggests cores near the NIC)", _cpu_list))
     idle_backoff_us: int = field(default=0, metadata=_meta(
         "UCCL_EP_PROXY_IDLE_BACKOFF_US", "sleep this long after an idle poll round (0: busy-poll)", _int(0, 1_000_000)))
     dump_file: Optional[str] = field(default=None, metadata=_meta(

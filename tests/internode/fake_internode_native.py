@@ -692,6 +692,7 @@ class InternodeContext:
         if missing or unknown:
             raise TypeError(f"InternodeContext: missing {sorted(missing)}, unknown {sorted(unknown)}")
         self.rank, self.world = int(kw["rank"]), int(kw["world"])
+        self.cpus = [int(c) for c in kw["cpus"]]  # where the proxy threads would be pinned (no threads here)
         self.rdma_bytes, self.nvl_bytes = int(kw["rdma_bytes"]), int(kw["nvl_bytes"])
         self.num_signal_slots, self.num_threads = int(kw["num_signal_slots"]), int(kw["num_threads"])
         self.num_fifos = self.num_threads * int(kw["fifos_per_thread"])

@@ -74,6 +74,22 @@ def _combine_barrier_decisions(rank, world, G, cases, iters, rdma):
         nat.destroy()
 
 
+def _proxy_cpus(rank, world, G):
+    nat, _ = _backends(rank, world, G)
+    try:
+        return tuple(nat.proxy_cpus), tuple(nat._cx.cpus)
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_each_rank_of_a_host_gives_its_proxy_its_own_share_of_the_proxy_cpus(world, G):
+    # every rank runs on this one host, whatever the emulated nodes: the host's list is split among all of them
+    out = run_distributed(_proxy_cpus, world, G, timeout=120, env=dict(ENV, UCCL_EP_PROXY_CPUS="4-11"))
+    per = 8 // world
+    assert out == [(tuple(range(4 + per * r, 4 + per * (r + 1))),) * 2 for r in range(world)]
+
+
 @pytest.mark.parametrize("world,G,tight", [(2, 1, 256 << 10), (4, 2, 300 << 10)], ids=["2x1", "2x2"])
 def test_entry_barriers_are_skipped_after_the_other_kind_of_call_only_where_its_traffic_and_areas_allow(world, G, tight):
     cases = ALL[:3]  # random, skewed, empty routing
