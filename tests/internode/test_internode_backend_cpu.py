@@ -75,10 +75,13 @@ def _combine_barrier_decisions(rank, world, G, cases, iters, rdma):
 
 
 def _proxy_cpus(rank, world, G):
+    import torch.distributed as dist
+
     nat, _ = _backends(rank, world, G)
     try:
         return tuple(nat.proxy_cpus), tuple(nat._cx.cpus)
     finally:
+        dist.barrier()  # (no rank tears its regions down while a peer still maps them)
         nat.destroy()
 
 
