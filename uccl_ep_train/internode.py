@@ -68,9 +68,6 @@ def drain_after_waits(setting: str, transport: str = "loopback", copy_agent: boo
 # the only streams whose waiting pageable copies hold the loopback's (blocking streams and the per-thread default
 # stream do not; scripts/probe_blocking_calls.cu PROBE_LEGACY).
 _LEGACY_STREAMS = (0, 1)
-#: The expert-major padding beside its reader takes 1/this of the blocks that fill the GPU: zeroing is bound by
-#: memory, and the reader's blocks, launched right after on the call's stream, need SMs to start on (session 41).
-PAD_BESIDE_READER_GRID_SHARE = 4
 
 
 def check_stream_without_drains(drains: bool, transport: str, stream: int, rank: int,
@@ -599,11 +596,6 @@ class NativeInternodeBackend:
             kind: reads_expert_major_rows(s.kernel.expert_major_in_reader, self._cx.spin_blocks, kind != "uncached")
             for kind in ("uncached", "uncached early", "cached")}  # early: launched before the count read
         self.expert_major_reads = {"uncached": 0, "cached": 0}  # receives the reader wrote (tests, benchmarks)
-        # the padding of those receives beside their reader, on the context's side stream (_expert_major_pad); not
-        # where ranks share a GPU, whose spinning grids are held to a few blocks
-        self.pad_beside_reader = bool(s.kernel.pad_beside_reader) and not self._cx.spin_blocks
-        self.pads_beside_reader = 0  # paddings that ran there (tests, benchmarks)
-        self._padding_to_join = False  # a padding on the side stream that the call's stream has not joined yet
         self.expert_major_places_on_device = 0  # ... whose places were made from the count rows (tests, benchmarks)
         self._notify_rows_at: Optional[CountRows] = None  # where the last notify's rows are on the device (or None)
         self._recv_rows_seen: dict = {}  # tokens -> rows the last uncached dispatch of that size received
@@ -2015,12 +2007,9 @@ class NativeInternodeBackend:
         self._synced_since_combine = True
         self._last_combine = None
         self._lap("dispatch.entry")
-        try:
-            if args.handle is not None:
-                return self._cached_dispatch(args)
-            return self._uncached_dispatch(args, combined_send_base)
-        finally:
-            self._join_padding()  # (a dispatch that raised between its padding and its reader's launch)
+        if args.handle is not None:
+            return self._cached_dispatch(args)
+        return self._uncached_dispatch(args, combined_send_base)
 
     def _cached_dispatch(self, args: DispatchArgs) -> DispatchResult:
         """A dispatch with the handle of an earlier one: its plan, hop and receive layout are the handle's."""
@@ -2450,32 +2439,14 @@ class NativeInternodeBackend:
     def _expert_major_pad(self, info: torch.Tensor, alignment: int, rows: int, out: List[torch.Tensor],
                           em: Optional[ExpertMajorRows] = None, go: int = 0) -> None:
         """The expert-major rows no pair fills (segment padding, the tail up to ``rows``) zeroed in ``out``, and
-        with ``em`` marked empty in its plan; one launch, ahead of the reader, which writes only the other rows.
-        ``go``: the device words of a reader launched before the count read (nothing done when they say no).
-
-        With num_worst_tokens the tail is most of the rows (~470 MB of a DeepSeek-V3 receive on 2 x 1), and zeroing
-        it before the reader held the reader back by its ~120 us (session 41). So, where the readers have the GPU
-        to themselves (pad_beside_reader), it runs on the context's side stream, forked here, with a quarter of the
-        blocks, and the reader's launch joins it (_expert_major_receive): the two write disjoint rows."""
+        with ``em`` marked empty in its plan; one launch, before the reader, which writes only the other rows.
+        ``go``: the device words of a reader launched before the count read (nothing done when they say no)."""
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
-        stream, grid = self._stream(), self._expert_major_grid("copy")
-        if self.pad_beside_reader:
-            stream = self._cx.fork_side_stream(stream)
-            grid = max(1, grid // PAD_BESIDE_READER_GRID_SHARE)
-            self._padding_to_join = True
-            self.pads_beside_reader += 1
         self._k.expert_major_pad(info.data_ptr(), info.numel() - 2, alignment, rows, _row_bytes(out[0]),
                                  out[1][0].numel() if len(out) > 1 else 0, out[0].data_ptr(),
                                  ptr(out[1]) if len(out) > 1 else 0, ptr(em and em.token), ptr(em and em.slot),
-                                 ptr(em and em.expert), ptr(em and em.weights), grid, stream, go=go)
-
-    def _join_padding(self) -> None:
-        """The call's stream waits for a padding left on the side stream (_expert_major_pad): behind the reader's
-        launch, and at the end of every dispatch, also one that raised, so that no output the padding writes is
-        freed to the allocator before it ran."""
-        if self._padding_to_join:
-            self._padding_to_join = False
-            self._cx.join_side_stream(self._stream())
+                                 ptr(em and em.expert), ptr(em and em.weights), self._expert_major_grid("copy"),
+                                 self._stream(), go=go)
 
     def _expert_major_read(self, final: torch.Tensor, layout: RecordLayout, out: List[torch.Tensor], rows: int,
                            topk: int, slot_of: torch.Tensor, em: Optional[ExpertMajorRows] = None,
@@ -2507,19 +2478,16 @@ class NativeInternodeBackend:
         ids = len(out)  # the top-k ids' column, then the weights and the pair ranks
         scales = len(out) > 1
         places = em.places.data_ptr() if em is not None else 0
-        try:
-            self._k.expert_major_receive(
-                final.data_ptr(), final.stride(0) * final.element_size(), n, layout.column_offsets[0],
-                layout.column_bytes[0], layout.column_offsets[1] if scales else 0, out[1][0].numel() if scales else 0,
-                out[0].data_ptr(), out[1].data_ptr() if scales else 0, rows, topk, em is None, slot_of.data_ptr(),
-                layout.column_offsets[ids] if em else -1, layout.column_offsets[ids + 1] if em else -1,
-                layout.column_offsets[ids + 2] if em else -1, self.rank * experts_per_rank, experts_per_rank, self.R,
-                places, places + 8 * (self.R + 1) if em else 0, ptr(em and em.token), ptr(em and em.slot),
-                ptr(em and em.expert), ptr(em and em.weights), layout.src_idx_offset, ptr(src_idx),
-                layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream(), gate=gate,
-                first_row=first_row, own=own, dims=dims)
-        finally:  # (the padding beside it, if any, runs while it spins; nothing after it starts before both ended)
-            self._join_padding()
+        self._k.expert_major_receive(
+            final.data_ptr(), final.stride(0) * final.element_size(), n, layout.column_offsets[0],
+            layout.column_bytes[0], layout.column_offsets[1] if scales else 0, out[1][0].numel() if scales else 0,
+            out[0].data_ptr(), out[1].data_ptr() if scales else 0, rows, topk, em is None, slot_of.data_ptr(),
+            layout.column_offsets[ids] if em else -1, layout.column_offsets[ids + 1] if em else -1,
+            layout.column_offsets[ids + 2] if em else -1, self.rank * experts_per_rank, experts_per_rank, self.R,
+            places, places + 8 * (self.R + 1) if em else 0, ptr(em and em.token), ptr(em and em.slot),
+            ptr(em and em.expert), ptr(em and em.weights), layout.src_idx_offset, ptr(src_idx),
+            layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream(), gate=gate, first_row=first_row,
+            own=own, dims=dims)
 
     def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor],
                            out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:

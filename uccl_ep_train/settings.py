@@ -250,11 +250,6 @@ class KernelSettings:
         "uncached ones that read before the count read; always; never: rank-major rows first, then the expert-major "
         "plan and copy after the hop",
         _choice("auto", "always", "never")))
-    pad_beside_reader: bool = field(default=True, metadata=_meta(
-        "UCCL_EP_PAD_BESIDE_READER", "internode, expert-major receives written by the reader: the rows no pair fills "
-        "(segment padding, the num_worst_tokens tail) are zeroed on a side stream with a quarter of the GPU, beside "
-        "the reader, where the readers have the GPU to themselves (docs/internode.md, Expert-major rows in the "
-        "reader); 0: before the reader, on the call's stream", _bool))
     pinned_uploads: bool = field(default=True, metadata=_meta(
         "UCCL_EP_PINNED_UPLOADS", "internode: small tables (push tables, gates, plans) go to the device from a pinned "
         "area allocated at setup (docs/internode.md, Host cost per call); 0: from pageable memory, as before session "

@@ -580,10 +580,6 @@ void bind_internode(py::module_& m) {
       .def("record_drain_mark", &in::Context::record_drain_mark, py::arg("stream"),
            "record the context's drain event on `stream` (the end of what it holds now)")
       .def("drain_mark_reached", &in::Context::drain_mark_reached, "whether the GPU passed the last drain mark")
-      .def("fork_side_stream", &in::Context::fork_side_stream, py::arg("stream"),
-           "the context's side stream, ordered after what `stream` holds now (work that may run beside its next)")
-      .def("join_side_stream", &in::Context::join_side_stream, py::arg("stream"),
-           "make `stream` wait for what the side stream holds now")
       .def("copy_to_device", &in::Context::copy_to_device, py::arg("dst"), py::arg("src"), py::arg("bytes"),
            py::arg("stream"), "bytes from pinned host memory (src) to the device (dst), queued on stream")
       .def("error_message", &in::Context::error_message)

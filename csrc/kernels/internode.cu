@@ -962,14 +962,6 @@ Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nv
     cudaEvent_t drain_event = nullptr;
     check(cudaEventCreateWithFlags(&drain_event, cudaEventDisableTiming), "cudaEventCreate for the drains");
     drain_event_ = drain_event;
-    cudaStream_t side_stream = nullptr;
-    check(cudaStreamCreateWithFlags(&side_stream, cudaStreamNonBlocking), "cudaStreamCreate for the side stream");
-    side_stream_ = side_stream;
-    cudaEvent_t side_fork = nullptr, side_join = nullptr;
-    check(cudaEventCreateWithFlags(&side_fork, cudaEventDisableTiming), "cudaEventCreate for the side stream");
-    side_fork_ = side_fork;
-    check(cudaEventCreateWithFlags(&side_join, cudaEventDisableTiming), "cudaEventCreate for the side stream");
-    side_join_ = side_join;
 
     ProxyConfig cfg;
     cfg.rank = rank;
@@ -1070,10 +1062,6 @@ void Context::destroy() {
   if (abort_stream_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(abort_stream_));
   if (drain_event_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(drain_event_));
   drain_event_ = nullptr;
-  if (side_stream_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(side_stream_));
-  if (side_fork_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(side_fork_));
-  if (side_join_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(side_join_));
-  side_stream_ = side_fork_ = side_join_ = nullptr;
   fifos_dev_ = rdma_ = nvl_ = nullptr;
   error_ = error_dev_ = nullptr;
   stop_dev_ = nullptr;
@@ -1548,23 +1536,6 @@ void Context::record_drain_mark(uintptr_t stream) {
         "cudaEventRecord of the drain mark");
 }
 
-uintptr_t Context::fork_side_stream(uintptr_t stream) {
-  if (!side_stream_) throw std::runtime_error("fork_side_stream: the internode context was destroyed");
-  auto side = static_cast<cudaStream_t>(side_stream_);
-  check(cudaEventRecord(static_cast<cudaEvent_t>(side_fork_), reinterpret_cast<cudaStream_t>(stream)),
-        "cudaEventRecord of the side stream's fork");
-  check(cudaStreamWaitEvent(side, static_cast<cudaEvent_t>(side_fork_), 0), "cudaStreamWaitEvent of the fork");
-  return reinterpret_cast<uintptr_t>(side);
-}
-
-void Context::join_side_stream(uintptr_t stream) {
-  if (!side_stream_) throw std::runtime_error("join_side_stream: the internode context was destroyed");
-  check(cudaEventRecord(static_cast<cudaEvent_t>(side_join_), static_cast<cudaStream_t>(side_stream_)),
-        "cudaEventRecord of the side stream's join");
-  check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(side_join_), 0),
-        "cudaStreamWaitEvent of the join");
-}
-
 void Context::copy_to_device(uintptr_t dst, uintptr_t src, int64_t bytes, uintptr_t stream) {
   if (bytes < 0 || (bytes > 0 && (!dst || !src)))
     throw std::invalid_argument("copy_to_device: a null address or a negative size");
@@ -1629,8 +1600,6 @@ void Context::clear_error() {}
 void Context::abort_waits() {}
 void Context::record_drain_mark(uintptr_t) {}
 bool Context::drain_mark_reached() const { return true; }
-uintptr_t Context::fork_side_stream(uintptr_t stream) { return stream; }
-void Context::join_side_stream(uintptr_t) {}
 void Context::copy_to_device(uintptr_t, uintptr_t, int64_t, uintptr_t) {
   throw std::runtime_error("copy_to_device: the internode path needs a CUDA build");
 }

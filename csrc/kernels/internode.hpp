@@ -283,12 +283,6 @@ class Context {
   // torch.cuda.current_stream() cost ~15 us of host time per drain beside busy proxy threads (session 12).
   void record_drain_mark(uintptr_t stream);
   bool drain_mark_reached() const;
-  // A second stream of the context's, for work that may run beside what `stream` runs next (the expert-major
-  // padding beside the reader, which writes the other rows): fork_side_stream returns it, ordered after what
-  // `stream` holds now; join_side_stream makes `stream` wait for what was queued on it since. One event each way,
-  // on raw handles (the drain mark's reasoning).
-  uintptr_t fork_side_stream(uintptr_t stream);
-  void join_side_stream(uintptr_t stream);
   // `bytes` from pinned host memory at `src` to device memory at `dst`, queued on `stream` (cudaMemcpyAsync): the
   // backend's small tables, from a staging area allocated at setup, never a pageable copy the driver may stage
   // synchronously (uccl_ep_train/upload_staging.py).
@@ -327,9 +321,6 @@ class Context {
   int32_t stop_generation_ = 1;
   void* abort_stream_ = nullptr;     // cudaStream_t (non-blocking): abort_waits() sets the flag while kernels spin
   void* drain_event_ = nullptr;      // cudaEvent_t of record_drain_mark (timing disabled)
-  void* side_stream_ = nullptr;      // cudaStream_t (non-blocking) of fork_side_stream
-  void* side_fork_ = nullptr;        // cudaEvent_t: the caller's stream's end, which the side stream waits for
-  void* side_join_ = nullptr;        // cudaEvent_t: the side stream's end, which the caller's stream waits for
   int32_t abort_value_ = 0;          // the source of that copy, alive as long as the stream
   std::vector<void*> opened_peers_;
   bool destroyed_ = false;

@@ -693,7 +693,6 @@ class InternodeContext:
             raise TypeError(f"InternodeContext: missing {sorted(missing)}, unknown {sorted(unknown)}")
         self.rank, self.world = int(kw["rank"]), int(kw["world"])
         self.cpus = [int(c) for c in kw["cpus"]]  # where the proxy threads would be pinned (no threads here)
-        self.side_forks = self.side_joins = 0  # fork_side_stream / join_side_stream calls (tests)
         self.rdma_bytes, self.nvl_bytes = int(kw["rdma_bytes"]), int(kw["nvl_bytes"])
         self.num_signal_slots, self.num_threads = int(kw["num_signal_slots"]), int(kw["num_threads"])
         self.num_fifos = self.num_threads * int(kw["fifos_per_thread"])
@@ -1125,14 +1124,6 @@ class InternodeContext:
             self._err.reserved, self._err.rank, self._err.phase = 1, self.rank, 0
             self._err.code = ERROR_CODES["aborted"]
         _set_stop(*self._stop_now())
-
-    def fork_side_stream(self, stream: int) -> int:
-        """Context::fork_side_stream: no streams here (work runs when launched), so the same one; counted for tests."""
-        self.side_forks += 1
-        return stream
-
-    def join_side_stream(self, stream: int) -> None:
-        self.side_joins += 1
 
     def proxy_error(self) -> str:
         return self._perr

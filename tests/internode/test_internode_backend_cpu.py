@@ -609,34 +609,6 @@ def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_
         assert places_on_device == reads["uncached"], (places_on_device, reads)
 
 
-def _padding_beside_the_reader(rank, world, G, cases):
-    nat, ref = _backends(rank, world, G)
-    try:
-        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
-        reads = nat.expert_major_reads["uncached"] + nat.expert_major_reads["cached"]
-        return done, reads, nat.pads_beside_reader, nat._cx.side_forks, nat._cx.side_joins
-    finally:
-        nat.destroy()
-
-
-@pytest.mark.parametrize("beside", ["1", "0"], ids=["beside", "before"])
-@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
-def test_the_expert_major_padding_beside_the_reader_is_joined_behind_it_and_every_output_still_matches(world, G, beside):
-    """UCCL_EP_PAD_BESIDE_READER (default on where the readers have the GPU to themselves): each padding of an
-    expert-major receive written by the reader goes to the context's side stream and the call's stream joins it
-    right behind the reader's launch -- as many forks as joins, at least one per read -- and every output of
-    compare_cases (random, skewed, empty, dropped routing, FP8, num_worst_tokens) equals the reference bit for bit;
-    0 pads on the call's stream before the reader, with no fork."""
-    out = run_distributed(_padding_beside_the_reader, world, G, EXPERT_MAJOR_CASES, timeout=180,
-                          env=dict(ENV, UCCL_EP_PAD_BESIDE_READER=beside, UCCL_EP_EXPERT_MAJOR_IN_READER="always"))
-    for done, reads, pads, forks, joins in out:
-        assert done == len(EXPERT_MAJOR_CASES) and reads > 0, (done, reads)
-        if beside == "1":  # (a reader launched before the count read that declines pads again after notify)
-            assert pads == forks == joins >= reads, (pads, forks, joins, reads)
-        else:
-            assert pads == forks == joins == 0, (pads, forks, joins)
-
-
 def test_by_default_the_reader_writes_expert_major_rows_except_where_ranks_share_a_gpu_and_it_starts_after_the_hop():
     """UCCL_EP_EXPERT_MAJOR_IN_READER=auto: a GPU per rank (no spin cap) reads every expert-major receive into its
     rows; ranks that share a GPU, whose readers are held to a few blocks, do so only where the reader starts with
