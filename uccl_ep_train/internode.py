@@ -596,10 +596,9 @@ class NativeInternodeBackend:
             kind: reads_expert_major_rows(s.kernel.expert_major_in_reader, self._cx.spin_blocks, kind != "uncached")
             for kind in ("uncached", "uncached early", "cached")}  # early: launched before the count read
         self.expert_major_reads = {"uncached": 0, "cached": 0}  # receives the reader wrote (tests, benchmarks)
-        # ... and the padding's tail zeroed by that reader while it waits for chunks (_expert_major_pad); by default
-        # not where ranks share a GPU, whose readers are held to a few blocks
-        mode = s.kernel.tail_in_reader
-        self.tail_in_reader = mode == "always" or (mode == "auto" and not self._cx.spin_blocks)
+        # ... and the padding's tail zeroed by that reader while it waits for chunks (_expert_major_pad); not where
+        # ranks share a GPU, whose readers are held to a few blocks
+        self.tail_in_reader = bool(s.kernel.tail_in_reader) and not self._cx.spin_blocks
         self.tails_in_reader = 0  # readers that zeroed their tail (tests, benchmarks)
         self._tail_word = torch.zeros(1, dtype=torch.int64, device=self.device)  # pad -> reader: the tail's first row
         self.expert_major_places_on_device = 0  # ... whose places were made from the count rows (tests, benchmarks)

@@ -628,20 +628,20 @@ def _tail_in_reader_with_poisoned_outputs(rank, world, G, cases):
         nat.destroy()
 
 
-@pytest.mark.parametrize("tail_in_reader", ["auto", "never"], ids=["reader", "padding"])
+@pytest.mark.parametrize("tail_in_reader", ["1", "0"], ids=["reader", "padding"])
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_the_expert_major_tail_is_zeroed_by_the_reader_or_the_padding_and_every_output_matches(world, G,
                                                                                            tail_in_reader):
-    """UCCL_EP_TAIL_IN_READER (auto, the default: where the readers have the GPU to themselves, as here): the rows
-    after the last expert's segment -- most of a num_worst_tokens receive -- are zeroed by the reader that follows
-    the padding launch (which writes the tail's first row for it), or with never by the padding launch itself.
-    Outputs start full of 0x7F bytes, and every output of compare_cases (random, skewed, empty, dropped routing,
-    FP8, num_worst_tokens) still equals the reference bit for bit; the counter shows which did it."""
+    """UCCL_EP_TAIL_IN_READER (default on where the readers have the GPU to themselves): the rows after the last
+    expert's segment -- most of a num_worst_tokens receive -- are zeroed by the reader that follows the padding
+    launch (which writes the tail's first row for it), else by the padding launch itself. Outputs start full of
+    0x7F bytes, and every output of compare_cases (random, skewed, empty, dropped routing, FP8, num_worst_tokens)
+    still equals the reference bit for bit; the counter shows which did it."""
     out = run_distributed(_tail_in_reader_with_poisoned_outputs, world, G, EXPERT_MAJOR_CASES, timeout=180,
                           env=dict(ENV, UCCL_EP_TAIL_IN_READER=tail_in_reader, UCCL_EP_EXPERT_MAJOR_IN_READER="always"))
     for done, reads, tails in out:
         assert done == len(EXPERT_MAJOR_CASES) and reads > 0, (done, reads)
-        if tail_in_reader == "auto":  # (a rank whose reader reads no row pads its tail itself)
+        if tail_in_reader == "1":  # (a rank whose reader reads no row pads its tail itself)
             assert 0 < tails <= reads + len(EXPERT_MAJOR_CASES), (tails, reads)
         else:
             assert tails == 0, tails
