@@ -169,10 +169,9 @@ def pair_ranks(topk_idx: int, num_tokens: int, topk: int, num_experts: int, rank
 
 def pad(recv_info: int, num_local_experts: int, alignment: int, expert_rows: int, hidden_bytes: int,
         num_scales: int, out_x: int, out_scales: int, em_token: int, em_slot: int, em_expert: int, em_weights: int,
-        grid: int, stream: int, go: int = 0, tail_to: int = 0) -> None:
+        grid: int, stream: int, go: int = 0) -> None:
     """expert_major_pad_kernel: the rows no pair fills zeroed, the given plan columns -1 / 0 there; nothing when the
-    int64 word at ``go`` (if given) holds 0. ``tail_to``: the tail's first row written to that int64 word and its
-    payload left to the reader (tail_from)."""
+    int64 word at ``go`` (if given) holds 0."""
     if alignment < 1:
         raise ValueError("expert_major_pad: alignment must be >= 1")
     if not 0 <= num_local_experts <= 4096:
@@ -191,13 +190,9 @@ def pad(recv_info: int, num_local_experts: int, alignment: int, expert_rows: int
         empty[begin:min(begin + c, P)] = False
         begin += (c + alignment - 1) // alignment * alignment
     rows = empty.nonzero().flatten()
-    payload_rows = rows
-    if tail_to:
-        _at(tail_to, 8, torch.int64)[0] = begin  # where the last segment ends: the tail
-        payload_rows = rows[rows < begin]
-    _at(out_x, P * hidden_bytes).view(P, hidden_bytes)[payload_rows] = 0
+    _at(out_x, P * hidden_bytes).view(P, hidden_bytes)[rows] = 0
     if out_scales and num_scales:
-        _at(out_scales, 4 * P * num_scales, torch.float32).view(P, num_scales)[payload_rows] = 0
+        _at(out_scales, 4 * P * num_scales, torch.float32).view(P, num_scales)[rows] = 0
     for col in (em_token, em_slot, em_expert):
         if col:
             _at(col, 8 * P, torch.int64)[rows] = -1

@@ -596,11 +596,6 @@ class NativeInternodeBackend:
             kind: reads_expert_major_rows(s.kernel.expert_major_in_reader, self._cx.spin_blocks, kind != "uncached")
             for kind in ("uncached", "uncached early", "cached")}  # early: launched before the count read
         self.expert_major_reads = {"uncached": 0, "cached": 0}  # receives the reader wrote (tests, benchmarks)
-        # ... and the padding's tail zeroed by that reader while it waits for chunks (_expert_major_pad); not where
-        # ranks share a GPU, whose readers are held to a few blocks
-        self.tail_in_reader = bool(s.kernel.tail_in_reader) and not self._cx.spin_blocks
-        self.tails_in_reader = 0  # readers that zeroed their tail (tests, benchmarks)
-        self._tail_word = torch.zeros(1, dtype=torch.int64, device=self.device)  # pad -> reader: the tail's first row
         self.expert_major_places_on_device = 0  # ... whose places were made from the count rows (tests, benchmarks)
         self._notify_rows_at: Optional[CountRows] = None  # where the last notify's rows are on the device (or None)
         self._recv_rows_seen: dict = {}  # tokens -> rows the last uncached dispatch of that size received
@@ -1955,14 +1950,13 @@ class NativeInternodeBackend:
         self._k.expert_major_places(rows_at.ptr, rows_at.row_words, self.R, self.N, self.rank, L, reading.alignment,
                                     em.places.data_ptr(), em.info.data_ptr(), self._stream(), dims=dims,
                                     capacity_rows=em.rows)
-        tail = self._expert_major_pad(em.info, reading.alignment, em.rows, em.out, em, go=dims, reader_rows=rows)
+        self._expert_major_pad(em.info, reading.alignment, em.rows, em.out, em, go=dims)
         gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
                                      self._phases["dispatch_network"])
         final = _raw_bytes(self._cx.rdma_ptr + self.half_rdma, rows * stride, self.device).view(rows, stride)
         self._expert_major_receive(final, reading.layout, em.out, em.rows, K, em.slot_of, em, L, reading.src_idx,
                                    reading.arrival, gate=gate, dims=dims,
-                                   own=(0, 0, 0, reading.own_tokens, reading.own_columns), counted=False,
-                                   tail_from=tail)
+                                   own=(0, 0, 0, reading.own_tokens, reading.own_columns), counted=False)
         self._lap("dispatch.reader_before_counts")
 
     def _reader_read(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int,
@@ -2034,10 +2028,9 @@ class NativeInternodeBackend:
         if in_reader:
             if not em_out:  # (gated: _move left the allocation to us, before the reader's launch)
                 alloc()
-            tail = self._expert_major_pad(h.expert_major_info, h.expert_alignment, h.num_recv_rows, em_out,
-                                          reader_rows=final.size(0))
+            self._expert_major_pad(h.expert_major_info, h.expert_alignment, h.num_recv_rows, em_out)
             self._expert_major_read(final, layout, em_out, h.num_recv_rows, h.num_topk, h.slot_of,
-                                    pending=pending, tail_from=tail)
+                                    pending=pending)
             parts = em_out
         elif h.expert_major:
             parts = self._expert_major_copy(h, _record_columns(final, layout, len(cols)), cols, em_out or None)
@@ -2148,7 +2141,6 @@ class NativeInternodeBackend:
         payload = cols[:2 if scales is not None else 1]
         made: dict = {}
         em: Optional[ExpertMajorRows] = None
-        tail_from = 0  # an expert-major reader's tail to zero (_expert_major_pad)
 
         @functools.cache  # asked by the expert-major outputs before the reader, and by the handle during it
         def expert_sizes() -> Tuple[Optional[List[int]], Optional[List[int]]]:
@@ -2216,8 +2208,7 @@ class NativeInternodeBackend:
                 if in_reader:  # the reader's table, and the rows it leaves empty done before it
                     if em.places is None:
                         em.places = self._upload(expert_major_places(counts, self.rank, L, expert_sizes()[1]))
-                    tail_from = self._expert_major_pad(em.info, args.expert_alignment, em.rows, em.out, em,
-                                                       reader_rows=nrecv)
+                    self._expert_major_pad(em.info, args.expert_alignment, em.rows, em.out, em)
                 self._expert_rows_seen[T] = sum(expert_sizes()[1])  # (the next dispatch of T tokens guesses from it)
         self._recv_rows_seen[T] = nrecv
         # Everything that follows from the counts alone is made while the hop runs, not after the drain (~100 us per
@@ -2252,7 +2243,7 @@ class NativeInternodeBackend:
             self._while_reader_before_counts(reading, counts, plan, host_work)
         elif in_reader:
             self._expert_major_read(final, layout, em.out, em.rows, topk_idx.size(1), em.slot_of, em, L, src_idx,
-                                    arrival, pending, while_reading=host_work, tail_from=tail_from)
+                                    arrival, pending, while_reading=host_work)
         else:
             self._unpack(final, layout, outs, rows, recv_topk_idx, recv_w, len(payload), self.rank * L, L, src_idx,
                          arrival, pending, while_reading=host_work)
@@ -2446,31 +2437,22 @@ class NativeInternodeBackend:
         return ranks
 
     def _expert_major_pad(self, info: torch.Tensor, alignment: int, rows: int, out: List[torch.Tensor],
-                          em: Optional[ExpertMajorRows] = None, go: int = 0, reader_rows: int = 0) -> int:
+                          em: Optional[ExpertMajorRows] = None, go: int = 0) -> None:
         """The expert-major rows no pair fills (segment padding, the tail up to ``rows``) zeroed in ``out``, and
         with ``em`` marked empty in its plan; one launch, before the reader, which writes only the other rows.
-        ``go``: the device words of a reader launched before the count read (nothing done when they say no).
-
-        With num_worst_tokens the tail is most of the rows (~470 MB, ~120 us of zeroing at the DeepSeek-V3 shape on
-        2 x 1), and zeroed here it held the reader back by that much (session 41). So where the reader that follows
-        has the GPU to itself (tail_in_reader) and will run (``reader_rows`` > 0: it reads that many final rows),
-        the tail's payload is left to it: it zeroes it while its blocks wait for chunks. Returns what that reader's
-        ``tail_from`` must be (the device word this launch writes the tail's first row to), or 0."""
+        ``go``: the device words of a reader launched before the count read (nothing done when they say no)."""
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
-        tail = self._tail_word.data_ptr() if self.tail_in_reader and reader_rows > 0 else 0
-        self.tails_in_reader += bool(tail)
         self._k.expert_major_pad(info.data_ptr(), info.numel() - 2, alignment, rows, _row_bytes(out[0]),
                                  out[1][0].numel() if len(out) > 1 else 0, out[0].data_ptr(),
                                  ptr(out[1]) if len(out) > 1 else 0, ptr(em and em.token), ptr(em and em.slot),
                                  ptr(em and em.expert), ptr(em and em.weights), self._expert_major_grid("copy"),
-                                 self._stream(), go=go, tail_to=tail)
-        return tail
+                                 self._stream(), go=go)
 
     def _expert_major_read(self, final: torch.Tensor, layout: RecordLayout, out: List[torch.Tensor], rows: int,
                            topk: int, slot_of: torch.Tensor, em: Optional[ExpertMajorRows] = None,
                            experts_per_rank: int = 0, src_idx: Optional[torch.Tensor] = None,
                            arrival: Optional[torch.Tensor] = None, pending: Any = None,
-                           while_reading: Optional[Callable[[], None]] = None, tail_from: int = 0) -> None:
+                           while_reading: Optional[Callable[[], None]] = None) -> None:
         """The final rows' payload straight into the expert-major rows ``out`` (``rows`` of them), one launch
         (expert_major_receive kernel). With ``em`` (uncached) each pair's row comes from its record (global id, pair
         rank) and ``em.places``, and the reader writes ``em``'s plan and ``slot_of``; without, from ``slot_of``
@@ -2478,18 +2460,17 @@ class NativeInternodeBackend:
         self._expert_major_receive(final, layout, out, rows, topk, slot_of, em, experts_per_rank, src_idx, arrival,
                                    gate=pending.gate if pending else None,
                                    first_row=pending.first_row if pending else 0,
-                                   own=pending.own if pending else None, tail_from=tail_from)
+                                   own=pending.own if pending else None)
         self._while_reader(pending, while_reading)
 
     def _expert_major_receive(self, final: torch.Tensor, layout: RecordLayout, out: List[torch.Tensor], rows: int,
                               topk: int, slot_of: torch.Tensor, em: Optional[ExpertMajorRows], experts_per_rank: int,
                               src_idx: Optional[torch.Tensor], arrival: Optional[torch.Tensor], gate: Any = None,
                               first_row: int = 0, own: Optional[tuple] = None, dims: int = 0,
-                              counted: bool = True, tail_from: int = 0) -> None:
+                              counted: bool = True) -> None:
         """The expert_major_receive launch of _expert_major_read; ``dims``: read before the counts (the rows, first
         row and our own rows' place from those device words, ``own`` then giving only the tokens and columns), where
-        the caller counts the receive once it knows that the reader reads (``counted`` False); ``tail_from``: what
-        _expert_major_pad returned (the reader zeroes the tail)."""
+        the caller counts the receive once it knows that the reader reads (``counted`` False)."""
         n = final.size(0)
         if counted:
             self.expert_major_reads["uncached" if em is not None else "cached"] += 1
@@ -2506,7 +2487,7 @@ class NativeInternodeBackend:
             places, places + 8 * (self.R + 1) if em else 0, ptr(em and em.token), ptr(em and em.slot),
             ptr(em and em.expert), ptr(em and em.weights), layout.src_idx_offset, ptr(src_idx),
             layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream(), gate=gate, first_row=first_row,
-            own=own, dims=dims, tail_from=tail_from)
+            own=own, dims=dims)
 
     def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor],
                            out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:

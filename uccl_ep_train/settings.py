@@ -250,11 +250,6 @@ class KernelSettings:
         "uncached ones that read before the count read; always; never: rank-major rows first, then the expert-major "
         "plan and copy after the hop",
         _choice("auto", "always", "never")))
-    tail_in_reader: bool = field(default=True, metadata=_meta(
-        "UCCL_EP_TAIL_IN_READER", "internode, expert-major receives written by the reader: the rows after the last "
-        "expert's segment (most of a num_worst_tokens receive) are zeroed by that reader while its blocks wait for "
-        "chunks, where the readers have the GPU to themselves, instead of by the padding launch before it "
-        "(docs/internode.md, Expert-major rows in the reader); 0: by the padding launch", _bool))
     pinned_uploads: bool = field(default=True, metadata=_meta(
         "UCCL_EP_PINNED_UPLOADS", "internode: small tables (push tables, gates, plans) go to the device from a pinned "
         "area allocated at setup (docs/internode.md, Host cost per call); 0: from pageable memory, as before session "

@@ -308,10 +308,9 @@ void bind_internode(py::module_& m) {
   k.def("expert_major_pad", &em::pad, py::arg("recv_info"), py::arg("num_local_experts"), py::arg("alignment"),
         py::arg("expert_rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("out_x"),
         py::arg("out_scales"), py::arg("em_token"), py::arg("em_slot"), py::arg("em_expert"), py::arg("em_weights"),
-        py::arg("grid"), py::arg("stream"), py::arg("go") = 0, py::arg("tail_to") = 0,
+        py::arg("grid"), py::arg("stream"), py::arg("go") = 0,
         "the expert-major rows no token fills (segment padding, the tail up to expert_rows): payload zeroed, the "
-        "plan's columns -1 / 0 where given (0: not written); go (device int64): nothing when it holds 0; tail_to "
-        "(device int64): the tail's first row written there and its payload left to the reader (tail_from)");
+        "plan's columns -1 / 0 where given (0: not written); go (device int64): nothing when it holds 0");
   k.def(
       "expert_major_receive",
       [](uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t x_offset, int64_t x_bytes,
@@ -320,8 +319,7 @@ void bind_internode(py::module_& m) {
          int64_t ranks_offset, int64_t expert_lo, int num_local_experts, int num_sources, uintptr_t source_rows,
          uintptr_t places, uintptr_t em_token, uintptr_t em_slot, uintptr_t em_expert, uintptr_t em_weights,
          int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out,
-         uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, const OwnRowsArg& own, uintptr_t dims,
-         uintptr_t tail_from) {
+         uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, const OwnRowsArg& own, uintptr_t dims) {
         in::ExpertMajorReceive a;
         a.src = src;
         a.src_stride = src_stride;
@@ -353,7 +351,6 @@ void bind_internode(py::module_& m) {
         a.arrival_offset = arrival_offset;
         a.arrival_out = arrival_out;
         a.dims = dims;
-        a.tail_from = tail_from;
         in::expert_major_receive(a, stream, gate, first_row, own_rows(own));
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("x_offset"), py::arg("x_bytes"),
@@ -363,12 +360,10 @@ void bind_internode(py::module_& m) {
       py::arg("num_sources"), py::arg("source_rows"), py::arg("places"), py::arg("em_token"), py::arg("em_slot"),
       py::arg("em_expert"), py::arg("em_weights"), py::arg("src_idx_offset"), py::arg("src_idx_out"),
       py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"), py::arg("gate") = nullptr,
-      py::arg("first_row") = 0, py::arg("own") = py::none(), py::arg("dims") = 0, py::arg("tail_from") = 0,
+      py::arg("first_row") = 0, py::arg("own") = py::none(), py::arg("dims") = 0,
       "the final rows straight into expert-major rows, one launch (csrc/kernels/expert_major_receive.hpp): each "
       "row's payload to the rows of its local experts, from the record's ids and pair ranks (and the plan's columns "
-      "and slot_of written) or, slots_given, from slot_of; gate, first_row, own and dims as unpack_records'; "
-      "tail_from (device int64, expert_major_pad's tail_to): the payload of rows from there to expert_rows zeroed "
-      "while blocks wait for chunks");
+      "and slot_of written) or, slots_given, from slot_of; gate, first_row, own and dims as unpack_records'");
 
   k.def("expert_major_places", &in::expert_major_places, py::arg("count_rows"), py::arg("row_words"),
         py::arg("num_ranks"), py::arg("num_nodes"), py::arg("rank"), py::arg("num_local_experts"),

@@ -61,11 +61,10 @@ __device__ inline void gate_watch(const ArrivalGate& g) {
   }
 }
 
-// For every chunk that carries some of rows [lo, hi] of the gate's row space: `each(counter slot, the value at which
-// the chunk has landed)`, in order, until it returns false (then false). Rows outside every block (our own node's,
-// copied locally) have no chunk.
-template <typename Each>
-__device__ inline bool for_each_gate_chunk(const ArrivalGate& g, long long lo, long long hi, const Each& each) {
+// One thread waits until rows [lo, hi] of the gate's row space have landed: for every block that holds some of them,
+// the counter of each chunk that carries them. Rows outside every block (our own node's, copied locally) need no
+// wait. False: a wait failed and was reported; the caller must not read the rows.
+__device__ inline bool gate_wait_rows(const ArrivalGate& g, long long lo, long long hi) {
   const int width = kGateBase + g.lanes;
   const long long per = g.per_chunk;
   for (int b = 0; b < g.blocks; ++b) {
@@ -76,27 +75,13 @@ __device__ inline bool for_each_gate_chunk(const ArrivalGate& g, long long lo, l
     if (a > z) continue;
     for (long long c = (a - first) / per; c <= (z - first) / per; ++c) {
       const int lane = int((row[kGateHint] + c) % g.lanes);
-      if (!each(row[kGateSlot] + lane, chunk_threshold(row, lane, c, per, g.lanes))) return false;
+      const long long need = chunk_threshold(row, lane, c, per, g.lanes);
+      if (!wait_counter(g.mirror, row[kGateSlot] + lane, need, g.timeout_ns, g.err, g.stop, g.rank, g.phase,
+                        /*watch_error_word=*/false))
+        return false;
     }
   }
   return true;
-}
-
-// One thread waits until rows [lo, hi] have landed: the counter of each chunk that carries them. False: a wait
-// failed and was reported; the caller must not read the rows.
-__device__ inline bool gate_wait_rows(const ArrivalGate& g, long long lo, long long hi) {
-  return for_each_gate_chunk(g, lo, hi, [&](long long slot, long long need) {
-    return wait_counter(g.mirror, slot, need, g.timeout_ns, g.err, g.stop, g.rank, g.phase,
-                        /*watch_error_word=*/false);
-  });
-}
-
-// Whether rows [lo, hi] have landed by the mirror as it stands, without waiting: for a reader with other work to do
-// meanwhile. Relaxed: a true answer is followed by gate_wait_rows, whose acquire loads order the reads of the rows.
-__device__ inline bool gate_rows_landed(const ArrivalGate& g, long long lo, long long hi) {
-  return for_each_gate_chunk(g, lo, hi, [&](long long slot, long long need) {
-    return static_cast<long long>(*reinterpret_cast<const volatile unsigned long long*>(g.mirror + slot)) >= need;
-  });
 }
 
 // The whole thread block waits: thread 0 runs `wait` (true: go on), the others wait at the barrier; the acquire loads

@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kThreads) expert_major_pad_kernel(
     const int* __restrict__ recv_info, int num_local_experts, int alignment, int64_t expert_rows, int units,
     int num_scales, int4* __restrict__ out_x, float* __restrict__ out_scales, int64_t* __restrict__ em_token,
     int64_t* __restrict__ em_slot, int64_t* __restrict__ em_expert, float* __restrict__ em_weights,
-    const long long* __restrict__ go, long long* __restrict__ tail_to) {
+    const long long* __restrict__ go) {
   if (go != nullptr && *go == 0) return;  // the reader launched before the count read hands back: nothing to pad
   extern __shared__ int64_t s_begin[];  // [L + 1]: each segment's first row, then the end of the last segment
   __shared__ int s_sum[kThreads];
@@ -301,12 +301,9 @@ __global__ void __launch_bounds__(kThreads) expert_major_pad_kernel(
   }
   if (threadIdx.x == 0) s_begin[L] = carry;
   __syncthreads();
-  if (tail_to != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *tail_to = s_begin[L];  // for the reader after us
-  const bool plan = em_token || em_slot || em_expert || em_weights;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int64_t per_expert = alignment - 1, expert_items = static_cast<int64_t>(L) * per_expert;
-  const int64_t tail = expert_rows > s_begin[L] && (tail_to == nullptr || plan) ? expert_rows - s_begin[L] : 0;
-  const int64_t items = expert_items + tail;
+  const int64_t items = expert_items + (expert_rows > s_begin[L] ? expert_rows - s_begin[L] : 0);
   const int4 zero = make_int4(0, 0, 0, 0);
   for (int64_t i = blockIdx.x * kWarps + warp; i < items; i += static_cast<int64_t>(gridDim.x) * kWarps) {
     int64_t p;
@@ -318,11 +315,9 @@ __global__ void __launch_bounds__(kThreads) expert_major_pad_kernel(
       p = s_begin[L] + (i - expert_items);
     }
     if (p >= expert_rows) continue;
-    if (tail_to == nullptr || i < expert_items) {  // (the tail's payload is the reader's, with tail_to)
-      for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = zero;
-      for (int sc = lane; out_scales != nullptr && sc < num_scales; sc += kWarpSize)
-        out_scales[p * num_scales + sc] = 0.0f;
-    }
+    for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = zero;
+    for (int sc = lane; out_scales != nullptr && sc < num_scales; sc += kWarpSize)
+      out_scales[p * num_scales + sc] = 0.0f;
     if (lane == 0) {
       if (em_token) em_token[p] = -1;
       if (em_slot) em_slot[p] = -1;
@@ -437,7 +432,7 @@ constexpr int kPadMaxExperts = 4096;
 
 void pad(uintptr_t recv_info, int num_local_experts, int alignment, int64_t expert_rows, int hidden_bytes,
          int num_scales, uintptr_t out_x, uintptr_t out_scales, uintptr_t em_token, uintptr_t em_slot,
-         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream, uintptr_t go, uintptr_t tail_to) {
+         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream, uintptr_t go) {
   if (alignment < 1) throw std::invalid_argument("expert_major_pad: alignment must be >= 1");
   if (num_local_experts < 0 || num_local_experts > kPadMaxExperts)
     throw std::invalid_argument("expert_major_pad: 0.." + std::to_string(kPadMaxExperts) + " local experts, not " +
@@ -452,7 +447,7 @@ void pad(uintptr_t recv_info, int num_local_experts, int alignment, int64_t expe
       num_scales, reinterpret_cast<int4*>(out_x), reinterpret_cast<float*>(out_scales),
       reinterpret_cast<int64_t*>(em_token), reinterpret_cast<int64_t*>(em_slot),
       reinterpret_cast<int64_t*>(em_expert), reinterpret_cast<float*>(em_weights),
-      reinterpret_cast<const long long*>(go), reinterpret_cast<long long*>(tail_to));
+      reinterpret_cast<const long long*>(go));
   check(cudaGetLastError(), "expert_major_pad_kernel launch");
 }
 

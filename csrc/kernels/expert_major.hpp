@@ -60,12 +60,8 @@ void pair_ranks(uintptr_t topk_idx, int64_t num_tokens, int topk, int num_expert
 // em_expert: -1; em_weights: 0) are set where given (0: not written, e.g. a cached dispatch that keeps its plan).
 // `go` (device int64; 0: none): nothing is done when it holds 0 (a reader launched before the count read that hands
 // back: its sizes in recv_info were never written).
-// `tail_to` (device int64; 0: none): the tail's payload is left to the reader that follows, which zeroes it while
-// it waits for chunks (ExpertMajorReceive::tail_from); the tail's first row is written there, and only the plan's
-// columns of the tail are written here (session 41: the tail is most of a num_worst_tokens receive).
 void pad(uintptr_t recv_info, int num_local_experts, int alignment, int64_t expert_rows, int hidden_bytes,
          int num_scales, uintptr_t out_x, uintptr_t out_scales, uintptr_t em_token, uintptr_t em_slot,
-         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream, uintptr_t go = 0,
-         uintptr_t tail_to = 0);
+         uintptr_t em_expert, uintptr_t em_weights, int grid, uintptr_t stream, uintptr_t go = 0);
 
 }  // namespace uccl_ep::expert_major

@@ -147,19 +147,6 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
   const int begin = part * units / warps_per_row, stop = (part + 1) * units / warps_per_row;
   const long long tiles_a = (n - first_row + tile_rows - 1) / tile_rows;
   const long long tiles_b = (first_row + tile_rows - 1) / tile_rows;
-  // The tail's rows (tail_from): this block's next kWarps of them, a warp to a row, then the next block's
-  long long tail = a.tail_from ? *reinterpret_cast<const long long*>(a.tail_from) : a.expert_rows;
-  tail = (tail > 0 ? tail : 0) + block * kWarps;
-  const auto zero_tail_rows = [&] {  // the block's next step of the tail; uniform in the block
-    const long long p = tail + warp;
-    if (p < a.expert_rows) {
-      for (int u = lane; u < units; u += kWarpSize) out_x[p * units + u] = make_int4(0, 0, 0, 0);
-      float* out_scales = reinterpret_cast<float*>(a.out_scales);
-      for (int sc = lane; out_scales != nullptr && sc < a.num_scales; sc += kWarpSize)
-        out_scales[p * a.num_scales + sc] = 0.0f;
-    }
-    tail += grid * kWarps;
-  };
   for (long long t = block; t < tiles_a + tiles_b; t += grid) {
     long long lo, end;
     if (t < tiles_a) {
@@ -170,8 +157,6 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
       end = lo + tile_rows < first_row ? lo + tile_rows : first_row;
     }
     if constexpr (kGated) {
-      while (tail < a.expert_rows && !block_wait(&s_ok, [&] { return gate_rows_landed(gate, lo, end - 1); }))
-        zero_tail_rows();  // instead of spinning: the tile's chunks are still on the wire
       if (!block_gate_rows(gate, lo, end - 1, &s_ok)) return;
     }
     const long long r = lo + tile_row;
@@ -184,7 +169,6 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
       warp_sync();  // the warp's slots are rewritten by its next row
     }
   }
-  while (tail < a.expert_rows) zero_tail_rows();  // what the waits left of the block's share
   if constexpr (kGated) reader_ends(gate);
 }
 

@@ -38,10 +38,6 @@ struct ExpertMajorReceive {
   // read"): device int64 [kReadDims], 0: not. The rows, the first row, the gate's rows and where our own rows lie
   // come from these words (num_rows is then the outputs' capacity), and nothing is done unless they say go.
   uintptr_t dims = 0;
-  // Device int64, 0: none. The first row of the tail (expert_major::pad's tail_to, written before on the stream):
-  // the reader zeroes the payload of rows [*tail_from, expert_rows) itself, a warp to a row, while a block's next
-  // tile has not landed and after its last tile, instead of the padding launch zeroing them before it starts.
-  uintptr_t tail_from = 0;
 };
 
 // One launch, asynchronous on `stream`; with `gate`, each tile of rows first waits for the chunks that carry it and

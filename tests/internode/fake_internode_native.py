@@ -539,12 +539,11 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
                          em_token: int, em_slot: int, em_expert: int, em_weights: int, src_idx_offset: int,
                          src_idx_out: int, arrival_offset: int, arrival_out: int, stream: int,
                          gate: "ArrivalGate | None" = None, first_row: int = 0, own: "tuple | None" = None,
-                         dims: int = 0, tail_from: int = 0) -> None:
+                         dims: int = 0) -> None:
     """expert_major_receive_kernel: each final row's payload to the expert-major rows of its local experts, placed
     from the record's ids and pair ranks (the plan's columns and slot_of written), or from slot_of when given;
     src_idx / arrival, ``own`` and ``dims`` as unpack_records. Waits for every row first when gated (``first_row``
-    only orders reads). ``tail_from``: the payload of rows [word there, expert_rows) zeroed (after the rows here; the
-    kernel does it while it waits)."""
+    only orders reads)."""
     def bad(what: str) -> None:
         raise ValueError(f"expert_major_receive: {what}")
     if not 0 <= topk <= fake_expert_major.MAX_TOPK:
@@ -571,7 +570,6 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
         if gate is not None:
             gate.blocks = words[READ_BLOCKS]
         if n == 0:
-            _zero_tail(tail_from, expert_rows, out_x, x_bytes, out_scales, num_scales)
             return
     if not slots_given:
         if num_sources < 1 or num_local_experts < 1 or not source_rows or not places:
@@ -620,18 +618,6 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
         if out:
             val = torch.arange(n) if off < 0 else rows[:, off:off + 4].contiguous().view(torch.int32).view(-1)
             _at(out, 8 * n, torch.int64).copy_(val.to(torch.int64))
-    _zero_tail(tail_from, expert_rows, out_x, x_bytes, out_scales, num_scales)
-
-
-def _zero_tail(tail_from: int, expert_rows: int, out_x: int, x_bytes: int, out_scales: int, num_scales: int) -> None:
-    """The reader's share of the padding (expert_major_pad's tail_to): the payload of rows [*tail_from, expert_rows)."""
-    if not tail_from:
-        return
-    first, P = max(int(_at(tail_from, 8, torch.int64)[0]), 0), expert_rows
-    if first < P:
-        _at(out_x, P * x_bytes).view(P, x_bytes)[first:] = 0
-        if out_scales and num_scales:
-            _at(out_scales, 4 * P * num_scales, torch.float32).view(P, num_scales)[first:] = 0
 
 
 def gate_from_count_rows(count_rows: int, row_words: int, num_ranks: int, rank: int, num_lanes: int,

@@ -609,44 +609,6 @@ def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_
         assert places_on_device == reads["uncached"], (places_on_device, reads)
 
 
-def _tail_in_reader_with_poisoned_outputs(rank, world, G, cases):
-    """compare_cases with every output row allocated full of 0x7F bytes (so a tail row nobody zeroes cannot equal
-    the reference's zeros); returns (pairs compared, expert-major reads, readers that zeroed their tail)."""
-    import uccl_ep_train.internode as internode
-
-    def poisoned(like, rows):
-        out = torch.empty((rows,) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device)
-        out.view(torch.uint8).fill_(0x7F)
-        return out
-
-    internode._empty_rows = poisoned
-    nat, ref = _backends(rank, world, G)
-    try:
-        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
-        return done, nat.expert_major_reads["uncached"] + nat.expert_major_reads["cached"], nat.tails_in_reader
-    finally:
-        nat.destroy()
-
-
-@pytest.mark.parametrize("tail_in_reader", ["1", "0"], ids=["reader", "padding"])
-@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
-def test_the_expert_major_tail_is_zeroed_by_the_reader_or_the_padding_and_every_output_matches(world, G,
-                                                                                           tail_in_reader):
-    """UCCL_EP_TAIL_IN_READER (default on where the readers have the GPU to themselves): the rows after the last
-    expert's segment -- most of a num_worst_tokens receive -- are zeroed by the reader that follows the padding
-    launch (which writes the tail's first row for it), else by the padding launch itself. Outputs start full of
-    0x7F bytes, and every output of compare_cases (random, skewed, empty, dropped routing, FP8, num_worst_tokens)
-    still equals the reference bit for bit; the counter shows which did it."""
-    out = run_distributed(_tail_in_reader_with_poisoned_outputs, world, G, EXPERT_MAJOR_CASES, timeout=180,
-                          env=dict(ENV, UCCL_EP_TAIL_IN_READER=tail_in_reader, UCCL_EP_EXPERT_MAJOR_IN_READER="always"))
-    for done, reads, tails in out:
-        assert done == len(EXPERT_MAJOR_CASES) and reads > 0, (done, reads)
-        if tail_in_reader == "1":  # (a rank whose reader reads no row pads its tail itself)
-            assert 0 < tails <= reads + len(EXPERT_MAJOR_CASES), (tails, reads)
-        else:
-            assert tails == 0, tails
-
-
 def test_by_default_the_reader_writes_expert_major_rows_except_where_ranks_share_a_gpu_and_it_starts_after_the_hop():
     """UCCL_EP_EXPERT_MAJOR_IN_READER=auto: a GPU per rank (no spin cap) reads every expert-major receive into its
     rows; ranks that share a GPU, whose readers are held to a few blocks, do so only where the reader starts with

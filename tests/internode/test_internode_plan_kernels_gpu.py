@@ -412,60 +412,6 @@ def test_pad_kernel_zeroes_exactly_the_rows_no_pair_fills_and_marks_them_empty_i
     assert torch.equal(w, torch.where(f, 0.25, 0.0))
 
 
-@pytest.mark.parametrize("rows_received", [0, 1, 37, 3000])
-def test_the_padding_leaves_the_tail_to_the_reader_which_zeroes_it_and_writes_every_other_row(rows_received):
-    """expert_major_pad with tail_to writes where the last segment ends and zeroes only the segments' padding; the
-    reader (expert_major_receive, slots given, as a cached dispatch) given that word as tail_from zeroes the payload
-    and scales of every row from there to expert_rows, and writes each filled row: outputs poisoned before, so a row
-    nobody writes cannot pass. A reader that receives no row is never launched (the host then keeps the tail with
-    the padding, as _expert_major_pad does)."""
-    g = torch.Generator().manual_seed(41 + rows_received)
-    L, A, K, H, S = 5, 4, 2, 256, 2
-    counts = torch.multinomial(torch.ones(L), rows_received * K, replacement=True, generator=g).bincount(
-        minlength=L).tolist() if rows_received else [0] * L
-    aligned = [(c + A - 1) // A * A for c in counts]
-    expert_rows = sum(aligned) + 123  # a num_worst_tokens tail
-    begin = [sum(aligned[:e]) for e in range(L)]
-    # slot_of: pair k of row r goes to the next free row of a random expert's segment, all pairs placed
-    order = torch.randperm(rows_received * K, generator=g)
-    experts = sum(([e] * c for e, c in enumerate(counts)), [])
-    slot_of = torch.empty(rows_received * K, dtype=torch.int32)
-    used = [0] * L
-    for i, pair in enumerate(order.tolist()):
-        e = experts[i]
-        slot_of[pair] = begin[e] + used[e]
-        used[e] += 1
-    slot_of = slot_of.view(rows_received, K).to(DEV)
-    stride = H + 32  # payload, the scales at H, src_idx behind them (a multiple of 16 bytes)
-    final = torch.randint(0, 255, (max(rows_received, 1), stride), dtype=torch.uint8, generator=g).to(DEV)
-    info = torch.tensor([rows_received, 0] + counts, dtype=torch.int32, device=DEV)
-    out_x = torch.full((expert_rows, H), 0x7F, dtype=torch.uint8, device=DEV)
-    out_s = torch.full((expert_rows, S), float("nan"), device=DEV)
-    word = torch.full((1,), -5, dtype=torch.int64, device=DEV)
-    K_.expert_major_pad(info.data_ptr(), L, A, expert_rows, H, S, out_x.data_ptr(), out_s.data_ptr(), 0, 0, 0, 0, 8,
-                        STREAM(), tail_to=word.data_ptr())
-    assert int(word) == sum(aligned)
-    tail = slice(sum(aligned), expert_rows)
-    if rows_received:
-        assert bool((out_x[tail] == 0x7F).all())  # (the tail's payload is the reader's)
-        K_.expert_major_receive(final.data_ptr(), stride, rows_received, 0, H, H, S, out_x.data_ptr(),
-                                out_s.data_ptr(), expert_rows, K, True, slot_of.data_ptr(), -1, -1, -1, 0, L, 1, 0,
-                                0, 0, 0, 0, 0, H + 4 * S, 0, -1, 0, STREAM(), tail_from=word.data_ptr())
-    else:  # (no reader: the host pads the tail itself)
-        K_.expert_major_pad(info.data_ptr(), L, A, expert_rows, H, S, out_x.data_ptr(), out_s.data_ptr(), 0, 0, 0,
-                            0, 8, STREAM())
-    want_x = torch.zeros((expert_rows, H), dtype=torch.uint8)
-    want_s = torch.zeros((expert_rows, S))
-    src = final.cpu()
-    for r in range(rows_received):
-        for k in range(K):
-            p = int(slot_of[r, k])
-            want_x[p] = src[r, :H]
-            want_s[p] = src[r, H:H + 4 * S].view(torch.float32)
-    assert torch.equal(out_x.cpu(), want_x)
-    assert torch.equal(out_s.cpu().view(torch.int32), want_s.view(torch.int32))  # (bits: random bytes may be NaN)
-
-
 @pytest.mark.parametrize("R,G,L,alignment", [(2, 1, 32, 1), (4, 2, 3, 8), (8, 4, 256, 128), (2, 1, 1, 4)])
 def test_places_kernel_makes_the_readers_table_and_plan_sizes_from_the_count_rows_as_the_host_does(R, G, L, alignment):
     """expert_major_places from every rank's count row on the device (rows wider than their words, as notify's area
