@@ -609,6 +609,39 @@ def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_
         assert places_on_device == reads["uncached"], (places_on_device, reads)
 
 
+def _expert_major_with_poisoned_outputs(rank, world, G, cases):
+    """compare_cases with every output row allocated full of 0x7F bytes, so that a row nobody writes (padding, the
+    num_worst_tokens tail) cannot equal the reference's zeros; returns (pairs compared, expert-major reads)."""
+    import uccl_ep_train.internode as internode
+
+    def poisoned(like, rows):
+        out = torch.empty((rows,) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device)
+        out.view(torch.uint8).fill_(0x7F)
+        return out
+
+    internode._empty_rows = poisoned
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
+        return done, nat.expert_major_reads["uncached"] + nat.expert_major_reads["cached"]
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("in_reader", ["always", "never"], ids=["reader", "copy"])
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_every_expert_major_output_row_is_written_even_when_outputs_start_poisoned(world, G, in_reader):
+    """Expert-major outputs start full of 0x7F bytes instead of whatever the allocator hands back (zeros, often, on
+    the CPU), and every output of compare_cases (random, skewed, empty, dropped routing, FP8, num_worst_tokens)
+    still equals the reference bit for bit: the reader or the copy writes every row a pair fills, and the padding
+    launch zeroes every other one -- the segments' padding and the tail up to num_worst_tokens."""
+    out = run_distributed(_expert_major_with_poisoned_outputs, world, G, EXPERT_MAJOR_CASES, timeout=180,
+                          env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader))
+    for done, reads in out:
+        assert done == len(EXPERT_MAJOR_CASES), done
+        assert (reads > 0) == (in_reader == "always"), reads
+
+
 def test_by_default_the_reader_writes_expert_major_rows_except_where_ranks_share_a_gpu_and_it_starts_after_the_hop():
     """UCCL_EP_EXPERT_MAJOR_IN_READER=auto: a GPU per rank (no spin cap) reads every expert-major receive into its
     rows; ranks that share a GPU, whose readers are held to a few blocks, do so only where the reader starts with
