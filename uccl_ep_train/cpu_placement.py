@@ -12,8 +12,10 @@ the list includes it (docs/host-core.md, "Proxy CPUs").
 """
 from __future__ import annotations
 
+import os
 import socket
-from typing import Any, List, Sequence, Tuple
+import warnings
+from typing import Any, List, Sequence, Set, Tuple
 
 from uccl_ep_train.settings import SettingsError
 
@@ -67,5 +69,18 @@ def rank_cpus(pool: Sequence[int], rank: int, group: Any) -> Tuple[int, ...]:
     every: List[Any] = [None] * dist.get_world_size(group)
     mine: Tuple[str, Tuple[int, ...]] = (socket.gethostname(), tuple(int(c) for c in pool))
     dist.all_gather_object(every, mine, group=group)
-    return shares_by_rank(every)[rank]
+    share = shares_by_rank(every)[rank]
+    outside = outside_affinity(share, os.sched_getaffinity(0))
+    if outside:
+        warnings.warn(f"rank {rank}: its share of {ENV} ({', '.join(map(str, share))}) names CPU(s) "
+                      f"{', '.join(map(str, outside))} that this process may not run on (its affinity, or the machine, "
+                      f"lacks them): the threads given those stay unpinned", RuntimeWarning, stacklevel=2)
+    return share
+
+
+def outside_affinity(share: Sequence[int], allowed: Set[int]) -> Tuple[int, ...]:
+    """The CPUs of ``share`` outside ``allowed`` (os.sched_getaffinity: what a launcher or cgroup lets the process
+    use). A thread pinned to one of them is left unpinned (proxy.cpp pins best effort, as the copy agent does), which a
+    list meant for another machine or container would do silently."""
+    return tuple(c for c in share if c not in allowed)
 

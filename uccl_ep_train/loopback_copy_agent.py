@@ -102,7 +102,10 @@ def main(argv: Optional[list] = None) -> int:
         print("usage: python -m uccl_ep_train.loopback_copy_agent SEGMENT [--cpus 0,1,...]", file=sys.stderr)
         return 2
     if len(args) == 3:  # before the native module starts its lane threads, which inherit it
-        os.sched_setaffinity(0, [int(c) for c in args[2].split(",")])
+        try:
+            os.sched_setaffinity(0, [int(c) for c in args[2].split(",")])
+        except (OSError, ValueError) as exc:  # best effort, as the proxy threads' pinning: it still copies
+            print(f"uccl-ep copy agent: not pinned to CPUs {args[2]} ({exc}); running unpinned", file=sys.stderr)
     return int(native.module().run_copy_agent(args[0]))
 
 

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from uccl_ep_train import comm, native
-from uccl_ep_train.cpu_placement import cpu_share, host_local_slot, shares_by_rank
+from uccl_ep_train.loopback_copy_agent import CopyAgent
+from uccl_ep_train.cpu_placement import cpu_share, host_local_slot, outside_affinity, shares_by_rank
 from uccl_ep_train.settings import SettingsError, load_settings
 
 
@@ -40,6 +41,30 @@ def test_a_list_shorter_than_its_host_s_ranks_is_refused_on_every_rank_naming_th
         shares_by_rank(pools)
     with pytest.raises(ValueError, match="host-local index 2 is outside 2 ranks"):
         cpu_share((1, 2, 3), 2, 2)
+
+
+def test_cpus_the_process_may_not_run_on_are_named_so_setup_can_warn_that_they_stay_unpinned():
+    assert outside_affinity((4, 5, 6, 7), {0, 1, 2, 3, 4, 5}) == (6, 7)
+    assert outside_affinity((4, 5), {4, 5, 9}) == ()
+    assert outside_affinity((), set()) == ()
+
+
+@pytest.mark.skipif(not native.available(), reason="native module not built")
+def test_a_copy_agent_given_a_cpu_it_may_not_use_still_starts_and_runs_unpinned():
+    allowed = os.sched_getaffinity(0)
+    agent = CopyAgent(1, -1, cpus=(max(allowed) + 1000,))  # (no such CPU)
+    try:
+        assert agent.alive()
+        assert set(_allowed(f"/proc/{agent.pid}").values()) == {_cpu_list_of(allowed)}
+    finally:
+        agent.close()
+
+
+def _cpu_list_of(cpus) -> str:
+    """The kernel's Cpus_allowed_list text for a set of CPUs ('0-3,8')."""
+    from uccl_ep_train.topology import format_cpulist
+
+    return format_cpulist(sorted(cpus))
 
 
 def test_proxy_options_take_the_share_of_their_host_slot_and_refuse_a_short_list():

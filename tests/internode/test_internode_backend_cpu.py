@@ -75,11 +75,19 @@ def _combine_barrier_decisions(rank, world, G, cases, iters, rdma):
 
 
 def _proxy_cpus(rank, world, G):
+    """(this rank's share, what its context was given, whether setup warned that some of the share lies outside
+    this process's CPUs, whether some does)."""
+    import warnings
+
     import torch.distributed as dist
 
-    nat, _ = _backends(rank, world, G)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        nat, _ = _backends(rank, world, G)
     try:
-        return tuple(nat.proxy_cpus), tuple(nat._cx.cpus)
+        warned = any("may not run on" in str(w.message) for w in seen)
+        return (tuple(nat.proxy_cpus), tuple(nat._cx.cpus), warned,
+                not set(nat.proxy_cpus) <= os.sched_getaffinity(0))
     finally:
         dist.barrier()  # (no rank tears its regions down while a peer still maps them)
         nat.destroy()
@@ -87,10 +95,15 @@ def _proxy_cpus(rank, world, G):
 
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_each_rank_of_a_host_gives_its_proxy_its_own_share_of_the_proxy_cpus(world, G):
-    # every rank runs on this one host, whatever the emulated nodes: the host's list is split among all of them
+    """Every rank runs on this one host, whatever the emulated nodes: the host's list is split among all of them,
+    each context gets its rank's share, and setup warns exactly where the share names CPUs this process may not
+    run on (this machine's size decides which ranks do; a list of CPUs no machine has warns on every rank)."""
     out = run_distributed(_proxy_cpus, world, G, timeout=120, env=dict(ENV, UCCL_EP_PROXY_CPUS="4-11"))
     per = 8 // world
-    assert out == [(tuple(range(4 + per * r, 4 + per * (r + 1))),) * 2 for r in range(world)]
+    assert [o[:2] for o in out] == [(tuple(range(4 + per * r, 4 + per * (r + 1))),) * 2 for r in range(world)]
+    assert all(warned == outside for _, _, warned, outside in out), out
+    far = run_distributed(_proxy_cpus, world, G, timeout=120, env=dict(ENV, UCCL_EP_PROXY_CPUS="100000-100007"))
+    assert all(warned and outside for _, _, warned, outside in far), far
 
 
 @pytest.mark.parametrize("world,G,tight", [(2, 1, 256 << 10), (4, 2, 300 << 10)], ids=["2x1", "2x2"])
