@@ -9,6 +9,7 @@ the error reporting. Every output must equal the reference bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -883,97 +884,77 @@ def test_a_rank_that_never_pushes_makes_the_others_raise_naming_rank_phase_and_s
         assert 1 <= elapsed < 3.5, f"rank {rank} took {elapsed:.1f} s with a 1 s GPU deadline"
 
 
+@contextlib.contextmanager
 def _context(world=1, **kw):
+    """A started stand-in context of rank 0 (its proxy connected to itself), destroyed on leaving."""
     args = dict(rank=0, world=world, device=None, rdma_bytes=1 << 16, nvl_bytes=1 << 16, num_threads=1,
                 fifos_per_thread=2, fifo_depth=64, cpus=[], idle_backoff_us=0, timeout_secs=1.0, max_inflight_writes=8,
                 max_inflight_bytes=4096, reorder_window=256, num_signal_slots=512, loopback_reorder=0,
                 loopback_delay_us=0, loopback_bandwidth_gbps=0.0, loopback_seed=0, gpu_timeout_secs=0.05)
     args.update(kw)
     cx = fake.InternodeContext(**args)
-    cx.proxy_connect([[cx.proxy_local_info(0)]])
-    cx.proxy_start()
-    return cx
+    try:
+        cx.proxy_connect([[cx.proxy_local_info(0)]])
+        cx.proxy_start()
+        yield cx
+    finally:
+        cx.destroy()
 
 
 def test_stand_in_pack_and_push_writes_what_pack_records_writes_and_pushes_every_chunk():
-    cx = _context()
-    try:
+    with _context() as cx:
         check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks(
             cx, fake.pack_records, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"))
-    finally:
-        cx.destroy()
 
 
 def test_stand_in_pack_and_push_fails_naming_a_chunk_whose_records_are_never_written():
-    cx = _context()
-    try:
+    with _context() as cx:
         check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it(
             cx, torch.device("cpu"), fake.ERROR_CODES)
-    finally:
-        cx.destroy()
 
 
 @pytest.mark.parametrize("f32", [False, True], ids=["bf16", "fp32"])
 def test_stand_in_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_and_names_a_gpu_that_never_flags(f32):
-    cx = _context(gpu_timeout_secs=2.0)
-    try:
+    with _context(gpu_timeout_secs=2.0) as cx:
         check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
             cx, fake.gather_tiles, fake._at(cx.rdma_ptr, cx.rdma_bytes), fake._at(cx.nvl_ptr, cx.nvl_bytes),
             torch.device("cpu"), fake.ERROR_CODES, f32)
-    finally:
-        cx.destroy()
 
 
 def test_stand_in_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named():
-    cx = _context(gpu_timeout_secs=0.5)
-    try:
+    with _context(gpu_timeout_secs=0.5) as cx:
         check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named(
             cx, fake.raise_flags, fake._at(cx.nvl_ptr, cx.nvl_bytes), torch.device("cpu"), fake.ERROR_CODES)
-    finally:
-        cx.destroy()
 
 
 def test_stand_in_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them():
-    cx = _context(gpu_timeout_secs=0.2)
-    try:
+    with _context(gpu_timeout_secs=0.2) as cx:
         check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them(
             cx, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"), fake.ERROR_CODES)
-    finally:
-        cx.destroy()
 
 
 def test_stand_in_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends():
-    cx = _context()
-    try:
+    with _context() as cx:
         check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends(
             cx, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"))
-    finally:
-        cx.destroy()
 
 
 def test_stand_in_gated_unpack_reads_landed_rows_and_times_out_naming_the_lane_of_a_missing_chunk():
-    cx = _context(gpu_timeout_secs=0.2)
-    try:
+    with _context(gpu_timeout_secs=0.2) as cx:
         check_a_gated_unpack_reads_rows_only_after_their_chunks_land(
             cx, fake.unpack_records, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"), fake.ERROR_CODES)
-    finally:
-        cx.destroy()
 
 
 @pytest.mark.parametrize("shape", FORWARD_ARRIVAL_SHAPES, ids=FORWARD_ARRIVAL_SHAPE_IDS)
 def test_stand_in_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_stamped(shape):
-    cx = _context(gpu_timeout_secs=0.2)
-    try:
+    with _context(gpu_timeout_secs=0.2) as cx:
         check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_stamped(
             cx, fake.forward_arrivals, fake._at(cx.rdma_ptr, cx.rdma_bytes), torch.device("cpu"), fake.ERROR_CODES,
             shape)
-    finally:
-        cx.destroy()
 
 
 def test_stand_in_cuts_chunks_like_the_kernel_and_reports_encode_scatter_range_and_timeouts():
-    cx = _context()
-    try:
+    with _context() as cx:
         rdma = fake._at(cx.rdma_ptr, cx.rdma_bytes)
         rdma[:160] = torch.arange(160, dtype=torch.uint8)
         # 10 records of 16 bytes in chunks of 4 from lane hint 1: chunks 4, 4, 2 on lanes 1, 0, 1 of slots 7 + lane
@@ -1011,8 +992,6 @@ def test_stand_in_cuts_chunks_like_the_kernel_and_reports_encode_scatter_range_a
         t0 = time.monotonic()
         cx.wait_signals(waits, 1, 0)
         assert time.monotonic() - t0 < 0.04 and cx.error_fields()["code"] == fake.ERROR_CODES["aborted"]
-    finally:
-        cx.destroy()
 
 
 def _backend_with_a_forward_limit_of_one(rank, world, G):
@@ -1035,19 +1014,13 @@ def test_more_gpus_per_node_than_the_forward_takes_raise_at_setup_naming_both():
 
 @pytest.mark.parametrize("shape", FORWARD_ROW_SHAPES, ids=FORWARD_ROW_SHAPE_IDS)
 def test_stand_in_forward_rows_sends_each_row_to_every_gpu_that_needs_it_and_checks_its_range_as_the_kernel(shape):
-    cx = _context()
-    try:
+    with _context() as cx:
         check_forward_rows_sends_each_row_to_every_gpu_that_needs_it(cx, fake.forward_rows, torch.device("cpu"), shape)
-    finally:
-        cx.destroy()
 
 
 def test_stand_in_like_the_kernels_sends_and_forwards_nothing_once_the_ranks_error_word_is_set():
-    cx = _context()
-    try:
+    with _context() as cx:
         check_a_failed_rank_sends_and_forwards_nothing(cx, fake.scatter_rows, torch.device("cpu"))
-    finally:
-        cx.destroy()
 
 
 def _host_steps(rank, world, G):

@@ -12,6 +12,7 @@ overtakes its bytes, even while the sender's own wait kernel spins on the defaul
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -804,8 +805,10 @@ def test_a_signal_never_arrives_before_its_bytes_while_the_sender_spins_on_the_d
         assert ok, f"rank {rank}: the signal arrived before the bytes (stale data read after the wait)"
 
 
+@contextlib.contextmanager
 def _one_rank_context(**overrides):
-    """A started one-rank InternodeContext on GPU 0 whose proxy writes to the rank itself (1 thread, 2 FIFOs)."""
+    """A started one-rank InternodeContext on GPU 0 whose proxy writes to the rank itself (1 thread, 2 FIFOs),
+    destroyed on leaving."""
     args = dict(rank=0, world=1, device=0, rdma_bytes=1 << 16, nvl_bytes=1 << 16, num_threads=1, fifos_per_thread=2,
                 fifo_depth=64, cpus=[], idle_backoff_us=0, timeout_secs=5.0, max_inflight_writes=8,
                 max_inflight_bytes=4096, reorder_window=256, num_signal_slots=512, loopback_reorder=0,
@@ -815,10 +818,9 @@ def _one_rank_context(**overrides):
     try:
         cx.proxy_connect([[cx.proxy_local_info(0)]])
         cx.proxy_start()
-    except Exception:
+        yield cx
+    finally:
         cx.destroy()
-        raise
-    return cx
 
 
 def test_tables_reach_the_gpu_from_the_pinned_area_also_when_staged_before_a_drain_and_committed_after_it():
@@ -829,8 +831,7 @@ def test_tables_reach_the_gpu_from_the_pinned_area_also_when_staged_before_a_dra
 
     from uccl_ep_train.upload_staging import UploadStaging
 
-    cx = _one_rank_context()
-    try:
+    with _one_rank_context() as cx:
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
         stream = torch.cuda.current_stream().cuda_stream
@@ -849,22 +850,17 @@ def test_tables_reach_the_gpu_from_the_pinned_area_also_when_staged_before_a_dra
         assert a.cpu().tolist() == rows and b.cpu().tolist() == [[1, 2], [3, 4]]
         assert c.dtype == torch.int32 and c.cpu().tolist() == list(range(100))
         assert (st.staged, st.fallbacks) == (3, 0)
-    finally:
-        cx.destroy()
 
 
 def test_a_gated_unpack_waits_for_each_chunk_and_a_missing_chunk_times_out_naming_its_lane():
     """The arrival gate at kernel level, on one GPU writing to itself through the loopback (each write delayed 20 ms,
     one at a time): the watcher block, the device mirror and the readers' L2 loads (internode_cases)."""
     k = native.module().internode
-    cx = _one_rank_context(max_inflight_writes=1, loopback_delay_us=20000, gpu_timeout_secs=2.0)
-    try:
+    with _one_rank_context(max_inflight_writes=1, loopback_delay_us=20000, gpu_timeout_secs=2.0) as cx:
         dev = torch.device("cuda", 0)
         check_a_gated_unpack_reads_rows_only_after_their_chunks_land(
             cx, k.unpack_records, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev,
             dict(k.ERROR_CODES))
-    finally:
-        cx.destroy()
 
 
 @pytest.mark.parametrize("shape", FORWARD_ARRIVAL_SHAPES, ids=FORWARD_ARRIVAL_SHAPE_IDS)
@@ -873,27 +869,21 @@ def test_the_gated_forward_sends_each_record_once_its_chunk_landed_with_its_arri
     on one rank whose proxy writes to itself, each write delayed 20 ms: waits for each chunk, forwards byte for byte
     with the arrival stamped, times out naming a missing chunk's counter, checks its range."""
     k = native.module().internode
-    cx = _one_rank_context(max_inflight_writes=1, loopback_delay_us=20000, gpu_timeout_secs=2.0)
-    try:
+    with _one_rank_context(max_inflight_writes=1, loopback_delay_us=20000, gpu_timeout_secs=2.0) as cx:
         dev = torch.device("cuda", 0)
         check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_stamped(
             cx, k.forward_arrivals, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev,
             dict(k.ERROR_CODES), shape)
-    finally:
-        cx.destroy()
 
 
 def test_pack_and_push_writes_what_pack_records_writes_and_pushes_every_chunk_once_written():
     """The fused kernel (docs/internode.md, "Pack and push") against pack_records and push_chunks' chunking, on one
     rank whose proxy writes to itself."""
     k = native.module().internode
-    cx = _one_rank_context()
-    try:
+    with _one_rank_context() as cx:
         dev = torch.device("cuda", 0)
         check_pack_and_push_writes_the_records_of_pack_records_and_the_chunks_of_push_chunks(
             cx, k.pack_records, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev)
-    finally:
-        cx.destroy()
 
 
 @pytest.mark.parametrize("f32", [False, True], ids=["bf16", "fp32"])
@@ -902,14 +892,11 @@ def test_the_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_and_na
     docs/internode.md, "Pipelined combine gather") on one rank playing a forwarder and its node's 3 GPUs, one of
     which gathers late from another stream while the packers spin."""
     k = native.module().internode
-    cx = _one_rank_context(gpu_timeout_secs=2.0)
-    try:
+    with _one_rank_context(gpu_timeout_secs=2.0) as cx:
         dev = torch.device("cuda", 0)
         check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
             cx, k.gather_tiles, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev),
             torch.as_tensor(_View(cx.nvl_ptr, cx.nvl_bytes), device=dev), dev, dict(k.ERROR_CODES), f32)
-    finally:
-        cx.destroy()
 
 
 def _nvlink_flag_counts(rank, world, G, cases):
@@ -938,47 +925,35 @@ def test_on_gpus_combines_gather_in_flagged_tiles_and_forwards_end_with_node_fla
 def test_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named():
     """raise_flags and the wait for a node's flags (the dispatch forward's node barrier) on one GPU."""
     k = native.module().internode
-    cx = _one_rank_context(gpu_timeout_secs=1.0)
-    try:
+    with _one_rank_context(gpu_timeout_secs=1.0) as cx:
         dev = torch.device("cuda", 0)
         check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named(
             cx, k.raise_flags, torch.as_tensor(_View(cx.nvl_ptr, cx.nvl_bytes), device=dev), dev, dict(k.ERROR_CODES))
-    finally:
-        cx.destroy()
 
 
 def test_pack_and_push_fails_at_the_deadline_naming_a_chunk_whose_records_are_never_written():
-    cx = _one_rank_context(gpu_timeout_secs=1.0)
-    try:
+    with _one_rank_context(gpu_timeout_secs=1.0) as cx:
         check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_naming_it(
             cx, torch.device("cuda", 0), dict(native.module().internode.ERROR_CODES))
-    finally:
-        cx.destroy()
 
 
 def test_push_after_counts_waits_on_the_gpu_for_the_count_rows_and_places_each_block_from_them():
     """The push during notify at kernel level (docs/internode.md, "Push during notify"), on one GPU writing to
     itself through a loopback that delays each write by 20 ms: the push must wait for the count row's signal."""
-    cx = _one_rank_context(loopback_delay_us=20000, gpu_timeout_secs=1.0, max_inflight_bytes=1 << 20)
-    try:
+    with _one_rank_context(loopback_delay_us=20000, gpu_timeout_secs=1.0, max_inflight_bytes=1 << 20) as cx:
         dev = torch.device("cuda", 0)
         check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them(
             cx, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev,
             dict(native.module().internode.ERROR_CODES))
-    finally:
-        cx.destroy()
 
 
 def test_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends():
     """The count row's push made by the launch that packs and pushes during notify (one launch fewer before the
     wire), on one GPU writing to itself: it leaves also when no record does, and without a launch."""
-    cx = _one_rank_context(gpu_timeout_secs=1.0)
-    try:
+    with _one_rank_context(gpu_timeout_secs=1.0) as cx:
         dev = torch.device("cuda", 0)
         check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends(
             cx, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev)
-    finally:
-        cx.destroy()
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
@@ -995,32 +970,25 @@ def test_a_rank_whose_wait_failed_pushes_no_command_and_scatters_no_row():
     """push_chunks_kernel and scatter_rows_kernel return at once when the rank's error word is set: steps launched
     behind a failed wait used to pass stale rows on to the node's peers, which then returned them without an error
     (seen with the drains off, session 6)."""
-    cx = _one_rank_context()
-    try:
+    with _one_rank_context() as cx:
         check_a_failed_rank_sends_and_forwards_nothing(cx, native.module().internode.scatter_rows,
                                                        torch.device("cuda", 0))
-    finally:
-        cx.destroy()
 
 
 @pytest.mark.parametrize("shape", FORWARD_ROW_SHAPES, ids=FORWARD_ROW_SHAPE_IDS)
 def test_forward_rows_sends_each_row_to_every_gpu_that_needs_it_in_one_launch_and_checks_its_range(shape):
     """The dispatch forward's kernel (forward_rows_kernel) against a scatter per GPU, byte for byte, with its range
     check and stop flag (internode_cases.check_forward_rows_sends_each_row_to_every_gpu_that_needs_it)."""
-    cx = _one_rank_context()
-    try:
+    with _one_rank_context() as cx:
         check_forward_rows_sends_each_row_to_every_gpu_that_needs_it(cx, native.module().internode.forward_rows,
                                                                       torch.device("cuda", 0), shape)
-    finally:
-        cx.destroy()
 
 
 def test_a_wait_on_more_counters_than_one_launch_carries_waits_for_each_and_names_a_late_one_in_the_last_launch():
     """wait_signals passes its (slot, expected) pairs as kernel arguments, 64 per launch: 130 pairs take three
     launches, every one is waited for, and a counter short of its target in the last launch times out, named."""
     k = native.module().internode
-    cx = _one_rank_context(gpu_timeout_secs=0.5)
-    try:
+    with _one_rank_context(gpu_timeout_secs=0.5) as cx:
         s = torch.cuda.current_stream().cuda_stream
         cx.wait_signals([(slot, 0) for slot in range(130)], 1, s)  # every counter is 0: each wait is met
         torch.cuda.synchronize()
@@ -1033,8 +1001,6 @@ def test_a_wait_on_more_counters_than_one_launch_carries_waits_for_each_and_name
         cx.clear_error()
         with pytest.raises(ValueError, match="slot 512 outside"):
             cx.wait_signals([(512, 0)], 1, s)
-    finally:
-        cx.destroy()
 
 
 def _scenario(rank, world, G, which):
