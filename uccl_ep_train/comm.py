@@ -201,7 +201,7 @@ def proxy_options(settings: Settings, rank: int, world: int, *, num_signal_slots
     default_bytes = DEFAULT_INFLIGHT_BYTES_EFA if choice.efa else DEFAULT_INFLIGHT_BYTES
     return ProxyOptions(
         rank=rank, world=world, num_threads=p.num_threads, fifos_per_thread=p.fifos_per_thread,
-        fifo_depth=p.fifo_depth, cpus=_proxy_cpu_share(p.cpus, host_slot), idle_backoff_us=p.idle_backoff_us,
+        fifo_depth=p.fifo_depth, cpus=cpu_share(p.cpus, *host_slot), idle_backoff_us=p.idle_backoff_us,
         timeout_secs=p.timeout_secs,
         max_inflight_writes=writes,
         max_inflight_bytes=t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes,
@@ -212,13 +212,6 @@ def proxy_options(settings: Settings, rank: int, world: int, *, num_signal_slots
         ib_sl=-1 if t.ib_sl is None else t.ib_sl, ib_tc=-1 if t.ib_tc is None else t.ib_tc,
         ib_sq_depth=max(DEFAULT_QUEUE_DEPTH, writes), ib_rq_depth=max(DEFAULT_QUEUE_DEPTH, writes),
         dump_trigger=p.dump_file or "", transport_reason=choice.reason)
-
-
-def _proxy_cpu_share(pool: Sequence[int], host_slot: Tuple[int, int]) -> Tuple[int, ...]:
-    try:
-        return cpu_share(pool, *host_slot)
-    except ValueError as exc:
-        raise SettingsError(str(exc)) from None
 
 
 def with_timeout_hint(exc: BaseException) -> BaseException:

@@ -31,13 +31,14 @@ def host_local_slot(hosts: Sequence[str], rank: int) -> Tuple[int, int]:
 
 def cpu_share(pool: Sequence[int], index: int, count: int) -> Tuple[int, ...]:
     """The ``index``-th of ``count`` contiguous shares of ``pool`` (the first ``len(pool) % count`` one CPU larger);
-    () for an empty pool (nothing pinned). Raises ValueError when the pool cannot give every rank a CPU of its own."""
+    () for an empty pool (nothing pinned). Raises SettingsError when the pool cannot give every rank a CPU of its own
+    (ValueError for an index outside the ranks: a caller's mistake, not a setting's)."""
     if not 0 <= index < count:
         raise ValueError(f"host-local index {index} is outside {count} ranks")
     if not pool:
         return ()
     if len(pool) < count:
-        raise ValueError(f"{ENV} lists {len(pool)} CPU(s) for the {count} ranks of this host: each rank needs one "
+        raise SettingsError(f"{ENV} lists {len(pool)} CPU(s) for the {count} ranks of this host: each rank needs one "
                          f"of its own (list at least {count}, ideally {count} x UCCL_EP_NUM_PROXY_THREADS, or leave "
                          f"it empty: no pinning)")
     size, extra = divmod(len(pool), count)
@@ -46,16 +47,16 @@ def cpu_share(pool: Sequence[int], index: int, count: int) -> Tuple[int, ...]:
 
 
 def shares_by_rank(pools: Sequence[Tuple[str, Tuple[int, ...]]]) -> List[Tuple[int, ...]]:
-    """Every rank's share from every rank's (host name, pool), in rank order; raises ValueError, naming the host,
+    """Every rank's share from every rank's (host name, pool), in rank order; raises SettingsError, naming the host,
     where a host's pool cannot give each of its ranks a CPU. Every rank computes the same answer, so a bad list on one
-    host makes every rank raise at setup (SettingsError) instead of leaving the other hosts to time out."""
+    host makes every rank raise at setup instead of leaving the other hosts to time out."""
     hosts = [h for h, _ in pools]
     out = []
     for rank, (host, pool) in enumerate(pools):
         index, count = host_local_slot(hosts, rank)
         try:
             out.append(cpu_share(pool, index, count))
-        except ValueError as exc:
+        except SettingsError as exc:
             raise SettingsError(f"rank {rank} on host {host}: {exc}") from None
     return out
 
