@@ -39,7 +39,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
     describe_gpu_error, pack_records, forward_row_bases, int32_column, check_area, _align, _bytes_of,
     NOTIFY_MAX_EXPERTS, expert_major_places, notify_row_words, recv_expert_counts,
-    rows_by_source_local, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas, combine_areas,
+    recv_row_ends, source_local_of_rows, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks, READ_DIMS,
     READ_GO, read_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED, GATHER_MAX_TILES, GATHER_MIN_TILE_ROWS,
@@ -615,6 +615,8 @@ class NativeInternodeBackend:
         self._spare_read_outputs: Optional[tuple] = None
         self.spare_read_outputs_taken = 0  # (tests, benchmarks)
         self._staged_plans: list = []  # plan tables staged during a reader's spin, copied at the next call's entry
+        # (forward_row_bases host table, its device copy): the last one uploaded, shared by every layout of a handle
+        self._forward_bases_memo: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.plans_made_ahead = 0  # hop plans made for a handle's next calls (_plan_ahead; tests, benchmarks)
         self.last_drain_ns: Optional[Tuple[int, int]] = None  # the last drain's start and end (wire timeline)
         self._em_grids: dict = {}  # expert-major kernels' grids (_expert_major_grid)
@@ -1589,11 +1591,22 @@ class NativeInternodeBackend:
         self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows and p.table is None], staged)
         for shape in ahead.dispatch_shapes.values():
             if shape.forward_bases is not None and shape.forward_bases.device != self.device:
-                if stage:
-                    staged.append(self._staging.stage(shape.forward_bases.numpy(), np.int64))
-                    shape.forward_bases = staged[-1].out
-                else:
-                    shape.forward_bases = self._upload(shape.forward_bases)
+                shape.forward_bases = self._forward_bases_on_device(shape.forward_bases, staged)
+
+    def _forward_bases_on_device(self, bases: torch.Tensor, staged: Optional[list] = None) -> torch.Tensor:
+        """forward_row_bases' host table on the device. Every layout of a handle shares it (the same tensor, made once
+        per Counts), so the last one uploaded is reused: ~130 KB at 2 nodes x 2 GPUs, uploaded twice per forward pair
+        before (the forward dispatch's layout and the backward's). ``staged``: stage it (UploadStaging.stage) into
+        the list instead of queuing its copy; a staged table is not reused, as its copy is queued later."""
+        memo = self._forward_bases_memo
+        if memo is not None and memo[0] is bases:
+            return memo[1]
+        if staged is not None:
+            staged.append(self._staging.stage(bases.numpy(), np.int64))
+            return staged[-1].out
+        on_device = self._upload(bases)
+        self._forward_bases_memo = (bases, on_device)
+        return on_device
 
     def _adopt_plans(self, h: InternodeHandle, ahead: PlannedAhead) -> None:
         """The plans made ahead onto the handle, with their device tables. Tables staged while a reader spun are
@@ -1623,7 +1636,7 @@ class NativeInternodeBackend:
         recv_base, A = self.half_rdma, sum(recv_by_node)
         bases = forward_row_bases(counts, self.rank, G) if G > 1 else None
         if bases is not None and upload:
-            bases = self._upload(bases)
+            bases = self._forward_bases_on_device(bases)
         return DispatchShape(recv_base + block_offsets(recv_by_node, stride)[self.node],
                              int(plan.hop1_token.numel()) > plan.node_send[self.node],
                              dispatch_extents(counts, G, stride),
@@ -2735,19 +2748,22 @@ class NativeInternodeBackend:
         """int64 [nrecv, G]: each received row's arrival at its forwarder (the local GPU of its source) in that GPU's
         column, -1 in the others; the same in every combine of the handle, made at its first."""
         if h.gather_index is None:
-            G = self.G
-            h.gather_index = torch.full((nrecv, G), -1, dtype=torch.int64, device=self.device)
-            for j, sel in enumerate(rows_by_source_local(h.counts, self.rank, G, self.device)):  # (source local j)
-                h.gather_index[sel, j] = h.recv_arrival[sel]
+            h.gather_index = torch.full((nrecv, self.G), -1, dtype=torch.int64, device=self.device)
+            h.gather_index.scatter_(1, self._source_local(h, nrecv).unsqueeze(1), h.recv_arrival.unsqueeze(1))
         return h.gather_index
+
+    def _source_local(self, h: InternodeHandle, nrecv: int) -> torch.Tensor:
+        """int64 [nrecv] on the device: the local index of each received row's source (source_local_of_rows)."""
+        return source_local_of_rows(self._upload(recv_row_ends(h.counts, self.rank)), nrecv, self.G)
 
     def _forward_sum_rows(self, h: InternodeHandle, A: int, rows_per_block: int) -> torch.Tensor:
         """int32 [G, A]: the gather row (counted from the first block) of local GPU j's copy of arrival a, -1 where
         GPU j sent none; made at the handle's first combine (and again for another gather block size)."""
         if h.forward_sum_rows is None or h.forward_sum_rows[0] != rows_per_block:
-            arrival = torch.arange(A, device=self.device)
-            first = torch.arange(self.G, device=self.device).unsqueeze(1) * rows_per_block
-            table = torch.where(h.fwd_dest_rows.t() >= 0, first + arrival, -1).to(torch.int32).contiguous()
+            # row j * rows_per_block + a as one arange seen as [G, rows_per_block] (A <= rows_per_block: the combine's
+            # shape checked that every forwarder's arrivals fit its gather block): three launches, not eight
+            rows = torch.arange(self.G * rows_per_block, dtype=torch.int32, device=self.device)
+            table = torch.where(h.fwd_dest_rows.t() >= 0, rows.view(self.G, rows_per_block)[:, :A], -1).contiguous()
             h.forward_sum_rows = (rows_per_block, table)
         return h.forward_sum_rows[1]
 
@@ -2784,12 +2800,10 @@ class NativeInternodeBackend:
         _, table, tile, width = shape.gather_tiles
         by_arrival = h.gather_by_arrival
         if by_arrival is None:  # our row of each forwarder's arrival, -1 where it is another GPU's
-            # (a scatter whose -1 entries land in a spare column: a nonzero() would make the host wait for the GPU)
-            index = self._gather_index(h, nrecv).t()
-            spare = torch.full((G, width + 1), -1, dtype=torch.int32, device=self.device)
-            ours = torch.arange(nrecv, dtype=torch.int32, device=self.device).expand(G, nrecv)
-            spare.scatter_(1, torch.where(index >= 0, index, width), ours)
-            by_arrival = h.gather_by_arrival = spare[:, :width].contiguous()
+            by_arrival = h.gather_by_arrival = torch.full((G, width), -1, dtype=torch.int32, device=self.device)
+            if nrecv:
+                by_arrival.index_put_((self._source_local(h, nrecv), h.recv_arrival),
+                                      torch.arange(nrecv, dtype=torch.int32, device=self.device))
         self._k.gather_tiles(table[0].data_ptr(), table[1].data_ptr(), G, by_arrival.data_ptr(), by_arrival.size(1),
                              table[2].data_ptr(), tile, rows.data_ptr() if nrecv else 0, pay,
                              w.data_ptr() if kw and nrecv else 0, kw, nrecv, cstride, self._gather_epoch,

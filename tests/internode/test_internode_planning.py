@@ -362,16 +362,18 @@ def test_notify_rows_carry_per_expert_counts_equal_to_counting_the_received_expe
 
 
 @pytest.mark.parametrize("R,G", [(4, 2), (8, 4), (6, 3), (2, 1)])
-def test_receive_rows_grouped_by_source_local_index_partition_the_rows_by_their_source_rank(R, G):
+def test_each_received_row_is_given_the_local_index_of_its_source_rank(R, G):
     rows = torch.stack([plan.local_count_row(_inputs(r, 23, 4, R, "random", 5)[1], G) for r in range(R)])
-    rows[:, 1] = 0  # one source sends nothing anywhere: its empty range must not appear
+    rows[:, 1] = 0  # one source sends nothing anywhere: its empty range must not shift the others
+    rows[R - 1, :R] = 0  # and one sends to no rank at all
     counts = plan.counts_from_rows(rows, R)
     for rank in range(R):
         src_rank = torch.repeat_interleave(torch.arange(R), counts.rank_counts[:, rank])  # what dispatch records
-        groups = plan.rows_by_source_local(counts, rank, G)
-        assert len(groups) == G
-        for j, sel in enumerate(groups):
-            assert torch.equal(sel, (src_rank % G == j).nonzero(as_tuple=True)[0]), (rank, j)
+        ends = torch.tensor(plan.recv_row_ends(counts, rank))
+        assert ends.tolist() == torch.cumsum(counts.rank_counts[:, rank], 0).tolist()
+        got = plan.source_local_of_rows(ends, src_rank.numel(), G)
+        assert got.dtype == torch.int64 and torch.equal(got, src_rank % G), rank
+    assert plan.source_local_of_rows(torch.tensor([0, 0]), 0, 2).numel() == 0  # a rank that receives nothing
 
 
 @pytest.mark.parametrize("R,G,kind", [(4, 2, "random"), (8, 4, "skewed"), (6, 3, "dropped"), (4, 1, "random"),
@@ -437,11 +439,8 @@ def test_per_rank_totals_derived_at_once_equal_their_per_rank_definitions(R, G):
         assert t.arrivals[r] == sum(arrivals)
         assert t.sends[r] == int(counts.node_counts[r].sum())
         assert t.final_rows[r] == inn.num_recv_rows(counts, r) == int(counts.rank_counts[:, r].sum())
-        groups = inn.rows_by_source_local(counts, r, G)
-        starts = torch.cumsum(counts.rank_counts[:, r], 0) - counts.rank_counts[:, r]
-        for j in range(G):
-            want = [torch.arange(int(starts[s]), int(starts[s] + counts.rank_counts[s, r])) for s in range(j, R, G)]
-            assert torch.equal(groups[j], torch.cat(want)), (r, j)
+        ends = plan.recv_row_ends(counts, r)
+        assert ends == [int(counts.rank_counts[:s + 1, r].sum()) for s in range(R)]
 
 
 @pytest.mark.parametrize("R,G,lanes,per,seed", [(2, 1, 1, 3, 0), (4, 1, 4, 2, 1), (8, 2, 3, 5, 2), (6, 3, 2, 1, 3),
@@ -629,3 +628,6 @@ def test_forward_bases_give_each_arrival_the_rows_that_earlier_source_ranks_fill
     # at forwarder rank 0 (node 0, local 0): blocks from rank 0 (node 0), then rank 2 (node 1)
     got = plan.forward_row_bases(counts, 0, G)
     assert got.tolist() == [[0, 0]] * 6 + [[5 + 0, 1 + 3]] * 2
+    # made once per Counts and rank: every layout of a handle gets the same tensor, which the backend uploads once
+    assert plan.forward_row_bases(counts, 0, G) is got and plan.forward_row_bases(counts, 3, G) is not got
+    assert got.dtype == torch.int64 and got.is_contiguous()

@@ -24,19 +24,23 @@ pytestmark = [
 BF16_REL = 2e-2  # bf16 keeps 8 mantissa bits; sums over differently ordered copies differ by a few ulps
 
 
-# One node of 2 GPUs (NVLink kernels), and the same 2 GPUs playing 2 nodes of 1 (the internode path: proxies and the
-# loopback transport carry every cross-"node" byte).
-TOPOLOGIES = {"1-node-x2": ({}, "native-intranode"),
-              "2-emulated-nodes-x1": ({"UCCL_EP_RANKS_PER_NODE": "1"}, "native-internode")}
+# One node of 2 GPUs (NVLink kernels), the same 2 GPUs playing 2 nodes of 1 (the internode path: proxies and the
+# loopback transport carry every cross-"node" byte), and 4 GPUs playing 2 nodes of 2 (forwarders and the node-level
+# combine too): (environment, backend, EP size).
+TOPOLOGIES = {"1-node-x2": ({}, "native-intranode", 2),
+              "2-emulated-nodes-x1": ({"UCCL_EP_RANKS_PER_NODE": "1"}, "native-internode", 2),
+              "2-emulated-nodes-x2": ({"UCCL_EP_RANKS_PER_NODE": "2"}, "native-internode", 4)}
 
 
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
 @pytest.mark.parametrize("grouped_gemm", [False], ids=["sequential-mlp"])
 def test_moelayer_with_uccl_matches_alltoall_outputs_and_gradients_in_bf16(grouped_gemm, topology):
-    env, backend = TOPOLOGIES[topology]
-    results = run_distributed(functools.partial(hook_cases.moelayer_case, ep=2, num_experts=8, topk=2, tokens=256,
+    env, backend, ep = TOPOLOGIES[topology]
+    if torch.cuda.device_count() < ep:
+        pytest.skip(f"needs {ep} CUDA GPUs")
+    results = run_distributed(functools.partial(hook_cases.moelayer_case, ep=ep, num_experts=8, topk=2, tokens=256,
                                                 hidden=256, reference="alltoall", device="cuda", bf16=True,
-                                                grouped_gemm=grouped_gemm), 2, backend="nccl", timeout=300,
+                                                grouped_gemm=grouped_gemm), ep, backend="nccl", timeout=300,
                               env={"UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60", **env})
     for rank, r in enumerate(results):
         assert r["uccl"] == "UCCLTokenDispatcher" and r["alltoall"] == "MoEAlltoAllTokenDispatcher"
