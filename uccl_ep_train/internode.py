@@ -37,7 +37,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     RecordLayout, record_layout, check_topology, Counts, local_count_row, counts_from_rows, SendPlan, send_plan,
     recv_counts, block_offsets, remote_block_offset, num_recv_rows, chunk_records, chunk_bytes, chunk_lanes,
     push_rows, dispatch_push_rows, lane_waits, dispatch_waits, combine_push_rows, combine_waits, slot_meaning,
-    describe_gpu_error, pack_records, forward_row_bases, int32_column, check_area, _align, _bytes_of,
+    describe_gpu_error, pack_records, forward_block_bases, int32_column, check_area, _align, _bytes_of,
     NOTIFY_MAX_EXPERTS, expert_major_places, notify_row_words, recv_expert_counts,
     recv_row_ends, source_local_of_rows, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
@@ -245,7 +245,7 @@ class DispatchShape:
     sends_remote: bool
     extents: Tuple[List[int], List[int]]
     arrivals: torch.Tensor  # uint8 [A, stride] view of the receive half
-    forward_bases: Optional[torch.Tensor]  # [A, G] int64 on the device (forward_row_bases); None with G = 1
+    forward_bases: Optional[torch.Tensor]  # [N, 1 + G] int64 on the device (forward_block_bases); None with G = 1
     # the final rows of each local GPU on the device, forward_rows' range check (G > 1; made at the first forward)
     forward_limits: Optional[torch.Tensor] = None
 
@@ -615,7 +615,7 @@ class NativeInternodeBackend:
         self._spare_read_outputs: Optional[tuple] = None
         self.spare_read_outputs_taken = 0  # (tests, benchmarks)
         self._staged_plans: list = []  # plan tables staged during a reader's spin, copied at the next call's entry
-        # (forward_row_bases host table, its device copy): the last one uploaded, shared by every layout of a handle
+        # (forward_block_bases host table, its device copy): the last one uploaded, shared by every layout of a handle
         self._forward_bases_memo: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.plans_made_ahead = 0  # hop plans made for a handle's next calls (_plan_ahead; tests, benchmarks)
         self.last_drain_ns: Optional[Tuple[int, int]] = None  # the last drain's start and end (wire timeline)
@@ -677,12 +677,12 @@ class NativeInternodeBackend:
         waits for it). One record whose dest rows are all -1: nothing leaves it."""
         layout = _record_layout((16,), self.G)
         record = torch.full((1, layout.stride), 255, dtype=torch.uint8, device=self.device)
-        zeros = torch.zeros((1, self.G), dtype=torch.int64, device=self.device)
+        zeros = torch.zeros((1, 1 + self.G), dtype=torch.int64, device=self.device)  # (limits; one block, bases 0)
         out = torch.empty((1, self.G), dtype=torch.int64, device=self.device)
         for gate in (None, self._cx.arrival_gate(0, 0, 1, self._phases["dispatch_network"])):
             self._k.forward_arrivals(self._forward_targets.data_ptr(), self._forward_targets_or, layout.final_bytes,
                                      self.G, record.data_ptr(), layout.stride, 1, layout.final_bytes,
-                                     zeros.data_ptr(), zeros.data_ptr(), layout.dest_rows_offset,
+                                     zeros.data_ptr(), zeros.data_ptr(), 1, layout.dest_rows_offset,
                                      layout.arrival_offset, out.data_ptr(), self._stream(), gate=gate)
         flags = torch.zeros(self.G, dtype=torch.int32, device=self.device)  # the node barrier's kernels too
         at = (flags.data_ptr() + 4 * torch.arange(self.G, dtype=torch.int64)).to(self.device)
@@ -1349,7 +1349,7 @@ class NativeInternodeBackend:
             shape.forward_limits = self._upload([num_recv_rows(counts, self.node * G + j) for j in range(G)])
         self._k.forward_arrivals(self._forward_targets.data_ptr(), self._forward_targets_or, layout.final_bytes, G,
                                  self._cx.rdma_ptr + recv_base, layout.stride, A, layout.final_bytes,
-                                 shape.forward_limits.data_ptr(), shape.forward_bases.data_ptr(),
+                                 shape.forward_limits.data_ptr(), shape.forward_bases.data_ptr(), self.N,
                                  layout.dest_rows_offset, layout.arrival_offset, fwd_dest.data_ptr(), self._stream(),
                                  gate=gate, first_row=first_row if 0 <= first_row < A else 0,
                                  err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
@@ -1594,10 +1594,10 @@ class NativeInternodeBackend:
                 shape.forward_bases = self._forward_bases_on_device(shape.forward_bases, staged)
 
     def _forward_bases_on_device(self, bases: torch.Tensor, staged: Optional[list] = None) -> torch.Tensor:
-        """forward_row_bases' host table on the device. Every layout of a handle shares it (the same tensor, made once
-        per Counts), so the last one uploaded is reused: ~130 KB at 2 nodes x 2 GPUs, uploaded twice per forward pair
-        before (the forward dispatch's layout and the backward's). ``staged``: stage it (UploadStaging.stage) into
-        the list instead of queuing its copy; a staged table is not reused, as its copy is queued later."""
+        """forward_block_bases' host table on the device. Every layout of a handle shares it (the same tensor, made
+        once per Counts), so the last one uploaded is reused: one upload per forward pair, not one per layout (the
+        forward dispatch's and the backward's). ``staged``: stage it (UploadStaging.stage) into the list instead of
+        queuing its copy; a staged table is not reused, as its copy is queued later."""
         memo = self._forward_bases_memo
         if memo is not None and memo[0] is bases:
             return memo[1]
@@ -1634,7 +1634,7 @@ class NativeInternodeBackend:
         check_area("dispatch final rows (NVL)", tot.final_rows, layout.final_bytes, self.half_nvl, "num_nvl_bytes")
         recv_by_node = recv_counts(counts, self.rank, G)
         recv_base, A = self.half_rdma, sum(recv_by_node)
-        bases = forward_row_bases(counts, self.rank, G) if G > 1 else None
+        bases = forward_block_bases(counts, self.rank, G) if G > 1 else None
         if bases is not None and upload:
             bases = self._forward_bases_on_device(bases)
         return DispatchShape(recv_base + block_offsets(recv_by_node, stride)[self.node],
@@ -1655,7 +1655,7 @@ class NativeInternodeBackend:
         Only our own tokens per node are needed, and the host reads none of them: the count row's launch wrote our
         send plan into ``tables`` (sized for any counts; _count_row), and pack_records takes them from our count row
         ``row`` on the device. The records' dest rows count from our first token, as always (the forwarder adds the
-        other sources' rows: forward_row_bases). The kernels pack nothing when our records would pass ``send_top``;
+        other sources' rows: forward_block_bases). The kernels pack nothing when our records would pass ``send_top``;
         the host learns which it was after notify (_packed_during_notify). ``rows``: the columns, contiguous
         (_dense), laid out as ``layout``. Fills ``early`` (layout, rows, tables, send_top), and pushes the records too
         (_push_during_notify; ``landing``: where the count rows land), adding ``push_launched``; with ``fused`` (the

@@ -268,7 +268,7 @@ class SendPlan:
     hop1_token: torch.Tensor  # [S1] int64: token of each send record, by destination node then token
     node_send: List[int]  # records per destination node
     # [S1, G] int64: the token's row among our tokens for each GPU of the destination node, -1 = not needed; the
-    # forwarder adds the rows of the ranks before us there (forward_row_bases), so no other rank's count is needed
+    # forwarder adds the rows of the ranks before us there (forward_block_bases), so no other rank's count is needed
     dest_rows: torch.Tensor
     dest_row_all: torch.Tensor  # [T, R] int64: row of the token among our tokens for every rank, -1 = not sent
     row_of: torch.Tensor  # [N, T] int32: index of record (token, node) in the send list, -1 = not sent to that node
@@ -735,30 +735,39 @@ def pack_records(out: torch.Tensor, columns: Sequence[torch.Tensor], plan: SendP
         plan.dest_rows.to(torch.int32).contiguous().view(torch.uint8)
 
 
-def forward_row_bases(counts: Counts, rank: int, ranks_per_node: int) -> torch.Tensor:
-    """[A, G] int64 (CPU) at ``rank`` as forwarder: for each arrival (blocks by source node n, from source rank
-    s = n * G + local), the rows that the ranks before s fill at each GPU g of this node. A record's dest rows count
-    from its source's first token for that GPU (send_plan); the final row adds this base, which gives the rank-major
-    order of reference.py. The sources need no other rank's counts, so they can pack and push during notify.
-    Made once per Counts (every layout of a handle, and its plans made ahead, share the one tensor: one upload)."""
+def forward_block_bases(counts: Counts, rank: int, ranks_per_node: int) -> torch.Tensor:
+    """int64 [N, 1 + G] (CPU) at ``rank`` as forwarder: its arrivals run in blocks by source node n (from source rank
+    s = n * G + local); per block, the end of its rows among the arrivals (exclusive, cumulative), then the rows that
+    the ranks before s fill at each GPU g of this node. A record's dest rows count from its source's first token for
+    that GPU (send_plan); the final row adds its block's base, which gives the rank-major order of reference.py. The
+    sources need no other rank's counts, so they can pack and push during notify. One row per source node, not per
+    arrival (bases_per_arrival expands it): [arrivals, G] was ~130 KB at 2 nodes x 2 GPUs and grows past the upload
+    staging area with the nodes. Made once per Counts (every layout of a handle shares the one tensor: one upload)."""
     G = ranks_per_node
-    key = ("forward_row_bases", rank, G)
+    key = ("forward_block_bases", rank, G)
     if key not in counts._derived:
         node, local = divmod(rank, G)
         to_here = _host(counts.rank_counts)[:, node * G:(node + 1) * G]  # [R, G]: tokens of each source rank for us
         before = np.cumsum(to_here, axis=0) - to_here  # exclusive prefix over source ranks
-        sources = np.arange(local, to_here.shape[0], G)
-        reps = _host(counts.recv_matrix(G))[rank]
-        counts._derived[key] = torch.from_numpy(np.ascontiguousarray(np.repeat(before[sources], reps, axis=0)))
+        ends = np.cumsum(_host(counts.recv_matrix(G))[rank])
+        table = np.concatenate([ends[:, None], before[local::G]], axis=1)
+        counts._derived[key] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
     return counts._derived[key]
+
+
+def bases_per_arrival(blocks: torch.Tensor) -> torch.Tensor:
+    """forward_block_bases' table as one row of bases per arrival [A, G] (what forward_arrivals adds to each)."""
+    ends = blocks[:, 0]
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    return torch.repeat_interleave(blocks[:, 1:], sizes, dim=0)
 
 
 def stamp_arrivals(arrivals: torch.Tensor, arrival_offset: int, dest_rows_offset: int, G: int, bases: torch.Tensor
                    ) -> torch.Tensor:
     """Write each arrival's row index into its record (the int32 at ``arrival_offset``); return its final rows at each
-    GPU of the node [A, G] int64: the record's dest rows (G int32 at ``dest_rows_offset``) plus ``bases``
-    (forward_row_bases, on the arrivals' device), -1 where not needed. The forwarder's reader (forward_arrivals)
-    does this row by row as the arrivals land."""
+    GPU of the node [A, G] int64: the record's dest rows (G int32 at ``dest_rows_offset``) plus ``bases`` ([A, G]:
+    bases_per_arrival of forward_block_bases, on the arrivals' device), -1 where not needed. The forwarder's reader
+    (forward_arrivals) does this row by row as the arrivals land."""
     A = arrivals.size(0)
     if A == 0:
         return torch.empty((0, G), dtype=torch.int64, device=arrivals.device)

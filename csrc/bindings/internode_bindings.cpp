@@ -143,12 +143,14 @@ void bind_internode(py::module_& m) {
         "stop flag as scatter_rows, target j's rows in dst_rows[j]");
   k.def("forward_arrivals", &in::forward_arrivals, py::arg("dsts"), py::arg("dst_bases_or"), py::arg("dst_stride"),
         py::arg("targets"), py::arg("src"), py::arg("src_stride"), py::arg("n"), py::arg("row_bytes"),
-        py::arg("dst_rows"), py::arg("bases"), py::arg("dest_rows_offset"), py::arg("arrival_offset"),
-        py::arg("dst_idx_out"), py::arg("stream"), py::arg("gate") = nullptr, py::arg("first_row") = 0,
+        py::arg("dst_rows"), py::arg("blocks"), py::arg("num_blocks"), py::arg("dest_rows_offset"),
+        py::arg("arrival_offset"), py::arg("dst_idx_out"), py::arg("stream"), py::arg("gate") = nullptr,
+        py::arg("first_row") = 0,
         py::arg("err") = 0, py::arg("stop_flag") = 0, py::arg("stop_generation") = 0, py::arg("rank") = -1,
         py::arg("phase") = 0,
-        "dispatch forward as the forwarder's reader: each arrival's final rows (its record's dest rows plus bases "
-        "[n, targets]; -1: none) into dst_idx_out [n, targets], its first row_bytes with its arrival index stamped "
+        "dispatch forward as the forwarder's reader: each arrival's final rows (its record's dest rows plus its "
+        "block's bases: blocks [num_blocks, 1 + targets], each row its end then a base per target; -1: none) into "
+        "dst_idx_out [n, targets], its first row_bytes with its arrival index stamped "
         "to each of them; gate (InternodeContext.arrival_gate): each row waits for its chunk, so it runs during the "
         "hop, from first_row on; range check, error word and stop flag as forward_rows");
 

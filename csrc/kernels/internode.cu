@@ -541,17 +541,32 @@ __global__ void forward_rows_kernel(const unsigned long long* dsts, long long ds
   }
 }
 
+// The row of the block table (forward_block_bases: per block the end of its rows, then a base per target) that
+// arrival r falls in: the first block whose end passes r (empty blocks end where the one before does). Blocks are
+// source nodes, so a binary search over a few dozen entries.
+__device__ __forceinline__ const long long* block_of_arrival(const long long* blocks, long long cols,
+                                                             long long num_blocks, long long r) {
+  long long lo = 0, hi = num_blocks - 1;
+  while (lo < hi) {
+    const long long mid = (lo + hi) / 2;
+    if (r < blocks[mid * cols]) hi = mid;
+    else lo = mid + 1;
+  }
+  return blocks + lo * cols;
+}
+
 // Dispatch forward over NVLink as the forwarder's reader of its arrivals: arrival r goes to every local GPU j whose
-// dest row in the record is >= 0, at that row plus bases[r][j] (forward_row_bases), and that final row is written to
-// dst_idx_out[r][j] (-1: GPU j does not need it) for the combine. The copies carry r in the record's arrival field,
-// patched in registers (a second store of the field to a peer would race the row's own over NVLink); the arrival
-// area gets it too. kGated: the kernel runs during the hop: block 0 watches the counters and each row first waits
-// for the chunk that carries it, then is read through L2. Rows go from first_row to the end, then from 0: our own
-// node's block is in before the hop starts.
+// dest row in the record is >= 0, at that row plus its block's base for j (block_of_arrival), and that final row is
+// written to dst_idx_out[r][j] (-1: GPU j does not need it) for the combine. The copies carry r in the record's
+// arrival field, patched in registers (a second store of the field to a peer would race the row's own over NVLink);
+// the arrival area gets it too. kGated: the kernel runs during the hop: block 0 watches the counters and each row
+// first waits for the chunk that carries it, then is read through L2. Rows go from first_row to the end, then from
+// 0: our own node's block is in before the hop starts.
 template <typename V, bool kGated>
 __global__ void forward_arrivals_kernel(const unsigned long long* dsts, long long dst_stride, int targets, char* src,
                                         long long src_stride, long long n, long long row_bytes,
-                                        const long long* dst_rows, const long long* bases, long long dest_rows_offset,
+                                        const long long* dst_rows, const long long* blocks, long long num_blocks,
+                                        long long dest_rows_offset,
                                         long long arrival_offset, long long* dst_idx_out, long long first_row,
                                         ErrorWord* err, StopFlag stop, int rank, int phase, ArrivalGate gate) {
   extern __shared__ unsigned long long s_out[];  // per target: this row's destination address, 0 = none
@@ -578,9 +593,10 @@ __global__ void forward_arrivals_kernel(const unsigned long long* dsts, long lon
     char* rec = src + r * src_stride;
     if (threadIdx.x == 0) s_any = false;
     __syncthreads();
+    const long long* base = block_of_arrival(blocks, 1 + targets, num_blocks, r) + 1;
     for (int j = threadIdx.x; j < targets; j += blockDim.x) {
       const int rel = load_word<kGated>(reinterpret_cast<const int*>(rec + dest_rows_offset) + j);
-      const long long d = rel < 0 ? -1 : rel + bases[r * targets + j];
+      const long long d = rel < 0 ? -1 : rel + base[j];
       dst_idx_out[r * targets + j] = d;
       s_out[j] = forward_target(dsts, dst_stride, dst_rows, j, d, r, &s_any, err, stop, rank, phase);
     }
@@ -891,12 +907,14 @@ void forward_rows(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride, uin
 }
 
 void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride, int targets, uintptr_t src,
-                      int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows, uintptr_t bases,
-                      int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out, uintptr_t stream,
-                      const ArrivalGate* gate, int64_t first_row, uintptr_t err, uintptr_t stop_flag,
+                      int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows, uintptr_t blocks,
+                      int64_t num_blocks, int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out,
+                      uintptr_t stream, const ArrivalGate* gate, int64_t first_row, uintptr_t err, uintptr_t stop_flag,
                       int stop_generation, int rank, int phase) {
   if (n <= 0) return;
-  if (!dsts || !src || !dst_rows || !bases || !dst_idx_out) throw std::invalid_argument("forward_arrivals: null pointer");
+  if (!dsts || !src || !dst_rows || !blocks || !dst_idx_out)
+    throw std::invalid_argument("forward_arrivals: null pointer");
+  if (num_blocks <= 0) throw std::invalid_argument("forward_arrivals: the block table needs at least one block");
   if (targets <= 0 || targets > kMaxForwardTargets)
     throw std::invalid_argument("forward_arrivals: " + std::to_string(targets) + " local GPUs; 1 to " +
                                 std::to_string(kMaxForwardTargets) + " are supported");
@@ -911,13 +929,13 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
   check_gate(gate, "forward_arrivals");
   const uint64_t all = dst_bases_or | uint64_t(src) | uint64_t(dst_stride) | uint64_t(src_stride) |
                        uint64_t(row_bytes);
-  const int blocks = gated_grid(int(std::min<int64_t>(n, 2048)), gate) + (gate ? 1 : 0);
+  const int grid = gated_grid(int(std::min<int64_t>(n, 2048)), gate) + (gate ? 1 : 0);
   const size_t shared = size_t(targets) * sizeof(unsigned long long);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   auto* d = reinterpret_cast<const unsigned long long*>(dsts);
   auto* sp = reinterpret_cast<char*>(src);
   auto* rows = reinterpret_cast<const long long*>(dst_rows);
-  auto* b = reinterpret_cast<const long long*>(bases);
+  auto* b = reinterpret_cast<const long long*>(blocks);
   auto* out = reinterpret_cast<long long*>(dst_idx_out);
   auto* ew = reinterpret_cast<ErrorWord*>(err);
   const StopFlag stop{reinterpret_cast<int32_t*>(stop_flag), stop_generation};
@@ -925,8 +943,8 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
   by_word_size(all, [&](auto word) {
     using V = decltype(word);
     auto kernel = gate ? forward_arrivals_kernel<V, true> : forward_arrivals_kernel<V, false>;
-    kernel<<<blocks, 256, shared, s>>>(d, dst_stride, targets, sp, src_stride, n, row_bytes, rows, b,
-                                       dest_rows_offset, arrival_offset, out, first_row, ew, stop, rank, phase, g);
+    kernel<<<grid, 256, shared, s>>>(d, dst_stride, targets, sp, src_stride, n, row_bytes, rows, b, num_blocks,
+                                     dest_rows_offset, arrival_offset, out, first_row, ew, stop, rank, phase, g);
   });
   check(cudaGetLastError(), "forward_arrivals launch");
 }

@@ -354,16 +354,18 @@ void forward_rows(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride, uin
 
 // The dispatch forward as the forwarder's reader (asynchronous on `stream`): for each arrival r of `src` (wire
 // records of `src_stride` bytes), its final row at local GPU j is d = (int32 dest row j of the record, at
-// dest_rows_offset) + bases[r * targets + j] (device int64 [n, targets], forward_row_bases), -1 where the dest row is
-// negative; d goes to dst_idx_out[r * targets + j] (device int64 [n, targets], every entry written), and the
+// dest_rows_offset) + the base of r's block for j, -1 where the dest row is negative. The arrivals run in
+// num_blocks blocks (one per source node); blocks (device int64 [num_blocks, 1 + targets], forward_block_bases)
+// holds per block the end of its rows (exclusive, counted from arrival 0; the last is n) and then its base for each
+// target. d goes to dst_idx_out[r * targets + j] (device int64 [n, targets], every entry written), and the
 // record's first `row_bytes` bytes, with r in its int32 arrival field (also written into the record), to row d of
 // dsts[j] wherever d >= 0. Range check, error word and stop flag as forward_rows. gate (nullptr: none; the rows
 // must be in): each row first waits for the chunk that carries it (arrival_gate.hpp), so the forward runs during
 // the hop; rows are taken from first_row to the end, then from 0.
 void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride, int targets, uintptr_t src,
-                      int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows, uintptr_t bases,
-                      int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out, uintptr_t stream,
-                      const ArrivalGate* gate = nullptr, int64_t first_row = 0, uintptr_t err = 0,
+                      int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows, uintptr_t blocks,
+                      int64_t num_blocks, int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out,
+                      uintptr_t stream, const ArrivalGate* gate = nullptr, int64_t first_row = 0, uintptr_t err = 0,
                       uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0);
 
 // The local side of the pipelined combine gather (NodeSums; asynchronous on `stream`): for each forwarder f < targets

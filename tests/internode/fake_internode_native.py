@@ -193,16 +193,20 @@ def forward_rows(dsts: int, dst_bases_or: int, dst_stride: int, dst_idx: int, ta
 
 
 def forward_arrivals(dsts: int, dst_bases_or: int, dst_stride: int, targets: int, src: int, src_stride: int, n: int,
-                     row_bytes: int, dst_rows: int, bases: int, dest_rows_offset: int, arrival_offset: int,
-                     dst_idx_out: int, stream: int, gate: "ArrivalGate | None" = None, first_row: int = 0,
+                     row_bytes: int, dst_rows: int, blocks: int, num_blocks: int, dest_rows_offset: int,
+                     arrival_offset: int, dst_idx_out: int, stream: int, gate: "ArrivalGate | None" = None,
+                     first_row: int = 0,
                      err: int = 0, stop_flag: int = 0, stop_generation: int = 0, rank: int = -1,
                      phase: int = 0) -> None:
     """forward_arrivals_kernel: stamp_arrivals' rule (each arrival's index into its record, its final rows into
-    dst_idx_out [n, targets]), then forward_rows' copies; gated, every row waits for its chunk first."""
+    dst_idx_out [n, targets], each with its block's bases: blocks [num_blocks, 1 + targets]), then forward_rows'
+    copies; gated, every row waits for its chunk first."""
     if n <= 0:
         return
-    if not (dsts and src and dst_rows and bases and dst_idx_out):
+    if not (dsts and src and dst_rows and blocks and dst_idx_out):
         raise ValueError("forward_arrivals: null pointer")
+    if num_blocks <= 0:
+        raise ValueError("forward_arrivals: the block table needs at least one block")
     if not 0 < targets <= FORWARD_MAX_TARGETS:
         raise ValueError(f"forward_arrivals: {targets} local GPUs; 1 to {FORWARD_MAX_TARGETS} are supported")
     if (row_bytes <= 0 or row_bytes > src_stride or arrival_offset % 4 or arrival_offset < 0
@@ -218,8 +222,10 @@ def forward_arrivals(dsts: int, dst_bases_or: int, dst_stride: int, targets: int
         return
     records = _at(src, n * src_stride).as_strided((n, src_stride), (src_stride, 1))
     out = _at(dst_idx_out, 8 * n * targets, torch.int64).view(n, targets)
-    out.copy_(stamp_arrivals(records, arrival_offset, dest_rows_offset, targets,
-                             _at(bases, 8 * n * targets, torch.int64).view(n, targets)))
+    table = _at(blocks, 8 * num_blocks * (1 + targets), torch.int64).view(num_blocks, 1 + targets)
+    # the kernel's block_of_arrival: the first block whose end passes the row (the last one past the table's end)
+    which = torch.bucketize(torch.arange(n), table[:, 0].contiguous(), right=True).clamp(max=num_blocks - 1)
+    out.copy_(stamp_arrivals(records, arrival_offset, dest_rows_offset, targets, table[which, 1:]))
     forward_rows(dsts, dst_bases_or, dst_stride, dst_idx_out, targets, src, src_stride, n, row_bytes, dst_rows,
                  stream, err, stop_flag, stop_generation, rank, phase)
 

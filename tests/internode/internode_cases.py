@@ -814,12 +814,13 @@ def check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_sta
     """forward_arrivals (the dispatch forward as the forwarder's reader of its arrivals). Ten records, pushed by the
     rank to itself in chunks of 3 through two lanes (chunk c through lane (1 + c) % 2, counters 7 and 8), land over
     stale bytes; the forward is gated on them and starts at row 4. Every record must reach each of three targets
-    (areas carved from the RDMA region) at its dest row plus its base, with its arrival index in the arrival field
-    and everything else as sent; dst_idx_out must hold those rows (-1 where the record names none, exactly); the
-    receive area's records get their arrival index too; nothing else changes. On a GPU (``cx``'s loopback delays
-    each write) the forward must still be waiting while the chunks land. Then the last chunk never comes: the wait
-    fails at the GPU deadline naming lane 0's counter, and the record it carries reaches no target. Last, ungated,
-    a record whose row at target 1 is past that area's rows is reported (target 1, its row) and not written."""
+    (areas carved from the RDMA region) at its dest row plus its block's base (three blocks, one empty), with its
+    arrival index in the arrival field and everything else as sent; dst_idx_out must hold those rows (-1 where the
+    record names none, exactly); the receive area's records get their arrival index too; nothing else changes. On a
+    GPU (``cx``'s loopback delays each write) the forward must still be waiting while the chunks land. Then the
+    last chunk never comes: the wait fails at the GPU deadline naming lane 0's counter, and the record it carries
+    reaches no target. Last, ungated, a record whose row at target 1 is past that area's rows is reported (target 1,
+    its row) and not written."""
     from uccl_ep_train.internode_plan import record_layout
 
     payload, offset = shape
@@ -833,10 +834,19 @@ def check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_sta
     idx = torch.stack([torch.randperm(cap, generator=g)[:n] for _ in range(G)], 1)
     idx[torch.rand((n, G), generator=g) < 0.3] = -1  # rows some GPUs do not need
     idx[2] = -1  # a record no GPU needs
-    base = (torch.rand((n, G), generator=g) * (idx.clamp(min=0) + 1)).long()  # forward_row_bases' part of the row
+    # the arrivals in three source-node blocks, the middle one empty (forward_block_bases: each block's end, then its
+    # base per GPU); a block's base stays at or below its rows, so that every dest row in a record is >= 0
+    ends = [4, 4, n]
+    low = torch.where(idx >= 0, idx, cap)
+    lows = torch.stack([low[lo:hi].min(0).values if hi > lo else torch.full((G,), cap)
+                        for lo, hi in zip([0] + ends[:-1], ends)])
+    block_bases = (torch.rand(lows.shape, generator=g) * (lows + 1)).long()
+    blocks = torch.cat([torch.tensor(ends).view(-1, 1), block_bases], 1)
+    base = torch.repeat_interleave(block_bases, torch.tensor([4, 0, n - 4]), dim=0)  # each row's, as the kernel adds
     targets = torch.tensor([cx.rdma_ptr + b for b in bases_at], dtype=torch.int64, device=dev)
     bases_or = functools.reduce(operator.or_, (cx.rdma_ptr + b for b in bases_at))
     limits = torch.full((G,), cap, dtype=torch.int64, device=dev)
+    blocks_dev = blocks.to(dev)
     cuda = dev.type == "cuda"
     stream = torch.cuda.current_stream().cuda_stream if cuda else 0
 
@@ -864,8 +874,8 @@ def check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_sta
             gate = cx.arrival_gate(table.data_ptr(), 1, per, 1)
             cx.push_chunks(push.data_ptr(), 1, per, 1, stream)
         forward_arrivals(targets.data_ptr(), bases_or, final, G, cx.rdma_ptr + recv, stride, n, final,
-                         limits.data_ptr(), base.to(dev).data_ptr(), layout.dest_rows_offset, layout.arrival_offset,
-                         out.data_ptr(), stream, gate=gate, first_row=4, err=cx.error_word_ptr,
+                         limits.data_ptr(), blocks_dev.data_ptr(), len(ends), layout.dest_rows_offset,
+                         layout.arrival_offset, out.data_ptr(), stream, gate=gate, first_row=4, err=cx.error_word_ptr,
                          stop_flag=cx.stop_flag_ptr, stop_generation=cx.stop_generation, rank=0, phase=3)
         if cuda:
             done = torch.cuda.Event()

@@ -127,7 +127,7 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
         A = sum(inn.recv_counts(counts, f, G))
         arrivals = rdma[f][half:half + A * stride].view(A, stride)
         dest = plan.stamp_arrivals(arrivals, layout.arrival_offset, layout.dest_rows_offset, G,
-                                  inn.forward_row_bases(counts, f, G))
+                                  plan.bases_per_arrival(plan.forward_block_bases(counts, f, G)))
         fwd.append(dest)
         node = f // G
         for j in range(G):
@@ -612,7 +612,7 @@ def test_rows_filled_from_our_row_skip_nodes_we_send_nothing_and_put_each_block_
 def test_forward_bases_give_each_arrival_the_rows_that_earlier_source_ranks_fill_at_each_gpu_of_the_node():
     """2 nodes x 2 GPUs; at forwarder rank 3 (node 1, local 1) arrivals come from rank 1 (node 0's block), then from
     rank 3 itself (node 1's block). At GPU g of node 1 (rank 2 + g) rank 1's rows follow rank 0's, and rank 3's follow
-    ranks 0, 1 and 2's: the bases are those sums, one row per arrival."""
+    ranks 0, 1 and 2's: the bases are those sums, one row per source block with the block's end before them."""
     G = 2
     rank_counts = torch.tensor([[5, 1, 7, 2],    # rank 0: 7 tokens for rank 2, 2 for rank 3
                                 [0, 3, 4, 6],    # rank 1
@@ -621,13 +621,19 @@ def test_forward_bases_give_each_arrival_the_rows_that_earlier_source_ranks_fill
     # records of rank 1 to node 1: 2 (some tokens go to both GPUs there); of rank 3 to node 1: 3
     node_counts = torch.tensor([[6, 8], [3, 2], [2, 10], [4, 3]])
     counts = plan.Counts(rank_counts, node_counts)
-    got = plan.forward_row_bases(counts, 3, G)
+    got = plan.forward_block_bases(counts, 3, G)
     from_rank1 = [7, 2]             # ranks before 1 at ranks 2 and 3: rank 0's
     from_rank3 = [7 + 4 + 9, 2 + 6 + 8]  # ranks 0, 1, 2
-    assert got.tolist() == [from_rank1] * 2 + [from_rank3] * 3
+    assert got.tolist() == [[2] + from_rank1, [2 + 3] + from_rank3]
+    assert plan.bases_per_arrival(got).tolist() == [from_rank1] * 2 + [from_rank3] * 3
     # at forwarder rank 0 (node 0, local 0): blocks from rank 0 (node 0), then rank 2 (node 1)
-    got = plan.forward_row_bases(counts, 0, G)
-    assert got.tolist() == [[0, 0]] * 6 + [[5 + 0, 1 + 3]] * 2
+    got = plan.forward_block_bases(counts, 0, G)
+    assert got.tolist() == [[6, 0, 0], [6 + 2, 5 + 0, 1 + 3]]
+    assert plan.bases_per_arrival(got).tolist() == [[0, 0]] * 6 + [[5 + 0, 1 + 3]] * 2
+    # a source node that sends a forwarder nothing keeps its row, ending where the block before it ends
+    empty = plan.Counts(rank_counts, torch.tensor([[6, 8], [3, 0], [2, 10], [4, 3]]))  # rank 1: nothing to node 1
+    assert plan.forward_block_bases(empty, 3, G)[:, 0].tolist() == [0, 3]
+    assert plan.bases_per_arrival(plan.forward_block_bases(empty, 3, G)).tolist() == [from_rank3] * 3
     # made once per Counts and rank: every layout of a handle gets the same tensor, which the backend uploads once
-    assert plan.forward_row_bases(counts, 0, G) is got and plan.forward_row_bases(counts, 3, G) is not got
+    assert plan.forward_block_bases(counts, 0, G) is got and plan.forward_block_bases(counts, 3, G) is not got
     assert got.dtype == torch.int64 and got.is_contiguous()
