@@ -479,6 +479,35 @@ def test_a_dispatch_plans_its_handles_next_combine_and_that_combine_the_backward
     assert [(same, made) for _, same, made, _ in out] == [(True, 0)] * world
 
 
+def _forward_bases_uploads(rank, world, G):
+    """An uncached dispatch (bf16 with top-k weights) and a combine of its handle, which plans the backward's cached
+    dispatch of another record layout: how often the forward block bases went through _upload, and whether the
+    backward's shape reads the device copy the forward dispatch uploaded."""
+    from uccl_ep_train.internode_plan import forward_block_bases
+
+    nat, _ = _backends(rank, world, G)
+    try:
+        uploaded = []
+        real = nat._upload
+        nat._upload = lambda rows, *a, **k: (uploaded.append(rows), real(rows, *a, **k))[1]
+        E, K, H, idx, x, w = _small_step(rank, world)
+        res = _uncached_dispatch(nat, E, idx, x, w)
+        nat.combine(res.recv_x, res.handle, None, None)
+        bases = forward_block_bases(res.handle.counts, rank, G)
+        shapes = list(res.handle.dispatch_shapes.values())  # (the backward's, planned ahead)
+        return (sum(1 for t in uploaded if t is bases), len(shapes),
+                all(s.forward_bases is nat._forward_bases_memo[1] for s in shapes))
+    finally:
+        nat.destroy()
+
+
+def test_the_forward_bases_of_a_handle_are_uploaded_once_for_the_forward_dispatch_and_the_backwards_layout():
+    """2 x 2: the forward dispatch and the backward's cached dispatch (planned during the combine) have different
+    record layouts but the same counts, so the same forward bases; they go to the device once, and the backward's
+    shape reads that copy."""
+    assert run_distributed(_forward_bases_uploads, 4, 2, timeout=120, env=ENV) == [(1, 1, True)] * 4
+
+
 def _staged_plans_copied_at_the_next_entry(rank, world, G):
     """The stand-in backend given a staging area (as on a GPU) whose copies run at once and are logged: after an
     uncached dispatch whose plans were made while its reader ran (forced), which of its staged tables were copied; their
