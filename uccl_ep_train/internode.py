@@ -2876,6 +2876,13 @@ class NativeInternodeBackend:
     def proxy_stats(self) -> dict:
         return dict(self._cx.proxy_totals())
 
+    def upload_counts(self) -> Optional[dict]:
+        """Benchmarks: the small tables uploaded through the pinned staging area since setup, and those that fell back
+        to a pageable copy (upload_staging.py); None without the area (the CPU stand-in, UCCL_EP_PINNED_UPLOADS=0)."""
+        if self._staging is None:
+            return None
+        return {"staged": self._staging.staged, "fallbacks": self._staging.fallbacks}
+
     def destroy(self) -> None:
         if self._destroyed:
             return

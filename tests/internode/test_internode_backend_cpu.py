@@ -10,6 +10,7 @@ the error reporting. Every output must equal the reference bit for bit.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import time
 
@@ -270,6 +271,36 @@ def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, 
     assert sum(st["commands"] for _, st, _ in out) > 10 * world, "the chunks did not go through push_chunks"
     left = [n for _, _, names in out for n in names if os.path.exists(os.path.join("/dev/shm", n))]
     assert not left, f"shared memory left behind after destroy: {left}"
+
+
+def _cases_through_the_staging_area(rank, world, G, cases, nbytes):
+    """The cases with the backend's small tables uploaded through an upload staging area of ``nbytes`` (as on a GPU;
+    the stand-in has none: its "copy" is a memmove, run at once); returns (cases done, upload_counts())."""
+    from uccl_ep_train.upload_staging import UploadStaging
+
+    nat, ref = _backends(rank, world, G)
+    try:
+        assert nat.upload_counts() is None  # (no area on the stand-in)
+        nat._staging = UploadStaging(torch.device("cpu"), lambda dst, src, n, stream: ctypes.memmove(dst, src, n),
+                                     nbytes=nbytes, pinned=False)
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 2, unweighted=True)
+        return done, nat.upload_counts()
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_tables_uploaded_through_the_staging_area_give_the_same_outputs_and_fall_back_only_when_it_is_full(world, G):
+    """Uploads through the pinned staging area (upload_staging.py, every GPU run) on the stand-in: the outputs still
+    equal the reference, and upload_counts reports the tables staged. With a 1 MiB area nothing falls back to a
+    pageable copy over these calls; with a 64-byte area, which most tables do not fit, some do, and the outputs are
+    the same."""
+    out = run_distributed(_cases_through_the_staging_area, world, G, ALL[:4], 1 << 20, timeout=120, env=ENV)
+    assert [done for done, _ in out] == [8] * world, out  # 4 cases, twice each
+    assert all(c["staged"] > 0 and c["fallbacks"] == 0 for _, c in out), out
+    out = run_distributed(_cases_through_the_staging_area, world, G, ALL[:4], 64, timeout=120, env=ENV)
+    assert [done for done, _ in out] == [8] * world, out  # 4 cases, twice each
+    assert all(c["fallbacks"] > 0 for _, c in out), out
 
 
 def _packs_during_notify(rank, world, G, cases):

@@ -766,6 +766,10 @@ def run(args) -> int:
         "forwards_during_hop": getattr(nat, "forwards_during_hop", None),
         # combines whose local GPUs gathered in flagged tiles, each forwarder pushing as they were flagged (rank 0)
         "pipelined_gathers": getattr(nat, "pipelined_gathers", None),
+        # small tables uploaded through the pinned staging area, and those that fell back to a pageable copy (the
+        # area full or read by another stream since the last drain: a copy that may wait for the stream; rank 0,
+        # every call of the run; None without the area, as on the CPU stand-in)
+        "upload_staging": nat.upload_counts() if hasattr(nat, "upload_counts") else None,
     }
     # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
     row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}
