@@ -4,12 +4,14 @@
 # Steps: kernels moelayer copy_agent internode bench_dispatch bench_dispatcher bench_sync_free bench_proxy bench_internode
 # bench_dispatch_emulated train
 # (default: all but train, bench_sync_free, bench_internode and bench_dispatch_emulated);
-# diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), profile_internode
-# (torch.profiler and cProfile tables of the emulated 2-node calls), internode_shared (the internode GPU tests with
-# every rank on one GPU, for 1-GPU machines), internode_mps (the same under MPS: ranks' kernels at the same time), fifo (GPU
-# producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with
-# CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency with staggered
-# watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered case, LOOPS times).
+# diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), pyspy_internode
+# (py-spy samples of the ranks' main threads in the emulated calls, summarized by scripts/pyspy_summary.py),
+# profile_internode (torch.profiler and cProfile tables of the emulated 2-node calls), internode_shared (the internode
+# GPU tests with every rank on one GPU, for 1-GPU machines), internode_mps (the same under MPS: ranks' kernels at the
+# same time), fifo (GPU producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2
+# ranks case alone, with CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency
+# with staggered watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered
+# case, LOOPS times).
 # INTERNODE_K selects internode tests by pytest -k expression.
 # TRAIN_DISPATCHERS (default "uccl alltoall") picks the dispatchers the train step compares; EMULATE_NODES (default
 # "2") the node counts bench_internode plays with the host's GPUs (e.g. "2 4" on 4 GPUs: 2 x 2 and 4 x 1).
@@ -124,6 +126,21 @@ for step in "${steps[@]}"; do
       share=(); [[ "${ngpu:-1}" -ge 2 ]] || share=(--share-gpu)
       UCCL_EP_LOOPBACK_BW_GBPS=50 run profile_internode 150 torchrun --standalone --nproc-per-node 2 -m uccl_ep_train \
         bench internode --emulate-nodes 2 --iters 3 "${share[@]}" --profile "$OUT/profile-internode.txt" ;;
+    pyspy_internode)  # where each rank's main thread spends the calls' host steps, idle samples included (py-spy
+      # from a carried wheel in .whl/, whose binary lands in /tmp/site/bin): sync-free, uncapped, EMULATE_NODES nodes;
+      # scripts/pyspy_summary.py splits the samples of each call kind into waits and work by frame
+      spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+      if [[ -x $spy ]]; then
+        for n in ${EMULATE_NODES:-2}; do
+          UCCL_EP_LOOPBACK_BW_GBPS=0 run "pyspy_internode_${n}n" "${BENCH_INTERNODE_SECS:-150}" "$spy" record \
+            --subprocesses --idle --rate 500 --format raw -o "$OUT/pyspy-internode-${n}n.raw" -- "${tr2[@]}" \
+            -m uccl_ep_train bench internode --emulate-nodes "$n" --iters 10 --sync-free \
+            --json "$OUT/pyspy-internode-${n}n.json"
+          python3 scripts/pyspy_summary.py "$OUT/pyspy-internode-${n}n.raw" >"$OUT/pyspy-internode-${n}n.txt" 2>&1
+        done
+      else
+        echo "pyspy_internode rc=127 (no py-spy: carry its wheel in .whl/)" | tee -a "$OUT/summary.txt" >>"$log"
+      fi ;;
     profile_dispatcher)  # the uccl round trip alone, torch.profiler tables per kernel
       run profile_dispatcher 180 "${tr2[@]}" -m uccl_ep_train bench dispatcher --dispatchers uccl --iters 10 \
         --profile "$OUT/profile-dispatcher" ;;
