@@ -2,12 +2,34 @@
 (test_internode_backend_cpu.py) share: routings, the exact comparison, and the case loop against reference.py."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import time
 
 import pytest
 import torch
+
+
+# A one-rank InternodeContext whose proxy writes to the rank itself (1 thread, 2 FIFOs): the kernel checks' setting,
+# on a GPU (test_internode_gpu.py) and on the stand-in (test_internode_backend_cpu.py)
+ONE_RANK_CONTEXT = dict(rank=0, world=1, rdma_bytes=1 << 16, nvl_bytes=1 << 16, num_threads=1, fifos_per_thread=2,
+                        fifo_depth=64, cpus=[], idle_backoff_us=0, max_inflight_writes=8, max_inflight_bytes=4096,
+                        reorder_window=256, num_signal_slots=512, loopback_reorder=0, loopback_delay_us=0,
+                        loopback_bandwidth_gbps=0.0, loopback_seed=0)
+
+
+@contextlib.contextmanager
+def one_rank_context(context_class, **args):
+    """A started ``context_class`` (the native or stand-in InternodeContext) with ONE_RANK_CONTEXT's arguments
+    updated by ``args``, its proxy connected to itself; destroyed on leaving."""
+    cx = context_class(**{**ONE_RANK_CONTEXT, **args})
+    try:
+        cx.proxy_connect([[cx.proxy_local_info(0)]])
+        cx.proxy_start()
+        yield cx
+    finally:
+        cx.destroy()
 
 
 def _routing(kind, T, K, E, R, g):

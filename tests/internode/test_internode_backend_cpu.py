@@ -9,7 +9,6 @@ the error reporting. Every output must equal the reference bit for bit.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import time
@@ -21,6 +20,7 @@ from tests.distributed import run_distributed
 
 import fake_internode_native as fake
 from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_small_after_a_push_during_notify,
+                             one_rank_context,
                              check_a_failed_rank_sends_and_forwards_nothing,
                              FORWARD_ROW_SHAPES, FORWARD_ROW_SHAPE_IDS,
                              check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
@@ -944,21 +944,10 @@ def test_a_rank_that_never_pushes_makes_the_others_raise_naming_rank_phase_and_s
         assert 1 <= elapsed < 3.5, f"rank {rank} took {elapsed:.1f} s with a 1 s GPU deadline"
 
 
-@contextlib.contextmanager
 def _context(world=1, **kw):
     """A started stand-in context of rank 0 (its proxy connected to itself), destroyed on leaving."""
-    args = dict(rank=0, world=world, device=None, rdma_bytes=1 << 16, nvl_bytes=1 << 16, num_threads=1,
-                fifos_per_thread=2, fifo_depth=64, cpus=[], idle_backoff_us=0, timeout_secs=1.0, max_inflight_writes=8,
-                max_inflight_bytes=4096, reorder_window=256, num_signal_slots=512, loopback_reorder=0,
-                loopback_delay_us=0, loopback_bandwidth_gbps=0.0, loopback_seed=0, gpu_timeout_secs=0.05)
-    args.update(kw)
-    cx = fake.InternodeContext(**args)
-    try:
-        cx.proxy_connect([[cx.proxy_local_info(0)]])
-        cx.proxy_start()
-        yield cx
-    finally:
-        cx.destroy()
+    return one_rank_context(fake.InternodeContext, **{"world": world, "device": None, "timeout_secs": 1.0,
+                                                      "gpu_timeout_secs": 0.05, **kw})
 
 
 def test_stand_in_pack_and_push_writes_what_pack_records_writes_and_pushes_every_chunk():

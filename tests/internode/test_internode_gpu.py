@@ -12,7 +12,6 @@ overtakes its bytes, even while the sender's own wait kernel spins on the defaul
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from tests.distributed import run_distributed  # noqa: E402
 
 from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # noqa: E402  (shared with
                              EXPERT_MAJOR_CASES, OWN_ROW_CASES, check_a_failed_rank_sends_and_forwards_nothing,
+                             one_rank_context,
                              FORWARD_ROW_SHAPES, FORWARD_ROW_SHAPE_IDS,
                              check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
                              check_a_gated_unpack_reads_rows_only_after_their_chunks_land,  # the CPU tests)
@@ -805,22 +805,11 @@ def test_a_signal_never_arrives_before_its_bytes_while_the_sender_spins_on_the_d
         assert ok, f"rank {rank}: the signal arrived before the bytes (stale data read after the wait)"
 
 
-@contextlib.contextmanager
 def _one_rank_context(**overrides):
     """A started one-rank InternodeContext on GPU 0 whose proxy writes to the rank itself (1 thread, 2 FIFOs),
     destroyed on leaving."""
-    args = dict(rank=0, world=1, device=0, rdma_bytes=1 << 16, nvl_bytes=1 << 16, num_threads=1, fifos_per_thread=2,
-                fifo_depth=64, cpus=[], idle_backoff_us=0, timeout_secs=5.0, max_inflight_writes=8,
-                max_inflight_bytes=4096, reorder_window=256, num_signal_slots=512, loopback_reorder=0,
-                loopback_delay_us=0, loopback_bandwidth_gbps=0.0, loopback_seed=0, gpu_timeout_secs=5.0)
-    args.update(overrides)
-    cx = native.module().internode.InternodeContext(**args)
-    try:
-        cx.proxy_connect([[cx.proxy_local_info(0)]])
-        cx.proxy_start()
-        yield cx
-    finally:
-        cx.destroy()
+    return one_rank_context(native.module().internode.InternodeContext,
+                            **{"device": 0, "timeout_secs": 5.0, "gpu_timeout_secs": 5.0, **overrides})
 
 
 def test_tables_reach_the_gpu_from_the_pinned_area_also_when_staged_before_a_drain_and_committed_after_it():
