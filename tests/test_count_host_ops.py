@@ -1,0 +1,18 @@
+"""scripts/count_host_ops.py counts what each host step of an internode forward pair issues on the CPU stand-in: the
+steps come from the backend's own laps, and the counts from its torch ops, native calls and uploads."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_each_step_of_a_2x2_forward_pair_is_listed_with_what_it_issued():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "count_host_ops.py"), "--world", "4",
+                          "--ranks-per-node", "2"], capture_output=True, text=True, timeout=600, check=True).stdout
+    steps = {line.split()[0]: line[40:].strip() for line in out.splitlines() if line.strip()}
+    assert {"dispatch.entry", "dispatch.pack", "dispatch.forward", "combine.gather", "combine.finish"} <= set(steps)
+    # the pipelined gather launches gather_tiles and uploads its table and the rows' ends; the forward launches
+    # forward_arrivals and the node barrier's kernels
+    assert "native 1" in steps["combine.gather"] and "uploads 2" in steps["combine.gather"], steps["combine.gather"]
+    assert "native" in steps["dispatch.forward"] and "torch ops" not in steps["dispatch.forward"]
