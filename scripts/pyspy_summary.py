@@ -31,7 +31,8 @@ _FRAME = re.compile(r"^(?P<func>.+?) \((?P<path>.+):(?P<line>\d+)\)$")
 def parse_frame(frame: str) -> Optional[Tuple[str, str, int]]:
     """(function, path, line) of one py-spy frame; None for frames without a location (process, thread, native)."""
     m = _FRAME.match(frame.strip())
-    return (m["func"], m["path"], int(m["line"])) if m else None
+    # py-spy names methods by their class ("NativeInternodeBackend.dispatch"); the summary keys on the method
+    return (m["func"].rpartition(".")[2], m["path"], int(m["line"])) if m else None
 
 
 def call_kind(frames: List[Optional[Tuple[str, str, int]]]) -> Optional[str]:

@@ -163,3 +163,45 @@ def test_calls_beside_compute_are_each_timed_on_the_gpu_from_the_end_of_the_comp
     assert timed[1::4] == ["event"] * (3 * per_call) and timed[3::4] == ["event"] * (3 * per_call)
     assert timed[2:4 * per_call:4] == ["dispatch", "combine", "dispatch", "combine",
                                        "cached", "combine", "cached", "combine"]
+
+
+def test_the_host_op_probe_reports_the_median_host_time_of_each_kind_of_call_a_host_step_makes(monkeypatch):
+    # each probe call costs a known time on a fake clock; the median, not the mean, is reported (one slow outlier of
+    # 50 us among 2 us calls leaves it at 2), in microseconds, for each of the three kinds of call
+    clock = _Clock()
+    costs = iter([2e-6] * 3 + [50e-6] + [2e-6] * 1000)
+
+    def perf_counter():
+        return clock.perf_counter()
+
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    import uccl_ep_train.native as native
+    real_stream_handle = native.stream_handle
+
+    def spend(fn):
+        def run(*a, **k):
+            clock.now += next(costs)
+            return fn(*a, **k)
+        return run
+    monkeypatch.setattr(native, "stream_handle", spend(real_stream_handle))
+    real_add, real_copy = torch.Tensor.add_, torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "add_", spend(real_add))
+    monkeypatch.setattr(torch.Tensor, "copy_", spend(real_copy))
+    out = bench._host_op_us(torch.device("cpu"), reps=11)
+    assert set(out) == {"torch_op", "pinned_upload_1KiB", "stream_handle"}
+    assert out == {"torch_op": 2.0, "pinned_upload_1KiB": 2.0, "stream_handle": 2.0}
+
+
+def test_gc_pauses_counts_each_collection_by_generation_and_stops_counting_once_stopped():
+    import gc
+
+    watch = bench.GcPauses().start()
+    gc.collect(0)
+    gc.collect()  # the oldest generation
+    out = watch.stop()
+    assert out["collections"][0] >= 1 and out["collections"][2] >= 1
+    assert out["max_pause_ms"] > 0 and sum(out["pause_ms"]) >= out["max_pause_ms"]
+    gc.collect()
+    assert watch.stop()["collections"] == out["collections"]  # no longer called back

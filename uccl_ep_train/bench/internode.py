@@ -65,6 +65,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU work queued before every call of the training steps timed on the GPU (beside_compute_* "
                         "in the JSON), standing in for the attention and experts between the calls: the host "
                         "launches each call while it runs, as in training; 0 skips that loop")
+    p.add_argument("--gc", choices=("auto", "manual"), default="auto",
+                   help="Python's garbage collector during the run: auto, its default threshold collections (each "
+                        "pause lands in whatever host step allocated last); manual, as Megatron's --manual-gc: the "
+                        "objects made at setup frozen and threshold collections off until the run ends. Either way "
+                        "the JSON reports the collections and their pauses (gc)")
     p.add_argument("--json", type=str, default="")
     p.add_argument("--profile", metavar="PATH", default="",
                    help="after timing, profile 5 forward pairs (dispatch, combine), 5 cached dispatches and 5 combines "
@@ -475,6 +480,70 @@ def _host_steps(nat) -> dict:
     return {k: round(v[0] / max(v[1], 1) * 1e6, 1) for k, v in nat.host_timing.items()}
 
 
+def _host_op_us(dev, reps: int = 400) -> dict:
+    """Host microseconds (median) of the kinds of call a host step is made of, on an idle GPU: a torch op on a small
+    device tensor (one kernel launch through the dispatcher), a small pinned host-to-device copy, and a stream handle
+    read. Taken before the backend exists and again with its proxy threads and copy agent running idle: if the second
+    is much higher, what runs beside the main thread (not the steps' own work) makes the host steps slow."""
+    import torch
+
+    from uccl_ep_train.native import stream_handle
+
+    t = torch.zeros(1024, device=dev)
+    src = torch.ones(256, dtype=torch.int32).pin_memory()
+    dst = torch.empty(256, dtype=torch.int32, device=dev)
+    probes = {"torch_op": lambda: t.add_(1), "pinned_upload_1KiB": lambda: dst.copy_(src, non_blocking=True),
+              "stream_handle": lambda: stream_handle(dev)}
+    out = {}
+    for name, fn in probes.items():
+        fn()
+        torch.cuda.synchronize(dev)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize(dev)
+        out[name] = round(statistics.median(times) * 1e6, 2)
+    return out
+
+
+class GcPauses:
+    """Python's garbage collections from start() on, by generation, and the wall time they paused the thread for (a
+    collection of the oldest generation walks every tracked object of the process: torch, and Megatron's in training).
+    Installed as a gc callback, so it sees every collection, threshold or explicit."""
+
+    def __init__(self):
+        self.collections = [0, 0, 0]
+        self.pause_s = [0.0, 0.0, 0.0]
+        self.max_pause_s = 0.0
+        self._t0 = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            dt, g = time.perf_counter() - self._t0, info["generation"]
+            self.collections[g] += 1
+            self.pause_s[g] += dt
+            self.max_pause_s = max(self.max_pause_s, dt)
+            self._t0 = None
+
+    def start(self) -> "GcPauses":
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def stop(self) -> dict:
+        import gc
+
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+        return {"collections": list(self.collections), "pause_ms": [round(t * 1e3, 3) for t in self.pause_s],
+                "max_pause_ms": round(self.max_pause_s * 1e3, 3)}
+
+
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -514,7 +583,15 @@ def run(args) -> int:
         torch.cuda.set_stream(torch.cuda.Stream(dev))
     ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=dev,
                          num_nvl_bytes=args.nvl_bytes, num_rdma_bytes=args.rdma_bytes, settings=settings)
+    host_ops_before = _host_op_us(dev)
     nat = NativeInternodeBackend(ctx)
+    host_ops_with_proxies = _host_op_us(dev)
+    if args.gc == "manual":  # (Megatron's --manual-gc: what setup made is frozen, no threshold collection)
+        import gc
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    gc_pauses = GcPauses().start()
     T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
     g = torch.Generator(device=dev).manual_seed(rank)
     idx = torch.rand((T, E), device=dev, generator=g).topk(K, dim=1).indices
@@ -770,6 +847,11 @@ def run(args) -> int:
         # area full or read by another stream since the last drain: a copy that may wait for the stream; rank 0,
         # every call of the run; None without the area, as on the CPU stand-in)
         "upload_staging": nat.upload_counts() if hasattr(nat, "upload_counts") else None,
+        # host microseconds per small torch op, pinned upload and stream read on an idle GPU, before the backend and
+        # with its proxies and copy agent idle (_host_op_us): rank 0
+        "host_op_us": {"before_backend": host_ops_before, "with_proxies_idle": host_ops_with_proxies},
+        # Python's garbage collections on rank 0 from setup to here (every loop above), and their pauses (GcPauses)
+        "gc": {"mode": args.gc, **gc_pauses.stop()},
     }
     # medians of the calls timed one by one (the means above are of back-to-back loops): max over ranks
     row["median_us"] = {k: mx(statistics.median(v)) * 1e6 for k, v in calls.items()}
