@@ -10,19 +10,22 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import pyspy_summary as ps  # noqa: E402
 
 SITE = "/tmp/site/uccl_ep_train"
+B = "NativeInternodeBackend"  # py-spy names a method by its class
 RAW = [
     # a forward (uncached) dispatch: waiting in _drain, planning (through numpy), an upload inside a native call
-    f'process 41:"python -m uccl_ep_train bench internode";<module> (bench.py:3);NativeInternodeBackend.dispatch ({SITE}/internode.py:2020);'
-    f"NativeInternodeBackend._uncached_dispatch ({SITE}/internode.py:2110);NativeInternodeBackend._drain ({SITE}/internode.py:870) 7\n",
-    f"<module> (bench.py:3);NativeInternodeBackend.dispatch ({SITE}/internode.py:2020);NativeInternodeBackend._uncached_dispatch ({SITE}/internode.py:2110);"
+    'process 41:"python -m uccl_ep_train bench internode";'
+    f"<module> (bench.py:3);{B}.dispatch ({SITE}/internode.py:2020);"
+    f"{B}._uncached_dispatch ({SITE}/internode.py:2110);{B}._drain ({SITE}/internode.py:870) 7\n",
+    f"<module> (bench.py:3);{B}.dispatch ({SITE}/internode.py:2020);{B}._uncached_dispatch ({SITE}/internode.py:2110);"
     f"_dispatch_shape ({SITE}/internode.py:1640);forward_block_bases ({SITE}/internode_plan.py:750);"
     "cumsum (numpy/core/fromnumeric.py:2500) 3\n",
-    f"<module> (bench.py:3);NativeInternodeBackend.dispatch ({SITE}/internode.py:2020);NativeInternodeBackend._uncached_dispatch ({SITE}/internode.py:2110);"
+    f"<module> (bench.py:3);{B}.dispatch ({SITE}/internode.py:2020);{B}._uncached_dispatch ({SITE}/internode.py:2110);"
     f"_dispatch_shape ({SITE}/internode.py:1640);upload ({SITE}/upload_staging.py:70) 2\n",
     # a cached dispatch and a combine
-    f"<module> (bench.py:3);NativeInternodeBackend.dispatch ({SITE}/internode.py:2020);NativeInternodeBackend._cached_dispatch ({SITE}/internode.py:2040) 4\n",
-    f"<module> (bench.py:3);NativeInternodeBackend.combine ({SITE}/internode.py:2560);NativeInternodeBackend._gather_in_tiles ({SITE}/internode.py:2800) 5\n",
-    f"<module> (bench.py:3);NativeInternodeBackend.combine ({SITE}/internode.py:2560);NativeInternodeBackend._drain ({SITE}/internode.py:870) 1\n",
+    f"<module> (bench.py:3);{B}.dispatch ({SITE}/internode.py:2020);"
+    f"{B}._cached_dispatch ({SITE}/internode.py:2040) 4\n",
+    f"<module> (bench.py:3);{B}.combine ({SITE}/internode.py:2560);{B}._gather_in_tiles ({SITE}/internode.py:2800) 5\n",
+    f"<module> (bench.py:3);{B}.combine ({SITE}/internode.py:2560);{B}._drain ({SITE}/internode.py:870) 1\n",
     # outside the calls, and lines that are not samples
     f"<module> (bench.py:3);_training_steps ({SITE}/bench/internode.py:300) 9\n",
     "<module> (bench.py:3) 2\n",
