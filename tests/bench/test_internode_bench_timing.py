@@ -205,3 +205,18 @@ def test_gc_pauses_counts_each_collection_by_generation_and_stops_counting_once_
     assert out["max_pause_ms"] > 0 and sum(out["pause_ms"]) >= out["max_pause_ms"]
     gc.collect()
     assert watch.stop()["collections"] == out["collections"]  # no longer called back
+
+
+def test_the_main_threads_usage_per_pair_is_the_difference_over_the_pairs_with_cpu_in_microseconds():
+    before = bench._thread_usage()
+    x = 0
+    for i in range(200000):  # some CPU on this thread
+        x += i
+    after = bench._thread_usage()
+    assert set(after) == {"cpu_s", "voluntary_switches", "involuntary_switches", "minor_faults", "major_faults"}
+    assert after["cpu_s"] > before["cpu_s"]
+    per = bench._per_pair({"cpu_s": 0.003, "voluntary_switches": 10, "involuntary_switches": 4, "minor_faults": 8,
+                           "major_faults": 0}, {"cpu_s": 0.001, "voluntary_switches": 2, "involuntary_switches": 0,
+                                                "minor_faults": 0, "major_faults": 0}, 4)
+    assert per == {"voluntary_switches": 2.0, "involuntary_switches": 1.0, "minor_faults": 2.0, "major_faults": 0.0,
+                   "cpu_us": 500.0}

@@ -544,6 +544,23 @@ class GcPauses:
                 "max_pause_ms": round(self.max_pause_s * 1e3, 3)}
 
 
+def _thread_usage() -> dict:
+    """The calling thread's resource usage so far (Linux RUSAGE_THREAD; the process's elsewhere): CPU seconds, context
+    switches it made itself (a wait that slept) and ones forced on it (preempted by another runnable thread), and
+    page faults (minor: mapped without I/O)."""
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    r = resource.getrusage(who)
+    return {"cpu_s": r.ru_utime + r.ru_stime, "voluntary_switches": r.ru_nvcsw, "involuntary_switches": r.ru_nivcsw,
+            "minor_faults": r.ru_minflt, "major_faults": r.ru_majflt}
+
+
+def _per_pair(after: dict, before: dict, pairs: int) -> dict:
+    """(after - before) / pairs per field of _thread_usage, CPU seconds as microseconds."""
+    out = {k: (after[k] - before[k]) / max(pairs, 1) for k in after}
+    out["cpu_us"] = round(out.pop("cpu_s") * 1e6, 1)
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -683,17 +700,21 @@ def run(args) -> int:
         calls[name], = _per_call((fn,), args.iters, args.warmup)
     # ... and back to back in training order, no synchronize between the calls: a forward pass's pairs (dispatch,
     # combine) and a backward pass's (cached dispatch, combine), with the host steps of each loop
-    in_turn, in_turn_steps = {}, {}
+    in_turn, in_turn_steps, in_turn_thread = {}, {}, {}
     for name, fns in (("forward", (fwd_dispatch, lambda: nat.combine(y, fwd["h"], None, None))),
                       ("backward", (cached, combine))):
         nat.host_timing = {}
+        before = _thread_usage()
         first, second = _in_turn(fns, args.iters, args.warmup)
+        in_turn_thread[name] = _per_pair(_thread_usage(), before, args.iters + args.warmup)
         in_turn[f"{name}_{'dispatch' if name == 'forward' else 'cached_dispatch'}"] = first
         in_turn[f"{name}_combine"] = second
         in_turn_steps[name] = _host_steps(nat)
         nat.host_timing = None
     in_turn_steps_by_rank = [None] * world
     dist.all_gather_object(in_turn_steps_by_rank, in_turn_steps)
+    in_turn_thread_by_rank = [None] * world
+    dist.all_gather_object(in_turn_thread_by_rank, in_turn_thread)
     # training steps over several layers: a fresh handle per layer, a backward of bf16 gradients
     grad = x if x.dtype == torch.bfloat16 else torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
     nat.host_timing = {}
@@ -874,6 +895,9 @@ def run(args) -> int:
 
     loop_figures("in_turn", in_turn)
     row["in_turn_host_step_us_by_rank"] = in_turn_steps_by_rank
+    # the main thread per pair of those loops (_thread_usage): CPU seconds, switches it made (waits that slept) and
+    # ones forced on it (preempted), page faults; per rank
+    row["in_turn_main_thread_per_pair_by_rank"] = in_turn_thread_by_rank
     # Training steps of --layers layers, fresh handles (_training_steps): the same figures; the backward's cached
     # dispatch moves a bf16 gradient (with --fp8 more bytes than the forward's dispatch: its GB/s reads low)
     row["layers"] = args.layers
