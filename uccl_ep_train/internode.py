@@ -702,9 +702,18 @@ class NativeInternodeBackend:
         holds (written as zeros to a scratch row, nothing pushed)."""
         dev, G, k = self.device, self.G, self._k
         targets = torch.zeros((3, G), dtype=torch.int64, device=dev)  # no gather block, no flag row, no arrivals
-        by_arrival = torch.full((G, 1), -1, dtype=torch.int32, device=dev)
+        by_arrival = torch.empty((G, 1), dtype=torch.int32, device=dev)
+        k.gather_rows_by_arrival(by_arrival.data_ptr(), G, 1, 0, 0, 0, 0, self._stream())  # (memset only: -1)
         k.gather_tiles(targets[0].data_ptr(), targets[1].data_ptr(), G, by_arrival.data_ptr(), 1,
                        targets[2].data_ptr(), GATHER_MIN_TILE_ROWS, 0, 16, 0, 0, 0, 16, 1, self._stream())
+        # the per-handle tables' kernels with one row each: a row of source 0 at arrival 0, an arrival with no copy
+        ends, arrival = torch.ones(1, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
+        row_table = torch.empty((G, 1), dtype=torch.int32, device=dev)
+        k.gather_rows_by_arrival(row_table.data_ptr(), G, 1, ends.data_ptr(), 1, arrival.data_ptr(), 1,
+                                 self._stream())
+        no_copy = torch.full((1, G), -1, dtype=torch.int64, device=dev)
+        sum_rows = torch.empty((G, 1), dtype=torch.int32, device=dev)
+        k.forward_sum_rows(sum_rows.data_ptr(), G, 1, 1, no_copy.data_ptr(), self._stream())
         flags = torch.ones((G, GATHER_MAX_TILES), dtype=torch.int32, device=dev)  # (already at the epoch)
         scratch = torch.full((2, 16), 255, dtype=torch.uint8, device=dev)
         table = torch.tensor([[self.rank, 0, 0, 16, 0, self._barrier_slot, 0]], dtype=torch.int64, device=dev)
@@ -719,6 +728,10 @@ class NativeInternodeBackend:
         if bool((scratch[0] != 0).any()):
             raise InternodeError(f"rank {self.rank}: the node sum of a record nobody holds a copy of is not zero (got "
                                  f"{scratch[0].tolist()}); rebuild _C")
+        if row_table.view(-1).tolist() != [0] + [-1] * (G - 1) or bool((sum_rows != -1).any()):
+            raise InternodeError(f"rank {self.rank}: the combine's table kernels misread one row (by arrival "
+                                 f"{row_table.view(-1).tolist()}, node-sum rows {sum_rows.view(-1).tolist()}); "
+                                 "rebuild _C")
 
     def start_kernel_timeline(self, launches: int) -> None:
         """Stamp the next ``launches`` pack_and_push launches on the GPU (docs/internode.md, "Kernel timeline")."""
@@ -2760,10 +2773,11 @@ class NativeInternodeBackend:
         """int32 [G, A]: the gather row (counted from the first block) of local GPU j's copy of arrival a, -1 where
         GPU j sent none; made at the handle's first combine (and again for another gather block size)."""
         if h.forward_sum_rows is None or h.forward_sum_rows[0] != rows_per_block:
-            # row j * rows_per_block + a as one arange seen as [G, rows_per_block] (A <= rows_per_block: the combine's
-            # shape checked that every forwarder's arrivals fit its gather block): three launches, not eight
-            rows = torch.arange(self.G * rows_per_block, dtype=torch.int32, device=self.device)
-            table = torch.where(h.fwd_dest_rows.t() >= 0, rows.view(self.G, rows_per_block)[:, :A], -1).contiguous()
+            # one launch (A <= rows_per_block: the combine's shape checked that every forwarder's arrivals fit its
+            # gather block); as torch ops it took four, ~150 us of host time before the push (session 43)
+            table = torch.empty((self.G, A), dtype=torch.int32, device=self.device)
+            self._k.forward_sum_rows(table.data_ptr(), self.G, A, rows_per_block, h.fwd_dest_rows.data_ptr(),
+                                     self._stream())
             h.forward_sum_rows = (rows_per_block, table)
         return h.forward_sum_rows[1]
 
@@ -2799,11 +2813,15 @@ class NativeInternodeBackend:
                                   max(max(arrivals), 1))
         _, table, tile, width = shape.gather_tiles
         by_arrival = h.gather_by_arrival
-        if by_arrival is None:  # our row of each forwarder's arrival, -1 where it is another GPU's
-            by_arrival = h.gather_by_arrival = torch.full((G, width), -1, dtype=torch.int32, device=self.device)
-            if nrecv:
-                by_arrival.index_put_((self._source_local(h, nrecv), h.recv_arrival),
-                                      torch.arange(nrecv, dtype=torch.int32, device=self.device))
+        if by_arrival is None:  # our row of each forwarder's arrival, -1 where it is another GPU's: one upload and
+            # one call (torch took ~7 launches, ~200 us of host time before the push at 2 x 2: session 43)
+            by_arrival = h.gather_by_arrival = torch.empty((G, width), dtype=torch.int32, device=self.device)
+            ends = self._upload(recv_row_ends(h.counts, self.rank)) if nrecv else None
+            self._k.gather_rows_by_arrival(
+                by_arrival.data_ptr(), G, width, ends.data_ptr() if nrecv else 0, self.R,
+                h.recv_arrival.data_ptr() if nrecv else 0, nrecv, self._stream(), err=self._cx.error_word_ptr,
+                stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation, rank=self.rank,
+                phase=self._phases["combine_gather"])
         self._k.gather_tiles(table[0].data_ptr(), table[1].data_ptr(), G, by_arrival.data_ptr(), by_arrival.size(1),
                              table[2].data_ptr(), tile, rows.data_ptr() if nrecv else 0, pay,
                              w.data_ptr() if kw and nrecv else 0, kw, nrecv, cstride, self._gather_epoch,

@@ -271,6 +271,18 @@ void bind_internode(py::module_& m) {
         "records were packed (fit send_limit bytes), our arrivals were pushed (fit receive_bytes) and fit "
         "capacity_rows");
 
+  k.def("gather_rows_by_arrival", &in::gather_rows_by_arrival, py::arg("out"), py::arg("targets"),
+        py::arg("max_arrivals"), py::arg("row_ends"), py::arg("num_sources"), py::arg("arrival"), py::arg("num_rows"),
+        py::arg("stream"), py::arg("err") = 0, py::arg("stop_flag") = 0, py::arg("stop_generation") = 0,
+        py::arg("rank") = -1, py::arg("phase") = 0,
+        "gather_tiles' by_arrival table (int32 [targets, max_arrivals]) in one call: -1, then out[f, arrival[r]] = r "
+        "for each received row r, f the local index of its source (the first s with row_ends[s] > r, int64; f = s "
+        "% targets); an arrival out of range is reported (error word) and not written");
+  k.def("forward_sum_rows", &in::forward_sum_rows, py::arg("out"), py::arg("targets"), py::arg("num_arrivals"),
+        py::arg("rows_per_block"), py::arg("fwd_dest_rows"), py::arg("stream"),
+        "the forwarder's node-sum rows in one launch: out (int32 [targets, num_arrivals]) [j, a] = j * "
+        "rows_per_block + a where fwd_dest_rows (int64 [num_arrivals, targets]) [a, j] >= 0, else -1");
+
   namespace em = uccl_ep::expert_major;
   k.attr("EXPERT_MAJOR_MAX_TOPK") = em::kMaxTopk;
   k.def("expert_major_grid", [](const std::string& kernel) {

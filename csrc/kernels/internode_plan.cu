@@ -12,6 +12,7 @@
 #include "uccl_ep/portability.cuh"
 
 #include "kernels/arrival_gate.cuh"
+#include "kernels/gpu_wait.cuh"
 #include "kernels/record_copy.cuh"
 
 namespace uccl_ep::internode {
@@ -463,6 +464,84 @@ void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks
       bases, stride, send_limit, receive_bytes, capacity_rows,
       reinterpret_cast<long long*>(table_out), reinterpret_cast<long long*>(dims_out));
   check_launch("gate_from_count_rows");
+}
+
+namespace {
+
+__global__ void gather_rows_by_arrival_kernel(int* out, int targets, long long max_arrivals,
+                                              const long long* row_ends, int num_sources, const long long* arrival,
+                                              long long num_rows, ErrorWord* err, StopFlag stop, int rank,
+                                              int phase) {
+  for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < num_rows;
+       r += static_cast<long long>(gridDim.x) * blockDim.x) {
+    int lo = 0, hi = num_sources;  // the first source whose rows end past r
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (row_ends[mid] > r) hi = mid; else lo = mid + 1;
+    }
+    const int f = lo % targets;
+    const long long a = arrival[r];
+    if (lo >= num_sources || a < 0 || a >= max_arrivals) {
+      report(err, stop, kErrScatterRange, rank, f, int(r), phase, a, max_arrivals);
+      continue;
+    }
+    out[f * max_arrivals + a] = int(r);
+  }
+}
+
+__global__ void forward_sum_rows_kernel(int* out, int targets, long long num_arrivals, long long rows_per_block,
+                                        const long long* fwd_dest_rows) {
+  const long long n = num_arrivals * targets;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long j = i / num_arrivals, a = i % num_arrivals;
+    out[i] = fwd_dest_rows[a * targets + j] >= 0 ? int(j * rows_per_block + a) : -1;
+  }
+}
+
+constexpr int kTableThreads = 256;
+
+int table_blocks(long long n) {
+  return int(std::max<long long>(1, std::min<long long>((n + kTableThreads - 1) / kTableThreads, 1024)));
+}
+
+}  // namespace
+
+void gather_rows_by_arrival(uintptr_t out, int targets, int64_t max_arrivals, uintptr_t row_ends, int num_sources,
+                            uintptr_t arrival, int64_t num_rows, uintptr_t stream, uintptr_t err,
+                            uintptr_t stop_flag, int stop_generation, int rank, int phase) {
+  if (targets < 1 || max_arrivals < 0 || num_rows < 0 || num_sources < 0)
+    throw std::invalid_argument("gather_rows_by_arrival: needs targets >= 1 and no negative size");
+  if (max_arrivals * targets > (int64_t(1) << 31) || num_rows > (int64_t(1) << 31))
+    throw std::invalid_argument("gather_rows_by_arrival: rows are int32: at most 2^31 of them");
+  if (!out || (num_rows > 0 && (!row_ends || !arrival || num_sources < 1)))
+    throw std::invalid_argument("gather_rows_by_arrival: null pointer (or rows without sources)");
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (max_arrivals > 0)
+    throw_on_cuda_error(
+        cudaMemsetAsync(reinterpret_cast<void*>(out), 0xff, size_t(4) * size_t(targets) * size_t(max_arrivals), s),
+        "internode", "gather_rows_by_arrival memset");
+  if (num_rows == 0) return;
+  gather_rows_by_arrival_kernel<<<table_blocks(num_rows), kTableThreads, 0, s>>>(
+      reinterpret_cast<int*>(out), targets, max_arrivals, reinterpret_cast<const long long*>(row_ends), num_sources,
+      reinterpret_cast<const long long*>(arrival), num_rows, reinterpret_cast<ErrorWord*>(err),
+      StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation}, rank, phase);
+  check_launch("gather_rows_by_arrival");
+}
+
+void forward_sum_rows(uintptr_t out, int targets, int64_t num_arrivals, int64_t rows_per_block,
+                      uintptr_t fwd_dest_rows, uintptr_t stream) {
+  if (targets < 1 || num_arrivals < 0 || num_arrivals > rows_per_block)
+    throw std::invalid_argument("forward_sum_rows: needs targets >= 1 and 0 <= arrivals <= rows_per_block");
+  if (rows_per_block * targets > (int64_t(1) << 31))
+    throw std::invalid_argument("forward_sum_rows: rows are int32: at most 2^31 of them");
+  if (num_arrivals == 0) return;
+  if (!out || !fwd_dest_rows) throw std::invalid_argument("forward_sum_rows: null pointer");
+  forward_sum_rows_kernel<<<table_blocks(num_arrivals * targets), kTableThreads, 0,
+                            reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<int*>(out), targets, num_arrivals, rows_per_block,
+      reinterpret_cast<const long long*>(fwd_dest_rows));
+  check_launch("forward_sum_rows");
 }
 
 }  // namespace uccl_ep::internode

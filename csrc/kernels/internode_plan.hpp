@@ -134,4 +134,19 @@ void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks
                           int64_t receive_bytes, int64_t capacity_rows, uintptr_t table_out, uintptr_t dims_out,
                           uintptr_t stream);
 
+// The pipelined combine gather's table (gather_tiles' by_arrival) at a handle's first combine, in one call: out
+// (int32 [targets, max_arrivals]) set to -1, then out[f, arrival[r]] = r for each received row r, f being the local
+// index of row r's source (internode_plan.source_local_of_rows: the source s is the first with row_ends[s] > r, int64
+// [num_sources] cumulative, and f = s % targets). An arrival outside [0, max_arrivals) is reported (kErrScatterRange:
+// slot f, aux r, observed the arrival, expected max_arrivals) and not written. Torch took ~7 launches and an upload
+// for it: ~200 us of a forward combine's host time before its push on 4x H200 (session 43).
+void gather_rows_by_arrival(uintptr_t out, int targets, int64_t max_arrivals, uintptr_t row_ends, int num_sources,
+                            uintptr_t arrival, int64_t num_rows, uintptr_t stream, uintptr_t err = 0,
+                            uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0);
+
+// The forwarder's node-sum rows (the combine's _forward_sum_rows) in one launch: out (int32 [targets, num_arrivals])
+// [j, a] = j * rows_per_block + a where fwd_dest_rows (int64 [num_arrivals, targets]) [a, j] >= 0, else -1.
+void forward_sum_rows(uintptr_t out, int targets, int64_t num_arrivals, int64_t rows_per_block,
+                      uintptr_t fwd_dest_rows, uintptr_t stream);
+
 }  // namespace uccl_ep::internode

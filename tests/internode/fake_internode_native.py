@@ -43,7 +43,8 @@ from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_
                                           READ_GO, READ_OWN_COUNT, READ_OWN_FIRST, READ_ROWS, SLOT_PAGE, Counts,
                                           RecordLayout, gate_lane_target, gate_threshold, local_count_row,
                                           pack_records as _pack_records, place_blocks, read_before_counts,
-                                          rows_from_own_row, send_plan as _send_plan, stamp_arrivals)
+                                          rows_from_own_row, send_plan as _send_plan, source_local_of_rows,
+                                          stamp_arrivals)
 
 PUSH_COLUMNS = 7
 # the expert-major kernels (csrc/kernels/expert_major.hpp), shared with the intranode stand-in
@@ -264,6 +265,49 @@ def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of:
     if num_weights:
         _at(out_w, (num_tokens - 1) * ws + 4 * num_weights).as_strided((num_tokens, 4 * num_weights), (ws, 1)).copy_(
             acc_w.view(torch.uint8).view(num_tokens, 4 * num_weights))
+
+
+def gather_rows_by_arrival(out: int, targets: int, max_arrivals: int, row_ends: int, num_sources: int, arrival: int,
+                           num_rows: int, stream: int, err: int = 0, stop_flag: int = 0, stop_generation: int = 0,
+                           rank: int = -1, phase: int = 0) -> None:
+    """gather_rows_by_arrival_kernel: out (int32 [targets, max_arrivals]) -1, then out[f, arrival[r]] = r with f the
+    local index of row r's source (source_local_of_rows, the torch definition); an arrival out of range is reported
+    and not written."""
+    if targets < 1 or max_arrivals < 0 or num_rows < 0 or num_sources < 0:
+        raise ValueError("gather_rows_by_arrival: needs targets >= 1 and no negative size")
+    if not out or (num_rows > 0 and (not row_ends or not arrival or num_sources < 1)):
+        raise ValueError("gather_rows_by_arrival: null pointer (or rows without sources)")
+    table = _at(out, 4 * targets * max_arrivals, torch.int32).view(targets, max_arrivals) if max_arrivals else None
+    if table is not None:
+        table.fill_(-1)
+    if num_rows == 0:
+        return
+    ends = _at(row_ends, 8 * num_sources, torch.int64)
+    local = source_local_of_rows(ends, num_rows, targets)
+    source = torch.bucketize(torch.arange(num_rows), ends, right=True)
+    a = _at(arrival, 8 * num_rows, torch.int64)
+    for r in range(num_rows):
+        if int(source[r]) >= num_sources or not 0 <= int(a[r]) < max_arrivals:
+            _report(err, (stop_flag, stop_generation), ERROR_CODES["scatter_range"], rank, int(local[r]), r, phase,
+                    int(a[r]), max_arrivals)
+            continue
+        table[int(local[r]), int(a[r])] = r
+
+
+def forward_sum_rows(out: int, targets: int, num_arrivals: int, rows_per_block: int, fwd_dest_rows: int,
+                     stream: int) -> None:
+    """forward_sum_rows_kernel: out (int32 [targets, A])[j, a] = j * rows_per_block + a where fwd_dest_rows (int64
+    [A, targets])[a, j] >= 0, else -1 (the torch form the combine used before session 43)."""
+    if targets < 1 or num_arrivals < 0 or num_arrivals > rows_per_block:
+        raise ValueError("forward_sum_rows: needs targets >= 1 and 0 <= arrivals <= rows_per_block")
+    if num_arrivals == 0:
+        return
+    if not out or not fwd_dest_rows:
+        raise ValueError("forward_sum_rows: null pointer")
+    dest = _at(fwd_dest_rows, 8 * num_arrivals * targets, torch.int64).view(num_arrivals, targets)
+    rows = torch.arange(targets * rows_per_block, dtype=torch.int32).view(targets, rows_per_block)[:, :num_arrivals]
+    _at(out, 4 * targets * num_arrivals, torch.int32).view(targets, num_arrivals).copy_(
+        torch.where(dest.t() >= 0, rows, -1))
 
 
 def gather_tiles(dsts: int, flags: int, targets: int, by_arrival: int, max_arrivals: int, arrivals: int,
