@@ -306,17 +306,18 @@ def dispatch_nvlink_rows(counts: Counts, rank: int, ranks_per_node: int) -> int:
     tokens included) that another GPU of its node needs. From the counts, so the traffic report reads no device."""
     G = ranks_per_node
     node, local = divmod(rank, G)
-    sources = list(range(local, counts.rank_counts.size(0), G))
-    peers = [d for d in range(node * G, node * G + G) if d != rank]
-    return int(counts.rank_counts[sources][:, peers].sum()) if peers else 0
+    # the sources sharing our local index, to every GPU of our node, less what goes to us (through numpy: each torch
+    # op on these small count tensors costs several times a numpy one, "Counts")
+    block = _host(counts.rank_counts)[local::G, node * G:(node + 1) * G]
+    return int(block.sum() - block[:, local].sum())
 
 
 def combine_nvlink_rows(counts: Counts, rank: int, ranks_per_node: int) -> int:
     """Rows ``rank`` sends over NVLink in a combine: each received row goes back through the forwarder of its source
     (the GPU of this node with the source's local index), so every row whose source has another local index."""
     G = ranks_per_node
-    local = rank % G
-    return int(sum(int(c) for s, c in enumerate(counts.rank_counts[:, rank].tolist()) if s % G != local))
+    to_us = _host(counts.rank_counts)[:, rank]
+    return int(to_us.sum() - to_us[rank % G::G].sum())
 
 
 def block_offsets(sizes: Sequence[int], stride: int) -> List[int]:
