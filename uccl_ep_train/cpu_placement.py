@@ -38,9 +38,9 @@ def cpu_share(pool: Sequence[int], index: int, count: int) -> Tuple[int, ...]:
     if not pool:
         return ()
     if len(pool) < count:
-        raise SettingsError(f"{ENV} lists {len(pool)} CPU(s) for the {count} ranks of this host: each rank needs one "
-                         f"of its own (list at least {count}, ideally {count} x UCCL_EP_NUM_PROXY_THREADS, or leave "
-                         f"it empty: no pinning)")
+        raise SettingsError(f"{ENV} lists {len(pool)} CPU(s) for the {count} ranks of this host: each rank needs "
+                            f"one of its own (list at least {count}, ideally {count} x UCCL_EP_NUM_PROXY_THREADS, or "
+                            f"leave it empty: no pinning)")
     size, extra = divmod(len(pool), count)
     start = index * size + min(index, extra)
     return tuple(pool[start:start + size + (index < extra)])

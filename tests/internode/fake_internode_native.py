@@ -284,10 +284,9 @@ def gather_rows_by_arrival(out: int, targets: int, max_arrivals: int, row_ends: 
         return
     ends = _at(row_ends, 8 * num_sources, torch.int64)
     local = source_local_of_rows(ends, num_rows, targets)
-    source = torch.bucketize(torch.arange(num_rows), ends, right=True)
     a = _at(arrival, 8 * num_rows, torch.int64)
     for r in range(num_rows):
-        if int(source[r]) >= num_sources or not 0 <= int(a[r]) < max_arrivals:
+        if r >= int(ends[-1]) or not 0 <= int(a[r]) < max_arrivals:  # (past every source's rows, or the arrivals)
             _report(err, (stop_flag, stop_generation), ERROR_CODES["scatter_range"], rank, int(local[r]), r, phase,
                     int(a[r]), max_arrivals)
             continue
