@@ -562,6 +562,11 @@ class NativeInternodeBackend:
         if self.G > 1 and self._k.GATHER_MAX_TILES != GATHER_MAX_TILES:
             raise InternodeError(f"the module has {self._k.GATHER_MAX_TILES} gather tile flags, planning assumed "
                                  f"{GATHER_MAX_TILES} (rebuild _C)")
+        # ... and its copies beside the node sum and push, on the context's second stream (the same on every rank)
+        self.gather_beside_push = self.pipelined_gather and bool(s.kernel.gather_beside_push)
+        self.gather_beside_push_blocks = int(s.kernel.gather_beside_push_blocks)
+        self._gather_to_join = False  # a gather launched on the side stream that our stream has not waited for yet
+        self.gathers_beside_push = 0  # (tests, benchmarks)
         self._gather_epoch = 0  # pipelined combines so far: the value their tile flags are raised to (the same count
         # on every rank of the group)
         self.pipelined_gathers = 0  # (tests, benchmarks)
@@ -844,6 +849,7 @@ class NativeInternodeBackend:
     def _mark_drain(self) -> bool:
         """Record the drain mark now, for a ``_drain(marked=True)`` that waits only for what is queued so far
         (False on the CPU stand-in, where everything has run)."""
+        self._join_gather()  # (a drain covers the side stream's copies too)
         if self.device.type != "cuda":
             return False
         self._cx.record_drain_mark(self._stream())
@@ -854,6 +860,8 @@ class NativeInternodeBackend:
         deadline (UCCL_EP_GPU_TIMEOUT_SECS); a proxy that fails meanwhile aborts the GPU waits at once, so the
         error surfaces in milliseconds instead of after the GPU deadline. ``marked``: only up to the mark
         _mark_drain recorded (what was queued after it may still run)."""
+        if not marked:
+            self._join_gather()  # (a drain covers the side stream's copies too)
         if self.device.type != "cuda":  # CPU stand-in: every call has completed when it returns
             self._check(what)
             return
@@ -2650,14 +2658,17 @@ class NativeInternodeBackend:
                 if self._packs_and_pushes(hop):
                     node_sums = (self._cx.nvl_ptr + gbase, sum_rows.data_ptr(), G, pay, kw, x.dtype == torch.float32,
                                  self._cx.nvl_ptr + self._flag_base, tile, epoch)
-                    fused = lambda: self._pack_and_push(  # noqa: E731
-                        hop, "combine_network", self._cx.rdma_ptr + c_send, cstride, A, [],
-                        (own_first, own, self._cx.rdma_ptr + c_recv + back_offs[self.node]), node_sums=node_sums)
+                    fused = lambda: self._node_sum_push(  # noqa: E731
+                        hop, cstride, A, (own_first, own, self._cx.rdma_ptr + c_recv + back_offs[self.node]),
+                        self._cx.rdma_ptr + c_send, node_sums)
                 else:  # no record for another node (or too many for one launch): wait for every tile, then sum
                     self._cx.wait_node_flags(self._cx.nvl_ptr + self._flag_base, G, -(-A // tile), epoch,
                                                self._phases["combine_gather"], self._stream())
+                    self._join_gather()
                     self._node_sums(x, sum_rows, zero, A, pay, kw, cstride, gbase, c_send, c_recv, back_offs,
                                     own_first, own)
+            else:
+                self._join_gather()  # nothing of ours waits for the tiles: our stream takes the copies in turn
             self._lap("combine.node_sum")
         else:
             gather_index = self._gather_index(h, nrecv)
@@ -2769,6 +2780,30 @@ class NativeInternodeBackend:
         """int64 [nrecv] on the device: the local index of each received row's source (source_local_of_rows)."""
         return source_local_of_rows(self._upload(recv_row_ends(h.counts, self.rank)), nrecv, self.G)
 
+    def _node_sum_push(self, hop: HopPlan, cstride: int, A: int, own: Tuple[int, int, int], send: int,
+                       node_sums: tuple) -> None:
+        """The forwarder's node sums written and pushed by one pack_and_push launch, each record once its copies'
+        tiles are flagged. With our own copies on the side stream (gather_beside_push) the launch runs beside them,
+        held to gather_beside_push_blocks blocks so that the copies' blocks always find room on the GPU (its blocks
+        wait for the copies' flags); then our stream waits for the copies before anything queued after it."""
+        if not self._gather_to_join:
+            self._pack_and_push(hop, "combine_network", send, cstride, A, [], own, node_sums=node_sums)
+            return
+        cap = self._cx.spin_blocks
+        self._cx.spin_blocks = min(cap, self.gather_beside_push_blocks) if cap else self.gather_beside_push_blocks
+        try:
+            self._pack_and_push(hop, "combine_network", send, cstride, A, [], own, node_sums=node_sums)
+        finally:
+            self._cx.spin_blocks = cap
+            self._join_gather()
+
+    def _join_gather(self) -> None:
+        """Our stream waits (on the GPU) for the copies launched on the side stream: whatever is queued after this
+        -- the sum, the next call, the drain's mark -- comes after them, as on one stream."""
+        if self._gather_to_join:
+            self._gather_to_join = False
+            self._cx.stream_wait(self._stream(), self._cx.side_stream)
+
     def _forward_sum_rows(self, h: InternodeHandle, A: int, rows_per_block: int) -> torch.Tensor:
         """int32 [G, A]: the gather row (counted from the first block) of local GPU j's copy of arrival a, -1 where
         GPU j sent none; made at the handle's first combine (and again for another gather block size)."""
@@ -2822,10 +2857,15 @@ class NativeInternodeBackend:
                 h.recv_arrival.data_ptr() if nrecv else 0, nrecv, self._stream(), err=self._cx.error_word_ptr,
                 stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation, rank=self.rank,
                 phase=self._phases["combine_gather"])
+        stream = self._stream()
+        if self.gather_beside_push:  # beside our node sum and push (_node_sum_push), after everything before it
+            self._cx.stream_wait(self._cx.side_stream, stream)
+            stream, self._gather_to_join = self._cx.side_stream, True
+            self.gathers_beside_push += 1
         self._k.gather_tiles(table[0].data_ptr(), table[1].data_ptr(), G, by_arrival.data_ptr(), by_arrival.size(1),
                              table[2].data_ptr(), tile, rows.data_ptr() if nrecv else 0, pay,
                              w.data_ptr() if kw and nrecv else 0, kw, nrecv, cstride, self._gather_epoch,
-                             self._stream(), err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
+                             stream, err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
                              stop_generation=self._cx.stop_generation, rank=self.rank,
                              phase=self._phases["combine_gather"])
         return self._gather_epoch, tile

@@ -206,6 +206,14 @@ class KernelSettings:
         "to the forwarders in tiles and flag each tile over NVLink; each forwarder sums and pushes a chunk once its "
         "tiles are flagged, so the hop starts with the first tiles (docs/internode.md, Pipelined combine gather); 0: "
         "the whole gather, a group barrier, the node sum, then the hop", _bool))
+    gather_beside_push: bool = field(default=True, metadata=_meta(
+        "UCCL_EP_GATHER_BESIDE_PUSH", "internode, pipelined combine gather: the local GPU's copies to the forwarders "
+        "run on a second stream beside its own node sum and push, which then start with the first flagged tiles "
+        "instead of after the whole copy (docs/internode.md, Pipelined combine gather); 0: one stream, in turn", _bool))
+    gather_beside_push_blocks: int = field(default=128, metadata=_meta(
+        "UCCL_EP_GATHER_BESIDE_PUSH_BLOCKS", "with UCCL_EP_GATHER_BESIDE_PUSH: most blocks of the node sum and push "
+        "launch, whose blocks wait for the copies' tiles: the copies must always find room on the GPU beside them",
+        _int(1, 4096)))
     forward_node_barrier: bool = field(default=True, metadata=_meta(
         "UCCL_EP_FORWARD_NODE_BARRIER", "internode, several GPUs per node: after the dispatch forward each forwarder "
         "raises a flag in every local GPU's NVL region, and each GPU waits for its node's flags before reading its "

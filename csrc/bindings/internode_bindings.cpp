@@ -471,6 +471,11 @@ void bind_internode(py::module_& m) {
            "sum over (slot, target) of max(0, target - signal[slot]): e.g. a hop's records still to land")
       .def("proxy_counters", &in::Context::proxy_counters,
            "the proxy threads' published counters, one line per thread (never asks the transport)")
+      .def_property_readonly("side_stream", &in::Context::side_stream,
+                             "a second stream of the context's (non-blocking, as an integer handle): work that runs "
+                             "beside a kernel of the caller's stream instead of before it")
+      .def("stream_wait", &in::Context::stream_wait, py::arg("waiter"), py::arg("signaller"),
+           "the stream `waiter` waits on the GPU for everything queued on `signaller` so far (no host wait)")
       .def_property("spin_blocks", &in::Context::spin_blocks, &in::Context::set_spin_blocks,
                     "most blocks of the grids that spin (pack_and_push's packers, the gated readers); 0: no cap. "
                     "Set when ranks share a GPU, where the loopback's copies are kernels")

@@ -980,6 +980,12 @@ Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nv
     cudaEvent_t drain_event = nullptr;
     check(cudaEventCreateWithFlags(&drain_event, cudaEventDisableTiming), "cudaEventCreate for the drains");
     drain_event_ = drain_event;
+    cudaStream_t side_stream = nullptr;
+    check(cudaStreamCreateWithFlags(&side_stream, cudaStreamNonBlocking), "cudaStreamCreate for the side stream");
+    side_stream_ = side_stream;
+    cudaEvent_t order_event = nullptr;
+    check(cudaEventCreateWithFlags(&order_event, cudaEventDisableTiming), "cudaEventCreate for stream_wait");
+    order_event_ = order_event;
 
     ProxyConfig cfg;
     cfg.rank = rank;
@@ -1080,6 +1086,9 @@ void Context::destroy() {
   if (abort_stream_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(abort_stream_));
   if (drain_event_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(drain_event_));
   drain_event_ = nullptr;
+  if (side_stream_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(side_stream_));
+  if (order_event_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(order_event_));
+  side_stream_ = order_event_ = nullptr;
   fifos_dev_ = rdma_ = nvl_ = nullptr;
   error_ = error_dev_ = nullptr;
   stop_dev_ = nullptr;
@@ -1552,6 +1561,14 @@ void Context::record_drain_mark(uintptr_t stream) {
   if (!drain_event_) throw std::runtime_error("record_drain_mark: the internode context was destroyed");
   check(cudaEventRecord(static_cast<cudaEvent_t>(drain_event_), reinterpret_cast<cudaStream_t>(stream)),
         "cudaEventRecord of the drain mark");
+}
+
+void Context::stream_wait(uintptr_t waiter, uintptr_t signaller) {
+  if (!order_event_) throw std::runtime_error("stream_wait: the internode context was destroyed");
+  check(cudaEventRecord(static_cast<cudaEvent_t>(order_event_), reinterpret_cast<cudaStream_t>(signaller)),
+        "cudaEventRecord for stream_wait");
+  check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(waiter), static_cast<cudaEvent_t>(order_event_), 0),
+        "cudaStreamWaitEvent for stream_wait");
 }
 
 void Context::copy_to_device(uintptr_t dst, uintptr_t src, int64_t bytes, uintptr_t stream) {

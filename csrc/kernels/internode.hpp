@@ -283,6 +283,12 @@ class Context {
   // torch.cuda.current_stream() cost ~15 us of host time per drain beside busy proxy threads (session 12).
   void record_drain_mark(uintptr_t stream);
   bool drain_mark_reached() const;
+  // A second stream of the context's (non-blocking), for work that must run beside a kernel of the caller's stream
+  // instead of before it: the pipelined combine gather's copies beside the forwarder's node sum and push, which
+  // waits for their tiles (docs/internode.md, "Pipelined combine gather"). stream_wait orders the two: `waiter` waits
+  // on the GPU for what `signaller` holds now (one event of the context's; the wait takes its state at the call).
+  uintptr_t side_stream() const { return reinterpret_cast<uintptr_t>(side_stream_); }
+  void stream_wait(uintptr_t waiter, uintptr_t signaller);
   // `bytes` from pinned host memory at `src` to device memory at `dst`, queued on `stream` (cudaMemcpyAsync): the
   // backend's small tables, from a staging area allocated at setup, never a pageable copy the driver may stage
   // synchronously (uccl_ep_train/upload_staging.py).
@@ -321,6 +327,8 @@ class Context {
   int32_t stop_generation_ = 1;
   void* abort_stream_ = nullptr;     // cudaStream_t (non-blocking): abort_waits() sets the flag while kernels spin
   void* drain_event_ = nullptr;      // cudaEvent_t of record_drain_mark (timing disabled)
+  void* side_stream_ = nullptr;      // cudaStream_t (non-blocking): side_stream()
+  void* order_event_ = nullptr;      // cudaEvent_t of stream_wait (timing disabled)
   int32_t abort_value_ = 0;          // the source of that copy, alive as long as the stream
   std::vector<void*> opened_peers_;
   bool destroyed_ = false;

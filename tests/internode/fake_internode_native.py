@@ -736,6 +736,11 @@ class ArrivalGate:
 class InternodeContext:
     """One rank's regions, counters, error word and (synchronous) proxy. Same keyword arguments as the binding."""
 
+    side_stream = 1  # the second stream's handle (every launch here runs at once: only the order of calls shows)
+
+    def stream_wait(self, waiter: int, signaller: int) -> None:
+        self.stream_waits.append((waiter, signaller))
+
     def __init__(self, **kw) -> None:
         missing, unknown = set(_CTOR_ARGS) - set(kw), set(kw) - set(_CTOR_ARGS) - _CTOR_OPTIONAL
         if missing or unknown:
@@ -747,6 +752,7 @@ class InternodeContext:
         self.num_fifos = self.num_threads * int(kw["fifos_per_thread"])
         self.max_write_bytes = int(os.environ.get("FAKE_MAX_WRITE_BYTES", 1 << 30))  # the transport's write limit
         self.spin_blocks = 0  # no grid here; the backend sets it only for ranks that share a GPU
+        self.stream_waits: list = []  # (waiter, signaller) of each stream_wait, in order
         self._timeout = float(kw["gpu_timeout_secs"])
         if self.rdma_bytes <= 0 or self.rdma_bytes % CMD_UNIT or self.rdma_bytes > CMD_MAX_REGION:
             raise ValueError(f"internode: RDMA region of {self.rdma_bytes} bytes must be a positive multiple of 16 "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -301,6 +302,58 @@ def test_tables_uploaded_through_the_staging_area_give_the_same_outputs_and_fall
     out = run_distributed(_cases_through_the_staging_area, world, G, ALL[:4], 64, timeout=120, env=ENV)
     assert [done for done, _ in out] == [8] * world, out  # 4 cases, twice each
     assert all(c["fallbacks"] > 0 for _, c in out), out
+
+
+def _gather_beside_push_order(rank, world, G, cases):
+    """compare_cases with the calls of the pipelined gather's kernels and the stream orderings recorded in order:
+    (cases done, the events of the last combine, gathers launched beside the push)."""
+    nat, ref = _backends(rank, world, G)
+    events = []
+    gather, pack_and_push, stream_wait = nat._k.gather_tiles, nat._cx.pack_and_push, nat._cx.stream_wait
+
+    def on_gather(*a, **k):
+        events.append(("gather", a[14]))  # (its stream argument)
+        return gather(*a, **k)
+
+    def on_push(*a, **k):
+        events.append(("push", nat._cx.spin_blocks) if k.get("node_sums") else ("other push",))
+        return pack_and_push(*a, **k)
+
+    def on_wait(waiter, signaller):
+        events.append(("wait", waiter, signaller))
+        return stream_wait(waiter, signaller)
+    nat._k = types.SimpleNamespace(**{n: getattr(nat._k, n) for n in dir(nat._k) if not n.startswith("__")})
+    nat._k.gather_tiles, nat._cx.pack_and_push, nat._cx.stream_wait = on_gather, on_push, on_wait
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
+        last = max(i for i, e in enumerate(events) if e[0] == "gather")
+        return done, events[last - 1:last + 4], nat.gathers_beside_push
+    finally:
+        nat.destroy()
+
+
+def test_a_pipelined_gather_runs_on_the_side_stream_between_a_fork_and_a_join_around_its_node_sum_push():
+    """With UCCL_EP_GATHER_BESIDE_PUSH (the default) the local side of the pipelined combine gather is launched on the
+    context's second stream after it waited for ours (fork), the node sum and push is launched on ours held to
+    UCCL_EP_GATHER_BESIDE_PUSH_BLOCKS blocks, and only then does our stream wait for the side stream (join): the
+    push runs beside the copies, and whatever follows comes after them. Outputs equal the reference either way; with
+    the setting off the gather runs on our stream and no wait is queued."""
+    out = run_distributed(_gather_beside_push_order, 4, 2, ALL[:4], timeout=120,
+                          env={**ENV, "UCCL_EP_GATHER_BESIDE_PUSH_BLOCKS": "24"})
+    for done, events, beside in out:
+        assert done == 4 and beside >= 4
+        assert [e[0] for e in events] == ["wait", "gather", "push", "wait"], events
+        (_, fork_waiter, fork_signaller), (_, gather_stream), (_, blocks), (_, join_waiter, join_signaller) = events
+        side = fake.InternodeContext.side_stream
+        assert (fork_waiter, gather_stream, join_signaller) == (side, side, side)
+        assert fork_signaller == join_waiter != side  # our stream
+        assert blocks == 24
+    out = run_distributed(_gather_beside_push_order, 4, 2, ALL[:4], timeout=120,
+                          env={**ENV, "UCCL_EP_GATHER_BESIDE_PUSH": "0"})
+    for done, events, beside in out:
+        assert done == 4 and beside == 0
+        assert [e[0] for e in events[1:3]] == ["gather", "push"] and "wait" not in [e[0] for e in events], events
+        assert events[1][1] != fake.InternodeContext.side_stream and events[2][1] == 0  # (no cap: ranks own GPUs)
 
 
 def _packs_during_notify(rank, world, G, cases):
