@@ -12,8 +12,8 @@ def test_each_step_of_a_2x2_forward_pair_is_listed_with_what_it_issued():
                           "--ranks-per-node", "2"], capture_output=True, text=True, timeout=600, check=True).stdout
     steps = {line.split()[0]: line[40:].strip() for line in out.splitlines() if line.strip()}
     assert {"dispatch.entry", "dispatch.pack", "dispatch.forward", "combine.gather", "combine.finish"} <= set(steps)
-    # the pipelined gather makes its by-arrival table in one native call (gather_rows_by_arrival, since session 43)
-    # and launches gather_tiles, uploading its tile table and the rows' ends; the forward launches forward_arrivals
-    # and the node barrier's kernels
-    assert "native 2" in steps["combine.gather"] and "uploads 2" in steps["combine.gather"], steps["combine.gather"]
+    # the pipelined gather makes its by-arrival table in one native call (gather_rows_by_arrival, since session 43),
+    # has the second stream wait for ours (stream_wait) and launches gather_tiles there, uploading its tile table and
+    # the rows' ends; the forward launches forward_arrivals and the node barrier's kernels
+    assert "native 3" in steps["combine.gather"] and "uploads 2" in steps["combine.gather"], steps["combine.gather"]
     assert "native" in steps["dispatch.forward"] and "torch ops" not in steps["dispatch.forward"]

@@ -565,6 +565,7 @@ class NativeInternodeBackend:
         # ... and its copies beside the node sum and push, on the context's second stream (the same on every rank)
         self.gather_beside_push = self.pipelined_gather and bool(s.kernel.gather_beside_push)
         self.gather_beside_push_blocks = int(s.kernel.gather_beside_push_blocks)
+        self.gather_blocks = int(s.kernel.gather_blocks)
         self._gather_to_join = False  # a gather launched on the side stream that our stream has not waited for yet
         self.gathers_beside_push = 0  # (tests, benchmarks)
         self._gather_epoch = 0  # pipelined combines so far: the value their tile flags are raised to (the same count
@@ -710,7 +711,8 @@ class NativeInternodeBackend:
         by_arrival = torch.empty((G, 1), dtype=torch.int32, device=dev)
         k.gather_rows_by_arrival(by_arrival.data_ptr(), G, 1, 0, 0, 0, 0, self._stream())  # (memset only: -1)
         k.gather_tiles(targets[0].data_ptr(), targets[1].data_ptr(), G, by_arrival.data_ptr(), 1,
-                       targets[2].data_ptr(), GATHER_MIN_TILE_ROWS, 0, 16, 0, 0, 0, 16, 1, self._stream())
+                       targets[2].data_ptr(), GATHER_MIN_TILE_ROWS, 0, 16, 0, 0, 0, 16, 1, self._stream(),
+                       blocks=self.gather_blocks)
         # the per-handle tables' kernels with one row each: a row of source 0 at arrival 0, an arrival with no copy
         ends, arrival = torch.ones(1, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
         row_table = torch.empty((G, 1), dtype=torch.int32, device=dev)
@@ -2844,8 +2846,12 @@ class NativeInternodeBackend:
             arrivals = [h.counts.totals(G).arrivals[self.node * G + f] for f in range(G)]
             at = [self.peer_nvl[f] + self.half_nvl + self.local * block for f in range(G)]
             flags = [self.peer_nvl[f] + self._flag_base + 4 * self.local * GATHER_MAX_TILES for f in range(G)]
-            shape.gather_tiles = (cstride, self._upload([at, flags, arrivals]), gather_tile_rows(arrivals),
-                                  max(max(arrivals), 1))
+            # each forwarder's arrivals from our own node, which its pack sums last: our copies go in its order
+            by_node = [recv_counts(h.counts, self.node * G + f, G) for f in range(G)]
+            own_first = [sum(n[:self.node]) for n in by_node]
+            own_end = [first + n[self.node] for first, n in zip(own_first, by_node)]
+            shape.gather_tiles = (cstride, self._upload([at, flags, arrivals, own_first, own_end]),
+                                  gather_tile_rows(arrivals), max(max(arrivals), 1))
         _, table, tile, width = shape.gather_tiles
         by_arrival = h.gather_by_arrival
         if by_arrival is None:  # our row of each forwarder's arrival, -1 where it is another GPU's: one upload and
@@ -2867,7 +2873,8 @@ class NativeInternodeBackend:
                              w.data_ptr() if kw and nrecv else 0, kw, nrecv, cstride, self._gather_epoch,
                              stream, err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
                              stop_generation=self._cx.stop_generation, rank=self.rank,
-                             phase=self._phases["combine_gather"])
+                             phase=self._phases["combine_gather"], blocks=self.gather_blocks,
+                             own_ranges=table[3].data_ptr())
         return self._gather_epoch, tile
 
     def _combine_shape(self, counts: Counts, cstride: int) -> CombineShape:

@@ -88,7 +88,7 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
 # a row per local GPU; then the dispatch forward's flags ("The dispatch forward's node barrier"), rows of the same
 # width of which column 0 is used (wait_node_flags reads either block).
 GATHER_MAX_TILES = 1024
-GATHER_MIN_TILE_ROWS = 32  # a tile is a block's work: 8 warps of 4 rows
+GATHER_MIN_TILE_ROWS = 8  # a tile is a block's work, a row per warp: the fewer rows, the sooner its flag
 
 
 def node_flag_bytes(ranks_per_node: int) -> int:

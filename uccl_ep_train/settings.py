@@ -214,6 +214,11 @@ class KernelSettings:
         "UCCL_EP_GATHER_BESIDE_PUSH_BLOCKS", "with UCCL_EP_GATHER_BESIDE_PUSH: most blocks of the node sum and push "
         "launch, whose blocks wait for the copies' tiles: the copies must always find room on the GPU beside them",
         _int(1, 4096)))
+    gather_blocks: int = field(default=64, metadata=_meta(
+        "UCCL_EP_GATHER_BLOCKS", "internode, pipelined combine gather: blocks of the local GPU's copies to the "
+        "forwarders, which take the tiles in order so that the first are flagged early (docs/internode.md, Pipelined "
+        "combine gather); 0: a block per tile, every tile at once (each flagged near the end of the copy)",
+        _int(0, 4096)))
     forward_node_barrier: bool = field(default=True, metadata=_meta(
         "UCCL_EP_FORWARD_NODE_BARRIER", "internode, several GPUs per node: after the dispatch forward each forwarder "
         "raises a flag in every local GPU's NVL region, and each GPU waits for its node's flags before reading its "

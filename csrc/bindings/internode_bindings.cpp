@@ -160,10 +160,13 @@ void bind_internode(py::module_& m) {
         py::arg("by_arrival"), py::arg("max_arrivals"), py::arg("arrivals"), py::arg("tile_rows"), py::arg("x"),
         py::arg("payload_bytes"), py::arg("w"), py::arg("num_weights"), py::arg("num_rows"), py::arg("dst_stride"),
         py::arg("epoch"), py::arg("stream"), py::arg("err") = 0, py::arg("stop_flag") = 0,
-        py::arg("stop_generation") = 0, py::arg("rank") = -1, py::arg("phase") = 0,
+        py::arg("stop_generation") = 0, py::arg("rank") = -1, py::arg("phase") = 0, py::arg("blocks") = 0,
+        py::arg("own_ranges") = 0,
         "pipelined combine gather, the local side: our rows by_arrival[f, a] (int32 [targets, max_arrivals], -1: "
         "none) of x (and the fp32 weights w) to row a of our gather block at forwarder f (dsts[f]), a tile of "
-        "tile_rows arrivals at a time, each tile's int32 flag (flags[f] + 4 t) then raised to epoch");
+        "tile_rows arrivals at a time, each tile's int32 flag (flags[f] + 4 t) then raised to epoch; blocks: the "
+        "grid, which takes the tiles in order (0: a block per tile, up to 1024); own_ranges (int64 [2, targets]: "
+        "each forwarder's own node's arrivals, first and end; 0: none): the tiles in its pack's order, those last");
   k.def("raise_flags", &in::raise_flags, py::arg("flags"), py::arg("n"), py::arg("epoch"), py::arg("stream"),
         py::arg("stop_flag") = 0, py::arg("stop_generation") = 0,
         "the int32 at each of the n addresses in flags (device uint64 [n]) set to epoch, released at system scope "

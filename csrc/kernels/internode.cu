@@ -625,15 +625,31 @@ __global__ void forward_arrivals_kernel(const unsigned long long* dsts, long lon
 // The local side of the pipelined combine gather (gather_tiles, internode.hpp): a block per (tile, forwarder), every
 // forwarder's tile 0 first, then tile 1, ..., so that each forwarder can sum and push its first records early; a warp
 // per arrival row. Each thread's copies are made visible system-wide (the forwarder's GPU reads them) before the block
-// meets, and then one thread releases the tile's flag.
+// meets, and then one thread releases the tile's flag. The grid is small (UCCL_EP_GATHER_BLOCKS) and strides over the
+// tiles in order: with a block for every tile all of them ran at once and each was flagged only near the end of the
+// whole copy, so a pack beside it waited for ~all of it (session 43); now the tiles are flagged in order, a grid's
+// worth of tiles at a time.
 constexpr int kGatherThreads = 256;
+constexpr int kGatherUnroll = 4;  // loads in flight per lane: a few blocks then keep NVLink busy
+
+// The k-th of a forwarder's `tiles` tiles in the order its pack sums them (pack_and_push: the records for other nodes
+// first, those before its own node's block [own_first, own_end) and then those after it, the block itself last). A
+// tile across a block edge holds records of both kinds: it goes with the earlier.
+__device__ long long tile_in_pack_order(long long k, long long tiles, long long tile_rows, long long own_first,
+                                        long long own_end) {
+  const long long before = (own_first + tile_rows - 1) / tile_rows;  // tiles with an arrival before the block
+  const long long after = max(before, own_end / tile_rows);           // the first tile with one after it
+  if (k < before) return k;
+  if (k < before + (tiles - after)) return after + (k - before);
+  return before + (k - before - (tiles - after));
+}
 
 template <typename V>
 __global__ void __launch_bounds__(kGatherThreads) gather_tiles_kernel(
     const unsigned long long* dsts, const unsigned long long* flags, int targets, const int* by_arrival,
-    long long max_arrivals, const long long* arrivals, long long tile_rows, const char* x, long long payload_bytes,
-    const float* w, int num_weights, long long num_rows, long long dst_stride, int epoch, ErrorWord* err,
-    StopFlag stop, int rank, int phase) {
+    long long max_arrivals, const long long* arrivals, const long long* own_ranges, long long tile_rows,
+    const char* x, long long payload_bytes, const float* w, int num_weights, long long num_rows, long long dst_stride,
+    int epoch, ErrorWord* err, StopFlag stop, int rank, int phase) {
   __shared__ bool s_stopped;
   if (threadIdx.x == 0) s_stopped = stopped(stop);
   __syncthreads();
@@ -642,10 +658,16 @@ __global__ void __launch_bounds__(kGatherThreads) gather_tiles_kernel(
   const long long tiles = (max_arrivals + tile_rows - 1) / tile_rows;
   const long long words = payload_bytes / static_cast<long long>(sizeof(V));
   for (long long p = blockIdx.x; p < tiles * targets; p += gridDim.x) {
-    const long long t = p / targets, lo = t * tile_rows;
+    const long long k = p / targets;
     const int f = int(p % targets);
-    const long long n = arrivals[f];
-    if (lo >= n) continue;
+    const long long n = arrivals[f], its_tiles = (n + tile_rows - 1) / tile_rows;
+    if (k >= its_tiles) continue;
+    long long t = k;
+    if (own_ranges) {  // (a range past the arrivals is clamped: the order changes, never the tiles copied)
+      const long long own_first = min(max(own_ranges[f], 0LL), n);
+      t = tile_in_pack_order(k, its_tiles, tile_rows, own_first, min(max(own_ranges[targets + f], own_first), n));
+    }
+    const long long lo = t * tile_rows;
     const long long hi = lo + tile_rows < n ? lo + tile_rows : n;
     char* block = reinterpret_cast<char*>(dsts[f]);
     for (long long a = lo + warp; a < hi; a += warps) {
@@ -657,7 +679,15 @@ __global__ void __launch_bounds__(kGatherThreads) gather_tiles_kernel(
       }
       V* out = reinterpret_cast<V*>(block + a * dst_stride);
       const V* in = reinterpret_cast<const V*>(x + static_cast<long long>(r) * payload_bytes);
-      for (long long u = lane; u < words; u += kWarpSize) out[u] = in[u];
+      long long u = lane;
+      for (; u + (kGatherUnroll - 1) * kWarpSize < words; u += kGatherUnroll * kWarpSize) {
+        V v[kGatherUnroll];
+#pragma unroll
+        for (int i = 0; i < kGatherUnroll; ++i) v[i] = in[u + i * kWarpSize];
+#pragma unroll
+        for (int i = 0; i < kGatherUnroll; ++i) out[u + i * kWarpSize] = v[i];
+      }
+      for (; u < words; u += kWarpSize) out[u] = in[u];
       float* out_w = reinterpret_cast<float*>(block + a * dst_stride + payload_bytes);
       for (int k = lane; k < num_weights; k += kWarpSize) out_w[k] = w[static_cast<long long>(r) * num_weights + k];
     }
@@ -816,7 +846,9 @@ void by_word_size(uint64_t all, Launch launch) {
 void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arrival, int64_t max_arrivals,
                   uintptr_t arrivals, int64_t tile_rows, uintptr_t x, int64_t payload_bytes, uintptr_t w,
                   int num_weights, int64_t num_rows, int64_t dst_stride, int32_t epoch, uintptr_t stream,
-                  uintptr_t err, uintptr_t stop_flag, int stop_generation, int rank, int phase) {
+                  uintptr_t err, uintptr_t stop_flag, int stop_generation, int rank, int phase, int blocks,
+                  uintptr_t own_ranges) {
+  if (blocks < 0) throw std::invalid_argument("gather_tiles: blocks must be >= 0 (0: one per tile, up to 1024)");
   if (max_arrivals <= 0 || targets <= 0) return;
   if (!dsts || !flags || !by_arrival || !arrivals || (!x && num_rows > 0))
     throw std::invalid_argument("gather_tiles: null pointer");
@@ -831,14 +863,14 @@ void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arr
                                 "weights must fit a row of dst_stride (a multiple of 16) bytes");
   if (epoch < 1) throw std::invalid_argument("gather_tiles: epochs start at 1 (the flags start at 0)");
   const int64_t tiles = (max_arrivals + tile_rows - 1) / tile_rows;
-  const int blocks = int(std::min<int64_t>(tiles * targets, 1024));
+  const int grid = int(std::min<int64_t>(tiles * targets, blocks > 0 ? blocks : 1024));
   // the payload's word size: the rows' addresses (our gather blocks are 16-byte aligned; x, a caller's tensor, may
   // not be)
   by_word_size(uint64_t(x) | uint64_t(payload_bytes) | uint64_t(dst_stride), [&](auto word) {
-    gather_tiles_kernel<decltype(word)><<<blocks, kGatherThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+    gather_tiles_kernel<decltype(word)><<<grid, kGatherThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const unsigned long long*>(dsts), reinterpret_cast<const unsigned long long*>(flags), targets,
         reinterpret_cast<const int*>(by_arrival), max_arrivals, reinterpret_cast<const long long*>(arrivals),
-        tile_rows, reinterpret_cast<const char*>(x), payload_bytes, reinterpret_cast<const float*>(w), num_weights,
+        reinterpret_cast<const long long*>(own_ranges), tile_rows, reinterpret_cast<const char*>(x), payload_bytes, reinterpret_cast<const float*>(w), num_weights,
         num_rows, dst_stride, epoch, reinterpret_cast<ErrorWord*>(err),
         StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation}, rank, phase);
   });

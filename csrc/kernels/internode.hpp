@@ -383,11 +383,16 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
 // uint64 [targets]: our gather block at forwarder f, rows of dst_stride bytes, the weights behind the payload); then
 // flag t of flags[f] (device uint64 [targets]: our int32 flag row at forwarder f) is raised to `epoch`, released at
 // system scope after every copy of the tile. A row index >= num_rows is reported (kErrScatterRange) and not copied.
-// Nothing is copied or flagged once the rank is stopped (a failure during the launch stops the flags after it). Payload bytes and w must be multiples of 4, dst_stride of 16.
+// Nothing is copied or flagged once the rank is stopped (a failure during the launch stops the flags after it).
+// Payload bytes and w must be multiples of 4, dst_stride of 16. `blocks`: the grid, which takes the tiles in order
+// (UCCL_EP_GATHER_BLOCKS; 0: a block per tile and forwarder, up to 1024, every tile at once). `own_ranges` (device
+// int64 [2, targets]: each forwarder's own node's block of arrivals, first and end; 0: none): the tiles then go in
+// the order the forwarder's pack sums them, that block's last.
 void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arrival, int64_t max_arrivals,
                   uintptr_t arrivals, int64_t tile_rows, uintptr_t x, int64_t payload_bytes, uintptr_t w,
                   int num_weights, int64_t num_rows, int64_t dst_stride, int32_t epoch, uintptr_t stream,
-                  uintptr_t err = 0, uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0);
+                  uintptr_t err = 0, uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0,
+                  int blocks = 0, uintptr_t own_ranges = 0);
 
 // Raise `n` NVLink flags (asynchronous on `stream`): the int32 at flags[i] (device uint64 [n]: addresses, e.g. our
 // flag row in each local GPU's NVL region) set to `epoch`, released at system scope after everything earlier on the

@@ -312,10 +312,13 @@ def forward_sum_rows(out: int, targets: int, num_arrivals: int, rows_per_block: 
 def gather_tiles(dsts: int, flags: int, targets: int, by_arrival: int, max_arrivals: int, arrivals: int,
                  tile_rows: int, x: int, payload_bytes: int, w: int, num_weights: int, num_rows: int, dst_stride: int,
                  epoch: int, stream: int, err: int = 0, stop_flag: int = 0, stop_generation: int = 0, rank: int = -1,
-                 phase: int = 0) -> None:
+                 phase: int = 0, blocks: int = 0, own_ranges: int = 0) -> None:
     """gather_tiles_kernel: for each forwarder f, our rows by_arrival[f, a] of x (and the fp32 weights w) to row a of
     dsts[f], then flag t of flags[f] (int32) set to ``epoch`` for each of its tiles -- every copy of a forwarder lands
-    before its flags, as the kernel's release orders them; an index >= num_rows is reported, not copied."""
+    before its flags, as the kernel's release orders them; an index >= num_rows is reported, not copied. ``blocks``
+    (the grid) and ``own_ranges`` (the pack's order of the tiles) change only the order on a GPU."""
+    if blocks < 0:
+        raise ValueError("gather_tiles: blocks must be >= 0 (0: one per tile, up to 1024)")
     if max_arrivals <= 0 or targets <= 0:
         return
     if not (dsts and flags and by_arrival and arrivals) or (not x and num_rows > 0):

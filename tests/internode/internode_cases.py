@@ -247,7 +247,7 @@ def check_a_chunk_whose_records_are_never_written_makes_pack_and_push_fail_namin
 
 
 def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
-        cx, gather_tiles, rdma, nvl, dev, codes, f32):
+        cx, gather_tiles, rdma, nvl, dev, codes, f32, blocks=0, own_range=None):
     """The pipelined combine gather (docs/internode.md, "Pipelined combine gather") on one rank that writes to itself,
     playing a forwarder and its node's 3 GPUs: GPU j's gather_tiles copies its random rows (and 3 fp32 weights) of a
     random subset of 40 arrivals into its gather block, in tiles of 8, and flags each tile; pack_and_push with node
@@ -258,7 +258,10 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
     wait_node_flags returns for the epoch reached; at the next epoch, with GPU 1 never flagging, both it and
     pack_and_push fail at the GPU deadline naming the GPU, a tile it holds, its flag and the epoch, and nothing is
     pushed. A row index past GPU 0's rows is reported and its tile never flagged. ``rdma``, ``nvl``: uint8 views of
-    cx's regions on ``dev``; ``codes``: the module's ERROR_CODES."""
+    cx's regions on ``dev``; ``codes``: the module's ERROR_CODES; ``blocks``: gather_tiles' grid (0: a block per
+    tile; fewer than the 5 tiles: each block takes several, in order); ``own_range`` (first, end): an own node's
+    block of arrivals that the copies take last (e.g. (8, 20): tiles 0, 2, 3, 4, then 1), so that every tile must
+    still be copied once and flagged whatever the order."""
     import threading
 
     dtype = torch.float32 if f32 else torch.bfloat16
@@ -293,13 +296,14 @@ def check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
                torch.tensor([cx.nvl_ptr + flags_at + 4 * j * max_tiles], dtype=torch.int64, device=dev),
                torch.where(held[j], perms[j], -1).to(torch.int32).view(1, A).to(dev)) for j in range(G)]
     arrivals = torch.tensor([A], dtype=torch.int64, device=dev)
+    own_ranges = torch.tensor([[own_range[0]], [own_range[1]]], dtype=torch.int64, device=dev) if own_range else None
 
     def gather(j, epoch, stream):
         dsts, flags, by_arrival = tables[j]
         gather_tiles(dsts.data_ptr(), flags.data_ptr(), 1, by_arrival.data_ptr(), A, arrivals.data_ptr(), tile,
                      xs[j].data_ptr(), pay, ws[j].data_ptr(), kw, A, stride, epoch, stream,
                      err=cx.error_word_ptr, stop_flag=cx.stop_flag_ptr, stop_generation=cx.stop_generation, rank=0,
-                     phase=4)
+                     phase=4, blocks=blocks, own_ranges=own_ranges.data_ptr() if own_ranges is not None else 0)
 
     main = torch.cuda.Stream(dev) if cuda else None
     late = torch.cuda.Stream(dev) if cuda else None

@@ -875,8 +875,11 @@ def test_pack_and_push_writes_what_pack_records_writes_and_pushes_every_chunk_on
             cx, k.pack_records, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev), dev)
 
 
+@pytest.mark.parametrize("blocks,own_range", [(0, None), (2, None), (2, (8, 20)), (1, (0, 13))],
+                         ids=["block-per-tile", "2-blocks-in-order", "2-blocks-own-block-last", "1-block-own-first"])
 @pytest.mark.parametrize("f32", [False, True], ids=["bf16", "fp32"])
-def test_the_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_and_names_a_gpu_that_never_flags(f32):
+def test_the_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_and_names_a_gpu_that_never_flags(
+        f32, blocks, own_range):
     """The pipelined combine gather's kernels (gather_tiles, pack_and_push with node sums, wait_node_flags;
     docs/internode.md, "Pipelined combine gather") on one rank playing a forwarder and its node's 3 GPUs, one of
     which gathers late from another stream while the packers spin."""
@@ -885,7 +888,8 @@ def test_the_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_and_na
         dev = torch.device("cuda", 0)
         check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags(
             cx, k.gather_tiles, torch.as_tensor(_View(cx.rdma_ptr, cx.rdma_bytes), device=dev),
-            torch.as_tensor(_View(cx.nvl_ptr, cx.nvl_bytes), device=dev), dev, dict(k.ERROR_CODES), f32)
+            torch.as_tensor(_View(cx.nvl_ptr, cx.nvl_bytes), device=dev), dev, dict(k.ERROR_CODES), f32, blocks,
+            own_range)
 
 
 def _nvlink_flag_counts(rank, world, G, cases):
