@@ -2230,6 +2230,7 @@ class NativeInternodeBackend:
                 recv_w = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=self.device)
             src_idx = torch.empty(nrecv, dtype=torch.int64, device=self.device)
             arrival = torch.empty(nrecv, dtype=torch.int64, device=self.device)
+            self._lap("dispatch.outputs")
             if args.expert_major and counts.expert_counts is not None:
                 # the reader's table from the count rows where they are on the device (this call's: the next
                 # notify overwrites them only after every rank's combine of this receive)
@@ -2316,8 +2317,10 @@ class NativeInternodeBackend:
         else:
             h.num_recv_rows = rows
         if ahead is not None:
+            self._lap("dispatch.handle")
             self._adopt_plans(h, ahead)
             h.later_guesses = later
+            self._lap("dispatch.adopt_plans")
         if weights is None:
             recv_w = None
         if declined and call.returned_early:  # the outputs it returned were never written (the host's read went
