@@ -14,6 +14,7 @@ def test_each_step_of_a_2x2_forward_pair_is_listed_with_what_it_issued():
     assert {"dispatch.entry", "dispatch.pack", "dispatch.forward", "combine.gather", "combine.finish"} <= set(steps)
     # the pipelined gather makes its by-arrival table in one native call (gather_rows_by_arrival, since session 43),
     # has the second stream wait for ours (stream_wait) and launches gather_tiles there, uploading its tile table and
-    # the rows' ends; the forward launches forward_arrivals and the node barrier's kernels
-    assert "native 3" in steps["combine.gather"] and "uploads 2" in steps["combine.gather"], steps["combine.gather"]
+    # the rows' ends, and (at 2 x 2 nothing is planned ahead by default: UCCL_EP_PLAN_AHEAD=auto) its hop plan's
+    # table; the forward launches forward_arrivals and the node barrier's kernels
+    assert "native 3" in steps["combine.gather"] and "uploads 3" in steps["combine.gather"], steps["combine.gather"]
     assert "native" in steps["dispatch.forward"] and "torch ops" not in steps["dispatch.forward"]

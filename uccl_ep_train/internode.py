@@ -584,7 +584,9 @@ class NativeInternodeBackend:
         self._chunk_ready: Optional[torch.Tensor] = None  # pack_and_push's per-chunk counters, zero between launches
         self.pack_during_notify = bool(s.kernel.pack_during_notify)
         self.push_during_notify = bool(s.kernel.push_during_notify)
-        self.plan_ahead = bool(s.kernel.plan_ahead)
+        # docs/internode.md, "Planning ahead": with several GPUs per node the dispatch's planning sits between its
+        # count read and its return, with the GPU waiting behind it; at first use it hides behind the caller's work
+        self.plan_ahead = s.kernel.plan_ahead == "on" or (s.kernel.plan_ahead == "auto" and self.G == 1)
         # docs/internode.md, "Reading before the count read": the setting, where it can apply (one GPU per node, the
         # counters' bases fit the gate kernel's arguments)
         self.read_before_counts = (bool(s.kernel.read_before_counts) and self.G == 1

@@ -55,6 +55,16 @@ def _bool(text: str) -> bool:
     raise ValueError("must be one of 1/0, true/false, yes/no, on/off")
 
 
+def _auto_or_bool(text: str) -> str:
+    """'auto', or a boolean word as 'on' / 'off' (so that 1/0 keep working where a boolean setting gained 'auto')."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "on" if _bool(text) else "off"
+    except ValueError:
+        raise ValueError("must be auto or one of 1/0, true/false, yes/no, on/off") from None
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
@@ -250,11 +260,12 @@ class KernelSettings:
         "launched before the count read are the last dispatch's received rows times 1 + this (capped by the "
         "receive area); a dispatch that receives more is read after notify instead. Spare rows are memory held with "
         "the outputs", _float(0.0)))
-    plan_ahead: bool = field(default=True, metadata=_meta(
+    plan_ahead: str = field(default="auto", metadata=_meta(
         "UCCL_EP_PLAN_AHEAD", "internode: during its network hop an uncached dispatch plans its handle's combine, "
         "and that combine the backward pass's calls (a cached dispatch of a bf16 gradient and of the same columns, a "
         "combine with the top-k weights), so that each starts sooner (docs/internode.md, Planning ahead); 0: each "
-        "call plans at its first use", _bool))
+        "call plans at its first use; auto: ahead with one GPU per node, at first use with several (where the "
+        "dispatch's planning sat between its count read and its return)", _auto_or_bool))
     expert_major_in_reader: str = field(default="auto", metadata=_meta(
         "UCCL_EP_EXPERT_MAJOR_IN_READER", "internode: an expert-major dispatch's reader writes each row straight to "
         "its experts' rows as it lands, the sender having ranked each (token, expert) pair (docs/internode.md, "

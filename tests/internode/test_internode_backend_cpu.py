@@ -555,12 +555,14 @@ def test_a_dispatch_plans_its_handles_next_combine_and_that_combine_the_backward
     that combine's partial sums land, it plans the backward's calls: a cached dispatch of the bf16 payload and a
     combine with the top-k weights. Each plan equals the one the call would make itself and is on the device; a guess
     whose rows fit no area is skipped, not raised (the call that needs it raises). UCCL_EP_PLAN_AHEAD=0 plans nothing
-    ahead. The outputs of the calls that use the plans are compared with the reference by every other test here
-    (planning ahead is on by default)."""
-    out = run_distributed(_plans_made_ahead, world, G, timeout=120, env=ENV)
+    ahead; its default, auto, plans ahead only with one GPU per node. The outputs of the calls that use the plans
+    are compared with the reference by every other test here (2 x 1 plans ahead by default)."""
+    out = run_distributed(_plans_made_ahead, world, G, timeout=120, env=dict(ENV, UCCL_EP_PLAN_AHEAD="1"))
     assert out == [(True, True, 3, ({}, {}, {}))] * world
     out = run_distributed(_plans_made_ahead, world, G, timeout=120, env=dict(ENV, UCCL_EP_PLAN_AHEAD="0"))
     assert [(same, made) for _, same, made, _ in out] == [(True, 0)] * world
+    out = run_distributed(_plans_made_ahead, world, G, timeout=120, env=ENV)
+    assert [(same, made) for _, same, made, _ in out] == [(True, 3 if G == 1 else 0)] * world
 
 
 def _forward_bases_uploads(rank, world, G):
@@ -588,8 +590,9 @@ def _forward_bases_uploads(rank, world, G):
 def test_the_forward_bases_of_a_handle_are_uploaded_once_for_the_forward_dispatch_and_the_backwards_layout():
     """2 x 2: the forward dispatch and the backward's cached dispatch (planned during the combine) have different
     record layouts but the same counts, so the same forward bases; they go to the device once, and the backward's
-    shape reads that copy."""
-    assert run_distributed(_forward_bases_uploads, 4, 2, timeout=120, env=ENV) == [(1, 1, True)] * 4
+    shape reads that copy (planning ahead on: at 2 x 2 its default is off)."""
+    assert run_distributed(_forward_bases_uploads, 4, 2, timeout=120, env=dict(ENV, UCCL_EP_PLAN_AHEAD="1")) == \
+        [(1, 1, True)] * 4
 
 
 def _staged_plans_copied_at_the_next_entry(rank, world, G):
