@@ -542,17 +542,10 @@ __global__ void forward_rows_kernel(const unsigned long long* dsts, long long ds
 }
 
 // The row of the block table (forward_block_bases: per block the end of its rows, then a base per target) that
-// arrival r falls in: the first block whose end passes r (empty blocks end where the one before does). Blocks are
-// source nodes, so a binary search over a few dozen entries.
+// arrival r falls in: the first block whose end passes r (first_end_past), the last block past every end.
 __device__ __forceinline__ const long long* block_of_arrival(const long long* blocks, long long cols,
                                                              long long num_blocks, long long r) {
-  long long lo = 0, hi = num_blocks - 1;
-  while (lo < hi) {
-    const long long mid = (lo + hi) / 2;
-    if (r < blocks[mid * cols]) hi = mid;
-    else lo = mid + 1;
-  }
-  return blocks + lo * cols;
+  return blocks + min(first_end_past(blocks, cols, num_blocks, r), num_blocks - 1) * cols;
 }
 
 // Dispatch forward over NVLink as the forwarder's reader of its arrivals: arrival r goes to every local GPU j whose

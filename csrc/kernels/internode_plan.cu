@@ -474,11 +474,7 @@ __global__ void gather_rows_by_arrival_kernel(int* out, int targets, long long m
                                               int phase) {
   for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < num_rows;
        r += static_cast<long long>(gridDim.x) * blockDim.x) {
-    int lo = 0, hi = num_sources;  // the first source whose rows end past r
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (row_ends[mid] > r) hi = mid; else lo = mid + 1;
-    }
+    const int lo = int(first_end_past(row_ends, 1, num_sources, r));  // r's source (num_sources: past them all)
     const int f = lo % targets;
     const long long a = arrival[r];
     if (lo >= num_sources || a < 0 || a >= max_arrivals) {

@@ -17,6 +17,19 @@ namespace uccl_ep::internode {
 constexpr int kPackThreads = 256;
 constexpr int kPackGroup = 32;  // threads per record in pack_records and unpack_records (pack_and_push: a block)
 
+// The first of n ascending ends (ends[i * stride]) past r, or n when none is: which block of rows r falls in, where
+// each block ends where the next begins (empty blocks end where the one before does). A few dozen blocks at most
+// (source ranks or nodes), so a binary search per row.
+__device__ __forceinline__ long long first_end_past(const long long* ends, long long stride, long long n, long long r) {
+  long long lo = 0, hi = n;
+  while (lo < hi) {
+    const long long mid = (lo + hi) / 2;
+    if (ends[mid * stride] > r) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
 // The record list runs by destination node: with `counts` the records per node (our count row's node columns),
 // node m's records start after those of nodes 0..m-1. Returns every node's records together; *before: node m's first.
 __device__ __forceinline__ long long records_by_node(const long long* counts, int num_nodes, int m,
