@@ -220,7 +220,7 @@ class KernelSettings:
         "UCCL_EP_GATHER_BESIDE_PUSH", "internode, pipelined combine gather: the local GPU's copies to the forwarders "
         "run on a second stream beside its own node sum and push, which then start with the first flagged tiles "
         "instead of after the whole copy (docs/internode.md, Pipelined combine gather); 0: one stream, in turn", _bool))
-    gather_beside_push_blocks: int = field(default=128, metadata=_meta(
+    gather_beside_push_blocks: int = field(default=64, metadata=_meta(
         "UCCL_EP_GATHER_BESIDE_PUSH_BLOCKS", "with UCCL_EP_GATHER_BESIDE_PUSH: most blocks of the node sum and push "
         "launch, whose blocks wait for the copies' tiles: the copies must always find room on the GPU beside them",
         _int(1, 4096)))
