@@ -43,7 +43,7 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks, READ_DIMS,
     READ_GO, read_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED, GATHER_MAX_TILES, GATHER_MIN_TILE_ROWS,
-    node_flag_bytes, gather_tile_rows)
+    node_flag_bytes, gather_tile_rows, ready_word_rows, ready_word_bytes)
 from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
                                                shared_gpu_spin_blocks, use_copy_agent)
@@ -103,7 +103,8 @@ class _DeviceView:
 # or signals its peers never send, until the GPU deadline. Checked alike at setup (environment name -> field).
 _GROUP_SETTINGS = {"UCCL_EP_PIPELINED_COMBINE_GATHER": "pipelined_combine_gather",
                    "UCCL_EP_FORWARD_NODE_BARRIER": "forward_node_barrier",
-                   "UCCL_EP_PACK_AND_PUSH": "pack_and_push"}
+                   "UCCL_EP_PACK_AND_PUSH": "pack_and_push",
+                   "UCCL_EP_UNPACK_BESIDE_FORWARD": "unpack_beside_forward"}
 
 
 def group_settings_disagree(per_rank: List[Tuple[Any, ...]], names: Tuple[str, ...]) -> Optional[str]:
@@ -502,8 +503,12 @@ class NativeInternodeBackend:
         # epoch on every rank before the barrier
         self._flag_base = self.nvl_bytes - node_flag_bytes(self.G)
         self._forward_flag_base = self._flag_base + 4 * self.G * GATHER_MAX_TILES
-        if self._flag_base < self.nvl_bytes:
-            _raw_bytes(self._cx.nvl_ptr + self._flag_base, self.nvl_bytes - self._flag_base, self.device).zero_()
+        # ... and below the flags, with UCCL_EP_UNPACK_BESIDE_FORWARD, a ready word per final row (the same on every
+        # rank: the setting is agreed and every NVL region has the same size)
+        self._ready_rows = ready_word_rows(self._flag_base, self.G, bool(s.kernel.unpack_beside_forward))
+        self._ready_base = self._flag_base - ready_word_bytes(self._ready_rows)
+        if self._ready_base < self.nvl_bytes:
+            _raw_bytes(self._cx.nvl_ptr + self._ready_base, self.nvl_bytes - self._ready_base, self.device).zero_()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         dist.barrier(group=self._gloo)
@@ -513,6 +518,9 @@ class NativeInternodeBackend:
         self.peer_nvl = self._cx.open_nvl_peers([bytes(gathered[r][1]) for r in node_ranks], self.local)
         # the dispatch forward's destinations, on the device for its one launch (forward_rows)
         self._forward_targets = torch.tensor(self.peer_nvl, dtype=torch.int64).to(self.device)
+        # ... and where each one's ready words are (UCCL_EP_UNPACK_BESIDE_FORWARD)
+        self._ready_targets = torch.tensor([p + self._ready_base for p in self.peer_nvl],
+                                           dtype=torch.int64).to(self.device)
         self._forward_targets_or = functools.reduce(operator.or_, self.peer_nvl)
         self._rdma = _raw_bytes(self._cx.rdma_ptr, self.rdma_bytes, self.device)
         self._nvl = _raw_bytes(self._cx.nvl_ptr, self.nvl_bytes, self.device)
@@ -534,7 +542,7 @@ class NativeInternodeBackend:
         # small tables go to the device from pinned memory allocated now (a first pinned allocation may synchronize)
         self._staging = (UploadStaging(self.device, self._cx.copy_to_device)
                          if self.device.type == "cuda" and s.kernel.pinned_uploads else None)
-        self.half_nvl = self._flag_base // 2 // CMD_UNIT * CMD_UNIT
+        self.half_nvl = self._ready_base // 2 // CMD_UNIT * CMD_UNIT
         self.gather_block = self.half_nvl // self.G // CMD_UNIT * CMD_UNIT
         if self._cx.num_fifos != self.L:
             raise InternodeError(f"the proxy has {self._cx.num_fifos} FIFOs, planning assumed {self.L}")
@@ -573,6 +581,12 @@ class NativeInternodeBackend:
         self.pipelined_gathers = 0  # (tests, benchmarks)
         # docs/internode.md, "The dispatch forward's node barrier": likewise the same on every rank
         self.forward_node_barrier = bool(s.kernel.forward_node_barrier) and self.G > 1
+        # docs/internode.md, "The unpack beside the forward": likewise agreed (a forwarder marks the rows its GPUs wait
+        # for); each GPU's own unpack on the second stream, beside its forward
+        self.unpack_beside_forward = bool(s.kernel.unpack_beside_forward) and self.G > 1 and self.gated_arrivals
+        self.unpack_beside_forward_blocks = int(s.kernel.unpack_beside_forward_blocks)
+        self._unpack_beside: Optional[int] = None  # the forward's epoch, while its rows are to be unpacked beside it
+        self.unpacks_beside_forward = 0  # (tests, benchmarks)
         self._forward_epoch = 0  # dispatch forwards ended with it so far: their flags' value
         # our flag row in each local GPU's NVL region (column 0 of the forward's block)
         self._forward_flag_targets = torch.tensor(
@@ -1362,10 +1376,11 @@ class NativeInternodeBackend:
                              rank=self.rank, phase=self._phases[phase])
 
     def _forward_arrivals(self, counts: Counts, shape: Any, layout: RecordLayout, A: int, recv_base: int,
-                          first_row: int, gate: Any) -> torch.Tensor:
+                          first_row: int, gate: Any, ready_epoch: int = 0) -> torch.Tensor:
         """The dispatch forward over NVLink (G > 1): forward_arrivals on this rank's stream, every local GPU that
         needs an arrival getting its final row (one launch, each row read once), gated on ``gate`` (None: the hop is
-        in). Returns the arrivals' final rows at each local GPU [A, G] (-1: none), which the kernel writes."""
+        in); with ``ready_epoch``, each final row's ready word at its GPU then released to it. Returns the arrivals'
+        final rows at each local GPU [A, G] (-1: none), which the kernel writes."""
         G = self.G
         fwd_dest = torch.empty((A, G), dtype=torch.int64, device=self.device)
         if not A:
@@ -1379,7 +1394,9 @@ class NativeInternodeBackend:
                                  gate=gate, first_row=first_row if 0 <= first_row < A else 0,
                                  err=self._cx.error_word_ptr, stop_flag=self._cx.stop_flag_ptr,
                                  stop_generation=self._cx.stop_generation, rank=self.rank,
-                                 phase=self._phases["dispatch_forward"])
+                                 phase=self._phases["dispatch_forward"],
+                                 ready_words=self._ready_targets.data_ptr() if ready_epoch else 0,
+                                 ready_rows=self._ready_rows, ready_epoch=ready_epoch)
         return fwd_dest
 
     def _lap(self, step: Optional[str]) -> None:
@@ -1402,7 +1419,8 @@ class NativeInternodeBackend:
     # ---------------------------------------------------------------- dispatch
     def _move(self, columns: List[torch.Tensor], counts: Counts, plan: SendPlan, gate_ok: bool = False,
               h: Optional[InternodeHandle] = None, packed: Optional[List[torch.Tensor]] = None,
-              pushed: bool = False, plan_ahead: Optional[Callable[[], None]] = None, own_from_columns: bool = False
+              pushed: bool = False, plan_ahead: Optional[Callable[[], None]] = None, own_from_columns: bool = False,
+              unpacked_next: bool = False
               ) -> Tuple[torch.Tensor, RecordLayout, Optional[torch.Tensor], int, Any]:
         """Run the two hops for per-token columns; returns (final rows uint8 [num_recv, final_bytes] view, layout,
         forwarder dest rows [A, G] (None with one GPU per node: nothing is forwarded), A, pending). ``gate_ok``: the
@@ -1413,7 +1431,9 @@ class NativeInternodeBackend:
         already (_pack_during_notify); ``pushed``: and pushed too (_push_during_notify). ``plan_ahead``: host work
         and uploads for between the push and the wait when the hop is awaited here (when pending is returned, the
         caller runs it before it launches the gated reader). ``own_from_columns``: the gated reader can take our own
-        node's rows from the columns (pending.own): then, where it is gated, they are not packed."""
+        node's rows from the columns (pending.own): then, where it is gated, they are not packed. ``unpacked_next``:
+        the caller's next launch is ``_unpack`` of the final rows (a rank-major receive), which may then run beside the
+        forward (several GPUs per node: "The unpack beside the forward"), and the node barrier after it."""
         G = self.G
         # contiguous byte rows, alive until the pack launches below
         rows = packed if packed is not None else [_dense(c, c.dtype) for c in columns]
@@ -1481,15 +1501,30 @@ class NativeInternodeBackend:
                        _column_args(rows, layout))
                 pending = pending._replace(own=own, own_columns=rows)
             return arrivals[:, :layout.final_bytes], layout, None, A, pending._replace(first_row=own_row)
+        beside = (G > 1 and unpacked_next and self.unpack_beside_forward
+                  and max(counts.totals(G).final_rows[self.node * G:(self.node + 1) * G]) <= self._ready_rows)
         if G > 1 and self.gated_arrivals:
             # docs/internode.md, "Gated forward": the forwarder reads each arrival as its chunk lands and forwards it
             # over NVLink during the hop, starting with our own node's block, which is in before the hop starts
-            pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=push)
+            cap = self._cx.spin_blocks
+            if beside:  # (the forward's grid comes with its gate) held so that the unpack beside it finds room: both
+                # grids together stay below what an H100/H200 holds at once (unpack_records takes ~40 registers)
+                held = self.unpack_beside_forward_blocks
+                self._cx.spin_blocks = min(cap, held) if cap else held
+            try:
+                pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=push)
+            finally:
+                self._cx.spin_blocks = cap
             if plan_ahead is not None:
                 plan_ahead()
             self._lap("dispatch.push")
             own_row = (own_block - recv_base) // stride
-            fwd_dest = self._forward_arrivals(counts, shape, layout, A, recv_base, own_row, pending.gate)
+            if beside:  # the unpack goes on the second stream, after everything before the forward (_unpack)
+                self._forward_epoch = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
+                self._unpack_beside = self._forward_epoch
+                self._cx.stream_wait(self._cx.side_stream, self._stream())
+            fwd_dest = self._forward_arrivals(counts, shape, layout, A, recv_base, own_row, pending.gate,
+                                              ready_epoch=self._unpack_beside if beside else 0)
             self.forwards_during_hop += 1
             self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
             self._lap("dispatch.network")
@@ -1505,21 +1540,32 @@ class NativeInternodeBackend:
                 self._lap("dispatch.forward")
                 return arrivals[:, :layout.final_bytes], layout, None, A, None
             fwd_dest = self._forward_arrivals(counts, shape, layout, A, recv_base, 0, None)
-        self._forwarded()  # every forwarder's rows are in our NVL area
+        if not beside:
+            self._forwarded()  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
         return final, layout, fwd_dest, A, None
 
-    def _forwarded(self) -> None:
+    def _close_unpack_beside(self) -> None:
+        """A dispatch that fails between a forward whose rows were to be unpacked beside it and that unpack: the
+        node barrier the unpack would have ended with, so that the node's other GPUs do not wait for our flag."""
+        epoch, self._unpack_beside = self._unpack_beside, None
+        if epoch is not None:
+            self._cx.stream_wait(self._stream(), self._cx.side_stream)
+            self._forwarded(epoch)
+
+    def _forwarded(self, epoch: Optional[int] = None) -> None:
         """The end of the dispatch forward (several GPUs per node): every forwarder of our node has written its rows
         to our final rows. By default a node barrier over NVLink (docs/internode.md, "The dispatch forward's node
         barrier"): our flag raised in every local GPU's NVL region behind our forward on the stream, then a wait for
-        every local GPU's flag in ours; with UCCL_EP_FORWARD_NODE_BARRIER=0 a group barrier through the proxies."""
+        every local GPU's flag in ours; with UCCL_EP_FORWARD_NODE_BARRIER=0 a group barrier through the proxies.
+        ``epoch``: the forward's, taken already (its rows' ready words carry it: "The unpack beside the forward")."""
         if not self.forward_node_barrier:
             self._barrier("dispatch forward")
             return
-        self._forward_epoch = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
+        self._forward_epoch = epoch if epoch is not None else self._next_epoch(self._forward_epoch,
+                                                                               "UCCL_EP_FORWARD_NODE_BARRIER")
         self._k.raise_flags(self._forward_flag_targets.data_ptr(), self.G, self._forward_epoch, self._stream(),
                             stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation)
         self._cx.wait_node_flags(self._cx.nvl_ptr + self._forward_flag_base, self.G, 1, self._forward_epoch,
@@ -1826,6 +1872,19 @@ class NativeInternodeBackend:
         that the reader reads the rows already in while the host makes the handle and, where the data is mostly in,
         the next calls' plans (that work had held the reader back)."""
         n = final.size(0)
+        epoch, self._unpack_beside = self._unpack_beside, None
+        if epoch is not None:  # docs/internode.md, "The unpack beside the forward": each row once it is marked
+            ready = (self._cx.nvl_ptr + self._ready_base, epoch)
+            try:
+                self._unpack_launch(final.data_ptr(), final.stride(0), n, n if out_rows < 0 else out_rows, layout,
+                                    outs, ids, weights, ids_column, expert_lo, experts_per_rank, src_idx, arrival,
+                                    stream=self._cx.side_stream, ready=ready)
+            finally:  # (our stream takes the unpack in turn, and the node barrier orders the area's reuse)
+                self._cx.stream_wait(self._stream(), self._cx.side_stream)
+                self._forwarded(epoch)
+            self.unpacks_beside_forward += 1
+            self._while_reader(None, while_reading)
+            return
         self._unpack_launch(final.data_ptr(), final.stride(0), n, n if out_rows < 0 else out_rows, layout, outs, ids,
                             weights, ids_column, expert_lo, experts_per_rank, src_idx, arrival,
                             gate=pending.gate if pending else None, first_row=pending.first_row if pending else 0,
@@ -1848,18 +1907,26 @@ class NativeInternodeBackend:
     def _unpack_launch(self, src: int, src_stride: int, n: int, out_rows: int, layout: RecordLayout,
                        outs: List[torch.Tensor], ids: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                        ids_column: int, expert_lo: int, experts_per_rank: int, src_idx: Optional[torch.Tensor],
-                       arrival: Optional[torch.Tensor], gate: Any = None, first_row: int = 0, **before: Any) -> None:
+                       arrival: Optional[torch.Tensor], gate: Any = None, first_row: int = 0,
+                       stream: Optional[int] = None, ready: Optional[Tuple[int, int]] = None, **before: Any) -> None:
         """The unpack_records launch of _unpack (rows [0, n) at ``src``, ``src_stride`` bytes apart); ``before``: the
-        arguments of a read before the counts (dims, pad) and of our own rows read from the columns (own)."""
+        arguments of a read before the counts (dims, pad) and of our own rows read from the columns (own);
+        ``ready`` (our ready words, the forward's epoch): each row read once its word holds the epoch, on ``stream``
+        (default: ours), the grid held to UCCL_EP_UNPACK_BESIDE_FORWARD_BLOCKS."""
         K = ids.size(1) if ids is not None else 0
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
+        if ready is not None:
+            before = dict(before, ready_words=ready[0], ready_epoch=ready[1], ready_timeout_secs=self.gpu_timeout,
+                          ready_blocks=self.unpack_beside_forward_blocks, err=self._cx.error_word_ptr,
+                          stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation,
+                          rank=self.rank, phase=self._phases["dispatch_forward"])
         self._k.unpack_records(
             src, src_stride, n, out_rows,
             [(o.data_ptr(), layout.column_bytes[i], layout.column_offsets[i]) for i, o in enumerate(outs)],
             ptr(ids), ptr(weights), layout.column_offsets[ids_column] if K else 0,
             layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
             layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
-            self._stream(), gate=gate, first_row=first_row, **before)
+            self._stream() if stream is None else stream, gate=gate, first_row=first_row, **before)
 
     # ------------------------------------------------------- reading before the count read
     def _reading_before_counts(self, args: DispatchArgs, T: int, layout: RecordLayout, pushed_in_one_launch: bool,
@@ -2061,7 +2128,8 @@ class NativeInternodeBackend:
         in_reader = h.expert_major and self.expert_major_in_reader["cached"]  # the reader writes the handle's slots
         reads_all = in_reader or not h.expert_major  # (the copy after the hop reads the final rows instead)
         final, layout, _, _, pending = self._move(cols, h.counts, h.plan, gate_ok=reads_all, h=h,
-                                                  plan_ahead=alloc, own_from_columns=reads_all)
+                                                  plan_ahead=alloc, own_from_columns=reads_all,
+                                                  unpacked_next=not h.expert_major)
         self.last_traffic = self._traffic_forward(h, _payload_bytes(x, scales))  # before a gated unpack spins
         if in_reader:
             if not em_out:  # (gated: _move left the allocation to us, before the reader's launch)
@@ -2214,12 +2282,14 @@ class NativeInternodeBackend:
             # (an expert-major copy after the hop reads the final rows: our own among them)
             final, layout, fwd_dest, _, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
                                                              pushed=pushed, plan_ahead=plan_ahead,
-                                                             own_from_columns=in_reader or not args.expert_major)
+                                                             own_from_columns=in_reader or not args.expert_major,
+                                                             unpacked_next=not args.expert_major)
             nrecv = final.size(0)
             rows = nrecv
             if worst and not args.expert_major:
                 if nrecv > worst:
                     self._await_pending(pending, "dispatch_network")  # the peers' records land before we give up
+                    self._close_unpack_beside()
                     raise InternodeError(f"rank {self.rank}: received {nrecv} tokens but num_worst_tokens={worst}; "
                                          "raise num_worst_tokens")
                 rows = worst

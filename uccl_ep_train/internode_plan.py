@@ -79,7 +79,9 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
     partial = _align(4 * (hidden + num_topk))
     notify = num_ranks * _align(8 * notify_row_words(num_ranks, N))
     rdma = 2 * N * num_tokens * max(record.stride, partial) + notify
-    nvl = 2 * num_ranks * num_tokens * max(record.final_bytes, partial) + node_flag_bytes(G)
+    final = 2 * num_ranks * num_tokens * max(record.final_bytes, partial)
+    # (room for the ready words of UCCL_EP_UNPACK_BESIDE_FORWARD, which take ~1/512 of what lies below the flags)
+    nvl = final + (_align(final // 511 + 8192, 4096) if G > 1 else 0) + node_flag_bytes(G)
     return _align(nvl, 4096), _align(rdma, 4096)
 
 
@@ -94,6 +96,18 @@ GATHER_MIN_TILE_ROWS = 8  # a tile is a block's work, a row per warp: the fewer 
 def node_flag_bytes(ranks_per_node: int) -> int:
     """The NVL bytes the flags take (none with one GPU per node: nothing moves over NVLink)."""
     return _align(2 * 4 * ranks_per_node * GATHER_MAX_TILES, 4096) if ranks_per_node > 1 else 0
+
+
+def ready_word_rows(flag_base: int, ranks_per_node: int, on: bool) -> int:
+    """Final rows with a ready word (the unpack beside the dispatch forward): one per KiB of the final-row half of
+    the NVL bytes below the flags (``flag_base``), so that rows of 1 KiB or more always have one; 0 when off or with
+    one GPU per node."""
+    return flag_base // 2048 if on and ranks_per_node > 1 else 0
+
+
+def ready_word_bytes(rows: int) -> int:
+    """NVL bytes the ready words of ``rows`` final rows take, below the flags."""
+    return _align(4 * rows, 4096) if rows else 0
 
 
 def gather_tile_rows(arrivals: Sequence[int]) -> int:

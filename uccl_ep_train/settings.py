@@ -229,6 +229,15 @@ class KernelSettings:
         "forwarders, which take the tiles in order so that the first are flagged early (docs/internode.md, Pipelined "
         "combine gather); 0: a block per tile, every tile at once (each flagged near the end of the copy)",
         _int(0, 4096)))
+    unpack_beside_forward: bool = field(default=False, metadata=_meta(
+        "UCCL_EP_UNPACK_BESIDE_FORWARD", "internode, several GPUs per node, rank-major receives: each forwarder "
+        "marks every final row it writes ready, and each GPU unpacks its rows on a second stream as they are marked, "
+        "during the hop, instead of after a node barrier behind every forwarder's whole forward (docs/internode.md, "
+        "The unpack beside the forward; not yet run on GPUs); 0: the barrier, then the unpack", _bool))
+    unpack_beside_forward_blocks: int = field(default=256, metadata=_meta(
+        "UCCL_EP_UNPACK_BESIDE_FORWARD_BLOCKS", "with UCCL_EP_UNPACK_BESIDE_FORWARD: most blocks of the unpack, and "
+        "of the forward beside it, so that both always find room on the GPU (the unpack's rows wait for the forward)",
+        _int(1, 2048)))
     forward_node_barrier: bool = field(default=True, metadata=_meta(
         "UCCL_EP_FORWARD_NODE_BARRIER", "internode, several GPUs per node: after the dispatch forward each forwarder "
         "raises a flag in every local GPU's NVL region, and each GPU waits for its node's flags before reading its "

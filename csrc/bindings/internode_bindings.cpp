@@ -122,6 +122,7 @@ void bind_internode(py::module_& m) {
   codes["aborted"] = int(in::kErrAborted);
   codes["records_unwritten"] = int(in::kErrRecordsUnwritten);
   codes["node_flag_timeout"] = int(in::kErrNodeFlagTimeout);
+  codes["row_not_ready"] = int(in::kErrRowNotReady);
   k.attr("ERROR_CODES") = codes;
   k.def("phase_name", [](int p) { return std::string(in::phase_name(p)); }, py::arg("phase"));
   k.def("scatter_rows", &in::scatter_rows, py::arg("dst"), py::arg("dst_stride"), py::arg("dst_idx"), py::arg("src"),
@@ -147,12 +148,14 @@ void bind_internode(py::module_& m) {
         py::arg("arrival_offset"), py::arg("dst_idx_out"), py::arg("stream"), py::arg("gate") = nullptr,
         py::arg("first_row") = 0,
         py::arg("err") = 0, py::arg("stop_flag") = 0, py::arg("stop_generation") = 0, py::arg("rank") = -1,
-        py::arg("phase") = 0,
+        py::arg("phase") = 0, py::arg("ready_words") = 0, py::arg("ready_rows") = 0, py::arg("ready_epoch") = 0,
         "dispatch forward as the forwarder's reader: each arrival's final rows (its record's dest rows plus its "
         "block's bases: blocks [num_blocks, 1 + targets], each row its end then a base per target; -1: none) into "
         "dst_idx_out [n, targets], its first row_bytes with its arrival index stamped "
         "to each of them; gate (InternodeContext.arrival_gate): each row waits for its chunk, so it runs during the "
-        "hop, from first_row on; range check, error word and stop flag as forward_rows");
+        "hop, from first_row on; range check, error word and stop flag as forward_rows; ready_words (device uint64 "
+        "[targets]: each GPU's int32 ready words): final row d < ready_rows's word released to ready_epoch after "
+        "the row's stores");
 
   k.attr("GATHER_MAX_TILES") = in::kGatherMaxTiles;
   k.attr("NODE_SUMS_MAX_RANKS_PER_NODE") = in::kNodeSumsMaxRanksPerNode;
@@ -237,21 +240,29 @@ void bind_internode(py::module_& m) {
          uintptr_t weights_out, int64_t ids_offset, int64_t weights_offset, int num_topk, int64_t expert_lo,
          int64_t experts_per_rank, int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset,
          uintptr_t arrival_out, uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, uintptr_t dims,
-         bool pad, const OwnRowsArg& own) {
+         bool pad, const OwnRowsArg& own, uintptr_t ready_words, int ready_epoch, double ready_timeout_secs,
+         int ready_blocks, uintptr_t err, uintptr_t stop_flag, int stop_generation, int rank, int phase) {
         std::vector<in::PackColumn> cols;
         for (const auto& [dst, bytes, offset] : columns) cols.push_back(in::PackColumn{dst, bytes, offset});
+        in::RowReady ready{reinterpret_cast<const int*>(ready_words), ready_epoch,
+                           static_cast<unsigned long long>(ready_timeout_secs * 1e9),
+                           reinterpret_cast<in::ErrorWord*>(err),
+                           in::StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation}, rank, phase,
+                           ready_blocks};
         in::unpack_records(src, src_stride, num_rows, out_rows, cols,
                            in::UnpackTopk{ids_out, weights_out, ids_offset, weights_offset, num_topk, expert_lo,
                                           experts_per_rank},
                            src_idx_offset, src_idx_out, arrival_offset, arrival_out, stream, gate, first_row,
-                           in::ReadBeforeCounts{dims, pad}, own_rows(own));
+                           in::ReadBeforeCounts{dims, pad}, own_rows(own), ready);
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("out_rows"), py::arg("columns"),
       py::arg("ids_out"), py::arg("weights_out"), py::arg("ids_offset"), py::arg("weights_offset"),
       py::arg("num_topk"), py::arg("expert_lo"), py::arg("experts_per_rank"), py::arg("src_idx_offset"),
       py::arg("src_idx_out"), py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"),
       py::arg("gate") = nullptr, py::arg("first_row") = 0, py::arg("dims") = 0, py::arg("pad") = false,
-      py::arg("own") = py::none(),
+      py::arg("own") = py::none(), py::arg("ready_words") = 0, py::arg("ready_epoch") = 0,
+      py::arg("ready_timeout_secs") = 0.0, py::arg("ready_blocks") = 0, py::arg("err") = 0, py::arg("stop_flag") = 0,
+      py::arg("stop_generation") = 0, py::arg("rank") = -1, py::arg("phase") = 0,
       "the final rows' columns into their outputs, one launch; columns: (output, row bytes, row offset); rows "
       "past num_rows up to out_rows zeroed (ids -1); global expert ids made local, foreign weights zeroed; gate "
       "(InternodeContext.arrival_gate): each tile of rows first waits for the chunks that carry it; first_row: the "
@@ -259,7 +270,9 @@ void bind_internode(py::module_& m) {
       "dims (gate_from_count_rows' words): read before the counts, num_rows / out_rows being the outputs' "
       "capacity, padded to out_rows only with pad; own (first row, count, first record, the send list's tokens, "
       "columns as pack_records takes them): our own node's rows, never packed, read from the columns (read before "
-      "the counts, where they lie comes from dims)");
+      "the counts, where they lie comes from dims); ready_words (our int32 word per final row): each row read once "
+      "its word reaches ready_epoch (the unpack beside the dispatch forward), else reported after "
+      "ready_timeout_secs as row_not_ready on err / stop_flag with rank and phase, the grid held to ready_blocks");
 
   k.attr("READ_DIMS") = int(in::kReadDims);
   k.attr("READ_MAX_COUNTERS") = int(in::kReadMaxCounters);

@@ -554,14 +554,16 @@ __device__ __forceinline__ const long long* block_of_arrival(const long long* bl
 // arrival field, patched in registers (a second store of the field to a peer would race the row's own over NVLink);
 // the arrival area gets it too. kGated: the kernel runs during the hop: block 0 watches the counters and each row
 // first waits for the chunk that carries it, then is read through L2. Rows go from first_row to the end, then from
-// 0: our own node's block is in before the hop starts.
+// 0: our own node's block is in before the hop starts. With `ready` (ReadyWords), each final row's ready word at its
+// GPU is released to the epoch after the row's stores, so that GPU's unpack reads it during the hop.
 template <typename V, bool kGated>
 __global__ void forward_arrivals_kernel(const unsigned long long* dsts, long long dst_stride, int targets, char* src,
                                         long long src_stride, long long n, long long row_bytes,
                                         const long long* dst_rows, const long long* blocks, long long num_blocks,
                                         long long dest_rows_offset,
                                         long long arrival_offset, long long* dst_idx_out, long long first_row,
-                                        ErrorWord* err, StopFlag stop, int rank, int phase, ArrivalGate gate) {
+                                        ErrorWord* err, StopFlag stop, int rank, int phase, ArrivalGate gate,
+                                        ReadyWords ready) {
   extern __shared__ unsigned long long s_out[];  // per target: this row's destination address, 0 = none
   __shared__ bool s_stopped, s_any, s_ok;
   if constexpr (kGated) {
@@ -608,6 +610,14 @@ __global__ void forward_arrivals_kernel(const unsigned long long* dsts, long lon
         }
         for (int j = 0; j < targets; ++j)
           if (s_out[j]) reinterpret_cast<V*>(s_out[j])[w] = v;
+      }
+      if (ready.words) {  // every thread's stores of the row, system-wide, before its ready words
+        drain_stores_before_release();
+        __syncthreads();
+        if (threadIdx.x < targets && s_out[threadIdx.x] && !stopped(stop)) {
+          const long long d = dst_idx_out[r * targets + threadIdx.x];
+          if (d < ready.rows) st_release_sys(reinterpret_cast<int*>(ready.words[threadIdx.x]) + d, ready.epoch);
+        }
       }
     }
     __syncthreads();  // (s_out and s_any are rewritten for the next row)
@@ -935,10 +945,13 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
                       int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows, uintptr_t blocks,
                       int64_t num_blocks, int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out,
                       uintptr_t stream, const ArrivalGate* gate, int64_t first_row, uintptr_t err, uintptr_t stop_flag,
-                      int stop_generation, int rank, int phase) {
+                      int stop_generation, int rank, int phase, uintptr_t ready_words, int64_t ready_rows,
+                      int32_t ready_epoch) {
   if (n <= 0) return;
   if (!dsts || !src || !dst_rows || !blocks || !dst_idx_out)
     throw std::invalid_argument("forward_arrivals: null pointer");
+  if (ready_words && (ready_rows < 0 || ready_epoch < 1))
+    throw std::invalid_argument("forward_arrivals: ready words need rows >= 0 and an epoch >= 1");
   if (num_blocks <= 0) throw std::invalid_argument("forward_arrivals: the block table needs at least one block");
   if (targets <= 0 || targets > kMaxForwardTargets)
     throw std::invalid_argument("forward_arrivals: " + std::to_string(targets) + " local GPUs; 1 to " +
@@ -969,7 +982,9 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
     using V = decltype(word);
     auto kernel = gate ? forward_arrivals_kernel<V, true> : forward_arrivals_kernel<V, false>;
     kernel<<<grid, 256, shared, s>>>(d, dst_stride, targets, sp, src_stride, n, row_bytes, rows, b, num_blocks,
-                                     dest_rows_offset, arrival_offset, out, first_row, ew, stop, rank, phase, g);
+                                     dest_rows_offset, arrival_offset, out, first_row, ew, stop, rank, phase, g,
+                                     ReadyWords{reinterpret_cast<const unsigned long long*>(ready_words), ready_rows,
+                                                ready_epoch});
   });
   check(cudaGetLastError(), "forward_arrivals launch");
 }
@@ -1543,6 +1558,11 @@ std::string Context::error_message() const {
              std::to_string(e.aux) + " (a tile of our combine arrivals, or 0: its dispatch forward) within " +
              std::to_string(secs) + " s: the flag is at " + std::to_string(e.observed) + ", waited for epoch " +
              std::to_string(e.expected) + " (that rank stopped, or never reached this call)";
+    case kErrRowNotReady:
+      return who + "the dispatch forward did not mark final row " + std::to_string(e.aux) + " ready within " +
+             std::to_string(secs) + " s: its ready word is at " + std::to_string(e.observed) +
+             ", waited for epoch " + std::to_string(e.expected) + " (the forwarder of its source stopped, or never "
+             "reached this call)";
     default:
       return who + "unknown GPU error code " + std::to_string(e.code);
   }

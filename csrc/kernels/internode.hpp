@@ -374,7 +374,8 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
                       int64_t src_stride, int64_t n, int64_t row_bytes, uintptr_t dst_rows, uintptr_t blocks,
                       int64_t num_blocks, int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out,
                       uintptr_t stream, const ArrivalGate* gate = nullptr, int64_t first_row = 0, uintptr_t err = 0,
-                      uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0);
+                      uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0,
+                      uintptr_t ready_words = 0, int64_t ready_rows = 0, int32_t ready_epoch = 0);
 
 // The local side of the pipelined combine gather (NodeSums; asynchronous on `stream`): for each forwarder f < targets
 // and each tile t of its arrivals[f] arrivals (device int64 [targets]; tile_rows each), our rows

@@ -178,12 +178,12 @@ __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
 
 // The inverse at the receiver, one group of 32 threads per output row, a block per tile of rows. With a gate, a
 // tile waits for the chunks that carry its rows and is unpacked while later chunks are still on the wire.
-template <bool kGated>
+template <bool kGated, bool kReady>
 __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const char* __restrict__ src, long long src_stride, long long n, long long out_rows, PackArgs args,
     UnpackTopk topk, long long src_idx_offset, long long* __restrict__ src_idx_out, long long arrival_offset,
     long long* __restrict__ arrival_out, ArrivalGate gate, long long first_row, const long long* dims,
-    OwnRowsArgs own, bool pad) {
+    OwnRowsArgs own, bool pad, RowReady ready) {
   constexpr int kTile = kPackThreads / kPackGroup;
   __shared__ bool s_ok;
   // our own rows [own_lo, own_hi) come from our columns, at the tokens of our send list's records own_rec.. (they
@@ -228,6 +228,24 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const long long r = lo + threadIdx.x / kPackGroup;
     if (r >= end) continue;
     const bool real = r < n, own_row = r >= own_lo && r < own_hi;
+    if constexpr (kReady) {
+      // every thread of the row's group acquires the row's ready word itself (the forwarder released it after its
+      // stores), so each one's reads of the row come after; no block-wide sync follows, so a group may leave alone
+      if (real) {
+        const uint64_t start = now_ns();
+        for (unsigned spins = 0;; ++spins) {
+          const int v = ld_acquire_sys(ready.words + r);
+          if (v >= ready.epoch) break;
+          if (now_ns() - start > ready.timeout_ns) {  // (any thread that gives up reports: the first one wins, and
+            // the rank stops, so a row some threads copied and others did not never passes for written)
+            report(ready.err, ready.stop, kErrRowNotReady, ready.rank, -1, int(r), ready.phase, v, ready.epoch);
+            return;
+          }
+          if ((spins & 63) == 0 && stopped(ready.stop)) return;
+          poll_pause();
+        }
+      }
+    }
     const long long token = own_row ? own.tokens[own_rec + r - own_lo] : 0;
     const char* row = src + r * src_stride;
     // byte `off` of row r's record: in the arrivals, or (our own) in the column holding it, at the row's token
@@ -241,17 +259,17 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
         for (long long b = lane; b < col.bytes; b += kPackGroup) dst[b] = 0;
         continue;
       }
-      copy_row<kGated>(dst, field(col.offset), col.bytes, lane);
+      copy_row<kGated || kReady>(dst, field(col.offset), col.bytes, lane);
     }
     for (int k = lane; k < topk.num_topk; k += kPackGroup) {
       long long id = -1;
       float w = 0.0f;
       if (real) {
-        const long long g = load_word<kGated>(reinterpret_cast<const long long*>(field(topk.ids_offset)) + k);
+        const long long g = load_word<kGated || kReady>(reinterpret_cast<const long long*>(field(topk.ids_offset)) + k);
         if (g >= topk.expert_lo && g < topk.expert_lo + topk.experts_per_rank) {
           id = g - topk.expert_lo;
           if (topk.weights_out)
-            w = load_word<kGated>(reinterpret_cast<const float*>(field(topk.weights_offset)) + k);
+            w = load_word<kGated || kReady>(reinterpret_cast<const float*>(field(topk.weights_offset)) + k);
         }
       }
       if (topk.ids_out) reinterpret_cast<long long*>(topk.ids_out)[r * topk.num_topk + k] = id;
@@ -259,9 +277,9 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     }
     if (real && lane == 0) {
       if (src_idx_out)
-        src_idx_out[r] = own_row ? token : load_word<kGated>(reinterpret_cast<const int*>(row + src_idx_offset));
+        src_idx_out[r] = own_row ? token : load_word<kGated || kReady>(reinterpret_cast<const int*>(row + src_idx_offset));
       if (arrival_out)
-        arrival_out[r] = arrival_offset < 0 ? r : load_word<kGated>(reinterpret_cast<const int*>(row + arrival_offset));
+        arrival_out[r] = arrival_offset < 0 ? r : load_word<kGated || kReady>(reinterpret_cast<const int*>(row + arrival_offset));
     }
   }
   if constexpr (kGated) reader_ends(gate);
@@ -393,8 +411,11 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
                     const ArrivalGate* gate, int64_t first_row, const ReadBeforeCounts& before,
-                    const OwnRows& own) {
+                    const OwnRows& own, const RowReady& ready) {
   if (out_rows < num_rows) throw std::invalid_argument("unpack_records: fewer output rows than rows");
+  if (ready.words && (gate || before.dims || own.tokens || ready.epoch < 1))
+    throw std::invalid_argument("unpack_records: ready words (the unpack beside the dispatch forward) need an epoch "
+                                ">= 1 and no gate, no read before the counts and no own rows from the columns");
   if (before.dims && (!own.tokens || first_row || arrival_offset >= 0))
     throw std::invalid_argument("unpack_records: read before the counts needs our own rows' tokens, no first_row (it "
                                 "comes from the device) and one GPU per node (arrival = row)");
@@ -428,16 +449,22 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
     args.columns[i] = columns[i];
   }
   const int per_block = kPackThreads / kPackGroup;
-  const int blocks = gated_grid(int(std::min<int64_t>((out_rows + per_block - 1) / per_block, 1024)), gate);
+  int blocks = gated_grid(int(std::min<int64_t>((out_rows + per_block - 1) / per_block, 1024)), gate);
+  if (ready.words && ready.max_grid > 0 && blocks > ready.max_grid) blocks = ready.max_grid;
   check_gate(gate, "unpack_records");
   auto launch = [&](auto kernel) {
     kernel<<<blocks + (gate ? 1 : 0), kPackThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const char*>(src), src_stride, num_rows, out_rows, args, topk, src_idx_offset,
         reinterpret_cast<long long*>(src_idx_out), arrival_offset, reinterpret_cast<long long*>(arrival_out),
         gate ? *gate : ArrivalGate{}, first_row, reinterpret_cast<const long long*>(before.dims), own_args,
-        before.pad);
+        before.pad, ready);
   };
-  gate ? launch(unpack_records_kernel<true>) : launch(unpack_records_kernel<false>);
+  if (gate)
+    launch(unpack_records_kernel<true, false>);
+  else if (ready.words)
+    launch(unpack_records_kernel<false, true>);
+  else
+    launch(unpack_records_kernel<false, false>);
   check_launch("unpack_records");
 }
 

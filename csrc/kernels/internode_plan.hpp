@@ -95,6 +95,26 @@ struct ReadBeforeCounts {
   bool pad = false;
 };
 //
+// The unpack during the dispatch forward (several GPUs per node; docs/internode.md, "The unpack beside the forward"):
+// each forwarder releases final row d's ready word at its GPU, words[d], to the forward's epoch after the row's
+// stores (ReadyWords, forward_arrivals), and that GPU's unpack reads row d once its word holds the epoch (RowReady),
+// instead of after a node barrier behind every forwarder's whole forward. Rows at or past `rows` have no word.
+struct ReadyWords {
+  const unsigned long long* words = nullptr;  // device uint64 [targets]: each local GPU's int32 word array
+  long long rows = 0;
+  int epoch = 0;
+};
+struct RowReady {
+  const int* words = nullptr;  // our int32 word array (nullptr: the rows are in already)
+  int epoch = 0;
+  unsigned long long timeout_ns = 0;
+  ErrorWord* err = nullptr;
+  StopFlag stop{nullptr, 0};
+  int rank = -1;
+  int phase = 0;
+  int max_grid = 0;  // most blocks (0: the unpack's own rule): the forward beside it needs room
+};
+//
 // Our own node's rows read from the columns (`own`, one GPU per node: docs/internode.md, "Own rows from the columns"):
 // final rows [first_row, first_row + count) are our send list's records first_record.., which were never packed, so
 // each field is read from the column holding it (columns as pack_records takes them) at the record's token,
@@ -109,7 +129,7 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
                     const std::vector<PackColumn>& columns, const UnpackTopk& topk, int64_t src_idx_offset,
                     uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out, uintptr_t stream,
                     const ArrivalGate* gate = nullptr, int64_t first_row = 0, const ReadBeforeCounts& before = {},
-                    const OwnRows& own = {});
+                    const OwnRows& own = {}, const RowReady& ready = {});
 
 // The words a reader launched before the host read the counts takes from the device (one GPU per node).
 enum ReadDim : int {

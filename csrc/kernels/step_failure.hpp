@@ -22,6 +22,8 @@ enum ErrorCode : int32_t {
   kErrNodeFlagTimeout = 7,  // an NVLink flag of a local GPU not raised past the deadline (a tile of the pipelined
                             // combine gather, or the end of its dispatch forward); slot = that local GPU, aux = the
                             // flag (tile; 0 for the forward), observed = its value, expected = the epoch
+  kErrRowNotReady = 8,  // a final row's ready word not released past the deadline (the unpack beside the dispatch
+                        // forward); aux = the row, observed = the word, expected = the epoch
 };
 
 // Which step was running (ErrorWord::phase); passed by the host with each launch.

@@ -61,7 +61,7 @@ COUNT_ROW_MAX_BINS = 12288
 PHASES = {"dispatch_network": 1, "combine_network": 2, "dispatch_forward": 3, "combine_gather": 4, "barrier": 5,
           "notify": 6}
 ERROR_CODES = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5,
-               "records_unwritten": 6, "node_flag_timeout": 7}
+               "records_unwritten": 6, "node_flag_timeout": 7, "row_not_ready": 8}
 PACK_PUSH_MAX_ROWS = 256
 GATHER_MAX_TILES = 1024
 NODE_SUMS_MAX_RANKS_PER_NODE = 256
@@ -198,10 +198,11 @@ def forward_arrivals(dsts: int, dst_bases_or: int, dst_stride: int, targets: int
                      arrival_offset: int, dst_idx_out: int, stream: int, gate: "ArrivalGate | None" = None,
                      first_row: int = 0,
                      err: int = 0, stop_flag: int = 0, stop_generation: int = 0, rank: int = -1,
-                     phase: int = 0) -> None:
+                     phase: int = 0, ready_words: int = 0, ready_rows: int = 0, ready_epoch: int = 0) -> None:
     """forward_arrivals_kernel: stamp_arrivals' rule (each arrival's index into its record, its final rows into
     dst_idx_out [n, targets], each with its block's bases: blocks [num_blocks, 1 + targets]), then forward_rows'
-    copies; gated, every row waits for its chunk first."""
+    copies; gated, every row waits for its chunk first. ``ready_words`` (int64 [targets]: each GPU's int32 words):
+    then each final row d < ready_rows's word at its GPU set to ``ready_epoch``, after the copies."""
     if n <= 0:
         return
     if not (dsts and src and dst_rows and blocks and dst_idx_out):
@@ -217,6 +218,8 @@ def forward_arrivals(dsts: int, dst_bases_or: int, dst_stride: int, targets: int
                          "the dest rows in the record")
     if not 0 <= first_row < n:
         raise ValueError("forward_arrivals: first_row outside the rows")
+    if ready_words and (ready_rows < 0 or ready_epoch < 1):
+        raise ValueError("forward_arrivals: ready words need rows >= 0 and an epoch >= 1")
     if _stopped(stop_flag, stop_generation):
         return
     if gate is not None and not gate.wait_rows(list(range(first_row, n)) + list(range(first_row))):
@@ -229,6 +232,13 @@ def forward_arrivals(dsts: int, dst_bases_or: int, dst_stride: int, targets: int
     out.copy_(stamp_arrivals(records, arrival_offset, dest_rows_offset, targets, table[which, 1:]))
     forward_rows(dsts, dst_bases_or, dst_stride, dst_idx_out, targets, src, src_stride, n, row_bytes, dst_rows,
                  stream, err, stop_flag, stop_generation, rank, phase)
+    if ready_words and not _stopped(stop_flag, stop_generation):  # (a failed forward marks nothing)
+        at = _at(ready_words, 8 * targets, torch.int64).tolist()
+        for j in range(targets):
+            d = out[:, j]
+            d = d[(d >= 0) & (d < ready_rows)]
+            if len(d):
+                _at(at[j], 4 * ready_rows, torch.int32)[d] = ready_epoch
 
 
 def sum_node_partials(out_x: int, out_w: int, src: int, src_stride: int, row_of: int, zero: int, num_nodes: int,
@@ -466,16 +476,38 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
                    weights_out: int, ids_offset: int, weights_offset: int, num_topk: int, expert_lo: int,
                    experts_per_rank: int, src_idx_offset: int, src_idx_out: int, arrival_offset: int,
                    arrival_out: int, stream: int, gate: "ArrivalGate | None" = None, first_row: int = 0,
-                   dims: int = 0, pad: bool = False, own: "tuple | None" = None) -> None:
+                   dims: int = 0, pad: bool = False, own: "tuple | None" = None, ready_words: int = 0,
+                   ready_epoch: int = 0, ready_timeout_secs: float = 0.0, ready_blocks: int = 0, err: int = 0,
+                   stop_flag: int = 0, stop_generation: int = 0, rank: int = -1, phase: int = 0) -> None:
     """unpack_records_kernel: the final rows' columns into their outputs (zero rows up to ``out_rows``); global
     expert ids made local (-1 elsewhere), the weights of foreign ids zeroed; the int32 src_idx / arrival fields
     widened to int64 (a negative arrival offset: the row index). ``first_row`` only orders the kernel's reads: checked
     here, then all rows are read at once. ``own`` (first row, count, first record, tokens, columns): our own rows,
     never packed, read from the columns (_with_own_rows). ``dims`` (gate_from_count_rows' words): read before the
     counts -- the rows, the gate's blocks and our own rows' place from the device, nothing done unless the words say
-    go, padding only with ``pad``."""
+    go, padding only with ``pad``. ``ready_words`` (the unpack beside the dispatch forward): nothing is read before
+    every row's word (int32, ours) holds ``ready_epoch``, which the forwarders release; a word still short after
+    ``ready_timeout_secs`` is reported (``row_not_ready``: the row, its word, the epoch) and nothing is written."""
     if out_rows < num_rows:
         raise ValueError("unpack_records: fewer output rows than rows")
+    if ready_words and (gate is not None or dims or own is not None or ready_epoch < 1):
+        raise ValueError("unpack_records: ready words (the unpack beside the dispatch forward) need an epoch >= 1 and "
+                         "no gate, no read before the counts and no own rows from the columns")
+    if ready_words and num_rows:
+        start = time.monotonic()
+        while True:
+            words = _at(ready_words, 4 * num_rows, torch.int32)
+            short = (words < ready_epoch).nonzero()
+            if not len(short):
+                break
+            if _stopped(stop_flag, stop_generation):
+                return
+            if time.monotonic() - start > ready_timeout_secs:
+                r = int(short[0])
+                _report(err, (stop_flag, stop_generation), ERROR_CODES["row_not_ready"], rank, -1, r, phase,
+                        int(words[r]), ready_epoch)
+                return
+            time.sleep(1e-4)
     if not 0 <= first_row <= num_rows:
         raise ValueError(f"unpack_records: first_row {first_row} outside 0..{num_rows}")
     if dims and (not own or first_row or arrival_offset >= 0):

@@ -941,6 +941,58 @@ def test_combines_gather_in_flagged_tiles_and_forwards_end_with_node_flags_unles
             assert counts == [0] * world, (which, counts)
 
 
+def _unpacks_beside_forward(rank, world, G, cases):
+    nat, ref = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1)
+        return done, nat.unpacks_beside_forward, nat.forward_node_barriers, nat._forward_epoch, nat._unpack_beside
+    finally:
+        nat.destroy()
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (6, 3)], ids=["2x1", "2x2", "2x3"])
+def test_with_the_unpack_beside_the_forward_each_gpu_unpacks_rows_its_forwarders_marked_and_outputs_match(world, G):
+    """UCCL_EP_UNPACK_BESIDE_FORWARD=1 (docs/internode.md, "The unpack beside the forward"): with several GPUs per
+    node every rank-major dispatch's forwarders mark each final row they write with the forward's epoch, and each GPU
+    unpacks its rows once marked, on the second stream, then ends with the node barrier at the same epoch; every
+    output matches the reference (each row read only once its word was marked: the stand-in waits for every word).
+    Expert-major receives keep the barrier before their copy. With one GPU per node nothing changes."""
+    out = run_distributed(_unpacks_beside_forward, world, G, ALL, timeout=240,
+                          env=dict(ENV, UCCL_EP_UNPACK_BESIDE_FORWARD="1"))
+    assert all(done == len(ALL) for done, *_ in out), out
+    beside = [o[1] for o in out]
+    if G > 1:
+        assert all(n > 0 for n in beside), beside
+        # one epoch per forward whether its rows went beside it or not, the same on every rank; none left pending
+        assert len({o[3] for o in out}) == 1 and all(o[3] == o[2] for o in out) and all(o[4] is None for o in out), out
+    else:
+        assert beside == [0] * world, beside
+
+
+def test_an_unpack_whose_row_is_never_marked_reports_the_row_and_leaves_it_unwritten():
+    """unpack_records with ready words (the stand-in's): a row whose word never reaches the epoch is reported after
+    the deadline as row_not_ready, naming the row, its word and the epoch, and that row's output is not written (the
+    stand-in writes none; on a GPU the marked rows may be); with every word marked it unpacks. The GPU twin is in
+    test_internode_gpu.py."""
+    rows, stride = 4, 32
+    src = torch.randint(0, 255, (rows, stride), dtype=torch.uint8)
+    out = torch.full((rows, 16), 7, dtype=torch.uint8)
+    words = torch.tensor([3, 3, 2, 3], dtype=torch.int32)
+    err = fake.ErrorWord()
+    stop = ctypes.c_int32(0)
+    kw = dict(ready_words=words.data_ptr(), ready_epoch=3, ready_timeout_secs=0.05, err=ctypes.addressof(err),
+              stop_flag=ctypes.addressof(stop), stop_generation=1, rank=5, phase=3)
+    fake.unpack_records(src.data_ptr(), stride, rows, rows, [(out.data_ptr(), 16, 0)], 0, 0, 0, 0, 0, 0, 0, 16, 0,
+                        -1, 0, 0, **kw)
+    assert (err.code, err.aux, err.observed, err.expected, err.rank) == (fake.ERROR_CODES["row_not_ready"], 2, 2, 3, 5)
+    assert bool((out[2] == 7).all()), "an unpack wrote a row that was never marked"
+    words[2] = 3
+    stop.value = 0
+    fake.unpack_records(src.data_ptr(), stride, rows, rows, [(out.data_ptr(), 16, 0)], 0, 0, 0, 0, 0, 0, 0, 16, 0,
+                        -1, 0, 0, **dict(kw, stop_generation=2))
+    assert torch.equal(out, src[:, :16])
+
+
 def _setup_with_own_setting(rank, world, G, name, value_of_last_rank):
     from uccl_ep_train.internode import InternodeError
 

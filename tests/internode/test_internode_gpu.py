@@ -915,6 +915,51 @@ def test_on_gpus_combines_gather_in_flagged_tiles_and_forwards_end_with_node_fla
     assert all((n > 0) == (on == "1") and (m > 0) == (on == "1") for _, n, m in out), out
 
 
+def _unpack_beside_counts(rank, world, G, cases):
+    nat, ref, dev = _backends(rank, world, G)
+    try:
+        done = compare_cases(nat, ref, dev, rank, world, cases, 1)
+        return done, nat.unpacks_beside_forward
+    finally:
+        nat.destroy()
+
+
+def test_on_gpus_the_unpack_beside_the_forward_reads_rows_as_their_forwarders_mark_them_and_outputs_match():
+    """2 x 2 with UCCL_EP_UNPACK_BESIDE_FORWARD=1 (docs/internode.md, "The unpack beside the forward"): each GPU
+    unpacks its final rows on the second stream as its forwarders mark them, during the hop, and every output equals
+    the reference."""
+    _need(4)
+    env = {"UCCL_EP_UNPACK_BESIDE_FORWARD": "1", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    out = run_distributed(_unpack_beside_counts, 4, 2, ALL, timeout=420, env=env)
+    assert all(done == len(ALL) for done, _ in out), out
+    assert all(n > 0 for _, n in out), out
+
+
+def test_on_a_gpu_an_unpack_whose_row_is_never_marked_reports_the_row_and_leaves_it_unwritten():
+    """unpack_records with ready words on one GPU: the rows whose words hold the epoch are read, the one whose word
+    never does is reported after the GPU deadline as row_not_ready (row, word, epoch) and not written."""
+    k = native.module().internode
+    with _one_rank_context(gpu_timeout_secs=1.0) as cx:
+        dev = torch.device("cuda", 0)
+        rows, stride = 64, 256
+        src = torch.randint(0, 255, (rows, stride), dtype=torch.uint8, device=dev)
+        out = torch.full((rows, 128), 7, dtype=torch.uint8, device=dev)
+        words = torch.full((rows,), 3, dtype=torch.int32, device=dev)
+        words[37] = 2
+        stream = torch.cuda.current_stream().cuda_stream
+        k.unpack_records(src.data_ptr(), stride, rows, rows, [(out.data_ptr(), 128, 0)], 0, 0, 0, 0, 0, 0, 0, 128, 0,
+                         -1, 0, stream, ready_words=words.data_ptr(), ready_epoch=3, ready_timeout_secs=1.0,
+                         ready_blocks=2, err=cx.error_word_ptr, stop_flag=cx.stop_flag_ptr,
+                         stop_generation=cx.stop_generation, rank=0, phase=3)
+        torch.cuda.synchronize(dev)
+        e = cx.error_fields()
+        assert (e["code"], e["aux"], e["observed"], e["expected"]) == (
+            dict(k.ERROR_CODES)["row_not_ready"], 37, 2, 3), e
+        assert "final row 37" in cx.error_message(), cx.error_message()
+        assert bool((out[37] == 7).all()), "a row whose word was never marked was written"
+        cx.clear_error()
+
+
 def test_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named():
     """raise_flags and the wait for a node's flags (the dispatch forward's node barrier) on one GPU."""
     k = native.module().internode
