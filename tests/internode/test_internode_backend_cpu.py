@@ -217,10 +217,13 @@ def _worst_routing_in_hinted_buffers(rank, world, G, scale):
         nat.destroy()
 
 
-@pytest.mark.parametrize("world,G", [(4, 2), (4, 1)], ids=["2x2", "4x1"])
-def test_buffers_sized_by_the_internode_hint_hold_the_worst_routing_and_half_of_it_is_refused_clearly(world, G):
-    assert run_distributed(_worst_routing_in_hinted_buffers, world, G, 1.0, timeout=120, env=ENV) == [40 * world] * world
-    small = run_distributed(_worst_routing_in_hinted_buffers, world, G, 0.5, timeout=120, env=ENV)
+@pytest.mark.parametrize("world,G,beside", [(4, 2, "0"), (4, 1, "0"), (4, 2, "1")],
+                         ids=["2x2", "4x1", "2x2-ready-words"])
+def test_buffers_sized_by_the_internode_hint_hold_the_worst_routing_and_half_of_it_is_refused_clearly(world, G, beside):
+    """(2x2-ready-words: the hint leaves room for the ready words of UCCL_EP_UNPACK_BESIDE_FORWARD below the flags.)"""
+    env = dict(ENV, UCCL_EP_UNPACK_BESIDE_FORWARD=beside)
+    assert run_distributed(_worst_routing_in_hinted_buffers, world, G, 1.0, timeout=120, env=env) == [40 * world] * world
+    small = run_distributed(_worst_routing_in_hinted_buffers, world, G, 0.5, timeout=120, env=env)
     assert all(isinstance(m, str) and "area needs" in m and "raise num_" in m for m in small), small
 
 
