@@ -12,6 +12,7 @@ rank reports about a failure in internode_diagnostics.py.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -1506,15 +1507,10 @@ class NativeInternodeBackend:
         if G > 1 and self.gated_arrivals:
             # docs/internode.md, "Gated forward": the forwarder reads each arrival as its chunk lands and forwards it
             # over NVLink during the hop, starting with our own node's block, which is in before the hop starts
-            cap = self._cx.spin_blocks
-            if beside:  # (the forward's grid comes with its gate) held so that the unpack beside it finds room: both
-                # grids together stay below what an H100/H200 holds at once (unpack_records takes ~40 registers)
-                held = self.unpack_beside_forward_blocks
-                self._cx.spin_blocks = min(cap, held) if cap else held
-            try:
+            # (the forward's grid comes with its gate) held beside an unpack so that both find room: both grids
+            # together stay below what an H100/H200 holds at once (unpack_records takes ~40 registers)
+            with self._spin_blocks_held(self.unpack_beside_forward_blocks if beside else 0):
                 pending = self._push_and_gate(hop, "dispatch_network", then=own_after_push, rest=rest, push=push)
-            finally:
-                self._cx.spin_blocks = cap
             if plan_ahead is not None:
                 plan_ahead()
             self._lap("dispatch.push")
@@ -1548,8 +1544,9 @@ class NativeInternodeBackend:
         return final, layout, fwd_dest, A, None
 
     def _close_unpack_beside(self) -> None:
-        """A dispatch that fails between a forward whose rows were to be unpacked beside it and that unpack: the
-        node barrier the unpack would have ended with, so that the node's other GPUs do not wait for our flag."""
+        """The end of a forward whose rows were to be unpacked beside it (after that unpack's launch, or instead of it
+        when the dispatch fails first): our stream takes the second stream's work in turn, and the node barrier at the
+        forward's epoch orders the area's reuse, so that the node's other GPUs do not wait for our flag."""
         epoch, self._unpack_beside = self._unpack_beside, None
         if epoch is not None:
             self._cx.stream_wait(self._stream(), self._cx.side_stream)
@@ -1872,16 +1869,14 @@ class NativeInternodeBackend:
         that the reader reads the rows already in while the host makes the handle and, where the data is mostly in,
         the next calls' plans (that work had held the reader back)."""
         n = final.size(0)
-        epoch, self._unpack_beside = self._unpack_beside, None
-        if epoch is not None:  # docs/internode.md, "The unpack beside the forward": each row once it is marked
-            ready = (self._cx.nvl_ptr + self._ready_base, epoch)
+        if self._unpack_beside is not None:  # docs/internode.md, "The unpack beside the forward": each row once marked
+            ready = (self._cx.nvl_ptr + self._ready_base, self._unpack_beside)
             try:
                 self._unpack_launch(final.data_ptr(), final.stride(0), n, n if out_rows < 0 else out_rows, layout,
                                     outs, ids, weights, ids_column, expert_lo, experts_per_rank, src_idx, arrival,
                                     stream=self._cx.side_stream, ready=ready)
-            finally:  # (our stream takes the unpack in turn, and the node barrier orders the area's reuse)
-                self._cx.stream_wait(self._stream(), self._cx.side_stream)
-                self._forwarded(epoch)
+            finally:
+                self._close_unpack_beside()
             self.unpacks_beside_forward += 1
             self._while_reader(None, while_reading)
             return
@@ -2863,16 +2858,24 @@ class NativeInternodeBackend:
         tiles are flagged. With our own copies on the side stream (gather_beside_push) the launch runs beside them,
         held to gather_beside_push_blocks blocks so that the copies' blocks always find room on the GPU (its blocks
         wait for the copies' flags); then our stream waits for the copies before anything queued after it."""
-        if not self._gather_to_join:
-            self._pack_and_push(hop, "combine_network", send, cstride, A, [], own, node_sums=node_sums)
-            return
-        cap = self._cx.spin_blocks
-        self._cx.spin_blocks = min(cap, self.gather_beside_push_blocks) if cap else self.gather_beside_push_blocks
         try:
-            self._pack_and_push(hop, "combine_network", send, cstride, A, [], own, node_sums=node_sums)
+            with self._spin_blocks_held(self.gather_beside_push_blocks if self._gather_to_join else 0):
+                self._pack_and_push(hop, "combine_network", send, cstride, A, [], own, node_sums=node_sums)
+        finally:
+            self._join_gather()
+
+    @contextlib.contextmanager
+    def _spin_blocks_held(self, blocks: int):
+        """The spinning grids launched inside (pack_and_push's packers, the gated readers: their gates take the cap
+        when made) held to ``blocks`` (0: as they are), below any cap already set (ranks sharing a GPU), so that work
+        on the second stream that they wait for finds room beside them."""
+        cap = self._cx.spin_blocks
+        if blocks:
+            self._cx.spin_blocks = min(cap, blocks) if cap else blocks
+        try:
+            yield
         finally:
             self._cx.spin_blocks = cap
-            self._join_gather()
 
     def _join_gather(self) -> None:
         """Our stream waits (on the GPU) for the copies launched on the side stream: whatever is queued after this

@@ -92,17 +92,18 @@ __device__ inline bool wait_counter(const unsigned long long* signals, long long
 
 // One thread waits until the int32 flag at `flag` -- device memory that a peer GPU of the node raises over NVLink
 // (the pipelined combine gather's tile flags) -- reaches `expected`. It tests only the stop flag, as wait_counter does
-// with watch_error_word = false: many blocks wait at once. False: the deadline passed (reported as
-// kErrNodeFlagTimeout with `slot` and `aux`, the value seen and the one waited for) or the rank stopped; the
-// caller must not read what the flag guards.
+// with watch_error_word = false: many blocks wait at once. False: the deadline passed (reported as `code`,
+// kErrNodeFlagTimeout unless given, with `slot` and `aux`, the value seen and the one waited for) or the rank
+// stopped; the caller must not read what the flag guards.
 __device__ inline bool wait_flag(const int* flag, int expected, unsigned long long timeout_ns, ErrorWord* err,
-                                 StopFlag stop, int rank, int phase, int slot, int aux) {
+                                 StopFlag stop, int rank, int phase, int slot, int aux,
+                                 int code = kErrNodeFlagTimeout) {
   const uint64_t start = now_ns();
   for (unsigned spins = 0;; ++spins) {
     const int v = ld_acquire_sys(flag);
     if (v >= expected) return true;
     if (now_ns() - start > timeout_ns) {
-      report(err, stop, kErrNodeFlagTimeout, rank, slot, aux, phase, v, expected);
+      report(err, stop, code, rank, slot, aux, phase, v, expected);
       return false;
     }
     if ((spins & 63) == 0 && stopped(stop)) return false;

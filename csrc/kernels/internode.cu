@@ -873,7 +873,8 @@ void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arr
     gather_tiles_kernel<decltype(word)><<<grid, kGatherThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const unsigned long long*>(dsts), reinterpret_cast<const unsigned long long*>(flags), targets,
         reinterpret_cast<const int*>(by_arrival), max_arrivals, reinterpret_cast<const long long*>(arrivals),
-        reinterpret_cast<const long long*>(own_ranges), tile_rows, reinterpret_cast<const char*>(x), payload_bytes, reinterpret_cast<const float*>(w), num_weights,
+        reinterpret_cast<const long long*>(own_ranges), tile_rows, reinterpret_cast<const char*>(x), payload_bytes,
+        reinterpret_cast<const float*>(w), num_weights,
         num_rows, dst_stride, epoch, reinterpret_cast<ErrorWord*>(err),
         StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation}, rank, phase);
   });
@@ -1014,18 +1015,20 @@ Context::Context(int rank, int world, int device, int64_t rdma_bytes, int64_t nv
     check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_, 0), "cudaHostGetDevicePointer");
     check(cudaMalloc(reinterpret_cast<void**>(&stop_dev_), sizeof(int32_t)), "cudaMalloc of the stop flag");
     check(cudaMemset(stop_dev_, 0, sizeof(int32_t)), "cudaMemset of the stop flag");
-    cudaStream_t abort_stream = nullptr;
-    check(cudaStreamCreateWithFlags(&abort_stream, cudaStreamNonBlocking), "cudaStreamCreate for abort_waits");
-    abort_stream_ = abort_stream;
-    cudaEvent_t drain_event = nullptr;
-    check(cudaEventCreateWithFlags(&drain_event, cudaEventDisableTiming), "cudaEventCreate for the drains");
-    drain_event_ = drain_event;
-    cudaStream_t side_stream = nullptr;
-    check(cudaStreamCreateWithFlags(&side_stream, cudaStreamNonBlocking), "cudaStreamCreate for the side stream");
-    side_stream_ = side_stream;
-    cudaEvent_t order_event = nullptr;
-    check(cudaEventCreateWithFlags(&order_event, cudaEventDisableTiming), "cudaEventCreate for stream_wait");
-    order_event_ = order_event;
+    const auto new_stream = [](const char* what) {  // non-blocking: never ordered behind the legacy stream
+      cudaStream_t stream = nullptr;
+      check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), what);
+      return static_cast<void*>(stream);
+    };
+    const auto new_event = [](const char* what) {
+      cudaEvent_t event = nullptr;
+      check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), what);
+      return static_cast<void*>(event);
+    };
+    abort_stream_ = new_stream("cudaStreamCreate for abort_waits");
+    drain_event_ = new_event("cudaEventCreate for the drains");
+    side_stream_ = new_stream("cudaStreamCreate for the side stream");
+    order_event_ = new_event("cudaEventCreate for stream_wait");
 
     ProxyConfig cfg;
     cfg.rank = rank;

@@ -185,6 +185,7 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     long long* __restrict__ arrival_out, ArrivalGate gate, long long first_row, const long long* dims,
     OwnRowsArgs own, bool pad, RowReady ready) {
   constexpr int kTile = kPackThreads / kPackGroup;
+  constexpr bool kL2 = kGated || kReady;  // the rows are written by another GPU or engine during the kernel
   __shared__ bool s_ok;
   // our own rows [own_lo, own_hi) come from our columns, at the tokens of our send list's records own_rec.. (they
   // were never packed); read before the counts, where they lie comes from the words
@@ -228,24 +229,14 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     const long long r = lo + threadIdx.x / kPackGroup;
     if (r >= end) continue;
     const bool real = r < n, own_row = r >= own_lo && r < own_hi;
-    if constexpr (kReady) {
-      // every thread of the row's group acquires the row's ready word itself (the forwarder released it after its
-      // stores), so each one's reads of the row come after; no block-wide sync follows, so a group may leave alone
-      if (real) {
-        const uint64_t start = now_ns();
-        for (unsigned spins = 0;; ++spins) {
-          const int v = ld_acquire_sys(ready.words + r);
-          if (v >= ready.epoch) break;
-          if (now_ns() - start > ready.timeout_ns) {  // (any thread that gives up reports: the first one wins, and
-            // the rank stops, so a row some threads copied and others did not never passes for written)
-            report(ready.err, ready.stop, kErrRowNotReady, ready.rank, -1, int(r), ready.phase, v, ready.epoch);
-            return;
-          }
-          if ((spins & 63) == 0 && stopped(ready.stop)) return;
-          poll_pause();
-        }
-      }
-    }
+    // every thread of the row's group acquires the row's ready word itself (the forwarder released it after its
+    // stores), so each one's reads of the row come after; no block-wide sync follows, so a group may leave alone. Any
+    // thread that gives up reports (the first one wins, and the rank stops): a row some threads copied and others did
+    // not never passes for written.
+    if (kReady && real &&
+        !wait_flag(ready.words + r, ready.epoch, ready.timeout_ns, ready.err, ready.stop, ready.rank, ready.phase, -1,
+                   int(r), kErrRowNotReady))
+      return;
     const long long token = own_row ? own.tokens[own_rec + r - own_lo] : 0;
     const char* row = src + r * src_stride;
     // byte `off` of row r's record: in the arrivals, or (our own) in the column holding it, at the row's token
@@ -259,17 +250,17 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
         for (long long b = lane; b < col.bytes; b += kPackGroup) dst[b] = 0;
         continue;
       }
-      copy_row<kGated || kReady>(dst, field(col.offset), col.bytes, lane);
+      copy_row<kL2>(dst, field(col.offset), col.bytes, lane);
     }
     for (int k = lane; k < topk.num_topk; k += kPackGroup) {
       long long id = -1;
       float w = 0.0f;
       if (real) {
-        const long long g = load_word<kGated || kReady>(reinterpret_cast<const long long*>(field(topk.ids_offset)) + k);
+        const long long g = load_word<kL2>(reinterpret_cast<const long long*>(field(topk.ids_offset)) + k);
         if (g >= topk.expert_lo && g < topk.expert_lo + topk.experts_per_rank) {
           id = g - topk.expert_lo;
           if (topk.weights_out)
-            w = load_word<kGated || kReady>(reinterpret_cast<const float*>(field(topk.weights_offset)) + k);
+            w = load_word<kL2>(reinterpret_cast<const float*>(field(topk.weights_offset)) + k);
         }
       }
       if (topk.ids_out) reinterpret_cast<long long*>(topk.ids_out)[r * topk.num_topk + k] = id;
@@ -277,9 +268,9 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
     }
     if (real && lane == 0) {
       if (src_idx_out)
-        src_idx_out[r] = own_row ? token : load_word<kGated || kReady>(reinterpret_cast<const int*>(row + src_idx_offset));
+        src_idx_out[r] = own_row ? token : load_word<kL2>(reinterpret_cast<const int*>(row + src_idx_offset));
       if (arrival_out)
-        arrival_out[r] = arrival_offset < 0 ? r : load_word<kGated || kReady>(reinterpret_cast<const int*>(row + arrival_offset));
+        arrival_out[r] = arrival_offset < 0 ? r : load_word<kL2>(reinterpret_cast<const int*>(row + arrival_offset));
     }
   }
   if constexpr (kGated) reader_ends(gate);
