@@ -43,8 +43,8 @@ from uccl_ep_train.internode_plan import (  # noqa: F401 - planning names are pa
     recv_row_ends, source_local_of_rows, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas, combine_areas,
     dispatch_extents, combine_overlaps_dispatch, dispatch_gate_blocks, combine_gate_blocks, gate_rows,
     dispatch_may_skip_entry_barrier, split_push_head, dispatch_push_rows_before_counts, place_blocks, READ_DIMS,
-    READ_GO, read_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED, GATHER_MAX_TILES, GATHER_MIN_TILE_ROWS,
-    node_flag_bytes, gather_tile_rows, ready_word_rows, ready_word_bytes)
+    READ_GO, read_before_counts, FORWARD_DIMS, forward_before_counts, GATE_FIXED_COLUMNS as GATE_FIXED,
+    GATHER_MAX_TILES, GATHER_MIN_TILE_ROWS, node_flag_bytes, gather_tile_rows, ready_word_rows, ready_word_bytes)
 from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
                                                shared_gpu_spin_blocks, use_copy_agent)
@@ -322,6 +322,13 @@ class ReadingBeforeCounts:
     expert_rows: int = 0
     alignment: int = 1
     em: Optional["ExpertMajorRows"] = None
+    # several GPUs per node (docs/internode.md, "The forward before the count read"): the send plan's dest rows (our
+    # own records are packed into our arrivals from them), the tokens (the pack's grid), the forward's final rows at
+    # each local GPU for as many arrivals as the receive area holds (made before notify), and its node barrier's epoch
+    own_dest_rows: int = 0
+    tokens: int = 0
+    fwd_dest: Optional[torch.Tensor] = None
+    epoch: int = 0
 
     @property
     def rows(self) -> int:
@@ -536,9 +543,12 @@ class NativeInternodeBackend:
         self.half_rdma = usable // 2 // CMD_UNIT * CMD_UNIT
         self._notify_base = 2 * self.half_rdma
         # where the matrix lands on the host: copied on the stream behind the notify wait, so the drain that follows
-        # the wait also brings it home (a read-back after the drain was one more synchronous copy per dispatch)
-        self._notify_host = (torch.empty(notify_bytes, dtype=torch.uint8, pin_memory=True)
-                             if self._notify_via_proxies and self.device.type == "cuda" else None)
+        # the wait also brings it home (a read-back after the drain was one more synchronous copy per dispatch). The
+        # CPU stand-in copies there too, at the wait: read from the area later, a peer's next count row could be
+        # there already (a peer whose dispatch needs nothing more of ours -- a forward before the count read -- may
+        # start its next notify before we read this one)
+        self._notify_host = (torch.empty(notify_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+                             if self._notify_via_proxies else None)
         self._notify_view_cache: dict = {}  # _notify_views
         # small tables go to the device from pinned memory allocated now (a first pinned allocation may synchronize)
         self._staging = (UploadStaging(self.device, self._cx.copy_to_device)
@@ -587,6 +597,7 @@ class NativeInternodeBackend:
         self.unpack_beside_forward = bool(s.kernel.unpack_beside_forward) and self.G > 1 and self.gated_arrivals
         self.unpack_beside_forward_blocks = int(s.kernel.unpack_beside_forward_blocks)
         self._unpack_beside: Optional[int] = None  # the forward's epoch, while its rows are to be unpacked beside it
+        self._beside_keep: Optional[torch.Tensor] = None  # the forward's output, held until that unpack's end
         self.unpacks_beside_forward = 0  # (tests, benchmarks)
         self._forward_epoch = 0  # dispatch forwards ended with it so far: their flags' value
         # our flag row in each local GPU's NVL region (column 0 of the forward's block)
@@ -602,10 +613,11 @@ class NativeInternodeBackend:
         # docs/internode.md, "Planning ahead": with several GPUs per node the dispatch's planning sits between its
         # count read and its return, with the GPU waiting behind it; at first use it hides behind the caller's work
         self.plan_ahead = s.kernel.plan_ahead == "on" or (s.kernel.plan_ahead == "auto" and self.G == 1)
-        # docs/internode.md, "Reading before the count read": the setting, where it can apply (one GPU per node, the
-        # counters' bases fit the gate kernel's arguments)
-        self.read_before_counts = (bool(s.kernel.read_before_counts) and self.G == 1
-                                   and self.N * self.L <= self._k.READ_MAX_COUNTERS)
+        # docs/internode.md, "Reading before the count read": the setting, where it can apply (the counters' bases fit
+        # the gate kernel's arguments; with several GPUs per node, "The forward before the count read", the forward
+        # ends with the node barrier over NVLink, which the GPU raises and waits for without the host)
+        self.read_before_counts = (bool(s.kernel.read_before_counts) and self.N * self.L <= self._k.READ_MAX_COUNTERS
+                                   and (self.G == 1 or bool(s.kernel.forward_node_barrier)))
         self.read_slack = float(s.kernel.read_before_counts_slack)
         # ... and every other condition of it fixed at setup (pack and push during notify: _reading_before_counts)
         self._reads_before_counts_at_all = (self.read_before_counts and self.gated_arrivals and self.pack_during_notify
@@ -626,6 +638,12 @@ class NativeInternodeBackend:
         # the gate table and words a reader before the counts takes from the device (gate_from_count_rows)
         self._read_gate = torch.zeros((self.N, GATE_FIXED + self.L), dtype=torch.int64, device=self.device)
         self._read_dims = torch.zeros(READ_DIMS, dtype=torch.int64, device=self.device)
+        # ... and with several GPUs per node the forward's block table, final rows per local GPU and words, then the
+        # unpack's words (forward_from_count_rows)
+        self._fwd_blocks = torch.zeros((self.N, 1 + self.G), dtype=torch.int64, device=self.device)
+        self._fwd_limits = torch.zeros(self.G, dtype=torch.int64, device=self.device)
+        self._fwd_dims = torch.zeros(FORWARD_DIMS, dtype=torch.int64, device=self.device)
+        self.forwards_before_counts = 0  # forwards launched before the count read that forwarded (tests, benchmarks)
         self.reads_before_counts = 0  # readers launched before the count read that read (tests, benchmarks)
         self.reads_before_counts_declined = 0  # ... that the counts sent back to the reader after notify
         # sync-free dispatches that returned before the count read (tests, benchmarks), and the last one's handle with
@@ -671,7 +689,7 @@ class NativeInternodeBackend:
         self.forward_node_barriers = 0  # dispatch forwards that ended with the node barrier over NVLink (G > 1)
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
-        if self.read_before_counts:
+        if self.read_before_counts and self.G == 1:
             # its kernel's first launch now, with nothing spinning: the first real one queues behind notify's spinning
             # wait, where a lazy module load might wait for that wait ("Drains"); the zero rows make words only
             zeros = torch.zeros((self.R, 2 * self.R), dtype=torch.int64, device=self.device)
@@ -679,6 +697,8 @@ class NativeInternodeBackend:
                                          [0] * (self.N * self.L), 16, 0, 0, 0, self._read_gate.data_ptr(),
                                          self._read_dims.data_ptr(), self._stream())
             self._drain("setup: the reader-before-counts kernel's first launch")
+        elif self.read_before_counts:
+            self._first_launches_before_counts()
         if self.G > 1:
             self._first_forward_launches()
         if self.pipelined_gather:
@@ -717,6 +737,31 @@ class NativeInternodeBackend:
             raise InternodeError(f"rank {self.rank}: the dispatch forward kernel misread a record whose dest rows are "
                                  f"all -1 (got {out.tolist()}), or raise_flags missed a flag ({flags.tolist()}); "
                                  "rebuild _C")
+
+    def _first_launches_before_counts(self) -> None:
+        """The first launches of the kernels a forward before the count read queues behind notify's spinning wait, as
+        _first_forward_launches does for the forward's: forward_from_count_rows on zero rows with a send limit that
+        refuses (the words say no), then the pack of our own records and the unpack taking those words (nothing
+        written)."""
+        dev, G = self.device, self.G
+        zeros = torch.zeros((self.R, 2 * self.R), dtype=torch.int64, device=dev)
+        dims = self._fwd_dims.data_ptr()
+        self._k.forward_from_count_rows(zeros.data_ptr(), 2 * self.R, self.R, G, self.rank, self.L,
+                                        [0] * (self.N * self.L), 16, 16, -1, 0, 0, 0, self._read_gate.data_ptr(),
+                                        self._fwd_blocks.data_ptr(), self._fwd_limits.data_ptr(), dims, self._stream())
+        layout = _record_layout((16,), G)
+        column = torch.zeros((1, 16), dtype=torch.uint8, device=dev)
+        plan = torch.zeros(1 + G, dtype=torch.int64, device=dev)  # token 0, its dest rows
+        self._k.pack_records(0, self._cx.rdma_ptr + self.half_rdma, 0, 0, layout.stride, plan.data_ptr(),
+                             plan.data_ptr() + 8, G, 1, _column_args([column], layout), layout.src_idx_offset,
+                             layout.dest_rows_offset, self._stream(), own_dims=dims)
+        out = torch.empty((1, 16), dtype=torch.uint8, device=dev)
+        self._unpack_launch(self._cx.nvl_ptr, layout.final_bytes, 1, 1, layout, [out], None, None, 1, 0, 0, None,
+                            None, dims=dims + 8 * READ_DIMS, pad=False)
+        self._drain("setup: the forward-before-counts kernels' first launches")
+        if int(self._fwd_dims[READ_GO]) or int(self._fwd_dims[READ_DIMS + READ_GO]):
+            raise InternodeError(f"rank {self.rank}: forward_from_count_rows let a refused forward go "
+                                 f"({self._fwd_dims.tolist()}); rebuild _C")
 
     def _first_gather_launches(self) -> None:
         """The pipelined combine gather's kernels' first launches, with nothing spinning, as _first_forward_launches
@@ -1521,6 +1566,11 @@ class NativeInternodeBackend:
                 self._cx.stream_wait(self._cx.side_stream, self._stream())
             fwd_dest = self._forward_arrivals(counts, shape, layout, A, recv_base, own_row, pending.gate,
                                               ready_epoch=self._unpack_beside if beside else 0)
+            if beside:
+                # the forward writes fwd_dest on our stream after the second stream's wait, so its memory must not go
+                # back to the allocator (a cached dispatch drops it) while the unpack's outputs, allocated next and
+                # written on the second stream, could be given it: session 45's first GPU run, cached recv_x differed
+                self._beside_keep = fwd_dest
             self.forwards_during_hop += 1
             self._gated_done("dispatch_network", pending.t0, "dispatch_network wait")
             self._lap("dispatch.network")
@@ -1550,6 +1600,7 @@ class NativeInternodeBackend:
         epoch, self._unpack_beside = self._unpack_beside, None
         if epoch is not None:
             self._cx.stream_wait(self._stream(), self._cx.side_stream)
+            self._beside_keep = None  # (freed now: everything after it on our stream follows the forward)
             self._forwarded(epoch)
 
     def _forwarded(self, epoch: Optional[int] = None) -> None:
@@ -1938,14 +1989,17 @@ class NativeInternodeBackend:
         ``dense``: the columns, contiguous, from which our own node's rows are read (never packed); ``tables``: the
         send plan the count row's launch writes."""
         spare, self._spare_read_outputs = self._spare_read_outputs, None  # taken here or dropped
+        # (several GPUs per node: rank-major receives only, "The forward before the count read")
         if not (self.read_before_counts and pushed_in_one_launch and self.gated_arrivals
-                and (em_in_reader or not args.expert_major)):
+                and (em_in_reader or not args.expert_major) and (self.G == 1 or not args.expert_major)):
             return None
         payload = [args.x] + ([args.x_scales] if args.x_scales is not None else [])
         K = args.topk_idx.size(1) if args.topk_idx is not None else 0
+        # the rows the area the outputs are read from holds: the arrivals (one GPU per node), else the final rows
+        area_rows = self.half_rdma // layout.stride if self.G == 1 else self.half_nvl // layout.final_bytes
         if args.expert_major:  # (no spare outputs: an expert-major receive's are its expert-major rows)
             self._next_read = None
-            spec = self._read_spec(T, args.num_worst_tokens, layout.stride,
+            spec = self._read_spec(T, args.num_worst_tokens, area_rows,
                                    tuple((c.dtype, tuple(c.shape[1:])) for c in payload), K)
             seen = self._expert_rows_seen.get(T)
             expert_rows = args.num_worst_tokens or (math.ceil(seen * (1 + self.read_slack)) if seen else 0)
@@ -1956,29 +2010,33 @@ class NativeInternodeBackend:
                                        tables.hop1_token.data_ptr(), expert_rows=expert_rows,
                                        alignment=args.expert_alignment)
         # what the combine of this dispatch's handle makes the next dispatch's outputs for (_spare_read_outputs)
-        self._next_read = (T, args.num_worst_tokens, layout.stride,
+        self._next_read = (T, args.num_worst_tokens, area_rows,
                            tuple((c.dtype, tuple(c.shape[1:])) for c in payload), K)
         spec = self._read_spec(*self._next_read)
         if spec is None:
             return None
         reading = ReadingBeforeCounts(spec, bool(args.num_worst_tokens), layout,
                                       args.num_tokens_per_expert.numel() // self.R, _column_args(dense, layout),
-                                      tables.hop1_token.data_ptr())
+                                      tables.hop1_token.data_ptr(), own_dest_rows=tables.dest_rows.data_ptr(),
+                                      tokens=T)
+        if self.G > 1:  # (made now: once notify's wait is queued, an allocation that reaches cudaMalloc may wait on it)
+            reading.fwd_dest = torch.empty((self.half_rdma // layout.stride, self.G), dtype=torch.int64,
+                                           device=self.device)
         if spare is not None and spare[0] == spec:  # made during the last combine's hop
             self.spare_read_outputs_taken += 1
             reading.outs, reading.topk_idx, reading.weights, reading.src_idx, reading.arrival = spare[1]
         return reading
 
-    def _read_spec(self, T: int, worst: int, stride: int, payload: tuple, K: int) -> Optional[tuple]:
+    def _read_spec(self, T: int, worst: int, area_rows: int, payload: tuple, K: int) -> Optional[tuple]:
         """(rows, payload dtypes and row shapes, top-k) of the outputs of a read before the counts: num_worst_tokens
-        rows, else the rows the last dispatch of T tokens received plus the slack, capped by the receive area; None
-        before any dispatch of T tokens."""
+        rows, else the rows the last dispatch of T tokens received plus the slack, capped by the ``area_rows`` the
+        area they are read from holds; None before any dispatch of T tokens."""
         if worst:
             return worst, payload, K
         seen = self._recv_rows_seen.get(T)
         if seen is None:
             return None
-        return min(math.ceil(seen * (1 + self.read_slack)), self.half_rdma // stride), payload, K
+        return min(math.ceil(seen * (1 + self.read_slack)), area_rows), payload, K
 
     def _new_read_outputs(self, spec: tuple) -> tuple:
         """(payload outputs, top-k ids, weights, src_idx, arrival) of ``spec`` (_read_spec), uninitialised."""
@@ -2015,6 +2073,9 @@ class NativeInternodeBackend:
                 self._new_read_outputs(reading.spec)
         self._lap("dispatch.outputs_before_counts")
         reading.t0 = self._hop_started()
+        if self.G > 1:
+            self._launch_forward_before_counts(reading, rows_at, send_top)
+            return
         stride = reading.layout.stride
         self._k.gate_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, self.rank, self.L,
                                      self._expected[:self.N * self.L], stride, send_top, self.half_rdma, rows,
@@ -2027,6 +2088,90 @@ class NativeInternodeBackend:
                             reading.src_idx, reading.arrival, gate, dims=self._read_dims.data_ptr(), pad=reading.pad,
                             own=(0, 0, 0, reading.own_tokens, reading.own_columns))
         self._lap("dispatch.reader_before_counts")
+
+    def _launch_forward_before_counts(self, reading: ReadingBeforeCounts, rows_at: CountRows, send_top: int) -> None:
+        """_launch_reader_before_counts with several GPUs per node (docs/internode.md, "The forward before the count
+        read"), behind notify's wait and the matrix's copy: from the count rows on the device (forward_from_count_rows)
+        the gate, the forward's tables and the words; our own node's records packed into their block among our
+        arrivals (pack_records from the words); the gated forward (forward_arrivals from the words) and the node
+        barrier, its flag raised and its wait made only when the forward went (else the host's forward after the
+        count read raises it); then the unpack of our final rows (unpack_records from the unpack's words). Queues no
+        upload."""
+        layout, G = reading.layout, self.G
+        stride, dims = layout.stride, self._fwd_dims.data_ptr()
+        recv = self._cx.rdma_ptr + self.half_rdma
+        self._k.forward_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, G, self.rank, self.L,
+                                        self._expected[:self.N * self.L], stride, layout.final_bytes, send_top,
+                                        self.half_rdma, self.half_nvl, reading.rows, self._read_gate.data_ptr(),
+                                        self._fwd_blocks.data_ptr(), self._fwd_limits.data_ptr(), dims,
+                                        self._stream())
+        self._k.pack_records(0, recv, 0, 0, stride, reading.own_tokens, reading.own_dest_rows, G, reading.tokens,
+                             reading.own_columns, layout.src_idx_offset, layout.dest_rows_offset, self._stream(),
+                             own_dims=dims)
+        gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
+                                     self._phases["dispatch_network"])
+        self._k.forward_arrivals(self._forward_targets.data_ptr(), self._forward_targets_or, layout.final_bytes, G,
+                                 recv, stride, reading.fwd_dest.size(0), layout.final_bytes,
+                                 self._fwd_limits.data_ptr(), self._fwd_blocks.data_ptr(), self.N,
+                                 layout.dest_rows_offset, layout.arrival_offset, reading.fwd_dest.data_ptr(),
+                                 self._stream(), gate=gate, err=self._cx.error_word_ptr,
+                                 stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation,
+                                 rank=self.rank, phase=self._phases["dispatch_forward"], dims=dims)
+        # the epoch the host's forward would take; kept only when the forward went (_adopt_forward_before_counts)
+        reading.epoch = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
+        self._k.raise_flags(self._forward_flag_targets.data_ptr(), G, reading.epoch, self._stream(),
+                            stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation, go=dims)
+        self._cx.wait_node_flags(self._cx.nvl_ptr + self._forward_flag_base, G, 1, reading.epoch,
+                                 self._phases["dispatch_forward"], self._stream(), go=dims)
+        experts = reading.experts_per_rank
+        self._unpack_launch(self._cx.nvl_ptr, layout.final_bytes, reading.rows, reading.rows, layout, reading.outs,
+                            reading.topk_idx, reading.weights, len(reading.outs), self.rank * experts, experts,
+                            reading.src_idx, reading.arrival, dims=dims + 8 * READ_DIMS, pad=reading.pad)
+        self._lap("dispatch.reader_before_counts")
+
+    def _before_counts_words(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int) -> List[int]:
+        """After notify: the words the kernels launched before the count read took from the count rows, by their own
+        rule on the same counts (read_before_counts, or forward_before_counts with several GPUs per node)."""
+        layout = reading.layout
+        if self.G == 1:
+            return read_before_counts(counts.rank_counts, counts.node_counts, self.rank, self.L, self._expected,
+                                      layout.stride, send_top, self.half_rdma, reading.rows)[1]
+        return forward_before_counts(counts.rank_counts, counts.node_counts, self.rank, self.G, self.L,
+                                     self._expected, layout.stride, layout.final_bytes, send_top, self.half_rdma,
+                                     self.half_nvl, reading.rows)[3]
+
+    def _adopt_forward_before_counts(self, reading: ReadingBeforeCounts, counts: Counts, plan: SendPlan) -> None:
+        """After notify, a forward before the count read that went: what the host's forward would have left -- the
+        counters' targets (first: they move whatever follows), the node barrier's epoch, the extents (their check
+        may raise: the caller ends the hop whatever happens)."""
+        for slot, count in dispatch_waits(counts, self.rank, self.G, self._per_chunk(reading.layout.stride), self.L):
+            self._expected[slot] += count
+        self._forward_epoch = reading.epoch
+        self.forwards_before_counts += 1
+        self.forwards_during_hop += 1
+        self.forward_node_barriers += 1
+        self._last_dispatch_extents = self._dispatch_shape(counts, plan, reading.layout, upload=False).extents
+
+    def _forward_dest_before_counts(self, reading: ReadingBeforeCounts, counts: Counts) -> Optional[torch.Tensor]:
+        """The forward's final rows of our arrivals at each local GPU [A, G], which a forward before the count read
+        wrote (None with one GPU per node: nothing is forwarded)."""
+        if self.G == 1:
+            return None
+        return reading.fwd_dest[:sum(recv_counts(counts, self.rank, self.G))]
+
+    def _forwarded_before_counts(self, reading: ReadingBeforeCounts, counts: Counts, plan: SendPlan
+                                 ) -> Tuple[torch.Tensor, RecordLayout, torch.Tensor, None]:
+        """After notify, a forward before the count read that went while its unpack did not (our final rows passed
+        the outputs allocated before the counts): _move's results without moving anything -- (our final rows, the
+        layout, the forward's dest rows, no pending hop) -- for the unpack after the count read."""
+        try:
+            self._adopt_forward_before_counts(reading, counts, plan)
+        finally:
+            self._gated_done("dispatch_network", reading.t0, "dispatch_network wait")
+            self._lap("dispatch.network")
+        layout, nrecv = reading.layout, num_recv_rows(counts, self.rank)
+        final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
+        return final, layout, self._forward_dest_before_counts(reading, counts), None
 
     def _launch_expert_major_reader_before_counts(self, reading: ReadingBeforeCounts, rows_at: CountRows,
                                                   send_top: int) -> None:
@@ -2064,20 +2209,25 @@ class NativeInternodeBackend:
         """After notify: whether the reader launched before the count read reads, by its own rule on the same counts
         (read_before_counts, and for an expert-major receive its rows, ``expert_rows``, within the outputs'); else it
         did nothing."""
-        _, words = read_before_counts(counts.rank_counts, counts.node_counts, self.rank, self.L, self._expected,
-                                      reading.layout.stride, send_top, self.half_rdma, reading.rows)
-        return bool(words[READ_GO]) and (not reading.expert_rows or expert_rows <= reading.expert_rows)
+        words = self._before_counts_words(reading, counts, send_top)
+        read = words[READ_GO] if self.G == 1 else words[READ_DIMS + READ_GO]  # (several GPUs per node: the unpack's)
+        return bool(read) and (not reading.expert_rows or expert_rows <= reading.expert_rows)
 
     def _while_reader_before_counts(self, reading: ReadingBeforeCounts, counts: Counts, plan: SendPlan,
                                     host_work: Callable[[], None]) -> None:
         """The host's part of a dispatch read before the count read, while its reader spins: the counters' targets
-        (first: they move whatever follows), the area checks, ``host_work``; then the drain, also when those raise."""
+        (first: they move whatever follows), the area checks, ``host_work``; then the drain, also when those raise.
+        With several GPUs per node, what the forward before it leaves (_adopt_forward_before_counts) first."""
         try:
-            for slot, count in dispatch_waits(counts, self.rank, self.G, self._per_chunk(reading.layout.stride),
-                                              self.L):
-                self._expected[slot] += count
+            if self.G > 1:
+                self._adopt_forward_before_counts(reading, counts, plan)
+            else:
+                for slot, count in dispatch_waits(counts, self.rank, self.G, self._per_chunk(reading.layout.stride),
+                                                  self.L):
+                    self._expected[slot] += count
+                self._last_dispatch_extents = self._dispatch_shape(counts, plan, reading.layout,
+                                                                   upload=False).extents
             self.reads_before_counts += 1
-            self._last_dispatch_extents = self._dispatch_shape(counts, plan, reading.layout, upload=False).extents
             self._lap("dispatch.unpack")
             host_work()
         finally:
@@ -2156,9 +2306,10 @@ class NativeInternodeBackend:
         if not (args.expert_major and args.topk_idx is not None and E <= NOTIFY_MAX_EXPERTS):
             return False, False
         choice = self.expert_major_in_reader
-        if not (choice["uncached"] or (self._reads_before_counts_at_all and choice["uncached early"])):
+        early_at_all = self._reads_before_counts_at_all and self.G == 1  # (not yet with several GPUs per node)
+        if not (choice["uncached"] or (early_at_all and choice["uncached early"])):
             return False, False
-        may_read_early = (self._reads_before_counts_at_all and combined_send_base is not None
+        may_read_early = (early_at_all and combined_send_base is not None
                           and bool(args.num_worst_tokens or self._expert_rows_seen.get(T)))
         return True, choice["uncached early" if may_read_early else "uncached"]
 
@@ -2223,7 +2374,10 @@ class NativeInternodeBackend:
             expert_rows = sum(_align(int(c), args.expert_alignment)
                               for c in recv_expert_counts(counts, self.rank, reading.experts_per_rank))
         declined = reading is not None and not self._reader_read(reading, counts, combined_send_base, expert_rows)
+        forwarded = None  # several GPUs per node: a forward before the count read that went, its unpack did not
         if declined:
+            if self.G > 1 and self._before_counts_words(reading, counts, combined_send_base)[READ_GO]:
+                forwarded = reading
             reading = None  # the reader did nothing: the host plans and reads after notify, as below
             self.reads_before_counts_declined += 1
         packed = early["rows"] if plan is not None else None
@@ -2267,7 +2421,7 @@ class NativeInternodeBackend:
         elif reading is not None:
             nrecv = num_recv_rows(counts, self.rank)
             rows = worst or nrecv
-            layout, fwd_dest, pending = reading.layout, None, None
+            layout, fwd_dest, pending = reading.layout, self._forward_dest_before_counts(reading, counts), None
             final = None  # (an expert-major receive read before the counts is the branch above)
             outs = [o[:rows] for o in reading.outs]
             recv_topk_idx = reading.topk_idx[:rows] if reading.topk_idx is not None else None
@@ -2275,10 +2429,13 @@ class NativeInternodeBackend:
             src_idx, arrival = reading.src_idx[:nrecv], reading.arrival[:nrecv]
         else:
             # (an expert-major copy after the hop reads the final rows: our own among them)
-            final, layout, fwd_dest, _, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
-                                                             pushed=pushed, plan_ahead=plan_ahead,
-                                                             own_from_columns=in_reader or not args.expert_major,
-                                                             unpacked_next=not args.expert_major)
+            if forwarded is not None:  # the rows are forwarded already: only their unpack is left
+                final, layout, fwd_dest, pending = self._forwarded_before_counts(forwarded, counts, plan)
+            else:
+                final, layout, fwd_dest, _, pending = self._move(cols, counts, plan, gate_ok=True, packed=packed,
+                                                                 pushed=pushed, plan_ahead=plan_ahead,
+                                                                 own_from_columns=in_reader or not args.expert_major,
+                                                                 unpacked_next=not args.expert_major)
             nrecv = final.size(0)
             rows = nrecv
             if worst and not args.expert_major:

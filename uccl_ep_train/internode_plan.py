@@ -605,6 +605,47 @@ def read_before_counts(rank_counts: torch.Tensor, node_counts: torch.Tensor, ran
     return table, dims
 
 
+#: Words of a forward launched before the count read (several GPUs per node): the forward's READ_DIMS words, then the
+#: unpack's (go and rows; the rest 0), which read_before_counts' readers take as they are.
+FORWARD_DIMS = 2 * READ_DIMS
+
+
+def forward_before_counts(rank_counts: torch.Tensor, node_counts: torch.Tensor, rank: int, ranks_per_node: int,
+                          num_lanes: int, counter_before: Sequence[int], stride: int, final_bytes: int,
+                          send_limit: int, receive_bytes: int, final_limit: int, capacity_rows: int
+                          ) -> Tuple[List[List[int]], List[List[int]], List[int], List[int]]:
+    """Several GPUs per node: what a forward dispatch's forwarder launched before the host read the count matrix takes
+    from the count rows on the device (the forward_from_count_rows kernel; docs/internode.md, "The forward before the
+    count read"): (its arrivals' gate table, as gate_rows makes it from dispatch_gate_blocks; the forward's block table
+    as forward_block_bases makes it; each local GPU's final rows; FORWARD_DIMS words). The words are the forward's
+    (go, our arrivals, our own node's block's first row, gate rows, our own records' first index and count in our send
+    list), then the unpack's (go, our final rows). The forward goes when our records were packed and pushed during
+    notify (they fit ``send_limit`` bytes: a record left for the host to push would queue behind our spinning forward),
+    our arrivals fit ``receive_bytes`` and every local GPU's final rows fit ``final_limit`` bytes of ``final_bytes``
+    each; the unpack when the forward goes and our final rows fit the ``capacity_rows`` outputs allocated before the
+    counts. The host applies this same rule to the same counts after notify."""
+    rc, nc = _host(rank_counts), _host(node_counts)
+    G = ranks_per_node
+    R = rc.shape[0]
+    N = R // G
+    node, local = divmod(rank, G)
+    recv = [int(nc[n * G + local, node]) for n in range(N)]  # our arrivals by source node (recv_counts)
+    first = [sum(recv[:n]) for n in range(N)]
+    A = sum(recv)
+    table = gate_rows([(first[n], c, n * num_lanes) for n, c in enumerate(recv) if n != node and c], node,
+                      num_lanes, counter_before)
+    to_here = np.asarray(rc[:, node * G:(node + 1) * G], dtype=np.int64)
+    before = np.cumsum(to_here, axis=0) - to_here
+    blocks = [[first[n] + recv[n]] + [int(v) for v in before[n * G + local]] for n in range(N)]
+    limits = [int(v) for v in to_here.sum(0)]
+    own_send = [int(v) for v in nc[rank]]
+    go = (sum(own_send) * stride <= send_limit and A * stride <= receive_bytes
+          and all(v * final_bytes <= final_limit for v in limits))
+    words = [int(go), A, first[node], len(table), sum(own_send[:node]), own_send[node]] + [0] * (READ_DIMS - 6)
+    words += [int(go and limits[local] <= capacity_rows), limits[local]] + [0] * (READ_DIMS - 2)
+    return table, blocks, limits, words
+
+
 @dataclass(frozen=True)
 class CombineAreas:
     """Where one combine's partial sums sit in every rank's RDMA region (byte offsets, per rank): the rows a rank

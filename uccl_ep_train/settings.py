@@ -256,10 +256,11 @@ class KernelSettings:
         "then too, by a kernel that waits on the GPU for every count row and places each block from them "
         "(docs/internode.md, Push during notify); 0: the push waits for the host's plan after notify", _bool))
     read_before_counts: bool = field(default=True, metadata=_meta(
-        "UCCL_EP_READ_BEFORE_COUNTS", "internode, one GPU per node: a dispatch pushed during notify launches its "
-        "reader before the host reads the count matrix, taking its rows and gate from the count rows on the device, "
-        "into outputs sized from num_worst_tokens or the last dispatch of that size (docs/internode.md, Reading "
-        "before the count read); 0: the reader follows the host's plan", _bool))
+        "UCCL_EP_READ_BEFORE_COUNTS", "internode: a dispatch pushed during notify launches its reader before the "
+        "host reads the count matrix, taking its rows and gate from the count rows on the device, into outputs sized "
+        "from num_worst_tokens or the last dispatch of that size (docs/internode.md, Reading before the count read); "
+        "with several GPUs per node (rank-major receives) the forward, node barrier and unpack go there too (The "
+        "forward before the count read); 0: the reader follows the host's plan", _bool))
     own_rows_from_columns: bool = field(default=True, metadata=_meta(
         "UCCL_EP_OWN_ROWS_FROM_COLUMNS", "internode, one GPU per node: a dispatch's gated reader takes our own "
         "node's rows straight from the input columns, so the sender never packs them (docs/internode.md, Own rows "

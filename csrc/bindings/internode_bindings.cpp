@@ -149,13 +149,15 @@ void bind_internode(py::module_& m) {
         py::arg("first_row") = 0,
         py::arg("err") = 0, py::arg("stop_flag") = 0, py::arg("stop_generation") = 0, py::arg("rank") = -1,
         py::arg("phase") = 0, py::arg("ready_words") = 0, py::arg("ready_rows") = 0, py::arg("ready_epoch") = 0,
+        py::arg("dims") = 0,
         "dispatch forward as the forwarder's reader: each arrival's final rows (its record's dest rows plus its "
         "block's bases: blocks [num_blocks, 1 + targets], each row its end then a base per target; -1: none) into "
         "dst_idx_out [n, targets], its first row_bytes with its arrival index stamped "
         "to each of them; gate (InternodeContext.arrival_gate): each row waits for its chunk, so it runs during the "
         "hop, from first_row on; range check, error word and stop flag as forward_rows; ready_words (device uint64 "
         "[targets]: each GPU's int32 ready words): final row d < ready_rows's word released to ready_epoch after "
-        "the row's stores");
+        "the row's stores; dims (forward_from_count_rows' forward words): launched before the counts, n being "
+        "dst_idx_out's capacity, the rows, first row and gate rows from the words, nothing when their go is 0");
 
   k.attr("GATHER_MAX_TILES") = in::kGatherMaxTiles;
   k.attr("NODE_SUMS_MAX_RANKS_PER_NODE") = in::kNodeSumsMaxRanksPerNode;
@@ -171,9 +173,10 @@ void bind_internode(py::module_& m) {
         "grid, which takes the tiles in order (0: a block per tile, up to 1024); own_ranges (int64 [2, targets]: "
         "each forwarder's own node's arrivals, first and end; 0: none): the tiles in its pack's order, those last");
   k.def("raise_flags", &in::raise_flags, py::arg("flags"), py::arg("n"), py::arg("epoch"), py::arg("stream"),
-        py::arg("stop_flag") = 0, py::arg("stop_generation") = 0,
+        py::arg("stop_flag") = 0, py::arg("stop_generation") = 0, py::arg("go") = 0,
         "the int32 at each of the n addresses in flags (device uint64 [n]) set to epoch, released at system scope "
-        "after everything earlier on the stream; nothing while the stop flag holds stop_generation");
+        "after everything earlier on the stream; nothing while the stop flag holds stop_generation, nor when go "
+        "(a device int64 word; 0: none) is 0");
   k.def("sum_node_partials", &in::sum_node_partials, py::arg("out_x"), py::arg("out_w"), py::arg("src"),
         py::arg("src_stride"), py::arg("row_of"), py::arg("zero"), py::arg("num_nodes"), py::arg("num_tokens"),
         py::arg("payload_bytes"), py::arg("num_weights"), py::arg("fp32"), py::arg("stream"),
@@ -217,21 +220,23 @@ void bind_internode(py::module_& m) {
          uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
          const std::vector<std::tuple<uintptr_t, int64_t, int64_t>>& columns, int64_t src_idx_offset,
          int64_t dest_rows_offset, uintptr_t stream, uintptr_t node_counts, int num_nodes, int skip_node,
-         int64_t send_limit) {
+         int64_t send_limit, uintptr_t own_dims) {
         std::vector<in::PackColumn> cols;
         for (const auto& [src, bytes, offset] : columns) cols.push_back(in::PackColumn{src, bytes, offset});
         in::pack_records(send, own_dst, own_first, own_count, stride, hop1_token, dest_rows, ranks_per_node,
                          num_records, cols, src_idx_offset, dest_rows_offset, stream,
-                         in::DeviceNodeCounts{node_counts, num_nodes, skip_node, send_limit});
+                         in::DeviceNodeCounts{node_counts, num_nodes, skip_node, send_limit, own_dims});
       },
       py::arg("send"), py::arg("own_dst"), py::arg("own_first"), py::arg("own_count"), py::arg("stride"),
       py::arg("hop1_token"), py::arg("dest_rows"), py::arg("ranks_per_node"), py::arg("num_records"),
       py::arg("columns"), py::arg("src_idx_offset"), py::arg("dest_rows_offset"), py::arg("stream"),
       py::arg("node_counts") = 0, py::arg("num_nodes") = 0, py::arg("skip_node") = -1, py::arg("send_limit") = -1,
+      py::arg("own_dims") = 0,
       "the wire records of internode_plan.pack_records, one launch; columns: (src, row bytes, record offset); "
       "records [own_first, own_first + own_count) go to own_dst. node_counts (device int64 [num_nodes]): the "
       "records are counted on the device instead (num_records: the tables' capacity), node skip_node's are not "
-      "written, and none is when all pass send_limit bytes");
+      "written, and none is when all pass send_limit bytes; own_dims (forward_from_count_rows' forward words): "
+      "only our own node's records, to own_dst from the words' first row on (num_records: the capacity)");
 
   k.def(
       "unpack_records",
@@ -286,6 +291,17 @@ void bind_internode(py::module_& m) {
         "own records' first index and count) of a reader launched before the host read the counts; go when our "
         "records were packed (fit send_limit bytes), our arrivals were pushed (fit receive_bytes) and fit "
         "capacity_rows");
+  k.attr("FORWARD_DIMS") = int(in::kForwardDims);
+  k.def("forward_from_count_rows", &in::forward_from_count_rows, py::arg("count_rows"), py::arg("row_words"),
+        py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("num_lanes"),
+        py::arg("counter_bases"), py::arg("stride"), py::arg("final_bytes"), py::arg("send_limit"),
+        py::arg("receive_bytes"), py::arg("final_limit"), py::arg("capacity_rows"), py::arg("table_out"),
+        py::arg("blocks_out"), py::arg("limits_out"), py::arg("dims_out"), py::arg("stream"),
+        "several GPUs per node, after every count row landed: the forward dispatch's gate table (a row per other node "
+        "sending us records; counter_bases: every counter's value before the call, node-major), block table "
+        "[nodes, 1 + ranks_per_node], each local GPU's final rows (limits_out) and FORWARD_DIMS words (the "
+        "forward's, then the unpack's) of a forwarder launched before the host read the counts "
+        "(internode_plan.forward_before_counts)");
 
   k.def("gather_rows_by_arrival", &in::gather_rows_by_arrival, py::arg("out"), py::arg("targets"),
         py::arg("max_arrivals"), py::arg("row_ends"), py::arg("num_sources"), py::arg("arrival"), py::arg("num_rows"),
@@ -607,9 +623,10 @@ void bind_internode(py::module_& m) {
            "[blocks][GATE_COLUMNS + num_fifos] (first row, records, first slot, FIFO hint, counter bases), kept "
            "alive until the gated launch ran")
       .def("wait_node_flags", &in::Context::wait_node_flags, py::arg("flags"), py::arg("ranks_per_node"),
-           py::arg("tiles"), py::arg("epoch"), py::arg("phase"), py::arg("stream"),
+           py::arg("tiles"), py::arg("epoch"), py::arg("phase"), py::arg("stream"), py::arg("go") = 0,
            "wait on `stream` until every local GPU's flags 0..tiles-1 (int32 [ranks_per_node, GATHER_MAX_TILES] at "
-           "flags) are at epoch: the pipelined gather's tiles, or the dispatch forward's node barrier (tiles 1)")
+           "flags) are at epoch: the pipelined gather's tiles, or the dispatch forward's node barrier (tiles 1); no "
+           "wait when go (a device int64 word; 0: none) is 0")
       .def("wait_signals", &in::Context::wait_signals, py::arg("targets"), py::arg("phase"), py::arg("stream"),
            "wait on `stream` until signal[slot] >= expected for every (slot, expected) in targets")
       .def("record_drain_mark", &in::Context::record_drain_mark, py::arg("stream"),

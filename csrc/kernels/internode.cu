@@ -563,9 +563,15 @@ __global__ void forward_arrivals_kernel(const unsigned long long* dsts, long lon
                                         long long dest_rows_offset,
                                         long long arrival_offset, long long* dst_idx_out, long long first_row,
                                         ErrorWord* err, StopFlag stop, int rank, int phase, ArrivalGate gate,
-                                        ReadyWords ready) {
+                                        ReadyWords ready, const long long* dims) {
   extern __shared__ unsigned long long s_out[];  // per target: this row's destination address, 0 = none
   __shared__ bool s_stopped, s_any, s_ok;
+  if (dims) {  // launched before the host read the counts: the rows, first row and gate rows come from the device
+    if (!dims[kReadGo]) return;
+    n = dims[kReadRows];
+    first_row = dims[kReadFirstRow];
+    if constexpr (kGated) gate.blocks = int(dims[kReadBlocks]);
+  }
   if constexpr (kGated) {
     reader_begins(gate);
     if (blockIdx.x == 0) {  // the watcher (arrival_gate.hpp); the rows go to the other blocks
@@ -704,9 +710,10 @@ __global__ void __launch_bounds__(kGatherThreads) gather_tiles_kernel(
 
 // raise_flags: a thread per flag. The stores before it on the stream are complete (they are earlier kernels); the
 // drain makes this thread's view of them system-wide before its release.
-__global__ void raise_flags_kernel(const unsigned long long* flags, int n, int epoch, StopFlag stop) {
+__global__ void raise_flags_kernel(const unsigned long long* flags, int n, int epoch, StopFlag stop,
+                                   const long long* go) {
   const int i = threadIdx.x;
-  if (i >= n || stopped(stop)) return;
+  if (i >= n || stopped(stop) || (go && !*go)) return;
   drain_stores_before_release();
   st_release_sys(reinterpret_cast<int*>(flags[i]), epoch);
 }
@@ -714,7 +721,8 @@ __global__ void raise_flags_kernel(const unsigned long long* flags, int n, int e
 // Context::wait_node_flags: one block, a thread per (local GPU, flag) in turn.
 __global__ void wait_node_flags_kernel(const int* flags, int ranks_per_node, long long tiles, int epoch,
                                          unsigned long long timeout_ns, ErrorWord* err, StopFlag stop, int rank,
-                                         int phase) {
+                                         int phase, const long long* go) {
+  if (go && !*go) return;  // (a forward before the counts that did not forward: the host's barrier follows)
   for (long long p = threadIdx.x; p < ranks_per_node * tiles; p += blockDim.x) {
     const int j = int(p / tiles);
     const long long t = p % tiles;
@@ -882,13 +890,13 @@ void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arr
 }
 
 void raise_flags(uintptr_t flags, int n, int32_t epoch, uintptr_t stream, uintptr_t stop_flag,
-                 int stop_generation) {
+                 int stop_generation, uintptr_t go) {
   if (n <= 0) return;
   if (!flags || n > 1024 || epoch < 1)
     throw std::invalid_argument("raise_flags: 1..1024 flag addresses and an epoch >= 1");
   raise_flags_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const unsigned long long*>(flags), n, epoch,
-      StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation});
+      StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation}, reinterpret_cast<const long long*>(go));
   check(cudaGetLastError(), "raise_flags launch");
 }
 
@@ -947,8 +955,11 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
                       int64_t num_blocks, int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out,
                       uintptr_t stream, const ArrivalGate* gate, int64_t first_row, uintptr_t err, uintptr_t stop_flag,
                       int stop_generation, int rank, int phase, uintptr_t ready_words, int64_t ready_rows,
-                      int32_t ready_epoch) {
+                      int32_t ready_epoch, uintptr_t dims) {
   if (n <= 0) return;
+  if (dims && (ready_words || first_row))
+    throw std::invalid_argument("forward_arrivals: read before the counts (dims), n is the capacity and the first row "
+                                "comes from the device; no ready words");
   if (!dsts || !src || !dst_rows || !blocks || !dst_idx_out)
     throw std::invalid_argument("forward_arrivals: null pointer");
   if (ready_words && (ready_rows < 0 || ready_epoch < 1))
@@ -985,7 +996,8 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
     kernel<<<grid, 256, shared, s>>>(d, dst_stride, targets, sp, src_stride, n, row_bytes, rows, b, num_blocks,
                                      dest_rows_offset, arrival_offset, out, first_row, ew, stop, rank, phase, g,
                                      ReadyWords{reinterpret_cast<const unsigned long long*>(ready_words), ready_rows,
-                                                ready_epoch});
+                                                ready_epoch},
+                                     reinterpret_cast<const long long*>(dims));
   });
   check(cudaGetLastError(), "forward_arrivals launch");
 }
@@ -1445,14 +1457,14 @@ void Context::launch_pack_and_push(uintptr_t table, int n, int64_t chunk_records
 }
 
 void Context::wait_node_flags(uintptr_t flags, int ranks_per_node, int64_t tiles, int32_t epoch, int phase,
-                                uintptr_t stream) {
+                                uintptr_t stream, uintptr_t go) {
   if (tiles <= 0 || ranks_per_node <= 0) return;
   if (!flags || tiles > kGatherMaxTiles || epoch < 1)
     throw std::invalid_argument("wait_node_flags: flags, 1.." + std::to_string(kGatherMaxTiles) +
                                 " tiles and an epoch >= 1");
   wait_node_flags_kernel<<<1, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int*>(flags), ranks_per_node, tiles, epoch, timeout_ns_, error_dev_,
-      StopFlag{stop_dev_, stop_generation_}, rank_, phase);
+      StopFlag{stop_dev_, stop_generation_}, rank_, phase, reinterpret_cast<const long long*>(go));
   check(cudaGetLastError(), "wait_node_flags launch");
 }
 
@@ -1673,7 +1685,7 @@ void Context::pack_and_push_after_counts(uintptr_t, int, int64_t, const RecordJo
 void Context::launch_pack_and_push(uintptr_t, int, int64_t, const RecordJob&, const CountRowOffsets*, uintptr_t, int,
                                    uintptr_t) {}
 void Context::check_count_rows(const CountRowOffsets&, const std::string&) const {}
-void Context::wait_node_flags(uintptr_t, int, int64_t, int32_t, int, uintptr_t) {}
+void Context::wait_node_flags(uintptr_t, int, int64_t, int32_t, int, uintptr_t, uintptr_t) {}
 void Context::set_timeline(uintptr_t, int) {}
 void Context::wait_signals(const std::vector<std::pair<int64_t, int64_t>>&, int, uintptr_t) {}
 ArrivalGate Context::arrival_gate(uintptr_t, int, int64_t, int) { return ArrivalGate{}; }

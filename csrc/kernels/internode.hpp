@@ -260,7 +260,7 @@ class Context {
   // another node), and the dispatch forward's node barrier (tiles = 1). A flag still below it at the GPU deadline is
   // reported (kErrNodeFlagTimeout).
   void wait_node_flags(uintptr_t flags, int ranks_per_node, int64_t tiles, int32_t epoch, int phase,
-                       uintptr_t stream);
+                       uintptr_t stream, uintptr_t go = 0);
   // Wait until signal[slot] >= expected for every (slot, expected) pair; deadline: the GPU timeout. The pairs go
   // as kernel arguments, kWaitTargetsPerLaunch per launch. A wait also ends early when the error word is set (by
   // another kernel of this rank, or by abort_waits()).
@@ -375,7 +375,8 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
                       int64_t num_blocks, int64_t dest_rows_offset, int64_t arrival_offset, uintptr_t dst_idx_out,
                       uintptr_t stream, const ArrivalGate* gate = nullptr, int64_t first_row = 0, uintptr_t err = 0,
                       uintptr_t stop_flag = 0, int stop_generation = 0, int rank = -1, int phase = 0,
-                      uintptr_t ready_words = 0, int64_t ready_rows = 0, int32_t ready_epoch = 0);
+                      uintptr_t ready_words = 0, int64_t ready_rows = 0, int32_t ready_epoch = 0,
+                      uintptr_t dims = 0);
 
 // The local side of the pipelined combine gather (NodeSums; asynchronous on `stream`): for each forwarder f < targets
 // and each tile t of its arrivals[f] arrivals (device int64 [targets]; tile_rows each), our rows
@@ -400,7 +401,7 @@ void gather_tiles(uintptr_t dsts, uintptr_t flags, int targets, uintptr_t by_arr
 // stream -- the node barrier after the dispatch forward (docs/internode.md, "The dispatch forward's node barrier").
 // Nothing is raised once the rank is stopped: a failed forward must not let the node's GPUs read its rows.
 void raise_flags(uintptr_t flags, int n, int32_t epoch, uintptr_t stream, uintptr_t stop_flag = 0,
-                 int stop_generation = 0);
+                 int stop_generation = 0, uintptr_t go = 0);
 
 // Source side of combine (asynchronous on `stream`): out_x[t] (x's dtype: bf16, or fp32 with `fp32`; [num_tokens,
 // payload_bytes]) = the fp32 sum in ascending node m of the payloads of rows row_of[m * num_tokens + t] (device int32

@@ -159,6 +159,22 @@ __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
     char* __restrict__ send, char* __restrict__ own_dst, long long own_first, long long own_count, long long stride,
     const long long* __restrict__ hop1_token, const long long* __restrict__ dest_rows, int G, long long n,
     PackArgs args, long long src_idx_offset, long long dest_rows_offset, DeviceNodeCounts counted) {
+  const int lane = threadIdx.x % kPackGroup;
+  const long long groups = static_cast<long long>(gridDim.x) * (blockDim.x / kPackGroup);
+  const long long group = blockIdx.x * (blockDim.x / kPackGroup) + threadIdx.x / kPackGroup;
+  if (counted.own_dims) {  // our own node's records, to their block among our arrivals (forward before the counts)
+    const long long* d = reinterpret_cast<const long long*>(counted.own_dims);
+    if (!d[kReadGo]) return;
+    own_first = d[kReadOwnFirst];
+    own_count = d[kReadOwnCount];
+    own_dst += d[kReadFirstRow] * stride;
+    for (long long i = group; i < own_count; i += groups) {
+      const long long r = own_first + i;
+      write_record(own_dst + i * stride, hop1_token[r], args, src_idx_offset, dest_rows + r * G, G, dest_rows_offset,
+                   lane);
+    }
+    return;
+  }
   if (counted.counts) {  // sizes from our own count row (written earlier on this stream); n is the capacity
     const long long* c = reinterpret_cast<const long long*>(counted.counts);
     const long long total = records_by_node(c, counted.num_nodes, counted.skip_node, &own_first);
@@ -166,9 +182,7 @@ __global__ void __launch_bounds__(kPackThreads) pack_records_kernel(
     own_count = c[counted.skip_node];
     n = min(n, total);
   }
-  const int lane = threadIdx.x % kPackGroup;
-  const long long groups = static_cast<long long>(gridDim.x) * (blockDim.x / kPackGroup);
-  for (long long r = blockIdx.x * (blockDim.x / kPackGroup) + threadIdx.x / kPackGroup; r < n; r += groups) {
+  for (long long r = group; r < n; r += groups) {
     const bool own = r >= own_first && r < own_first + own_count;
     if (own && !own_dst) continue;  // counted on the device: our own node's records are written later
     char* rec = own ? own_dst + (r - own_first) * stride : send + r * stride;
@@ -282,6 +296,17 @@ struct ReadBases {
   long long v[kReadMaxCounters];
 };
 
+// A gate-table row (arrival_gate.cuh): the block of `records` from source node `source` at our arrival row `first`,
+// its lanes' counters from source * lanes on, their bases before this call; the senders' FIFO hint is our node.
+__device__ void write_gate_row(long long* row, long long first, long long records, int source, int our_node, int lanes,
+                               const ReadBases& bases) {
+  row[kGateFirstRow] = first;
+  row[kGateRecords] = records;
+  row[kGateSlot] = static_cast<long long>(source) * lanes;
+  row[kGateHint] = our_node;
+  for (int f = 0; f < lanes; ++f) row[kGateBase + f] = bases.v[source * lanes + f];
+}
+
 __global__ void gate_from_count_rows_kernel(const long long* rows, long long row_words, int R, int rank, int lanes,
                                             ReadBases bases, long long stride, long long send_limit,
                                             long long receive_bytes, long long capacity_rows, long long* table,
@@ -298,14 +323,8 @@ __global__ void gate_from_count_rows_kernel(const long long* rows, long long row
   for (int s = 0; s < R; ++s) {  // arrivals: blocks by source rank, back to back
     const long long c = rows[s * row_words + rank];
     if (s == rank) first_row = n;
-    if (s != rank && c > 0) {
-      long long* row = table + static_cast<long long>(blocks++) * width;
-      row[kGateFirstRow] = n;
-      row[kGateRecords] = c;
-      row[kGateSlot] = static_cast<long long>(s) * lanes;
-      row[kGateHint] = rank;  // the senders' FIFO hint is the destination node
-      for (int f = 0; f < lanes; ++f) row[kGateBase + f] = bases.v[s * lanes + f];
-    }
+    if (s != rank && c > 0)  // (one GPU per node: the source node is the source rank, our node our rank)
+      write_gate_row(table + static_cast<long long>(blocks++) * width, n, c, s, rank, lanes, bases);
     n += c;
   }
   dims[kReadGo] = sent * stride <= send_limit && n * stride <= receive_bytes && n <= capacity_rows;
@@ -314,6 +333,51 @@ __global__ void gate_from_count_rows_kernel(const long long* rows, long long row
   dims[kReadBlocks] = blocks;
   dims[kReadOwnFirst] = own_first;
   dims[kReadOwnCount] = own[rank];
+}
+
+__global__ void forward_from_count_rows_kernel(const long long* rows, long long row_words, int R, int G, int rank,
+                                               int lanes, ReadBases bases, long long stride, long long final_bytes,
+                                               long long send_limit, long long receive_bytes, long long final_limit,
+                                               long long capacity_rows, long long* table, long long* blocks,
+                                               long long* limits, long long* dims) {
+  const int N = R / G, node = rank / G, local = rank % G;
+  const long long* own = rows + rank * row_words;
+  long long sent = 0, own_first = 0;
+  for (int m = 0; m < N; ++m) {  // our records by node, in send-list order
+    if (m < node) own_first += own[R + m];
+    sent += own[R + m];
+  }
+  for (int g = 0; g < G; ++g) limits[g] = 0;
+  long long a = 0, own_row = 0;
+  int gates = 0;
+  const int width = kGateBase + lanes;
+  for (int s = 0; s < R; ++s) {  // limits run over the sources: before s, the rows the ranks before it fill
+    const long long* row = rows + s * row_words;
+    if (s % G == local) {  // source node s / G's block of our arrivals (its rank with our local index sends them)
+      const int n = s / G;
+      const long long c = row[R + node];
+      long long* b = blocks + static_cast<long long>(n) * (1 + G);
+      for (int g = 0; g < G; ++g) b[1 + g] = limits[g];
+      if (n == node) own_row = a;
+      if (n != node && c > 0)
+        write_gate_row(table + static_cast<long long>(gates++) * width, a, c, n, node, lanes, bases);
+      a += c;
+      b[0] = a;
+    }
+    for (int g = 0; g < G; ++g) limits[g] += row[node * G + g];
+  }
+  bool fits = true;
+  for (int g = 0; g < G; ++g) fits = fits && limits[g] * final_bytes <= final_limit;
+  const bool go = sent * stride <= send_limit && a * stride <= receive_bytes && fits;
+  for (int i = 0; i < kForwardDims; ++i) dims[i] = 0;
+  dims[kReadGo] = go;
+  dims[kReadRows] = a;
+  dims[kReadFirstRow] = own_row;
+  dims[kReadBlocks] = gates;
+  dims[kReadOwnFirst] = own_first;
+  dims[kReadOwnCount] = own[R + node];
+  dims[kReadDims + kReadGo] = go && limits[local] <= capacity_rows;
+  dims[kReadDims + kReadRows] = limits[local];
 }
 
 }  // namespace
@@ -369,6 +433,9 @@ void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t 
                   uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
                   const std::vector<PackColumn>& columns, int64_t src_idx_offset, int64_t dest_rows_offset,
                   uintptr_t stream, const DeviceNodeCounts& counted) {
+  if (counted.own_dims && (counted.counts || send || !own_dst || own_first || own_count))
+    throw std::invalid_argument("pack_records: our own records placed from the words (own_dims) go to own_dst only, "
+                                "their range from the words");
   if (counted.counts) {
     if (counted.num_nodes < 1 || counted.skip_node < 0 || counted.skip_node >= counted.num_nodes)
       throw std::invalid_argument("pack_records: skip_node must name one of the num_nodes nodes");
@@ -407,9 +474,10 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
   if (ready.words && (gate || before.dims || own.tokens || ready.epoch < 1))
     throw std::invalid_argument("unpack_records: ready words (the unpack beside the dispatch forward) need an epoch "
                                 ">= 1 and no gate, no read before the counts and no own rows from the columns");
-  if (before.dims && (!own.tokens || first_row || arrival_offset >= 0))
-    throw std::invalid_argument("unpack_records: read before the counts needs our own rows' tokens, no first_row (it "
-                                "comes from the device) and one GPU per node (arrival = row)");
+  if (before.dims && (first_row || bool(own.tokens) == (arrival_offset >= 0)))
+    throw std::invalid_argument("unpack_records: read before the counts takes no first_row (it comes from the device), "
+                                "and our own rows' tokens with one GPU per node (arrival = row), none with several "
+                                "(the final rows, after the forward)");
   if (own.tokens && arrival_offset >= 0)
     throw std::invalid_argument("unpack_records: own rows from the columns only with one GPU per node (arrival = row)");
   if (own.tokens && !before.dims && own.first_row + own.count > num_rows)
@@ -482,6 +550,34 @@ void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks
       bases, stride, send_limit, receive_bytes, capacity_rows,
       reinterpret_cast<long long*>(table_out), reinterpret_cast<long long*>(dims_out));
   check_launch("gate_from_count_rows");
+}
+
+void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int ranks_per_node, int rank,
+                             int num_lanes, const std::vector<int64_t>& counter_bases, int64_t stride,
+                             int64_t final_bytes, int64_t send_limit, int64_t receive_bytes, int64_t final_limit,
+                             int64_t capacity_rows, uintptr_t table_out, uintptr_t blocks_out, uintptr_t limits_out,
+                             uintptr_t dims_out, uintptr_t stream) {
+  if (ranks_per_node < 2 || num_ranks % ranks_per_node || rank < 0 || rank >= num_ranks || num_lanes < 1)
+    throw std::invalid_argument("forward_from_count_rows: several GPUs per node dividing the ranks, a rank in 0.." +
+                                std::to_string(num_ranks - 1) + " and a lane");
+  const int nodes = num_ranks / ranks_per_node;
+  if (row_words < int64_t(num_ranks) + nodes)
+    throw std::invalid_argument("forward_from_count_rows: a count row has at least ranks + nodes words");
+  if (!count_rows || !table_out || !blocks_out || !limits_out || !dims_out)
+    throw std::invalid_argument("forward_from_count_rows: null count rows, table, blocks, limits or dims");
+  if (counter_bases.size() != size_t(nodes) * size_t(num_lanes) || counter_bases.size() > size_t(kReadMaxCounters))
+    throw std::invalid_argument("forward_from_count_rows: give nodes x lanes counter bases, at most " +
+                                std::to_string(kReadMaxCounters) + ", got " + std::to_string(counter_bases.size()));
+  if (stride <= 0 || final_bytes <= 0 || capacity_rows < 0)
+    throw std::invalid_argument("forward_from_count_rows: bad stride, final row bytes or capacity");
+  ReadBases bases{};
+  for (size_t i = 0; i < counter_bases.size(); ++i) bases.v[i] = counter_bases[i];
+  forward_from_count_rows_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const long long*>(count_rows), row_words, num_ranks, ranks_per_node, rank, num_lanes, bases,
+      stride, final_bytes, send_limit, receive_bytes, final_limit, capacity_rows,
+      reinterpret_cast<long long*>(table_out), reinterpret_cast<long long*>(blocks_out),
+      reinterpret_cast<long long*>(limits_out), reinterpret_cast<long long*>(dims_out));
+  check_launch("forward_from_count_rows");
 }
 
 namespace {

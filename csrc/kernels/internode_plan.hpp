@@ -59,6 +59,9 @@ struct DeviceNodeCounts {
   int num_nodes = 0;
   int skip_node = -1;
   int64_t send_limit = -1;
+  // device int64 [kReadDims]: forward_from_count_rows' forward words; then only our own node's records are written,
+  // to own_dst's row of the words' first row on (its block among our arrivals), and none when go is 0
+  uintptr_t own_dims = 0;
 };
 void pack_records(uintptr_t send, uintptr_t own_dst, int64_t own_first, int64_t own_count, int64_t stride,
                   uintptr_t hop1_token, uintptr_t dest_rows, int ranks_per_node, int64_t num_records,
@@ -153,6 +156,24 @@ void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks
                           const std::vector<int64_t>& counter_bases, int64_t stride, int64_t send_limit,
                           int64_t receive_bytes, int64_t capacity_rows, uintptr_t table_out, uintptr_t dims_out,
                           uintptr_t stream);
+
+// Several GPUs per node, the forward dispatch's forwarder launched before the host read the counts (docs/internode.md,
+// "The forward before the count read"): from every rank's count row (tokens per destination rank, then per
+// destination node), our arrivals' gate table (a row per other node sending us records, its counters' bases from
+// counter_bases, node-major: counter n * num_lanes + f), the forward's block table (forward_block_bases: per source
+// node, its block's end among our arrivals, then the rows the sources before it fill at each local GPU), each local
+// GPU's final rows (limits_out, int64 [ranks_per_node]) and kForwardDims words: the forward's ReadDim words (rows: our
+// arrivals; first row: our own node's block; own first / count: our own records in our send list) and then the
+// unpack's (go, rows: our final rows; the rest 0). The forward goes when our records were packed and pushed during
+// notify (they fit send_limit bytes), our arrivals fit receive_bytes and every local GPU's final rows fit final_limit
+// bytes of final_bytes each; the unpack when the forward goes and our final rows fit capacity_rows. The host applies
+// the same rule (internode_plan.forward_before_counts). One thread.
+constexpr int kForwardDims = 2 * kReadDims;
+void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int ranks_per_node, int rank,
+                             int num_lanes, const std::vector<int64_t>& counter_bases, int64_t stride,
+                             int64_t final_bytes, int64_t send_limit, int64_t receive_bytes, int64_t final_limit,
+                             int64_t capacity_rows, uintptr_t table_out, uintptr_t blocks_out, uintptr_t limits_out,
+                             uintptr_t dims_out, uintptr_t stream);
 
 // The pipelined combine gather's table (gather_tiles' by_arrival) at a handle's first combine, in one call: out
 // (int32 [targets, max_arrivals]) set to -1, then out[f, arrival[r]] = r for each received row r, f being the local

@@ -39,9 +39,10 @@ from tests import fake_expert_major
 from tests.shared_memory_files import map_file, sweep_leftovers
 
 from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
-                                          CMD_UNIT, GATE_FIXED_COLUMNS, READ_BLOCKS, READ_DIMS, READ_FIRST_ROW,
-                                          READ_GO, READ_OWN_COUNT, READ_OWN_FIRST, READ_ROWS, SLOT_PAGE, Counts,
-                                          RecordLayout, gate_lane_target, gate_threshold, local_count_row,
+                                          CMD_UNIT, FORWARD_DIMS, GATE_FIXED_COLUMNS, READ_BLOCKS, READ_DIMS,
+                                          READ_FIRST_ROW, READ_GO, READ_OWN_COUNT, READ_OWN_FIRST, READ_ROWS,
+                                          SLOT_PAGE, Counts, RecordLayout, forward_before_counts, gate_lane_target,
+                                          gate_threshold, local_count_row,
                                           pack_records as _pack_records, place_blocks, read_before_counts,
                                           rows_from_own_row, send_plan as _send_plan, source_local_of_rows,
                                           stamp_arrivals)
@@ -198,13 +199,19 @@ def forward_arrivals(dsts: int, dst_bases_or: int, dst_stride: int, targets: int
                      arrival_offset: int, dst_idx_out: int, stream: int, gate: "ArrivalGate | None" = None,
                      first_row: int = 0,
                      err: int = 0, stop_flag: int = 0, stop_generation: int = 0, rank: int = -1,
-                     phase: int = 0, ready_words: int = 0, ready_rows: int = 0, ready_epoch: int = 0) -> None:
+                     phase: int = 0, ready_words: int = 0, ready_rows: int = 0, ready_epoch: int = 0,
+                     dims: int = 0) -> None:
     """forward_arrivals_kernel: stamp_arrivals' rule (each arrival's index into its record, its final rows into
     dst_idx_out [n, targets], each with its block's bases: blocks [num_blocks, 1 + targets]), then forward_rows'
     copies; gated, every row waits for its chunk first. ``ready_words`` (int64 [targets]: each GPU's int32 words):
-    then each final row d < ready_rows's word at its GPU set to ``ready_epoch``, after the copies."""
+    then each final row d < ready_rows's word at its GPU set to ``ready_epoch``, after the copies. ``dims``
+    (forward_from_count_rows' forward words): launched before the counts, ``n`` the capacity of dst_idx_out; the
+    rows, first row and gate rows from the words, nothing done unless they say go."""
     if n <= 0:
         return
+    if dims and (ready_words or first_row):
+        raise ValueError("forward_arrivals: read before the counts (dims), n is the capacity and the first row comes "
+                         "from the device; no ready words")
     if not (dsts and src and dst_rows and blocks and dst_idx_out):
         raise ValueError("forward_arrivals: null pointer")
     if num_blocks <= 0:
@@ -222,6 +229,15 @@ def forward_arrivals(dsts: int, dst_bases_or: int, dst_stride: int, targets: int
         raise ValueError("forward_arrivals: ready words need rows >= 0 and an epoch >= 1")
     if _stopped(stop_flag, stop_generation):
         return
+    if dims:
+        words = _at(dims, 8 * READ_DIMS, torch.int64).tolist()
+        if not words[READ_GO]:
+            return
+        n, first_row = words[READ_ROWS], words[READ_FIRST_ROW]
+        if gate is not None:
+            gate.blocks = words[READ_BLOCKS]
+        if n <= 0:
+            return
     if gate is not None and not gate.wait_rows(list(range(first_row, n)) + list(range(first_row))):
         return
     records = _at(src, n * src_stride).as_strided((n, src_stride), (src_stride, 1))
@@ -373,14 +389,16 @@ def gather_tiles(dsts: int, flags: int, targets: int, by_arrival: int, max_arriv
         _at(flag_rows[f], 4 * -(-n // tile_rows), torch.int32).fill_(epoch)
 
 
-def raise_flags(flags: int, n: int, epoch: int, stream: int, stop_flag: int = 0, stop_generation: int = 0) -> None:
+def raise_flags(flags: int, n: int, epoch: int, stream: int, stop_flag: int = 0, stop_generation: int = 0,
+                go: int = 0) -> None:
     """raise_flags_kernel: the int32 at each of the n addresses in flags set to ``epoch`` (after everything this
-    process wrote before: program order), none while the stop flag holds ``stop_generation``."""
+    process wrote before: program order), none while the stop flag holds ``stop_generation``, nor when the int64
+    word at ``go`` (0: none) is 0."""
     if n <= 0:
         return
     if not flags or n > 1024 or epoch < 1:
         raise ValueError("raise_flags: 1..1024 flag addresses and an epoch >= 1")
-    if _stopped(stop_flag, stop_generation):
+    if _stopped(stop_flag, stop_generation) or (go and not int(_at(go, 8, torch.int64)[0])):
         return
     for at in _at(flags, 8 * n, torch.int64).tolist():
         ctypes.c_int32.from_address(at).value = epoch
@@ -433,11 +451,24 @@ def _write_send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ran
 def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride: int, hop1_token: int,
                  dest_rows: int, ranks_per_node: int, num_records: int, columns: list, src_idx_offset: int,
                  dest_rows_offset: int, stream: int, node_counts: int = 0, num_nodes: int = 0, skip_node: int = -1,
-                 send_limit: int = -1) -> None:
+                 send_limit: int = -1, own_dims: int = 0) -> None:
     """pack_records_kernel: internode_plan.pack_records, the records [own_first, own_first + own_count) at
     ``own_dst`` instead of ``send``; with ``node_counts``, the records counted from them (num_records: the tables'
-    capacity), node ``skip_node``'s not written, and none when all pass ``send_limit`` bytes."""
+    capacity), node ``skip_node``'s not written, and none when all pass ``send_limit`` bytes. With ``own_dims``
+    (forward_from_count_rows' forward words): only our own node's records, their range from the words, to own_dst
+    from the words' first row on, none unless the words say go."""
     n, G = num_records, ranks_per_node
+    if own_dims:
+        if node_counts or send or not own_dst or own_first or own_count:
+            raise ValueError("pack_records: our own records placed from the words (own_dims) go to own_dst only, "
+                             "their range from the words")
+        words = _at(own_dims, 8 * READ_DIMS, torch.int64).tolist()
+        if not words[READ_GO] or not words[READ_OWN_COUNT] or n <= 0:
+            return
+        lo, count = words[READ_OWN_FIRST], words[READ_OWN_COUNT]
+        out = _packed(hop1_token, dest_rows, G, lo + count, columns, src_idx_offset, dest_rows_offset, stride)
+        _at(own_dst + words[READ_FIRST_ROW] * stride, count * stride).view(count, stride).copy_(out[lo:])
+        return
     if node_counts:
         if not 0 <= skip_node < num_nodes:
             raise ValueError("pack_records: skip_node must name one of the num_nodes nodes")
@@ -453,14 +484,7 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
         own_first, own_count, n = sum(c[:skip_node]), c[skip_node], min(n, sum(c))
     if n <= 0:
         return
-    tokens = _at(hop1_token, 8 * n, torch.int64).clone()
-    T = int(tokens.max()) + 1
-    cols = [_at(src, T * nb).view(T, nb) for src, nb, _ in columns]
-    layout = RecordLayout(tuple(off for _, _, off in columns), tuple(nb for _, nb, _ in columns), src_idx_offset,
-                          src_idx_offset + 4, dest_rows_offset, 0, stride)
-    plan = SimpleNamespace(hop1_token=tokens, dest_rows=_at(dest_rows, 8 * n * G, torch.int64).view(n, G).clone())
-    out = torch.empty((n, stride), dtype=torch.uint8)
-    _pack_records(out, cols, plan, layout)
+    out = _packed(hop1_token, dest_rows, G, n, columns, src_idx_offset, dest_rows_offset, stride)
     # as the kernel: record r is our own node's when own_first <= r < own_first + own_count, which may lie partly or
     # wholly outside [0, n) (a launch over a range of the records), and goes to own_dst + (r - own_first) * stride
     lo, hi = max(own_first, 0), min(own_first + own_count, n)
@@ -470,6 +494,21 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
     rows[keep] = out[keep]
     if hi > lo and own_dst:  # without own_dst (counted on the device): not written
         _at(own_dst + (lo - own_first) * stride, (hi - lo) * stride).view(hi - lo, stride).copy_(out[lo:hi])
+
+
+def _packed(hop1_token: int, dest_rows: int, G: int, n: int, columns: list, src_idx_offset: int,
+            dest_rows_offset: int, stride: int) -> torch.Tensor:
+    """Records 0..n-1 of the send plan at ``hop1_token`` / ``dest_rows`` as pack_records writes them (uint8 [n,
+    stride])."""
+    tokens = _at(hop1_token, 8 * n, torch.int64).clone()
+    T = int(tokens.max()) + 1
+    cols = [_at(src, T * nb).view(T, nb) for src, nb, _ in columns]
+    layout = RecordLayout(tuple(off for _, _, off in columns), tuple(nb for _, nb, _ in columns), src_idx_offset,
+                          src_idx_offset + 4, dest_rows_offset, 0, stride)
+    plan = SimpleNamespace(hop1_token=tokens, dest_rows=_at(dest_rows, 8 * n * G, torch.int64).view(n, G).clone())
+    out = torch.empty((n, stride), dtype=torch.uint8)
+    _pack_records(out, cols, plan, layout)
+    return out
 
 
 def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, columns: list, ids_out: int,
@@ -510,9 +549,10 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
             time.sleep(1e-4)
     if not 0 <= first_row <= num_rows:
         raise ValueError(f"unpack_records: first_row {first_row} outside 0..{num_rows}")
-    if dims and (not own or first_row or arrival_offset >= 0):
-        raise ValueError("unpack_records: read before the counts needs our own rows' tokens, no first_row (it comes "
-                         "from the device) and one GPU per node (arrival = row)")
+    if dims and (first_row or bool(own) == (arrival_offset >= 0)):
+        raise ValueError("unpack_records: read before the counts takes no first_row (it comes from the device), and "
+                         "our own rows' tokens with one GPU per node (arrival = row), none with several (the final "
+                         "rows, after the forward)")
     n = num_rows
     if own is not None and not dims and own[0] + own[1] > num_rows:
         raise ValueError("unpack_records: our own rows end past the rows")
@@ -522,7 +562,8 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
             return
         n = words[READ_ROWS]
         out_rows = out_rows if pad else n
-        own = (words[READ_FIRST_ROW], words[READ_OWN_COUNT], words[READ_OWN_FIRST]) + tuple(own[3:])
+        if own is not None:
+            own = (words[READ_FIRST_ROW], words[READ_OWN_COUNT], words[READ_OWN_FIRST]) + tuple(own[3:])
         if gate is not None:
             gate.blocks = words[READ_BLOCKS]
     if gate is not None and not gate.wait_rows(range(n)):
@@ -650,7 +691,8 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
         if not words[READ_GO]:
             return
         n = words[READ_ROWS]
-        own = (words[READ_FIRST_ROW], words[READ_OWN_COUNT], words[READ_OWN_FIRST]) + tuple(own[3:])
+        if own is not None:
+            own = (words[READ_FIRST_ROW], words[READ_OWN_COUNT], words[READ_OWN_FIRST]) + tuple(own[3:])
         if gate is not None:
             gate.blocks = words[READ_BLOCKS]
         if n == 0:
@@ -727,6 +769,37 @@ def gate_from_count_rows(count_rows: int, row_words: int, num_ranks: int, rank: 
                                      [int(b) for b in counter_bases], stride,
                                      send_limit, receive_bytes, capacity_rows)
     _at(dims_out, 8 * READ_DIMS, torch.int64).copy_(torch.tensor(dims, dtype=torch.int64))
+    if table:
+        _at(table_out, 8 * len(table) * len(table[0]), torch.int64).copy_(torch.tensor(table).view(-1))
+
+
+def forward_from_count_rows(count_rows: int, row_words: int, num_ranks: int, ranks_per_node: int, rank: int,
+                            num_lanes: int, counter_bases: list, stride: int, final_bytes: int, send_limit: int,
+                            receive_bytes: int, final_limit: int, capacity_rows: int, table_out: int, blocks_out: int,
+                            limits_out: int, dims_out: int, stream: int) -> None:
+    """forward_from_count_rows_kernel: internode_plan.forward_before_counts on the count rows at ``count_rows``; the
+    gate table, block table, final rows per local GPU and words to their outputs."""
+    G = ranks_per_node
+    if G < 2 or num_ranks % G or not 0 <= rank < num_ranks or num_lanes < 1:
+        raise ValueError(f"forward_from_count_rows: several GPUs per node dividing the ranks, a rank in "
+                         f"0..{num_ranks - 1} and a lane")
+    R, N = num_ranks, num_ranks // G
+    if row_words < R + N:
+        raise ValueError("forward_from_count_rows: a count row has at least ranks + nodes words")
+    if not (count_rows and table_out and blocks_out and limits_out and dims_out):
+        raise ValueError("forward_from_count_rows: null count rows, table, blocks, limits or dims")
+    if len(counter_bases) != N * num_lanes or len(counter_bases) > READ_MAX_COUNTERS:
+        raise ValueError(f"forward_from_count_rows: give nodes x lanes counter bases, at most {READ_MAX_COUNTERS}, "
+                         f"got {len(counter_bases)}")
+    if stride <= 0 or final_bytes <= 0 or capacity_rows < 0:
+        raise ValueError("forward_from_count_rows: bad stride, final row bytes or capacity")
+    rows = _at(count_rows, 8 * R * row_words, torch.int64).view(R, row_words)
+    table, blocks, limits, words = forward_before_counts(
+        rows[:, :R].clone(), rows[:, R:R + N].clone(), rank, G, num_lanes, [int(b) for b in counter_bases], stride,
+        final_bytes, send_limit, receive_bytes, final_limit, capacity_rows)
+    _at(dims_out, 8 * FORWARD_DIMS, torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+    _at(blocks_out, 8 * N * (1 + G), torch.int64).copy_(torch.tensor(blocks, dtype=torch.int64).view(-1))
+    _at(limits_out, 8 * G, torch.int64).copy_(torch.tensor(limits, dtype=torch.int64))
     if table:
         _at(table_out, 8 * len(table) * len(table[0]), torch.int64).copy_(torch.tensor(table).view(-1))
 
@@ -1094,12 +1167,15 @@ class InternodeContext:
         return [(sums.data_ptr(), stride, 0)], [sums, zero]
 
     def wait_node_flags(self, flags: int, ranks_per_node: int, tiles: int, epoch: int, phase: int,
-                          stream: int) -> None:
-        """Context::wait_node_flags: GPU j's flag of every tile t < tiles at ``epoch``, for every j."""
+                          stream: int, go: int = 0) -> None:
+        """Context::wait_node_flags: GPU j's flag of every tile t < tiles at ``epoch``, for every j; no wait when
+        the int64 word at ``go`` (0: none) is 0."""
         if tiles <= 0 or ranks_per_node <= 0:
             return
         if not flags or tiles > GATHER_MAX_TILES or epoch < 1:
             raise ValueError(f"wait_node_flags: flags, 1..{GATHER_MAX_TILES} tiles and an epoch >= 1")
+        if go and not int(_at(go, 8, torch.int64)[0]):
+            return
         start = time.monotonic()
         while True:
             seen = _at(flags, 4 * ranks_per_node * GATHER_MAX_TILES, torch.int32).view(ranks_per_node,

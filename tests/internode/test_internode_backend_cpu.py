@@ -1242,28 +1242,35 @@ READ_COUNTERS = ("packs_and_pushes_during_notify", "reads_before_counts", "reads
                  "spare_read_outputs_taken")
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["2x1", "4x1"])
-def test_a_dispatch_pushed_during_notify_reads_before_the_host_reads_the_counts_or_hands_back_and_still_matches(world):
-    """With one GPU per node, an uncached dispatch whose records are packed and pushed during notify launches its reader
-    behind notify's wait, taking its rows, gate and our own records' place from the count rows on the device, into
-    outputs sized before any count is known: num_worst_tokens (the 512-row case), else the rows the last dispatch
-    received plus the slack. Where the counts say it may not (more rows than that: rank 1 after the "empty" case, in
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 1), (4, 2)], ids=["2x1", "4x1", "2x2"])
+def test_a_dispatch_pushed_during_notify_reads_before_the_host_reads_the_counts_or_hands_back_and_still_matches(world,
+                                                                                                                G):
+    """An uncached dispatch whose records are packed and pushed during notify launches its reader behind notify's
+    wait, taking its rows, gate and our own records' place from the count rows on the device, into outputs sized
+    before any count is known: num_worst_tokens (the 512-row case), else the rows the last dispatch received plus the
+    slack. With several GPUs per node (2 x 2) the forward goes there too ("The forward before the count read"): our
+    own records packed into our arrivals, the gated forward, the node barrier and the unpack of the final rows, all
+    from the count rows. Where the counts say it may not (more rows than that: rank 1 after the "empty" case, in
     which it received nothing), it does nothing and the host reads after notify as before. Every output equals the
     reference either way; with UCCL_EP_READ_BEFORE_COUNTS=0 no reader goes before the count read. The outputs of
     the bf16 readers without num_worst_tokens after the second case were made during the hop of the combine before
     them (that of the first case follows a dispatch that read after notify, which leaves nothing to make; the
     worst-tokens case has another row count, so it makes its own)."""
     cases = ALL[:4] + [ALL[7]]  # random, skewed, empty (rank 0 receives everything), dropped, worst tokens
-    out = run_distributed(_cases_counting, world, 1, cases, READ_COUNTERS, timeout=180, env=ENV)
-    for done, fused, read, declined, spare in out:
+    counters = READ_COUNTERS + ("forwards_before_counts",)
+    out = run_distributed(_cases_counting, world, G, cases, counters, timeout=180, env=ENV)
+    for done, fused, read, declined, spare, forwarded in out:
         assert done == len(cases) and fused == len(cases) - 1, (done, fused)
         assert read + declined == fused, (fused, read, declined)  # every case after the first has a guess
         assert spare == 2, spare  # the "empty" and "dropped" cases
+        # several GPUs per node: every reader that read forwarded first (a forward that went while its unpack
+        # handed back is counted too); none with one
+        assert (forwarded >= read) if G > 1 else forwarded == 0, (read, forwarded)
     assert out[1][3] >= 1, out  # rank 1: the "dropped" case after receiving nothing
     assert sum(row[2] for row in out) >= world, out
-    out = run_distributed(_cases_counting, world, 1, cases[:3], READ_COUNTERS, timeout=180,
+    out = run_distributed(_cases_counting, world, G, cases[:3], counters, timeout=180,
                           env=dict(ENV, UCCL_EP_READ_BEFORE_COUNTS="0"))
-    assert [(read, declined, spare) for _, _, read, declined, spare in out] == [(0, 0, 0)] * world
+    assert [row[2:] for row in out] == [(0, 0, 0, 0)] * world
 
 
 EM_READ_COUNTERS = ("reads_before_counts", "reads_before_counts_declined", "expert_major_reads_before_counts",

@@ -1094,23 +1094,28 @@ def _reads_before_counts(rank, world, G, cases):
     nat, ref, dev = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, dev, rank, world, cases, 1)
-        return done, nat.packs_and_pushes_during_notify, nat.reads_before_counts, nat.reads_before_counts_declined
+        return (done, nat.packs_and_pushes_during_notify, nat.reads_before_counts, nat.reads_before_counts_declined,
+                nat.forwards_before_counts)
     finally:
         nat.destroy()
 
 
-def test_on_gpus_a_dispatch_reads_before_the_host_reads_the_counts_or_hands_back_and_every_output_matches():
-    """The GPU twin of the CPU test (2 x 1): after the first case every uncached dispatch is pushed during notify and
-    launches its reader behind notify's wait, with its rows, gate and own records' place from the count rows on the
-    device; it reads (num_worst_tokens, or rows within the last dispatch's plus the slack) or does nothing and the
-    host reads after notify (rank 1 after receiving nothing in the "empty" case). Every output equals the reference."""
-    _need(2)
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_on_gpus_a_dispatch_reads_before_the_host_reads_the_counts_or_hands_back_and_every_output_matches(world, G):
+    """The GPU twin of the CPU test (2 x 1, and 2 x 2 with the forward before the count read): after the first case
+    every uncached dispatch is pushed during notify and launches its reader behind notify's wait -- with several GPUs
+    per node the own records' pack, the gated forward, the node barrier and the unpack -- with its rows, gate, tables
+    and own records' place from the count rows on the device; it reads (num_worst_tokens, or rows within the last
+    dispatch's plus the slack) or does nothing and the host reads after notify (rank 1 after receiving nothing in the
+    "empty" case). Every output equals the reference."""
+    _need(world)
     cases = ALL[:4] + [ALL[7]]
-    out = run_distributed(_reads_before_counts, 2, 1, cases, timeout=300,
+    out = run_distributed(_reads_before_counts, world, G, cases, timeout=300,
                           env={"UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"})
-    for done, fused, read, declined in out:
+    for done, fused, read, declined, forwarded in out:
         assert done == len(cases) and fused == len(cases) - 1 == read + declined, (done, fused, read, declined)
-    assert out[1][3] >= 1 and sum(read for _, _, read, _ in out) >= 2, out
+        assert (forwarded >= read) if G > 1 else forwarded == 0, (read, forwarded)
+    assert out[1][3] >= 1 and sum(row[2] for row in out) >= world, out
 
 
 

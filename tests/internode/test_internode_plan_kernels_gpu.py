@@ -449,3 +449,86 @@ def test_places_kernel_makes_the_readers_table_and_plan_sizes_from_the_count_row
     with pytest.raises(ValueError, match="per-expert counts"):  # rows without every rank's experts
         K_.expert_major_places(d_rows.data_ptr(), R + N, R, N, 0, L, alignment, places.data_ptr(), info.data_ptr(),
                                STREAM())
+
+
+@pytest.mark.parametrize("N,G,rank,lanes", [(2, 2, 1, 2), (2, 4, 6, 1), (3, 2, 2, 3), (4, 2, 7, 2)])
+@pytest.mark.parametrize("limits", ["go", "not_packed", "arrivals_too_big", "final_rows_too_big", "outputs_too_small"])
+def test_a_forward_before_the_count_read_takes_the_hosts_tables_from_the_count_rows_and_packs_only_our_own_records(
+        N, G, rank, lanes, limits):
+    """forward_from_count_rows writes what internode_plan.forward_before_counts defines from random count rows, and
+    that is what the host's forward after the count read uses: the gate table of dispatch_gate_blocks, the block
+    table of forward_block_bases, each local GPU's final rows; the forward goes only when our records were pushed
+    during notify, our arrivals fit the receive area and every local GPU's final rows fit, the unpack only when the
+    forward goes and our final rows fit the outputs. pack_records given those words writes our own node's records,
+    and only those, into our own block among the arrivals, byte for byte as the host's pack of that range does, and
+    nothing when the forward does not go."""
+    from uccl_ep_train.internode_plan import (FORWARD_DIMS, READ_DIMS, READ_FIRST_ROW, READ_GO, READ_OWN_COUNT,
+                                              READ_OWN_FIRST, dispatch_gate_blocks, forward_before_counts,
+                                              forward_block_bases, gate_rows)
+
+    R = N * G
+    node, local = divmod(rank, G)
+    g = torch.Generator().manual_seed(N * 1000 + G * 100 + rank * 10 + lanes)
+    words = R + N + 5
+    rows = torch.randint(0, 40, (R, words), generator=g)
+    rows[((node + 1) % N) * G + local, R + node] = 0  # a source node with nothing for us: no gate row
+    rows[rank, R + node] += 1  # our own node's records: some
+    rc, nc = rows[:, :R].clone(), rows[:, R:R + N].clone()
+    T, H, K = 40, 128, 4  # our own records' columns (the pack below)
+    cols = [torch.randn((T, H), generator=g).to(torch.bfloat16), torch.randint(-1, 64, (T, K), generator=g)]
+    layout = record_layout([_bytes_of(c).size(1) for c in cols], G)
+    stride, final_bytes = layout.stride, layout.final_bytes
+    sent = int(nc[rank].sum())
+    A = sum(int(nc[n * G + local, node]) for n in range(N))
+    finals = rc[:, node * G:(node + 1) * G].sum(0)
+    send_limit = sent * stride - (limits == "not_packed")
+    receive = A * stride - 16 * (limits == "arrivals_too_big")
+    final_limit = int(finals.max()) * final_bytes - (limits == "final_rows_too_big")
+    cap = int(finals[local]) - (limits == "outputs_too_small")
+    bases = torch.randint(0, 1 << 40, (N * lanes,), generator=g).tolist()
+    table, blocks, finals_at, want = forward_before_counts(rc, nc, rank, G, lanes, bases, stride, final_bytes,
+                                                           send_limit, receive, final_limit, cap)
+    assert bool(want[READ_GO]) == (limits in ("go", "outputs_too_small"))
+    assert bool(want[READ_DIMS + READ_GO]) == (limits == "go")
+    counts = Counts(rc, nc)  # the host's tables after the count read
+    assert table == gate_rows(dispatch_gate_blocks(counts, rank, G, lanes), node, lanes, bases)
+    assert blocks == forward_block_bases(counts, rank, G).tolist()
+    assert finals_at == finals.tolist()
+
+    d_rows = rows.to(DEV)
+    d_table = torch.full((N, 4 + lanes), -7, dtype=torch.int64, device=DEV)
+    d_blocks = torch.full((N, 1 + G), -7, dtype=torch.int64, device=DEV)
+    d_finals = torch.full((G,), -7, dtype=torch.int64, device=DEV)
+    dims = torch.full((FORWARD_DIMS,), -7, dtype=torch.int64, device=DEV)
+    args = (stride, final_bytes, send_limit, receive, final_limit, cap, d_table.data_ptr(), d_blocks.data_ptr(),
+            d_finals.data_ptr(), dims.data_ptr(), STREAM())
+    K_.forward_from_count_rows(d_rows.data_ptr(), words, R, G, rank, lanes, bases, *args)
+    with pytest.raises(ValueError, match="counter bases"):  # one per (node, lane)
+        K_.forward_from_count_rows(d_rows.data_ptr(), words, R, G, rank, lanes, bases[1:], *args)
+    with pytest.raises(ValueError, match="several GPUs per node"):
+        K_.forward_from_count_rows(d_rows.data_ptr(), words, R, 1, rank, lanes, bases, *args)
+    assert dims.cpu().tolist() == want
+    assert d_table.cpu()[:len(table)].tolist() == table
+    assert d_blocks.cpu().tolist() == blocks and d_finals.cpu().tolist() == finals_at
+
+    # our own records: the send list's tokens and dest rows, the random columns above
+    tokens = torch.randint(0, T, (sent,), generator=g).to(DEV)
+    dest = torch.randint(-1, 50, (sent, G), generator=g).to(DEV)
+    d_cols = [c.to(DEV) for c in cols]
+    col_args = [(c.data_ptr(), _bytes_of(c).size(1), off) for c, off in zip(d_cols, layout.column_offsets)]
+    got = torch.randint(0, 255, (A + 2, stride), generator=g, dtype=torch.uint8).to(DEV)
+    host = got.clone()
+    K_.pack_records(0, got.data_ptr(), 0, 0, stride, tokens.data_ptr(), dest.data_ptr(), G, T, col_args,
+                    layout.src_idx_offset, layout.dest_rows_offset, STREAM(), own_dims=dims.data_ptr())
+    with pytest.raises(ValueError, match="own_dims"):  # their range comes from the words
+        K_.pack_records(0, got.data_ptr(), 1, 2, stride, tokens.data_ptr(), dest.data_ptr(), G, T, col_args,
+                        layout.src_idx_offset, layout.dest_rows_offset, STREAM(), own_dims=dims.data_ptr())
+    if want[READ_GO]:  # the host's pack of our own range, to our own block
+        first, count = want[READ_OWN_FIRST], want[READ_OWN_COUNT]
+        others = torch.empty((first + count, stride), dtype=torch.uint8, device=DEV)  # (the records before ours)
+        K_.pack_records(others.data_ptr(), host.data_ptr() + want[READ_FIRST_ROW] * stride, first, count, stride,
+                        tokens.data_ptr(), dest.data_ptr(), G, first + count, col_args, layout.src_idx_offset,
+                        layout.dest_rows_offset, STREAM())
+        assert count > 0
+    torch.cuda.synchronize()
+    assert torch.equal(got, host), "our own records differ from the host's pack, or other rows were written"
