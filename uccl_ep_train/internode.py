@@ -747,7 +747,7 @@ class NativeInternodeBackend:
         zeros = torch.zeros((self.R, 2 * self.R), dtype=torch.int64, device=dev)
         dims = self._fwd_dims.data_ptr()
         self._k.forward_from_count_rows(zeros.data_ptr(), 2 * self.R, self.R, G, self.rank, self.L,
-                                        [0] * (self.N * self.L), 16, 16, -1, 0, 0, 0, self._read_gate.data_ptr(),
+                                        [0] * (self.N * self.L), 16, 16, -1, 0, 0, 0, 0, self._read_gate.data_ptr(),
                                         self._fwd_blocks.data_ptr(), self._fwd_limits.data_ptr(), dims, self._stream())
         layout = _record_layout((16,), G)
         column = torch.zeros((1, 16), dtype=torch.uint8, device=dev)
@@ -2095,38 +2095,54 @@ class NativeInternodeBackend:
         the gate, the forward's tables and the words; our own node's records packed into their block among our
         arrivals (pack_records from the words); the gated forward (forward_arrivals from the words) and the node
         barrier, its flag raised and its wait made only when the forward went (else the host's forward after the
-        count read raises it); then the unpack of our final rows (unpack_records from the unpack's words). Queues no
-        upload."""
+        count read raises it); then the unpack of our final rows (unpack_records from the unpack's words). With
+        UCCL_EP_UNPACK_BESIDE_FORWARD the unpack runs on the second stream beside the forward, each row read once its
+        ready word is released ("The unpack beside the forward"), and the barrier follows it. Queues no upload."""
         layout, G = reading.layout, self.G
         stride, dims = layout.stride, self._fwd_dims.data_ptr()
         recv = self._cx.rdma_ptr + self.half_rdma
+        beside = self.unpack_beside_forward and self._ready_rows > 0
         self._k.forward_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, G, self.rank, self.L,
                                         self._expected[:self.N * self.L], stride, layout.final_bytes, send_top,
-                                        self.half_rdma, self.half_nvl, reading.rows, self._read_gate.data_ptr(),
+                                        self.half_rdma, self.half_nvl, reading.rows,
+                                        self._ready_rows if beside else 0, self._read_gate.data_ptr(),
                                         self._fwd_blocks.data_ptr(), self._fwd_limits.data_ptr(), dims,
                                         self._stream())
         self._k.pack_records(0, recv, 0, 0, stride, reading.own_tokens, reading.own_dest_rows, G, reading.tokens,
                              reading.own_columns, layout.src_idx_offset, layout.dest_rows_offset, self._stream(),
                              own_dims=dims)
-        gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
-                                     self._phases["dispatch_network"])
+        # the epoch the host's forward would take (the ready words and the barrier carry it); kept only when the
+        # forward went (_adopt_forward_before_counts)
+        reading.epoch = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
+        if beside:  # the unpack goes on the second stream, after the words and everything else before the forward
+            self._cx.stream_wait(self._cx.side_stream, self._stream())
+        with self._spin_blocks_held(self.unpack_beside_forward_blocks if beside else 0):
+            gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
+                                         self._phases["dispatch_network"])
         self._k.forward_arrivals(self._forward_targets.data_ptr(), self._forward_targets_or, layout.final_bytes, G,
                                  recv, stride, reading.fwd_dest.size(0), layout.final_bytes,
                                  self._fwd_limits.data_ptr(), self._fwd_blocks.data_ptr(), self.N,
                                  layout.dest_rows_offset, layout.arrival_offset, reading.fwd_dest.data_ptr(),
                                  self._stream(), gate=gate, err=self._cx.error_word_ptr,
                                  stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation,
-                                 rank=self.rank, phase=self._phases["dispatch_forward"], dims=dims)
-        # the epoch the host's forward would take; kept only when the forward went (_adopt_forward_before_counts)
-        reading.epoch = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
+                                 rank=self.rank, phase=self._phases["dispatch_forward"], dims=dims,
+                                 ready_words=self._ready_targets.data_ptr() if beside else 0,
+                                 ready_rows=self._ready_rows, ready_epoch=reading.epoch if beside else 0)
+        experts = reading.experts_per_rank
+        unpack = lambda **where: self._unpack_launch(  # noqa: E731
+            self._cx.nvl_ptr, layout.final_bytes, reading.rows, reading.rows, layout, reading.outs, reading.topk_idx,
+            reading.weights, len(reading.outs), self.rank * experts, experts, reading.src_idx, reading.arrival,
+            dims=dims + 8 * READ_DIMS, pad=reading.pad, **where)
+        if beside:
+            unpack(stream=self._cx.side_stream, ready=(self._cx.nvl_ptr + self._ready_base, reading.epoch))
+            self._cx.stream_wait(self._stream(), self._cx.side_stream)
+            self.unpacks_beside_forward += 1
         self._k.raise_flags(self._forward_flag_targets.data_ptr(), G, reading.epoch, self._stream(),
                             stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation, go=dims)
         self._cx.wait_node_flags(self._cx.nvl_ptr + self._forward_flag_base, G, 1, reading.epoch,
                                  self._phases["dispatch_forward"], self._stream(), go=dims)
-        experts = reading.experts_per_rank
-        self._unpack_launch(self._cx.nvl_ptr, layout.final_bytes, reading.rows, reading.rows, layout, reading.outs,
-                            reading.topk_idx, reading.weights, len(reading.outs), self.rank * experts, experts,
-                            reading.src_idx, reading.arrival, dims=dims + 8 * READ_DIMS, pad=reading.pad)
+        if not beside:
+            unpack()
         self._lap("dispatch.reader_before_counts")
 
     def _before_counts_words(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int) -> List[int]:
@@ -2136,9 +2152,10 @@ class NativeInternodeBackend:
         if self.G == 1:
             return read_before_counts(counts.rank_counts, counts.node_counts, self.rank, self.L, self._expected,
                                       layout.stride, send_top, self.half_rdma, reading.rows)[1]
+        ready_rows = self._ready_rows if self.unpack_beside_forward else 0
         return forward_before_counts(counts.rank_counts, counts.node_counts, self.rank, self.G, self.L,
                                      self._expected, layout.stride, layout.final_bytes, send_top, self.half_rdma,
-                                     self.half_nvl, reading.rows)[3]
+                                     self.half_nvl, reading.rows, ready_rows)[3]
 
     def _adopt_forward_before_counts(self, reading: ReadingBeforeCounts, counts: Counts, plan: SendPlan) -> None:
         """After notify, a forward before the count read that went: what the host's forward would have left -- the

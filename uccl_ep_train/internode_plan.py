@@ -612,8 +612,8 @@ FORWARD_DIMS = 2 * READ_DIMS
 
 def forward_before_counts(rank_counts: torch.Tensor, node_counts: torch.Tensor, rank: int, ranks_per_node: int,
                           num_lanes: int, counter_before: Sequence[int], stride: int, final_bytes: int,
-                          send_limit: int, receive_bytes: int, final_limit: int, capacity_rows: int
-                          ) -> Tuple[List[List[int]], List[List[int]], List[int], List[int]]:
+                          send_limit: int, receive_bytes: int, final_limit: int, capacity_rows: int,
+                          ready_rows: int = 0) -> Tuple[List[List[int]], List[List[int]], List[int], List[int]]:
     """Several GPUs per node: what a forward dispatch's forwarder launched before the host read the count matrix takes
     from the count rows on the device (the forward_from_count_rows kernel; docs/internode.md, "The forward before the
     count read"): (its arrivals' gate table, as gate_rows makes it from dispatch_gate_blocks; the forward's block table
@@ -622,8 +622,10 @@ def forward_before_counts(rank_counts: torch.Tensor, node_counts: torch.Tensor, 
     list), then the unpack's (go, our final rows). The forward goes when our records were packed and pushed during
     notify (they fit ``send_limit`` bytes: a record left for the host to push would queue behind our spinning forward),
     our arrivals fit ``receive_bytes`` and every local GPU's final rows fit ``final_limit`` bytes of ``final_bytes``
-    each; the unpack when the forward goes and our final rows fit the ``capacity_rows`` outputs allocated before the
-    counts. The host applies this same rule to the same counts after notify."""
+    each; the unpack when the forward goes, our final rows fit the ``capacity_rows`` outputs allocated before the
+    counts and, with ``ready_rows`` (the unpack beside the forward reads each final row once its ready word is
+    released; the words cover that many rows, 0: none are used), every final row of our node has a word. The host
+    applies this same rule to the same counts after notify."""
     rc, nc = _host(rank_counts), _host(node_counts)
     G = ranks_per_node
     R = rc.shape[0]
@@ -642,7 +644,8 @@ def forward_before_counts(rank_counts: torch.Tensor, node_counts: torch.Tensor, 
     go = (sum(own_send) * stride <= send_limit and A * stride <= receive_bytes
           and all(v * final_bytes <= final_limit for v in limits))
     words = [int(go), A, first[node], len(table), sum(own_send[:node]), own_send[node]] + [0] * (READ_DIMS - 6)
-    words += [int(go and limits[local] <= capacity_rows), limits[local]] + [0] * (READ_DIMS - 2)
+    marked = not ready_rows or max(limits) <= ready_rows
+    words += [int(go and limits[local] <= capacity_rows and marked), limits[local]] + [0] * (READ_DIMS - 2)
     return table, blocks, limits, words
 
 

@@ -295,13 +295,15 @@ void bind_internode(py::module_& m) {
   k.def("forward_from_count_rows", &in::forward_from_count_rows, py::arg("count_rows"), py::arg("row_words"),
         py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("num_lanes"),
         py::arg("counter_bases"), py::arg("stride"), py::arg("final_bytes"), py::arg("send_limit"),
-        py::arg("receive_bytes"), py::arg("final_limit"), py::arg("capacity_rows"), py::arg("table_out"),
+        py::arg("receive_bytes"), py::arg("final_limit"), py::arg("capacity_rows"), py::arg("ready_rows"),
+        py::arg("table_out"),
         py::arg("blocks_out"), py::arg("limits_out"), py::arg("dims_out"), py::arg("stream"),
         "several GPUs per node, after every count row landed: the forward dispatch's gate table (a row per other node "
         "sending us records; counter_bases: every counter's value before the call, node-major), block table "
         "[nodes, 1 + ranks_per_node], each local GPU's final rows (limits_out) and FORWARD_DIMS words (the "
         "forward's, then the unpack's) of a forwarder launched before the host read the counts "
-        "(internode_plan.forward_before_counts)");
+        "(internode_plan.forward_before_counts); ready_rows: the final rows with a ready word (the unpack beside the "
+        "forward), 0: none");
 
   k.def("gather_rows_by_arrival", &in::gather_rows_by_arrival, py::arg("out"), py::arg("targets"),
         py::arg("max_arrivals"), py::arg("row_ends"), py::arg("num_sources"), py::arg("arrival"), py::arg("num_rows"),

@@ -957,9 +957,9 @@ void forward_arrivals(uintptr_t dsts, uint64_t dst_bases_or, int64_t dst_stride,
                       int stop_generation, int rank, int phase, uintptr_t ready_words, int64_t ready_rows,
                       int32_t ready_epoch, uintptr_t dims) {
   if (n <= 0) return;
-  if (dims && (ready_words || first_row))
+  if (dims && first_row)
     throw std::invalid_argument("forward_arrivals: read before the counts (dims), n is the capacity and the first row "
-                                "comes from the device; no ready words");
+                                "comes from the device");
   if (!dsts || !src || !dst_rows || !blocks || !dst_idx_out)
     throw std::invalid_argument("forward_arrivals: null pointer");
   if (ready_words && (ready_rows < 0 || ready_epoch < 1))

@@ -338,8 +338,8 @@ __global__ void gate_from_count_rows_kernel(const long long* rows, long long row
 __global__ void forward_from_count_rows_kernel(const long long* rows, long long row_words, int R, int G, int rank,
                                                int lanes, ReadBases bases, long long stride, long long final_bytes,
                                                long long send_limit, long long receive_bytes, long long final_limit,
-                                               long long capacity_rows, long long* table, long long* blocks,
-                                               long long* limits, long long* dims) {
+                                               long long capacity_rows, long long ready_rows, long long* table,
+                                               long long* blocks, long long* limits, long long* dims) {
   const int N = R / G, node = rank / G, local = rank % G;
   const long long* own = rows + rank * row_words;
   long long sent = 0, own_first = 0;
@@ -366,8 +366,11 @@ __global__ void forward_from_count_rows_kernel(const long long* rows, long long 
     }
     for (int g = 0; g < G; ++g) limits[g] += row[node * G + g];
   }
-  bool fits = true;
-  for (int g = 0; g < G; ++g) fits = fits && limits[g] * final_bytes <= final_limit;
+  bool fits = true, marked = true;  // marked: every final row of the node has a ready word (0: none are used)
+  for (int g = 0; g < G; ++g) {
+    fits = fits && limits[g] * final_bytes <= final_limit;
+    marked = marked && (ready_rows == 0 || limits[g] <= ready_rows);
+  }
   const bool go = sent * stride <= send_limit && a * stride <= receive_bytes && fits;
   for (int i = 0; i < kForwardDims; ++i) dims[i] = 0;
   dims[kReadGo] = go;
@@ -376,7 +379,7 @@ __global__ void forward_from_count_rows_kernel(const long long* rows, long long 
   dims[kReadBlocks] = gates;
   dims[kReadOwnFirst] = own_first;
   dims[kReadOwnCount] = own[R + node];
-  dims[kReadDims + kReadGo] = go && limits[local] <= capacity_rows;
+  dims[kReadDims + kReadGo] = go && limits[local] <= capacity_rows && marked;
   dims[kReadDims + kReadRows] = limits[local];
 }
 
@@ -471,9 +474,9 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
                     const ArrivalGate* gate, int64_t first_row, const ReadBeforeCounts& before,
                     const OwnRows& own, const RowReady& ready) {
   if (out_rows < num_rows) throw std::invalid_argument("unpack_records: fewer output rows than rows");
-  if (ready.words && (gate || before.dims || own.tokens || ready.epoch < 1))
+  if (ready.words && (gate || own.tokens || ready.epoch < 1))
     throw std::invalid_argument("unpack_records: ready words (the unpack beside the dispatch forward) need an epoch "
-                                ">= 1 and no gate, no read before the counts and no own rows from the columns");
+                                ">= 1, no gate and no own rows from the columns");
   if (before.dims && (first_row || bool(own.tokens) == (arrival_offset >= 0)))
     throw std::invalid_argument("unpack_records: read before the counts takes no first_row (it comes from the device), "
                                 "and our own rows' tokens with one GPU per node (arrival = row), none with several "
@@ -555,8 +558,8 @@ void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks
 void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int ranks_per_node, int rank,
                              int num_lanes, const std::vector<int64_t>& counter_bases, int64_t stride,
                              int64_t final_bytes, int64_t send_limit, int64_t receive_bytes, int64_t final_limit,
-                             int64_t capacity_rows, uintptr_t table_out, uintptr_t blocks_out, uintptr_t limits_out,
-                             uintptr_t dims_out, uintptr_t stream) {
+                             int64_t capacity_rows, int64_t ready_rows, uintptr_t table_out, uintptr_t blocks_out,
+                             uintptr_t limits_out, uintptr_t dims_out, uintptr_t stream) {
   if (ranks_per_node < 2 || num_ranks % ranks_per_node || rank < 0 || rank >= num_ranks || num_lanes < 1)
     throw std::invalid_argument("forward_from_count_rows: several GPUs per node dividing the ranks, a rank in 0.." +
                                 std::to_string(num_ranks - 1) + " and a lane");
@@ -568,13 +571,13 @@ void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ra
   if (counter_bases.size() != size_t(nodes) * size_t(num_lanes) || counter_bases.size() > size_t(kReadMaxCounters))
     throw std::invalid_argument("forward_from_count_rows: give nodes x lanes counter bases, at most " +
                                 std::to_string(kReadMaxCounters) + ", got " + std::to_string(counter_bases.size()));
-  if (stride <= 0 || final_bytes <= 0 || capacity_rows < 0)
-    throw std::invalid_argument("forward_from_count_rows: bad stride, final row bytes or capacity");
+  if (stride <= 0 || final_bytes <= 0 || capacity_rows < 0 || ready_rows < 0)
+    throw std::invalid_argument("forward_from_count_rows: bad stride, final row bytes, capacity or ready rows");
   ReadBases bases{};
   for (size_t i = 0; i < counter_bases.size(); ++i) bases.v[i] = counter_bases[i];
   forward_from_count_rows_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const long long*>(count_rows), row_words, num_ranks, ranks_per_node, rank, num_lanes, bases,
-      stride, final_bytes, send_limit, receive_bytes, final_limit, capacity_rows,
+      stride, final_bytes, send_limit, receive_bytes, final_limit, capacity_rows, ready_rows,
       reinterpret_cast<long long*>(table_out), reinterpret_cast<long long*>(blocks_out),
       reinterpret_cast<long long*>(limits_out), reinterpret_cast<long long*>(dims_out));
   check_launch("forward_from_count_rows");

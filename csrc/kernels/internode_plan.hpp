@@ -166,14 +166,15 @@ void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks
 // arrivals; first row: our own node's block; own first / count: our own records in our send list) and then the
 // unpack's (go, rows: our final rows; the rest 0). The forward goes when our records were packed and pushed during
 // notify (they fit send_limit bytes), our arrivals fit receive_bytes and every local GPU's final rows fit final_limit
-// bytes of final_bytes each; the unpack when the forward goes and our final rows fit capacity_rows. The host applies
-// the same rule (internode_plan.forward_before_counts). One thread.
+// bytes of final_bytes each; the unpack when the forward goes, our final rows fit capacity_rows and, with ready_rows
+// (the unpack beside the forward: final rows with a ready word; 0: none), every local GPU's final rows have a word.
+// The host applies the same rule (internode_plan.forward_before_counts). One thread.
 constexpr int kForwardDims = 2 * kReadDims;
 void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int ranks_per_node, int rank,
                              int num_lanes, const std::vector<int64_t>& counter_bases, int64_t stride,
                              int64_t final_bytes, int64_t send_limit, int64_t receive_bytes, int64_t final_limit,
-                             int64_t capacity_rows, uintptr_t table_out, uintptr_t blocks_out, uintptr_t limits_out,
-                             uintptr_t dims_out, uintptr_t stream);
+                             int64_t capacity_rows, int64_t ready_rows, uintptr_t table_out, uintptr_t blocks_out,
+                             uintptr_t limits_out, uintptr_t dims_out, uintptr_t stream);
 
 // The pipelined combine gather's table (gather_tiles' by_arrival) at a handle's first combine, in one call: out
 // (int32 [targets, max_arrivals]) set to -1, then out[f, arrival[r]] = r for each received row r, f being the local

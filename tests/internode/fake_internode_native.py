@@ -209,9 +209,9 @@ def forward_arrivals(dsts: int, dst_bases_or: int, dst_stride: int, targets: int
     rows, first row and gate rows from the words, nothing done unless they say go."""
     if n <= 0:
         return
-    if dims and (ready_words or first_row):
+    if dims and first_row:
         raise ValueError("forward_arrivals: read before the counts (dims), n is the capacity and the first row comes "
-                         "from the device; no ready words")
+                         "from the device")
     if not (dsts and src and dst_rows and blocks and dst_idx_out):
         raise ValueError("forward_arrivals: null pointer")
     if num_blocks <= 0:
@@ -529,9 +529,14 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
     ``ready_timeout_secs`` is reported (``row_not_ready``: the row, its word, the epoch) and nothing is written."""
     if out_rows < num_rows:
         raise ValueError("unpack_records: fewer output rows than rows")
-    if ready_words and (gate is not None or dims or own is not None or ready_epoch < 1):
-        raise ValueError("unpack_records: ready words (the unpack beside the dispatch forward) need an epoch >= 1 and "
-                         "no gate, no read before the counts and no own rows from the columns")
+    if ready_words and (gate is not None or own is not None or ready_epoch < 1):
+        raise ValueError("unpack_records: ready words (the unpack beside the dispatch forward) need an epoch >= 1, no "
+                         "gate and no own rows from the columns")
+    if ready_words and dims:  # (read before the counts: the rows from the words, nothing unless they say go)
+        words = _at(dims, 8 * READ_DIMS, torch.int64).tolist()
+        if not words[READ_GO]:
+            return
+        num_rows = words[READ_ROWS]
     if ready_words and num_rows:
         start = time.monotonic()
         while True:
@@ -775,8 +780,8 @@ def gate_from_count_rows(count_rows: int, row_words: int, num_ranks: int, rank: 
 
 def forward_from_count_rows(count_rows: int, row_words: int, num_ranks: int, ranks_per_node: int, rank: int,
                             num_lanes: int, counter_bases: list, stride: int, final_bytes: int, send_limit: int,
-                            receive_bytes: int, final_limit: int, capacity_rows: int, table_out: int, blocks_out: int,
-                            limits_out: int, dims_out: int, stream: int) -> None:
+                            receive_bytes: int, final_limit: int, capacity_rows: int, ready_rows: int, table_out: int,
+                            blocks_out: int, limits_out: int, dims_out: int, stream: int) -> None:
     """forward_from_count_rows_kernel: internode_plan.forward_before_counts on the count rows at ``count_rows``; the
     gate table, block table, final rows per local GPU and words to their outputs."""
     G = ranks_per_node
@@ -791,12 +796,12 @@ def forward_from_count_rows(count_rows: int, row_words: int, num_ranks: int, ran
     if len(counter_bases) != N * num_lanes or len(counter_bases) > READ_MAX_COUNTERS:
         raise ValueError(f"forward_from_count_rows: give nodes x lanes counter bases, at most {READ_MAX_COUNTERS}, "
                          f"got {len(counter_bases)}")
-    if stride <= 0 or final_bytes <= 0 or capacity_rows < 0:
-        raise ValueError("forward_from_count_rows: bad stride, final row bytes or capacity")
+    if stride <= 0 or final_bytes <= 0 or capacity_rows < 0 or ready_rows < 0:
+        raise ValueError("forward_from_count_rows: bad stride, final row bytes, capacity or ready rows")
     rows = _at(count_rows, 8 * R * row_words, torch.int64).view(R, row_words)
     table, blocks, limits, words = forward_before_counts(
         rows[:, :R].clone(), rows[:, R:R + N].clone(), rank, G, num_lanes, [int(b) for b in counter_bases], stride,
-        final_bytes, send_limit, receive_bytes, final_limit, capacity_rows)
+        final_bytes, send_limit, receive_bytes, final_limit, capacity_rows, ready_rows)
     _at(dims_out, 8 * FORWARD_DIMS, torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
     _at(blocks_out, 8 * N * (1 + G), torch.int64).copy_(torch.tensor(blocks, dtype=torch.int64).view(-1))
     _at(limits_out, 8 * G, torch.int64).copy_(torch.tensor(limits, dtype=torch.int64))

@@ -948,7 +948,8 @@ def _unpacks_beside_forward(rank, world, G, cases):
     nat, ref = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1)
-        return done, nat.unpacks_beside_forward, nat.forward_node_barriers, nat._forward_epoch, nat._unpack_beside
+        return (done, nat.unpacks_beside_forward, nat.forward_node_barriers, nat._forward_epoch, nat._unpack_beside,
+                nat.reads_before_counts)
     finally:
         nat.destroy()
 
@@ -959,13 +960,16 @@ def test_with_the_unpack_beside_the_forward_each_gpu_unpacks_rows_its_forwarders
     node every rank-major dispatch's forwarders mark each final row they write with the forward's epoch, and each GPU
     unpacks its rows once marked, on the second stream, then ends with the node barrier at the same epoch; every
     output matches the reference (each row read only once its word was marked: the stand-in waits for every word).
-    Expert-major receives keep the barrier before their copy. With one GPU per node nothing changes."""
+    Expert-major receives keep the barrier before their copy. With one GPU per node nothing changes. Dispatches
+    launched before the count read ("The forward before the count read") unpack beside their forward too: with
+    several GPUs per node some read so."""
     out = run_distributed(_unpacks_beside_forward, world, G, ALL, timeout=240,
                           env=dict(ENV, UCCL_EP_UNPACK_BESIDE_FORWARD="1"))
     assert all(done == len(ALL) for done, *_ in out), out
     beside = [o[1] for o in out]
     if G > 1:
         assert all(n > 0 for n in beside), beside
+        assert sum(o[5] for o in out) > 0, out  # (each of those read its rows as their words were released)
         # one epoch per forward whether its rows went beside it or not, the same on every rank; none left pending
         assert len({o[3] for o in out}) == 1 and all(o[3] == o[2] for o in out) and all(o[4] is None for o in out), out
     else:

@@ -919,7 +919,7 @@ def _unpack_beside_counts(rank, world, G, cases):
     nat, ref, dev = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, dev, rank, world, cases, 1)
-        return done, nat.unpacks_beside_forward
+        return done, nat.unpacks_beside_forward, nat.reads_before_counts
     finally:
         nat.destroy()
 
@@ -927,12 +927,13 @@ def _unpack_beside_counts(rank, world, G, cases):
 def test_on_gpus_the_unpack_beside_the_forward_reads_rows_as_their_forwarders_mark_them_and_outputs_match():
     """2 x 2 with UCCL_EP_UNPACK_BESIDE_FORWARD=1 (docs/internode.md, "The unpack beside the forward"): each GPU
     unpacks its final rows on the second stream as its forwarders mark them, during the hop, and every output equals
-    the reference."""
+    the reference; so do those launched before the count read ("The forward before the count read"), some of which
+    read so."""
     _need(4)
     env = {"UCCL_EP_UNPACK_BESIDE_FORWARD": "1", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
     out = run_distributed(_unpack_beside_counts, 4, 2, ALL, timeout=420, env=env)
-    assert all(done == len(ALL) for done, _ in out), out
-    assert all(n > 0 for _, n in out), out
+    assert all(done == len(ALL) for done, _, _ in out), out
+    assert all(n > 0 for _, n, _ in out) and sum(read for _, _, read in out) > 0, out
 
 
 def test_on_a_gpu_an_unpack_whose_row_is_never_marked_reports_the_row_and_leaves_it_unwritten():

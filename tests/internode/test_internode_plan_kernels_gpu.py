@@ -452,7 +452,8 @@ def test_places_kernel_makes_the_readers_table_and_plan_sizes_from_the_count_row
 
 
 @pytest.mark.parametrize("N,G,rank,lanes", [(2, 2, 1, 2), (2, 4, 6, 1), (3, 2, 2, 3), (4, 2, 7, 2)])
-@pytest.mark.parametrize("limits", ["go", "not_packed", "arrivals_too_big", "final_rows_too_big", "outputs_too_small"])
+@pytest.mark.parametrize("limits", ["go", "not_packed", "arrivals_too_big", "final_rows_too_big", "outputs_too_small",
+                                    "rows_without_ready_words"])
 def test_a_forward_before_the_count_read_takes_the_hosts_tables_from_the_count_rows_and_packs_only_our_own_records(
         N, G, rank, lanes, limits):
     """forward_from_count_rows writes what internode_plan.forward_before_counts defines from random count rows, and
@@ -461,7 +462,8 @@ def test_a_forward_before_the_count_read_takes_the_hosts_tables_from_the_count_r
     during notify, our arrivals fit the receive area and every local GPU's final rows fit, the unpack only when the
     forward goes and our final rows fit the outputs. pack_records given those words writes our own node's records,
     and only those, into our own block among the arrivals, byte for byte as the host's pack of that range does, and
-    nothing when the forward does not go."""
+    nothing when the forward does not go. With ready words (the unpack beside the forward) the unpack goes only when
+    every local GPU's final rows have one."""
     from uccl_ep_train.internode_plan import (FORWARD_DIMS, READ_DIMS, READ_FIRST_ROW, READ_GO, READ_OWN_COUNT,
                                               READ_OWN_FIRST, dispatch_gate_blocks, forward_before_counts,
                                               forward_block_bases, gate_rows)
@@ -485,11 +487,13 @@ def test_a_forward_before_the_count_read_takes_the_hosts_tables_from_the_count_r
     receive = A * stride - 16 * (limits == "arrivals_too_big")
     final_limit = int(finals.max()) * final_bytes - (limits == "final_rows_too_big")
     cap = int(finals[local]) - (limits == "outputs_too_small")
+    ready_rows = int(finals.max()) - (limits == "rows_without_ready_words") if lanes % 2 else 0  # (0: no words)
     bases = torch.randint(0, 1 << 40, (N * lanes,), generator=g).tolist()
     table, blocks, finals_at, want = forward_before_counts(rc, nc, rank, G, lanes, bases, stride, final_bytes,
-                                                           send_limit, receive, final_limit, cap)
-    assert bool(want[READ_GO]) == (limits in ("go", "outputs_too_small"))
-    assert bool(want[READ_DIMS + READ_GO]) == (limits == "go")
+                                                           send_limit, receive, final_limit, cap, ready_rows)
+    assert bool(want[READ_GO]) == (limits in ("go", "outputs_too_small", "rows_without_ready_words"))
+    assert bool(want[READ_DIMS + READ_GO]) == (limits == "go" or (limits == "rows_without_ready_words"
+                                                                   and not ready_rows))
     counts = Counts(rc, nc)  # the host's tables after the count read
     assert table == gate_rows(dispatch_gate_blocks(counts, rank, G, lanes), node, lanes, bases)
     assert blocks == forward_block_bases(counts, rank, G).tolist()
@@ -500,8 +504,8 @@ def test_a_forward_before_the_count_read_takes_the_hosts_tables_from_the_count_r
     d_blocks = torch.full((N, 1 + G), -7, dtype=torch.int64, device=DEV)
     d_finals = torch.full((G,), -7, dtype=torch.int64, device=DEV)
     dims = torch.full((FORWARD_DIMS,), -7, dtype=torch.int64, device=DEV)
-    args = (stride, final_bytes, send_limit, receive, final_limit, cap, d_table.data_ptr(), d_blocks.data_ptr(),
-            d_finals.data_ptr(), dims.data_ptr(), STREAM())
+    args = (stride, final_bytes, send_limit, receive, final_limit, cap, ready_rows, d_table.data_ptr(),
+            d_blocks.data_ptr(), d_finals.data_ptr(), dims.data_ptr(), STREAM())
     K_.forward_from_count_rows(d_rows.data_ptr(), words, R, G, rank, lanes, bases, *args)
     with pytest.raises(ValueError, match="counter bases"):  # one per (node, lane)
         K_.forward_from_count_rows(d_rows.data_ptr(), words, R, G, rank, lanes, bases[1:], *args)
