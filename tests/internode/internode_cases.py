@@ -600,14 +600,28 @@ def check_a_gated_unpack_reads_rows_only_after_their_chunks_land(cx, unpack_reco
             cx.clear_error()
 
 
+def _pair_matches(nat, ref, dev, idx, g, E, H=128):
+    """A dispatch of ``idx``'s tokens (random bf16 rows, random weights from ``g``) and its combine on both backends,
+    the native one on ``dev`` and the reference on CPU copies: whether both outputs are equal."""
+    from uccl_ep_train.backends import DispatchArgs
+
+    T = idx.size(0)
+    x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    w = torch.rand((T, idx.size(1)), generator=g)
+    outs = []
+    for b, d in ((ref, torch.device("cpu")), (nat, dev)):
+        tpr, tpn, tpe, itr = b.get_dispatch_layout(idx.to(d), E)
+        r = b.dispatch(DispatchArgs(x.to(d), None, None, tpr, tpn, itr, tpe, idx.to(d), w.to(d)))
+        outs.append((r.recv_x.cpu(), b.combine(r.recv_x, r.handle, r.recv_topk_weights, None)[0].cpu()))
+    return all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def records_past_the_partial_sums(nat, ref, dev, rank, world):
     """A dispatch whose every token goes to both nodes and its combine (whose partial sums fill the top of each send
     half), then a bigger uncached dispatch whose records would reach into them, then a small one; the native backend
     on ``dev`` (an RDMA area of 2 MiB), the reference on CPU copies. Returns ((packs, pushes during notify) after
     each of the three, whether every output equals the reference's)."""
-    from uccl_ep_train.backends import DispatchArgs
-
-    E, H = 4 * world, 128
+    E = 4 * world
     g = torch.Generator().manual_seed(rank)
     seen, same = [], True
     for T in (700, 1300, 300):
@@ -615,15 +629,27 @@ def records_past_the_partial_sums(nat, ref, dev, rank, world):
         # past where those start, so packed after notify; 300: 600 records, below the 2600 partial sums of the
         # combine before, packed and pushed during notify
         idx = torch.tensor([[0, E // 2]] * T)  # the first expert of node 0 and of node 1
-        x = torch.randn((T, H), generator=g).to(torch.bfloat16)
-        w = torch.rand((T, 2), generator=g)
-        outs = []
-        for b, d in ((ref, torch.device("cpu")), (nat, dev)):
-            tpr, tpn, tpe, itr = b.get_dispatch_layout(idx.to(d), E)
-            r = b.dispatch(DispatchArgs(x.to(d), None, None, tpr, tpn, itr, tpe, idx.to(d), w.to(d)))
-            outs.append((r.recv_x.cpu(), b.combine(r.recv_x, r.handle, r.recv_topk_weights, None)[0].cpu()))
-        same = same and all(torch.equal(a, b) for a, b in zip(*outs))
+        same = _pair_matches(nat, ref, dev, idx, g, E) and same
         seen.append((nat.packs_during_notify, nat.pushes_during_notify))
+    return seen, same
+
+
+def one_forwarder_of_a_node_forwards_after_the_count_read(nat, ref, dev, rank, world):
+    """2 x 2, an RDMA area of 2 MiB: a dispatch whose every token goes to both nodes and its combine (whose partial
+    sums fill the top of each send half), then a dispatch of as many tokens in which rank 0 again sends every token to
+    both nodes -- past those partial sums, so it packs after notify and its forward before the count read must not go
+    -- while the other ranks send theirs to their own node only, below them, and forward before the count read. The
+    node barrier then has rank 0's flag come from its forward after the count read. Returns ((forwards before the
+    count read, readers that handed back) after each dispatch, whether every output equals the reference's)."""
+    E, T = 4 * world, 1000
+    g = torch.Generator().manual_seed(rank)
+    seen, same = [], True
+    for step in range(2):
+        own_node = 0 if rank < world // 2 else E // 2  # the first expert of our own node
+        both = step == 0 or rank == 0
+        idx = torch.tensor([[0, E // 2]] * T) if both else torch.tensor([[own_node, own_node + 1]] * T)
+        same = _pair_matches(nat, ref, dev, idx, g, E) and same
+        seen.append((nat.forwards_before_counts, nat.reads_before_counts_declined))
     return seen, same
 
 

@@ -34,7 +34,8 @@ from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_sm
                              check_node_sums_wait_for_tile_flags_and_name_a_gpu_that_never_flags,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
                              check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named,
-                             compare_cases, records_past_the_partial_sums, too_few_worst_rows)
+                             compare_cases, one_forwarder_of_a_node_forwards_after_the_count_read,
+                             records_past_the_partial_sums, too_few_worst_rows)
 
 RDMA = 16 << 20
 NVL = 16 << 20
@@ -443,7 +444,7 @@ def _scenario(rank, world, G, which):
     nat, ref = _backends(rank, world, G, rdma=2 << 20)
     try:
         return dict(past=records_past_the_partial_sums, small=area_too_small_after_a_push_during_notify,
-                    worst=too_few_worst_rows)[which](
+                    worst=too_few_worst_rows, one_after=one_forwarder_of_a_node_forwards_after_the_count_read)[which](
             nat, ref, torch.device("cpu"), rank, world)
     finally:
         nat.destroy()
@@ -461,6 +462,22 @@ def test_records_that_would_reach_the_last_combines_partial_sums_are_packed_afte
         (p0, q0), (p1, q1), (p2, q2) = seen
         assert (p1, q1) == (p0, q0), f"the dispatch past the partial sums packed during notify: {seen}"
         assert p2 == p1 + 1 and q2 == q1 + 1, seen  # packed and pushed during notify, whatever the GPUs per node
+
+
+@pytest.mark.parametrize("beside", ["0", "1"], ids=["barrier", "unpack-beside"])
+def test_a_forwarder_whose_records_pass_the_partial_sums_forwards_after_the_count_read_beside_its_nodes_others(beside):
+    """2 x 2 (docs/internode.md, "The forward before the count read"): where one GPU of a node may not forward before
+    the count read (its records pass the last combine's partial sums, so they are pushed after notify) and its node's
+    other GPU does, that other GPU forwards from the count rows and waits at the node barrier for the first one's flag,
+    which its forward after the count read raises at the same epoch; every output equals the reference. With the
+    unpack beside the forward, the other GPU's unpack waits for the ready words that forward releases, at that epoch
+    too."""
+    out = run_distributed(_scenario, 4, 2, "one_after", timeout=120,
+                          env=dict(ENV, UCCL_EP_UNPACK_BESIDE_FORWARD=beside))
+    for rank, ((f0, d0), (f1, d1)), same in ((r, *o) for r, o in enumerate(out)):
+        assert same, f"rank {rank}: an output differs from the reference"
+        assert (f0, d0) == (0, 0), (rank, f0, d0)  # the first dispatch follows no combine: read after notify
+        assert (f1, d1) == ((0, 1) if rank == 0 else (1, 0)), (rank, f1, d1)
 
 
 def test_an_area_too_small_for_records_pushed_during_notify_raises_on_every_rank_and_the_next_calls_match():

@@ -47,7 +47,8 @@ from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # 
                              check_pack_and_push_during_notify_pushes_our_count_row_first_whatever_it_sends,
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
                              check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named,
-                             compare_cases, records_past_the_partial_sums, too_few_worst_rows)
+                             compare_cases, one_forwarder_of_a_node_forwards_after_the_count_read,
+                             records_past_the_partial_sums, too_few_worst_rows)
 
 RDMA = 64 << 20
 NVL = 64 << 20
@@ -1046,10 +1047,24 @@ def _scenario(rank, world, G, which):
     nat, ref, dev = _backends(rank, world, G, rdma=2 << 20)
     try:
         return dict(past=records_past_the_partial_sums, small=area_too_small_after_a_push_during_notify,
-                    worst=too_few_worst_rows)[which](
+                    worst=too_few_worst_rows, one_after=one_forwarder_of_a_node_forwards_after_the_count_read)[which](
             nat, ref, dev, rank, world)
     finally:
         nat.destroy()
+
+
+@pytest.mark.parametrize("beside", ["0", "1"], ids=["barrier", "unpack-beside"])
+def test_on_gpus_a_forwarder_that_forwards_after_the_count_read_meets_its_nodes_others_at_the_barrier(beside):
+    """The GPU twin of the CPU test (2 x 2): rank 0's records pass the last combine's partial sums, so its forward
+    goes after the count read while its node's other GPU forwards from the count rows and waits for rank 0's flag
+    (and, beside, its ready words) at the same epoch; every output equals the reference."""
+    _need(4)
+    out = run_distributed(_scenario, 4, 2, "one_after", timeout=240,
+                          env={"UCCL_EP_UNPACK_BESIDE_FORWARD": beside, "UCCL_EP_CPU_TIMEOUT_SECS": "60",
+                               "UCCL_EP_GPU_TIMEOUT_SECS": "60"})
+    for rank, (seen, same) in enumerate(out):
+        assert same, f"rank {rank}: an output differs from the reference"
+        assert seen == [(0, 0), (0, 1) if rank == 0 else (1, 0)], (rank, seen)
 
 
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2-1", "4-2"])
