@@ -2112,7 +2112,7 @@ class NativeInternodeBackend:
                              reading.own_columns, layout.src_idx_offset, layout.dest_rows_offset, self._stream(),
                              own_dims=dims)
         # the epoch the host's forward would take (the ready words and the barrier carry it); kept only when the
-        # forward went (_adopt_forward_before_counts)
+        # forward went (_adopt_before_counts)
         reading.epoch = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
         if beside:  # the unpack goes on the second stream, after the words and everything else before the forward
             self._cx.stream_wait(self._cx.side_stream, self._stream())
@@ -2157,16 +2157,17 @@ class NativeInternodeBackend:
                                      self._expected, layout.stride, layout.final_bytes, send_top, self.half_rdma,
                                      self.half_nvl, reading.rows, ready_rows)[3]
 
-    def _adopt_forward_before_counts(self, reading: ReadingBeforeCounts, counts: Counts, plan: SendPlan) -> None:
-        """After notify, a forward before the count read that went: what the host's forward would have left -- the
-        counters' targets (first: they move whatever follows), the node barrier's epoch, the extents (their check
-        may raise: the caller ends the hop whatever happens)."""
+    def _adopt_before_counts(self, reading: ReadingBeforeCounts, counts: Counts, plan: SendPlan) -> None:
+        """After notify, kernels launched before the count read whose hop went: what the host's path would have left
+        -- the counters' targets (first: they move whatever follows), with several GPUs per node the forward's node
+        barrier epoch, and the extents (their check may raise: the caller ends the hop whatever happens)."""
         for slot, count in dispatch_waits(counts, self.rank, self.G, self._per_chunk(reading.layout.stride), self.L):
             self._expected[slot] += count
-        self._forward_epoch = reading.epoch
-        self.forwards_before_counts += 1
-        self.forwards_during_hop += 1
-        self.forward_node_barriers += 1
+        if self.G > 1:
+            self._forward_epoch = reading.epoch
+            self.forwards_before_counts += 1
+            self.forwards_during_hop += 1
+            self.forward_node_barriers += 1
         self._last_dispatch_extents = self._dispatch_shape(counts, plan, reading.layout, upload=False).extents
 
     def _forward_dest_before_counts(self, reading: ReadingBeforeCounts, counts: Counts) -> Optional[torch.Tensor]:
@@ -2182,7 +2183,7 @@ class NativeInternodeBackend:
         the outputs allocated before the counts): _move's results without moving anything -- (our final rows, the
         layout, the forward's dest rows, no pending hop) -- for the unpack after the count read."""
         try:
-            self._adopt_forward_before_counts(reading, counts, plan)
+            self._adopt_before_counts(reading, counts, plan)
         finally:
             self._gated_done("dispatch_network", reading.t0, "dispatch_network wait")
             self._lap("dispatch.network")
@@ -2221,12 +2222,10 @@ class NativeInternodeBackend:
                                    own=(0, 0, 0, reading.own_tokens, reading.own_columns), counted=False)
         self._lap("dispatch.reader_before_counts")
 
-    def _reader_read(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int,
-                     expert_rows: Optional[int] = None) -> bool:
+    def _reader_read(self, reading: ReadingBeforeCounts, words: List[int], expert_rows: Optional[int] = None) -> bool:
         """After notify: whether the reader launched before the count read reads, by its own rule on the same counts
-        (read_before_counts, and for an expert-major receive its rows, ``expert_rows``, within the outputs'); else it
-        did nothing."""
-        words = self._before_counts_words(reading, counts, send_top)
+        (``words``: _before_counts_words; for an expert-major receive its rows, ``expert_rows``, within the
+        outputs'); else it did nothing."""
         read = words[READ_GO] if self.G == 1 else words[READ_DIMS + READ_GO]  # (several GPUs per node: the unpack's)
         return bool(read) and (not reading.expert_rows or expert_rows <= reading.expert_rows)
 
@@ -2234,16 +2233,9 @@ class NativeInternodeBackend:
                                     host_work: Callable[[], None]) -> None:
         """The host's part of a dispatch read before the count read, while its reader spins: the counters' targets
         (first: they move whatever follows), the area checks, ``host_work``; then the drain, also when those raise.
-        With several GPUs per node, what the forward before it leaves (_adopt_forward_before_counts) first."""
+        With several GPUs per node, what the forward before it leaves too (_adopt_before_counts)."""
         try:
-            if self.G > 1:
-                self._adopt_forward_before_counts(reading, counts, plan)
-            else:
-                for slot, count in dispatch_waits(counts, self.rank, self.G, self._per_chunk(reading.layout.stride),
-                                                  self.L):
-                    self._expected[slot] += count
-                self._last_dispatch_extents = self._dispatch_shape(counts, plan, reading.layout,
-                                                                   upload=False).extents
+            self._adopt_before_counts(reading, counts, plan)
             self.reads_before_counts += 1
             self._lap("dispatch.unpack")
             host_work()
@@ -2390,10 +2382,11 @@ class NativeInternodeBackend:
         if reading is not None and reading.expert_rows:
             expert_rows = sum(_align(int(c), args.expert_alignment)
                               for c in recv_expert_counts(counts, self.rank, reading.experts_per_rank))
-        declined = reading is not None and not self._reader_read(reading, counts, combined_send_base, expert_rows)
+        words = self._before_counts_words(reading, counts, combined_send_base) if reading is not None else None
+        declined = reading is not None and not self._reader_read(reading, words, expert_rows)
         forwarded = None  # several GPUs per node: a forward before the count read that went, its unpack did not
         if declined:
-            if self.G > 1 and self._before_counts_words(reading, counts, combined_send_base)[READ_GO]:
+            if self.G > 1 and words[READ_GO]:
                 forwarded = reading
             reading = None  # the reader did nothing: the host plans and reads after notify, as below
             self.reads_before_counts_declined += 1

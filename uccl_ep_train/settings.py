@@ -233,7 +233,8 @@ class KernelSettings:
         "UCCL_EP_UNPACK_BESIDE_FORWARD", "internode, several GPUs per node, rank-major receives: each forwarder "
         "marks every final row it writes ready, and each GPU unpacks its rows on a second stream as they are marked, "
         "during the hop, instead of after a node barrier behind every forwarder's whole forward (docs/internode.md, "
-        "The unpack beside the forward; not yet run on GPUs); 0: the barrier, then the unpack", _bool))
+        "The unpack beside the forward; off: each call alone was slower on 4x H200); 0: the barrier, then the unpack",
+        _bool))
     unpack_beside_forward_blocks: int = field(default=256, metadata=_meta(
         "UCCL_EP_UNPACK_BESIDE_FORWARD_BLOCKS", "with UCCL_EP_UNPACK_BESIDE_FORWARD: most blocks of the unpack, and "
         "of the forward beside it, so that both always find room on the GPU (the unpack's rows wait for the forward)",

@@ -893,11 +893,12 @@ def test_the_pipelined_gather_sums_each_record_once_its_tiles_are_flagged_and_na
             own_range)
 
 
-def _nvlink_flag_counts(rank, world, G, cases):
+def _cases_counting(rank, world, G, cases, counters):
+    """compare_cases on the GPUs, then (pairs compared, *the backend's counters named in ``counters``)."""
     nat, ref, dev = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, dev, rank, world, cases, 1)
-        return done, nat.pipelined_gathers, nat.forward_node_barriers
+        return (done,) + tuple(getattr(nat, c) for c in counters)
     finally:
         nat.destroy()
 
@@ -911,18 +912,10 @@ def test_on_gpus_combines_gather_in_flagged_tiles_and_forwards_end_with_node_fla
     on = "1" if flags == "both" else "0"
     env = {"UCCL_EP_PIPELINED_COMBINE_GATHER": on, "UCCL_EP_FORWARD_NODE_BARRIER": on,
            "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
-    out = run_distributed(_nvlink_flag_counts, 4, 2, ALL, timeout=420, env=env)
+    out = run_distributed(_cases_counting, 4, 2, ALL, ("pipelined_gathers", "forward_node_barriers"), timeout=420,
+                          env=env)
     assert all(done == len(ALL) for done, _, _ in out), out
     assert all((n > 0) == (on == "1") and (m > 0) == (on == "1") for _, n, m in out), out
-
-
-def _unpack_beside_counts(rank, world, G, cases):
-    nat, ref, dev = _backends(rank, world, G)
-    try:
-        done = compare_cases(nat, ref, dev, rank, world, cases, 1)
-        return done, nat.unpacks_beside_forward, nat.reads_before_counts
-    finally:
-        nat.destroy()
 
 
 def test_on_gpus_the_unpack_beside_the_forward_reads_rows_as_their_forwarders_mark_them_and_outputs_match():
@@ -932,7 +925,8 @@ def test_on_gpus_the_unpack_beside_the_forward_reads_rows_as_their_forwarders_ma
     read so."""
     _need(4)
     env = {"UCCL_EP_UNPACK_BESIDE_FORWARD": "1", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
-    out = run_distributed(_unpack_beside_counts, 4, 2, ALL, timeout=420, env=env)
+    out = run_distributed(_cases_counting, 4, 2, ALL, ("unpacks_beside_forward", "reads_before_counts"), timeout=420,
+                          env=env)
     assert all(done == len(ALL) for done, _, _ in out), out
     assert all(n > 0 for _, n, _ in out) and sum(read for _, _, read in out) > 0, out
 
@@ -1106,16 +1100,6 @@ def test_on_gpus_an_area_too_small_for_records_pushed_during_notify_raises_on_ev
         assert pushed == 1 and done == 1, (rank, pushed, done)
 
 
-def _reads_before_counts(rank, world, G, cases):
-    nat, ref, dev = _backends(rank, world, G)
-    try:
-        done = compare_cases(nat, ref, dev, rank, world, cases, 1)
-        return (done, nat.packs_and_pushes_during_notify, nat.reads_before_counts, nat.reads_before_counts_declined,
-                nat.forwards_before_counts)
-    finally:
-        nat.destroy()
-
-
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_on_gpus_a_dispatch_reads_before_the_host_reads_the_counts_or_hands_back_and_every_output_matches(world, G):
     """The GPU twin of the CPU test (2 x 1, and 2 x 2 with the forward before the count read): after the first case
@@ -1126,7 +1110,9 @@ def test_on_gpus_a_dispatch_reads_before_the_host_reads_the_counts_or_hands_back
     "empty" case). Every output equals the reference."""
     _need(world)
     cases = ALL[:4] + [ALL[7]]
-    out = run_distributed(_reads_before_counts, world, G, cases, timeout=300,
+    out = run_distributed(_cases_counting, world, G, cases, ("packs_and_pushes_during_notify", "reads_before_counts",
+                                                              "reads_before_counts_declined", "forwards_before_counts"),
+                          timeout=300,
                           env={"UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"})
     for done, fused, read, declined, forwarded in out:
         assert done == len(cases) and fused == len(cases) - 1 == read + declined, (done, fused, read, declined)
