@@ -1989,9 +1989,8 @@ class NativeInternodeBackend:
         ``dense``: the columns, contiguous, from which our own node's rows are read (never packed); ``tables``: the
         send plan the count row's launch writes."""
         spare, self._spare_read_outputs = self._spare_read_outputs, None  # taken here or dropped
-        # (several GPUs per node: rank-major receives only, "The forward before the count read")
         if not (self.read_before_counts and pushed_in_one_launch and self.gated_arrivals
-                and (em_in_reader or not args.expert_major) and (self.G == 1 or not args.expert_major)):
+                and (em_in_reader or not args.expert_major)):
             return None
         payload = [args.x] + ([args.x_scales] if args.x_scales is not None else [])
         K = args.topk_idx.size(1) if args.topk_idx is not None else 0
@@ -2005,26 +2004,31 @@ class NativeInternodeBackend:
             expert_rows = args.num_worst_tokens or (math.ceil(seen * (1 + self.read_slack)) if seen else 0)
             if spec is None or not spec[0] or not expert_rows:  # (nothing received last time: no guess)
                 return None
-            return ReadingBeforeCounts(spec, bool(args.num_worst_tokens), layout,
-                                       args.num_tokens_per_expert.numel() // self.R, _column_args(dense, layout),
-                                       tables.hop1_token.data_ptr(), expert_rows=expert_rows,
-                                       alignment=args.expert_alignment)
+            return self._with_forward_dest(ReadingBeforeCounts(
+                spec, bool(args.num_worst_tokens), layout, args.num_tokens_per_expert.numel() // self.R,
+                _column_args(dense, layout), tables.hop1_token.data_ptr(), expert_rows=expert_rows,
+                alignment=args.expert_alignment, own_dest_rows=tables.dest_rows.data_ptr(), tokens=T))
         # what the combine of this dispatch's handle makes the next dispatch's outputs for (_spare_read_outputs)
         self._next_read = (T, args.num_worst_tokens, area_rows,
                            tuple((c.dtype, tuple(c.shape[1:])) for c in payload), K)
         spec = self._read_spec(*self._next_read)
         if spec is None:
             return None
-        reading = ReadingBeforeCounts(spec, bool(args.num_worst_tokens), layout,
-                                      args.num_tokens_per_expert.numel() // self.R, _column_args(dense, layout),
-                                      tables.hop1_token.data_ptr(), own_dest_rows=tables.dest_rows.data_ptr(),
-                                      tokens=T)
-        if self.G > 1:  # (made now: once notify's wait is queued, an allocation that reaches cudaMalloc may wait on it)
-            reading.fwd_dest = torch.empty((self.half_rdma // layout.stride, self.G), dtype=torch.int64,
-                                           device=self.device)
+        reading = self._with_forward_dest(ReadingBeforeCounts(
+            spec, bool(args.num_worst_tokens), layout, args.num_tokens_per_expert.numel() // self.R,
+            _column_args(dense, layout), tables.hop1_token.data_ptr(), own_dest_rows=tables.dest_rows.data_ptr(),
+            tokens=T))
         if spare is not None and spare[0] == spec:  # made during the last combine's hop
             self.spare_read_outputs_taken += 1
             reading.outs, reading.topk_idx, reading.weights, reading.src_idx, reading.arrival = spare[1]
+        return reading
+
+    def _with_forward_dest(self, reading: ReadingBeforeCounts) -> ReadingBeforeCounts:
+        """With several GPUs per node, the forward's output for as many arrivals as the receive half holds, made now:
+        once notify's wait is queued, an allocation that reaches cudaMalloc may wait on it."""
+        if self.G > 1:
+            reading.fwd_dest = torch.empty((self.half_rdma // reading.layout.stride, self.G), dtype=torch.int64,
+                                           device=self.device)
         return reading
 
     def _read_spec(self, T: int, worst: int, area_rows: int, payload: tuple, K: int) -> Optional[tuple]:
@@ -2101,7 +2105,7 @@ class NativeInternodeBackend:
         layout, G = reading.layout, self.G
         stride, dims = layout.stride, self._fwd_dims.data_ptr()
         recv = self._cx.rdma_ptr + self.half_rdma
-        beside = self.unpack_beside_forward and self._ready_rows > 0
+        beside = self.unpack_beside_forward and self._ready_rows > 0 and not reading.expert_rows
         self._k.forward_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, G, self.rank, self.L,
                                         self._expected[:self.N * self.L], stride, layout.final_bytes, send_top,
                                         self.half_rdma, self.half_nvl, reading.rows,
@@ -2141,7 +2145,11 @@ class NativeInternodeBackend:
                             stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation, go=dims)
         self._cx.wait_node_flags(self._cx.nvl_ptr + self._forward_flag_base, G, 1, reading.epoch,
                                  self._phases["dispatch_forward"], self._stream(), go=dims)
-        if not beside:
+        if reading.expert_rows:  # the expert-major receive of our final rows, from the unpack's words
+            final = _raw_bytes(self._cx.nvl_ptr, reading.rows * layout.final_bytes, self.device).view(
+                reading.rows, layout.final_bytes)
+            self._expert_major_receive_before_counts(reading, rows_at, dims + 8 * READ_DIMS, final, None, None)
+        elif not beside:
             unpack()
         self._lap("dispatch.reader_before_counts")
 
@@ -2197,30 +2205,42 @@ class NativeInternodeBackend:
         rows for ``reading.expert_rows``), the gate and words from the count rows (gate_from_count_rows), then from
         the same rows the reader's places and the plan's sizes (expert_major_places, which says no when the
         expert-major rows pass the outputs), the padding, and the gated reader taking its rows, first row and our
-        own rows' place from the words (expert_major_receive with dims). Queues no upload."""
+        own rows' place from the words (expert_major_receive with dims). With several GPUs per node the forward
+        before the count read goes first, and the receive reads the final rows after its barrier. Queues no upload."""
         rows, stride, L = reading.rows, reading.layout.stride, reading.experts_per_rank
         (_, payload, K) = reading.spec
         like = [torch.empty((0,) + shape, dtype=dtype, device=self.device) for dtype, shape in payload]
-        em = reading.em = self._expert_major_outputs(rows, K, L, reading.expert_rows, like, on_device=True)
+        reading.em = self._expert_major_outputs(rows, K, L, reading.expert_rows, like, on_device=True)
         reading.src_idx = torch.empty(rows, dtype=torch.int64, device=self.device)
         reading.arrival = torch.empty(rows, dtype=torch.int64, device=self.device)
         self._lap("dispatch.outputs_before_counts")
         reading.t0 = self._hop_started()
+        if self.G > 1:
+            self._launch_forward_before_counts(reading, rows_at, send_top)
+            return
         dims = self._read_dims.data_ptr()
         self._k.gate_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, self.rank, self.L,
                                      self._expected[:self.N * self.L], stride, send_top, self.half_rdma, rows,
                                      self._read_gate.data_ptr(), dims, self._stream())
+        gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
+                                     self._phases["dispatch_network"])
+        final = _raw_bytes(self._cx.rdma_ptr + self.half_rdma, rows * stride, self.device).view(rows, stride)
+        self._expert_major_receive_before_counts(reading, rows_at, dims, final, gate,
+                                                 own=(0, 0, 0, reading.own_tokens, reading.own_columns))
+        self._lap("dispatch.reader_before_counts")
+
+    def _expert_major_receive_before_counts(self, reading: ReadingBeforeCounts, rows_at: CountRows, dims: int,
+                                            final: torch.Tensor, gate: Any, own: Optional[tuple]) -> None:
+        """From the count rows the reader's places and the plan's sizes (expert_major_places, which clears the go word
+        at ``dims`` when the expert-major rows pass the outputs), the padding, then the receive of ``final`` taking
+        its rows from the words (expert_major_receive with dims)."""
+        em, L, K = reading.em, reading.experts_per_rank, reading.spec[2]
         self._k.expert_major_places(rows_at.ptr, rows_at.row_words, self.R, self.N, self.rank, L, reading.alignment,
                                     em.places.data_ptr(), em.info.data_ptr(), self._stream(), dims=dims,
                                     capacity_rows=em.rows)
         self._expert_major_pad(em.info, reading.alignment, em.rows, em.out, em, go=dims)
-        gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
-                                     self._phases["dispatch_network"])
-        final = _raw_bytes(self._cx.rdma_ptr + self.half_rdma, rows * stride, self.device).view(rows, stride)
         self._expert_major_receive(final, reading.layout, em.out, em.rows, K, em.slot_of, em, L, reading.src_idx,
-                                   reading.arrival, gate=gate, dims=dims,
-                                   own=(0, 0, 0, reading.own_tokens, reading.own_columns), counted=False)
-        self._lap("dispatch.reader_before_counts")
+                                   reading.arrival, gate=gate, dims=dims, own=own, counted=False)
 
     def _reader_read(self, reading: ReadingBeforeCounts, words: List[int], expert_rows: Optional[int] = None) -> bool:
         """After notify: whether the reader launched before the count read reads, by its own rule on the same counts
@@ -2315,10 +2335,9 @@ class NativeInternodeBackend:
         if not (args.expert_major and args.topk_idx is not None and E <= NOTIFY_MAX_EXPERTS):
             return False, False
         choice = self.expert_major_in_reader
-        early_at_all = self._reads_before_counts_at_all and self.G == 1  # (not yet with several GPUs per node)
-        if not (choice["uncached"] or (early_at_all and choice["uncached early"])):
+        if not (choice["uncached"] or (self._reads_before_counts_at_all and choice["uncached early"])):
             return False, False
-        may_read_early = (early_at_all and combined_send_base is not None
+        may_read_early = (self._reads_before_counts_at_all and combined_send_base is not None
                           and bool(args.num_worst_tokens or self._expert_rows_seen.get(T)))
         return True, choice["uncached early" if may_read_early else "uncached"]
 
@@ -2418,7 +2437,8 @@ class NativeInternodeBackend:
         if reading is not None and reading.expert_rows:  # the reader writes the expert-major rows (and their plan)
             nrecv = num_recv_rows(counts, self.rank)
             rows = nrecv
-            layout, fwd_dest, pending, final, outs = reading.layout, None, None, None, []
+            layout, pending, final, outs = reading.layout, None, None, []
+            fwd_dest = self._forward_dest_before_counts(reading, counts)
             recv_topk_idx = recv_w = None
             src_idx, arrival = reading.src_idx[:nrecv], reading.arrival[:nrecv]
             em, cut = reading.em, worst or expert_rows  # (padded to num_worst_tokens, else cut at the rows filled)

@@ -253,8 +253,9 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
       bad("the records need the ids (8-byte aligned), the pair ranks and, with em_weights, the weights");
   }
   if (own.tokens && a.arrival_offset >= 0) bad("own rows from the columns only with one GPU per node (arrival = row)");
-  if (a.dims && (!own.tokens || first_row || a.slots_given))
-    bad("read before the counts needs our own rows' tokens, no first_row (it comes from the device) and no slots");
+  if (a.dims && (first_row || a.slots_given || bool(own.tokens) == (a.arrival_offset >= 0)))
+    bad("read before the counts takes no first_row (it comes from the device) and no slots, and our own rows' tokens "
+        "with one GPU per node (arrival = row), none with several (the final rows, after the forward)");
   if (!a.dims && own.first_row + own.count > a.num_rows && own.count > 0) bad("our own rows end past the rows");
   const int64_t k = a.topk, ids = a.slots_given ? 0 : 8 * k, ranks = a.slots_given ? 0 : 4 * k;
   const OwnRowsArgs own_args = own_rows_args(

@@ -686,8 +686,9 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
         if ids_offset < 0 or ids_offset % 8 or ranks_offset < 0 or ranks_offset % 4 or \
                 (em_weights and (weights_offset < 0 or weights_offset % 4)):
             bad("the records need the ids (8-byte aligned), the pair ranks and, with em_weights, the weights")
-    if dims and (not own or first_row or slots_given):
-        bad("read before the counts needs our own rows' tokens, no first_row (it comes from the device) and no slots")
+    if dims and (first_row or slots_given or bool(own) == (arrival_offset >= 0)):
+        bad("read before the counts takes no first_row (it comes from the device) and no slots, and our own rows' "
+            "tokens with one GPU per node (arrival = row), none with several (the final rows, after the forward)")
     n, P, K = num_rows, expert_rows, topk
     if n <= 0:
         return  # (a rank that receives nothing has empty, null, outputs)

@@ -1131,16 +1131,19 @@ def _expert_major_reads_before_counts(rank, world, G, cases):
         nat.destroy()
 
 
-def test_on_gpus_an_expert_major_dispatch_whose_reader_writes_the_rows_reads_before_the_count_read_and_matches():
-    """The GPU twin of the CPU test (2 x 1, UCCL_EP_EXPERT_MAJOR_IN_READER=always): an uncached expert-major dispatch
-    pushed during notify launches its reader behind notify's wait -- gate, rows and our own rows' place from the count
-    rows, places and plan sizes from the same rows (expert_major_places), padding and reader told by the device
-    words whether to run -- into expert-major rows sized before the counts, or hands back (the skewed case). Every
-    output, the rank-major dispatches' between them included, equals the reference bit for bit."""
-    _need(2)
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_on_gpus_an_expert_major_dispatch_whose_reader_writes_the_rows_reads_before_the_count_read_and_matches(world,
+                                                                                                             G):
+    """The GPU twin of the CPU test (2 x 1 and 2 x 2, UCCL_EP_EXPERT_MAJOR_IN_READER=always): an uncached expert-major
+    dispatch pushed during notify launches its reader behind notify's wait -- gate, rows and our own rows' place from
+    the count rows (with several GPUs per node after the forward before the count read, reading the final rows),
+    places and plan sizes from the same rows (expert_major_places), padding and reader told by the device words
+    whether to run -- into expert-major rows sized before the counts, or hands back (the skewed case). Every output,
+    the rank-major dispatches' between them included, equals the reference bit for bit."""
+    _need(world)
     cases = [ALL[0], ALL[6], ALL[6], ALL[9], ("dropped", False, True, 0, 10), ALL[8], ALL[1],
              ("skewed", False, True, 0, 11), ALL[6]]
-    out = run_distributed(_expert_major_reads_before_counts, 2, 1, cases, timeout=300,
+    out = run_distributed(_expert_major_reads_before_counts, world, G, cases, timeout=300,
                           env={"UCCL_EP_EXPERT_MAJOR_IN_READER": "always", "UCCL_EP_CPU_TIMEOUT_SECS": "60",
                                "UCCL_EP_GPU_TIMEOUT_SECS": "60"})
     for done, fused, read, declined, em_read in out:
