@@ -598,7 +598,8 @@ class NativeInternodeBackend:
         self.unpack_beside_forward_blocks = int(s.kernel.unpack_beside_forward_blocks)
         self._unpack_beside: Optional[int] = None  # the forward's epoch, while its rows are to be unpacked beside it
         self._beside_keep: Optional[torch.Tensor] = None  # the forward's output, held until that unpack's end
-        self.unpacks_beside_forward = 0  # (tests, benchmarks)
+        self.unpacks_beside_forward = 0  # (tests, benchmarks) reads launched beside: unpacks, expert-major receives
+        self.expert_major_receives_beside_forward = 0  # ... those of expert-major receives
         self._forward_epoch = 0  # dispatch forwards ended with it so far: their flags' value
         # our flag row in each local GPU's NVL region (column 0 of the forward's block)
         self._forward_flag_targets = torch.tensor(
@@ -1547,8 +1548,13 @@ class NativeInternodeBackend:
                        _column_args(rows, layout))
                 pending = pending._replace(own=own, own_columns=rows)
             return arrivals[:, :layout.final_bytes], layout, None, A, pending._replace(first_row=own_row)
-        beside = (G > 1 and unpacked_next and self.unpack_beside_forward
-                  and max(counts.totals(G).final_rows[self.node * G:(self.node + 1) * G]) <= self._ready_rows)
+        # The forward marks its rows ready wherever a read of the node may go beside it: our unpack next, or -- an
+        # expert-major receive forwarded after the count read -- a local GPU's receive launched before it, whose
+        # words said go by the same rule on the same counts (a node whose forwarders split)
+        marks = (G > 1 and self.unpack_beside_forward
+                 and max(counts.totals(G).final_rows[self.node * G:(self.node + 1) * G]) <= self._ready_rows)
+        beside = marks and unpacked_next
+        marked = 0  # the epoch of the rows' ready words when they are marked but unpacked after the barrier
         if G > 1 and self.gated_arrivals:
             # docs/internode.md, "Gated forward": the forwarder reads each arrival as its chunk lands and forwards it
             # over NVLink during the hop, starting with our own node's block, which is in before the hop starts
@@ -1564,8 +1570,10 @@ class NativeInternodeBackend:
                 self._forward_epoch = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
                 self._unpack_beside = self._forward_epoch
                 self._cx.stream_wait(self._cx.side_stream, self._stream())
+            elif marks:
+                marked = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
             fwd_dest = self._forward_arrivals(counts, shape, layout, A, recv_base, own_row, pending.gate,
-                                              ready_epoch=self._unpack_beside if beside else 0)
+                                              ready_epoch=self._unpack_beside if beside else marked)
             if beside:
                 # the forward writes fwd_dest on our stream after the second stream's wait, so its memory must not go
                 # back to the allocator (a cached dispatch drops it) while the unpack's outputs, allocated next and
@@ -1587,7 +1595,7 @@ class NativeInternodeBackend:
                 return arrivals[:, :layout.final_bytes], layout, None, A, None
             fwd_dest = self._forward_arrivals(counts, shape, layout, A, recv_base, 0, None)
         if not beside:
-            self._forwarded()  # every forwarder's rows are in our NVL area
+            self._forwarded(marked or None)  # every forwarder's rows are in our NVL area
         self._lap("dispatch.forward")
         nrecv = num_recv_rows(counts, self.rank)
         final = self._nvl[:nrecv * layout.final_bytes].view(nrecv, layout.final_bytes)
@@ -1961,18 +1969,30 @@ class NativeInternodeBackend:
         (default: ours), the grid held to UCCL_EP_UNPACK_BESIDE_FORWARD_BLOCKS."""
         K = ids.size(1) if ids is not None else 0
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
-        if ready is not None:
-            before = dict(before, ready_words=ready[0], ready_epoch=ready[1], ready_timeout_secs=self.gpu_timeout,
-                          ready_blocks=self.unpack_beside_forward_blocks, err=self._cx.error_word_ptr,
-                          stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation,
-                          rank=self.rank, phase=self._phases["dispatch_forward"])
         self._k.unpack_records(
             src, src_stride, n, out_rows,
             [(o.data_ptr(), layout.column_bytes[i], layout.column_offsets[i]) for i, o in enumerate(outs)],
             ptr(ids), ptr(weights), layout.column_offsets[ids_column] if K else 0,
             layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
             layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
-            self._stream() if stream is None else stream, gate=gate, first_row=first_row, **before)
+            self._stream() if stream is None else stream, gate=gate, first_row=first_row, **before,
+            **self._ready_args(ready))
+
+    def _ready_args(self, ready: Optional[Tuple[int, int]]) -> dict:
+        """A reader's arguments for ``ready`` (our ready words, the forward's epoch; "The unpack beside the forward"):
+        its deadline, where it reports, and its grid held to UCCL_EP_UNPACK_BESIDE_FORWARD_BLOCKS; none for None."""
+        if ready is None:
+            return {}
+        # where ranks share a GPU every spinning grid is held to their share (spin_blocks), and a reader that waits
+        # for words is one: four such readers of 256 blocks left a 2 x 2 run on one H200 no room for the forwards
+        # that release them (session 46)
+        blocks = self.unpack_beside_forward_blocks
+        if self._cx.spin_blocks:
+            blocks = min(blocks, self._cx.spin_blocks)
+        return dict(ready_words=ready[0], ready_epoch=ready[1], ready_timeout_secs=self.gpu_timeout,
+                    ready_blocks=blocks, err=self._cx.error_word_ptr,
+                    stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation, rank=self.rank,
+                    phase=self._phases["dispatch_forward"])
 
     # ------------------------------------------------------- reading before the count read
     def _reading_before_counts(self, args: DispatchArgs, T: int, layout: RecordLayout, pushed_in_one_launch: bool,
@@ -2099,13 +2119,14 @@ class NativeInternodeBackend:
         the gate, the forward's tables and the words; our own node's records packed into their block among our
         arrivals (pack_records from the words); the gated forward (forward_arrivals from the words) and the node
         barrier, its flag raised and its wait made only when the forward went (else the host's forward after the
-        count read raises it); then the unpack of our final rows (unpack_records from the unpack's words). With
-        UCCL_EP_UNPACK_BESIDE_FORWARD the unpack runs on the second stream beside the forward, each row read once its
+        count read raises it); then the read of our final rows from the unpack's words (unpack_records, or for an
+        expert-major receive expert_major_places, the padding and expert_major_receive). With
+        UCCL_EP_UNPACK_BESIDE_FORWARD that read runs on the second stream beside the forward, each row read once its
         ready word is released ("The unpack beside the forward"), and the barrier follows it. Queues no upload."""
         layout, G = reading.layout, self.G
         stride, dims = layout.stride, self._fwd_dims.data_ptr()
         recv = self._cx.rdma_ptr + self.half_rdma
-        beside = self.unpack_beside_forward and self._ready_rows > 0 and not reading.expert_rows
+        beside = self.unpack_beside_forward and self._ready_rows > 0
         self._k.forward_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, G, self.rank, self.L,
                                         self._expected[:self.N * self.L], stride, layout.final_bytes, send_top,
                                         self.half_rdma, self.half_nvl, reading.rows,
@@ -2118,7 +2139,7 @@ class NativeInternodeBackend:
         # the epoch the host's forward would take (the ready words and the barrier carry it); kept only when the
         # forward went (_adopt_before_counts)
         reading.epoch = self._next_epoch(self._forward_epoch, "UCCL_EP_FORWARD_NODE_BARRIER")
-        if beside:  # the unpack goes on the second stream, after the words and everything else before the forward
+        if beside:  # the read goes on the second stream, after the words and everything else before the forward
             self._cx.stream_wait(self._cx.side_stream, self._stream())
         with self._spin_blocks_held(self.unpack_beside_forward_blocks if beside else 0):
             gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
@@ -2137,20 +2158,23 @@ class NativeInternodeBackend:
             self._cx.nvl_ptr, layout.final_bytes, reading.rows, reading.rows, layout, reading.outs, reading.topk_idx,
             reading.weights, len(reading.outs), self.rank * experts, experts, reading.src_idx, reading.arrival,
             dims=dims + 8 * READ_DIMS, pad=reading.pad, **where)
+        # an expert-major receive of our final rows, from the unpack's words
+        final = lambda: _raw_bytes(  # noqa: E731
+            self._cx.nvl_ptr, reading.rows * layout.final_bytes, self.device).view(reading.rows, layout.final_bytes)
+        receive = lambda **where: self._expert_major_receive_before_counts(  # noqa: E731
+            reading, rows_at, dims + 8 * READ_DIMS, final(), None, None, **where)
+        read = receive if reading.expert_rows else unpack
         if beside:
-            unpack(stream=self._cx.side_stream, ready=(self._cx.nvl_ptr + self._ready_base, reading.epoch))
+            read(stream=self._cx.side_stream, ready=(self._cx.nvl_ptr + self._ready_base, reading.epoch))
             self._cx.stream_wait(self._stream(), self._cx.side_stream)
             self.unpacks_beside_forward += 1
+            self.expert_major_receives_beside_forward += bool(reading.expert_rows)
         self._k.raise_flags(self._forward_flag_targets.data_ptr(), G, reading.epoch, self._stream(),
                             stop_flag=self._cx.stop_flag_ptr, stop_generation=self._cx.stop_generation, go=dims)
         self._cx.wait_node_flags(self._cx.nvl_ptr + self._forward_flag_base, G, 1, reading.epoch,
                                  self._phases["dispatch_forward"], self._stream(), go=dims)
-        if reading.expert_rows:  # the expert-major receive of our final rows, from the unpack's words
-            final = _raw_bytes(self._cx.nvl_ptr, reading.rows * layout.final_bytes, self.device).view(
-                reading.rows, layout.final_bytes)
-            self._expert_major_receive_before_counts(reading, rows_at, dims + 8 * READ_DIMS, final, None, None)
-        elif not beside:
-            unpack()
+        if not beside:
+            read()
         self._lap("dispatch.reader_before_counts")
 
     def _before_counts_words(self, reading: ReadingBeforeCounts, counts: Counts, send_top: int) -> List[int]:
@@ -2230,17 +2254,20 @@ class NativeInternodeBackend:
         self._lap("dispatch.reader_before_counts")
 
     def _expert_major_receive_before_counts(self, reading: ReadingBeforeCounts, rows_at: CountRows, dims: int,
-                                            final: torch.Tensor, gate: Any, own: Optional[tuple]) -> None:
+                                            final: torch.Tensor, gate: Any, own: Optional[tuple],
+                                            stream: Optional[int] = None,
+                                            ready: Optional[Tuple[int, int]] = None) -> None:
         """From the count rows the reader's places and the plan's sizes (expert_major_places, which clears the go word
         at ``dims`` when the expert-major rows pass the outputs), the padding, then the receive of ``final`` taking
-        its rows from the words (expert_major_receive with dims)."""
+        its rows from the words (expert_major_receive with dims); ``stream`` and ``ready`` as _unpack_launch's."""
         em, L, K = reading.em, reading.experts_per_rank, reading.spec[2]
+        on = self._stream() if stream is None else stream
         self._k.expert_major_places(rows_at.ptr, rows_at.row_words, self.R, self.N, self.rank, L, reading.alignment,
-                                    em.places.data_ptr(), em.info.data_ptr(), self._stream(), dims=dims,
-                                    capacity_rows=em.rows)
-        self._expert_major_pad(em.info, reading.alignment, em.rows, em.out, em, go=dims)
+                                    em.places.data_ptr(), em.info.data_ptr(), on, dims=dims, capacity_rows=em.rows)
+        self._expert_major_pad(em.info, reading.alignment, em.rows, em.out, em, go=dims, stream=on)
         self._expert_major_receive(final, reading.layout, em.out, em.rows, K, em.slot_of, em, L, reading.src_idx,
-                                   reading.arrival, gate=gate, dims=dims, own=own, counted=False)
+                                   reading.arrival, gate=gate, dims=dims, own=own, counted=False, stream=on,
+                                   ready=ready)
 
     def _reader_read(self, reading: ReadingBeforeCounts, words: List[int], expert_rows: Optional[int] = None) -> bool:
         """After notify: whether the reader launched before the count read reads, by its own rule on the same counts
@@ -2730,16 +2757,17 @@ class NativeInternodeBackend:
         return ranks
 
     def _expert_major_pad(self, info: torch.Tensor, alignment: int, rows: int, out: List[torch.Tensor],
-                          em: Optional[ExpertMajorRows] = None, go: int = 0) -> None:
+                          em: Optional[ExpertMajorRows] = None, go: int = 0, stream: Optional[int] = None) -> None:
         """The expert-major rows no pair fills (segment padding, the tail up to ``rows``) zeroed in ``out``, and
         with ``em`` marked empty in its plan; one launch, before the reader, which writes only the other rows.
-        ``go``: the device words of a reader launched before the count read (nothing done when they say no)."""
+        ``go``: the device words of a reader launched before the count read (nothing done when they say no);
+        ``stream``: the reader's (default: ours)."""
         ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
         self._k.expert_major_pad(info.data_ptr(), info.numel() - 2, alignment, rows, _row_bytes(out[0]),
                                  out[1][0].numel() if len(out) > 1 else 0, out[0].data_ptr(),
                                  ptr(out[1]) if len(out) > 1 else 0, ptr(em and em.token), ptr(em and em.slot),
                                  ptr(em and em.expert), ptr(em and em.weights), self._expert_major_grid("copy"),
-                                 self._stream(), go=go)
+                                 self._stream() if stream is None else stream, go=go)
 
     def _expert_major_read(self, final: torch.Tensor, layout: RecordLayout, out: List[torch.Tensor], rows: int,
                            topk: int, slot_of: torch.Tensor, em: Optional[ExpertMajorRows] = None,
@@ -2760,10 +2788,12 @@ class NativeInternodeBackend:
                               topk: int, slot_of: torch.Tensor, em: Optional[ExpertMajorRows], experts_per_rank: int,
                               src_idx: Optional[torch.Tensor], arrival: Optional[torch.Tensor], gate: Any = None,
                               first_row: int = 0, own: Optional[tuple] = None, dims: int = 0,
-                              counted: bool = True) -> None:
+                              counted: bool = True, stream: Optional[int] = None,
+                              ready: Optional[Tuple[int, int]] = None) -> None:
         """The expert_major_receive launch of _expert_major_read; ``dims``: read before the counts (the rows, first
         row and our own rows' place from those device words, ``own`` then giving only the tokens and columns), where
-        the caller counts the receive once it knows that the reader reads (``counted`` False)."""
+        the caller counts the receive once it knows that the reader reads (``counted`` False); ``stream`` and
+        ``ready`` (beside the forward) as _unpack_launch's."""
         n = final.size(0)
         if counted:
             self.expert_major_reads["uncached" if em is not None else "cached"] += 1
@@ -2779,8 +2809,8 @@ class NativeInternodeBackend:
             layout.column_offsets[ids + 2] if em else -1, self.rank * experts_per_rank, experts_per_rank, self.R,
             places, places + 8 * (self.R + 1) if em else 0, ptr(em and em.token), ptr(em and em.slot),
             ptr(em and em.expert), ptr(em and em.weights), layout.src_idx_offset, ptr(src_idx),
-            layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream(), gate=gate, first_row=first_row,
-            own=own, dims=dims)
+            layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream() if stream is None else stream,
+            gate=gate, first_row=first_row, own=own, dims=dims, **self._ready_args(ready))
 
     def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor],
                            out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:

@@ -230,8 +230,9 @@ class KernelSettings:
         "combine gather); 0: a block per tile, every tile at once (each flagged near the end of the copy)",
         _int(0, 4096)))
     unpack_beside_forward: bool = field(default=False, metadata=_meta(
-        "UCCL_EP_UNPACK_BESIDE_FORWARD", "internode, several GPUs per node, rank-major receives: each forwarder "
-        "marks every final row it writes ready, and each GPU unpacks its rows on a second stream as they are marked, "
+        "UCCL_EP_UNPACK_BESIDE_FORWARD", "internode, several GPUs per node, rank-major receives and expert-major ones "
+        "read before the count read: each forwarder marks every final row it writes ready, and each GPU reads its rows "
+        "on a second stream as they are marked, "
         "during the hop, instead of after a node barrier behind every forwarder's whole forward (docs/internode.md, "
         "The unpack beside the forward; off: each call alone was slower on 4x H200); 0: the barrier, then the unpack",
         _bool))

@@ -46,6 +46,15 @@ in::OwnRows own_rows(const OwnRowsArg& arg) {
   return own;
 }
 
+// A reader's ready words as Python gives them (unpack_records, expert_major_receive: the read beside the dispatch
+// forward); words 0: none.
+in::RowReady row_ready(uintptr_t words, int epoch, double timeout_secs, int max_grid, uintptr_t err,
+                       uintptr_t stop_flag, int stop_generation, int rank, int phase) {
+  return in::RowReady{reinterpret_cast<const int*>(words), epoch, static_cast<unsigned long long>(timeout_secs * 1e9),
+                      reinterpret_cast<in::ErrorWord*>(err),
+                      in::StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation}, rank, phase, max_grid};
+}
+
 // pack_and_push's expert_sums: (x, row_bytes, f32, slot_of, topk, weights, weights_offset), in::ExpertSums.
 using ExpertSumsArg = std::tuple<uintptr_t, int64_t, bool, uintptr_t, int, uintptr_t, int64_t>;
 // pack_and_push's node_sums: (gather, rows_of, ranks_per_node, payload_bytes, num_weights, f32, flags, tile_rows,
@@ -249,11 +258,8 @@ void bind_internode(py::module_& m) {
          int ready_blocks, uintptr_t err, uintptr_t stop_flag, int stop_generation, int rank, int phase) {
         std::vector<in::PackColumn> cols;
         for (const auto& [dst, bytes, offset] : columns) cols.push_back(in::PackColumn{dst, bytes, offset});
-        in::RowReady ready{reinterpret_cast<const int*>(ready_words), ready_epoch,
-                           static_cast<unsigned long long>(ready_timeout_secs * 1e9),
-                           reinterpret_cast<in::ErrorWord*>(err),
-                           in::StopFlag{reinterpret_cast<int32_t*>(stop_flag), stop_generation}, rank, phase,
-                           ready_blocks};
+        const in::RowReady ready = row_ready(ready_words, ready_epoch, ready_timeout_secs, ready_blocks, err,
+                                             stop_flag, stop_generation, rank, phase);
         in::unpack_records(src, src_stride, num_rows, out_rows, cols,
                            in::UnpackTopk{ids_out, weights_out, ids_offset, weights_offset, num_topk, expert_lo,
                                           experts_per_rank},
@@ -367,7 +373,9 @@ void bind_internode(py::module_& m) {
          int64_t ranks_offset, int64_t expert_lo, int num_local_experts, int num_sources, uintptr_t source_rows,
          uintptr_t places, uintptr_t em_token, uintptr_t em_slot, uintptr_t em_expert, uintptr_t em_weights,
          int64_t src_idx_offset, uintptr_t src_idx_out, int64_t arrival_offset, uintptr_t arrival_out,
-         uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, const OwnRowsArg& own, uintptr_t dims) {
+         uintptr_t stream, const in::ArrivalGate* gate, int64_t first_row, const OwnRowsArg& own, uintptr_t dims,
+         uintptr_t ready_words, int ready_epoch, double ready_timeout_secs, int ready_blocks, uintptr_t err,
+         uintptr_t stop_flag, int stop_generation, int rank, int phase) {
         in::ExpertMajorReceive a;
         a.src = src;
         a.src_stride = src_stride;
@@ -399,7 +407,9 @@ void bind_internode(py::module_& m) {
         a.arrival_offset = arrival_offset;
         a.arrival_out = arrival_out;
         a.dims = dims;
-        in::expert_major_receive(a, stream, gate, first_row, own_rows(own));
+        in::expert_major_receive(a, stream, gate, first_row, own_rows(own),
+                                 row_ready(ready_words, ready_epoch, ready_timeout_secs, ready_blocks, err, stop_flag,
+                                           stop_generation, rank, phase));
       },
       py::arg("src"), py::arg("src_stride"), py::arg("num_rows"), py::arg("x_offset"), py::arg("x_bytes"),
       py::arg("scales_offset"), py::arg("num_scales"), py::arg("out_x"), py::arg("out_scales"),
@@ -408,10 +418,14 @@ void bind_internode(py::module_& m) {
       py::arg("num_sources"), py::arg("source_rows"), py::arg("places"), py::arg("em_token"), py::arg("em_slot"),
       py::arg("em_expert"), py::arg("em_weights"), py::arg("src_idx_offset"), py::arg("src_idx_out"),
       py::arg("arrival_offset"), py::arg("arrival_out"), py::arg("stream"), py::arg("gate") = nullptr,
-      py::arg("first_row") = 0, py::arg("own") = py::none(), py::arg("dims") = 0,
+      py::arg("first_row") = 0, py::arg("own") = py::none(), py::arg("dims") = 0, py::arg("ready_words") = 0,
+      py::arg("ready_epoch") = 0, py::arg("ready_timeout_secs") = 0.0, py::arg("ready_blocks") = 0,
+      py::arg("err") = 0, py::arg("stop_flag") = 0, py::arg("stop_generation") = 0, py::arg("rank") = -1,
+      py::arg("phase") = 0,
       "the final rows straight into expert-major rows, one launch (csrc/kernels/expert_major_receive.hpp): each "
       "row's payload to the rows of its local experts, from the record's ids and pair ranks (and the plan's columns "
-      "and slot_of written) or, slots_given, from slot_of; gate, first_row, own and dims as unpack_records'");
+      "and slot_of written) or, slots_given, from slot_of; gate, first_row, own, dims and the ready words "
+      "(the receive beside the dispatch forward) as unpack_records'");
 
   k.def("expert_major_places", &in::expert_major_places, py::arg("count_rows"), py::arg("row_words"),
         py::arg("num_ranks"), py::arg("num_nodes"), py::arg("rank"), py::arg("num_local_experts"),

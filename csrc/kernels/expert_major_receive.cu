@@ -13,6 +13,7 @@
 
 #include "kernels/arrival_gate.cuh"
 #include "kernels/expert_major.hpp"  // kMaxTopk
+#include "kernels/gpu_wait.cuh"      // wait_flag
 #include "kernels/record_copy.cuh"   // load_word
 
 namespace uccl_ep::internode {
@@ -59,7 +60,7 @@ __device__ __forceinline__ const char* row_field(const ExpertMajorReceive& a, co
 // Row r by one warp, all but its payload: its expert-major rows (from the record's ids and ranks, or the handle's
 // slot_of) into `slots`; returns how many. The row's `writer` warp also writes the plan's columns at each of them
 // when they are made here, slot_of, the scales, src_idx and arrival (the other warps of the row find the same rows).
-template <bool kGated>
+template <bool kL2>
 __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, const RowPlace& at, long long r,
                          int lane, int* scratch, int* slots, bool writer) {
   const char* row = reinterpret_cast<const char*>(a.src) + r * a.src_stride;
@@ -69,10 +70,10 @@ __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, co
     if (a.slots_given) return slot_of[k];
     int p = -1;
     const long long e =
-        load_word<kGated>(reinterpret_cast<const long long*>(row_field(a, own, at, r, a.ids_offset)) + k) -
+        load_word<kL2>(reinterpret_cast<const long long*>(row_field(a, own, at, r, a.ids_offset)) + k) -
         a.expert_lo;
     if (e >= 0 && e < a.num_local_experts) {
-      const int rank = load_word<kGated>(reinterpret_cast<const int*>(row_field(a, own, at, r, a.ranks_offset)) + k);
+      const int rank = load_word<kL2>(reinterpret_cast<const int*>(row_field(a, own, at, r, a.ranks_offset)) + k);
       const long long* place = reinterpret_cast<const long long*>(a.places) + (s * a.num_local_experts + e) * 2;
       // a rank past the source's count (counts that do not match the ids) is dropped, never written out of bounds
       if (rank >= 0 && rank < place[1] && place[0] + rank < a.expert_rows) {
@@ -84,7 +85,7 @@ __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, co
         reinterpret_cast<long long*>(a.em_expert)[q] = e;
         if (a.em_weights)
           reinterpret_cast<float*>(a.em_weights)[q] =
-              load_word<kGated>(reinterpret_cast<const float*>(row_field(a, own, at, r, a.weights_offset)) + k);
+              load_word<kL2>(reinterpret_cast<const float*>(row_field(a, own, at, r, a.weights_offset)) + k);
       }
     }
     if (writer) slot_of[k] = p;
@@ -95,17 +96,17 @@ __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, co
   const float* scales =
       out_scales != nullptr ? reinterpret_cast<const float*>(row_field(a, own, at, r, a.scales_offset)) : nullptr;
   for (int sc = lane; out_scales != nullptr && sc < a.num_scales; sc += kWarpSize) {
-    const float v = load_word<kGated>(scales + sc);
+    const float v = load_word<kL2>(scales + sc);
     for (int j = 0; j < m; ++j) out_scales[static_cast<long long>(slots[j]) * a.num_scales + sc] = v;
   }
   if (lane == 0) {
     if (a.src_idx_out)
       reinterpret_cast<long long*>(a.src_idx_out)[r] =
           at.own(r) ? own.tokens[at.rec + r - at.lo]
-                    : load_word<kGated>(reinterpret_cast<const int*>(row + a.src_idx_offset));
+                    : load_word<kL2>(reinterpret_cast<const int*>(row + a.src_idx_offset));
     if (a.arrival_out)
       reinterpret_cast<long long*>(a.arrival_out)[r] =
-          a.arrival_offset < 0 ? r : load_word<kGated>(reinterpret_cast<const int*>(row + a.arrival_offset));
+          a.arrival_offset < 0 ? r : load_word<kL2>(reinterpret_cast<const int*>(row + a.arrival_offset));
   }
   return m;
 }
@@ -114,12 +115,14 @@ __device__ int place_row(const ExpertMajorReceive& a, const OwnRowsArgs& own, co
 // and each tile waits for the chunks that carry it. Tiles run from first_row to the end, then from 0, as
 // unpack_records'. The warps of a row each find its expert-major rows (no block barrier between finding and copying)
 // and copy a share of its payload to them.
-template <bool kGated>
+template <bool kGated, bool kReady>
 __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(ExpertMajorReceive a, OwnRowsArgs own,
                                                                             ArrivalGate gate, long long first_row,
-                                                                            int warps_per_row) {
+                                                                            int warps_per_row, RowReady ready) {
+  constexpr bool kL2 = kGated || kReady;  // the rows are written by another GPU or engine during the kernel
   __shared__ int s_scratch[kWarps][kMaxTopk];
   __shared__ int s_slots[kWarps][kMaxTopk];
+  __shared__ int s_ready[kWarps];
   __shared__ bool s_ok;
   const long long* dims = reinterpret_cast<const long long*>(a.dims);
   if (dims) {
@@ -161,11 +164,21 @@ __global__ void __launch_bounds__(kReceiveThreads) expert_major_receive_kernel(E
     }
     const long long r = lo + tile_row;
     if (r < end) {
+      if constexpr (kReady) {
+        // lane 0 acquires the row's ready word (the forwarder released it after its stores) and the warp barrier
+        // orders the other lanes' reads after it; the warp leaves as one, since place_row's compaction syncs the
+        // warp. A lane that gives up has reported (the first report wins, and the rank stops).
+        if (lane == 0)
+          s_ready[warp] = wait_flag(ready.words + r, ready.epoch, ready.timeout_ns, ready.err, ready.stop, ready.rank,
+                                    ready.phase, -1, int(r), kErrRowNotReady);
+        warp_sync();
+        if (!s_ready[warp]) return;
+      }
       int* slots = s_slots[warp];
-      const int m = place_row<kGated>(a, own, at, r, lane, s_scratch[warp], slots, part == 0);
+      const int m = place_row<kL2>(a, own, at, r, lane, s_scratch[warp], slots, part == 0);
       const int4* src = reinterpret_cast<const int4*>(row_field(a, own, at, r, a.x_offset)) + begin;
-      warp_copy_v4_to_each<4, kGated>(src, stop - begin, lane, m,
-                                      [&](int j) { return out_x + static_cast<long long>(slots[j]) * units + begin; });
+      warp_copy_v4_to_each<4, kL2>(src, stop - begin, lane, m,
+                                   [&](int j) { return out_x + static_cast<long long>(slots[j]) * units + begin; });
       warp_sync();  // the warp's slots are rewritten by its next row
     }
   }
@@ -238,7 +251,7 @@ void expert_major_places(uintptr_t count_rows, int64_t row_words, int num_ranks,
 }
 
 void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const ArrivalGate* gate, int64_t first_row,
-                          const OwnRows& own) {
+                          const OwnRows& own, const RowReady& ready) {
   const auto bad = [](const std::string& what) { throw std::invalid_argument("expert_major_receive: " + what); };
   if (a.topk < 0 || a.topk > kMaxTopk) bad("top-k must be 0.." + std::to_string(kMaxTopk));
   if (first_row < 0 || first_row > a.num_rows)
@@ -253,6 +266,9 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
       bad("the records need the ids (8-byte aligned), the pair ranks and, with em_weights, the weights");
   }
   if (own.tokens && a.arrival_offset >= 0) bad("own rows from the columns only with one GPU per node (arrival = row)");
+  if (ready.words && (gate || own.tokens || ready.epoch < 1))
+    bad("ready words (the receive beside the dispatch forward) need an epoch >= 1, no gate and no own rows from the "
+        "columns");
   if (a.dims && (first_row || a.slots_given || bool(own.tokens) == (a.arrival_offset >= 0)))
     bad("read before the counts takes no first_row (it comes from the device) and no slots, and our own rows' tokens "
         "with one GPU per node (arrival = row), none with several (the final rows, after the forward)");
@@ -271,14 +287,24 @@ void expert_major_receive(const ExpertMajorReceive& a, uintptr_t stream, const A
   }
   if (!a.src || !a.out_x || (a.topk > 0 && !a.slot_of)) bad("null source, output or slot_of");
   check_gate(gate, "expert_major_receive");
-  const int warps_per_row = gate && gate->max_grid > 0 ? 1 : 4;  // (see kReceiveThreads)
+  // (see kReceiveThreads: a grid held to a few blocks, beside the forward too, gives each row one warp)
+  const bool held = (gate && gate->max_grid > 0) || (ready.words && ready.max_grid > 0);
+  const int warps_per_row = held ? 1 : 4;
   const int64_t tile_rows = kWarps / warps_per_row;
-  const int blocks = gated_grid(int(std::min<int64_t>((a.num_rows + tile_rows - 1) / tile_rows, 1024)), gate);
+  int blocks = gated_grid(int(std::min<int64_t>((a.num_rows + tile_rows - 1) / tile_rows, 1024)), gate);
+  // ready.max_grid counts unpack_records' blocks (kPackThreads): the same threads in our blocks of 1024
+  if (ready.words && ready.max_grid > 0)
+    blocks = std::min(blocks, std::max(1, ready.max_grid * kPackThreads / kReceiveThreads));
   auto launch = [&](auto kernel) {
     kernel<<<blocks + (gate ? 1 : 0), kReceiveThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-        a, own_args, gate ? *gate : ArrivalGate{}, first_row, warps_per_row);
+        a, own_args, gate ? *gate : ArrivalGate{}, first_row, warps_per_row, ready);
   };
-  gate ? launch(expert_major_receive_kernel<true>) : launch(expert_major_receive_kernel<false>);
+  if (gate)
+    launch(expert_major_receive_kernel<true, false>);
+  else if (ready.words)
+    launch(expert_major_receive_kernel<false, true>);
+  else
+    launch(expert_major_receive_kernel<false, false>);
   uccl_ep::check_launch("internode", "expert_major_receive");
 }
 

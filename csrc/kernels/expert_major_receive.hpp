@@ -44,8 +44,10 @@ struct ExpertMajorReceive {
 // rows are read from `first_row` to the end first, then from 0 (unpack_records' order). The padding rows are
 // expert_major::pad's; the reader writes only rows that a pair fills. `own` (one GPU per node): our own node's rows
 // were never packed, and each field of theirs is read from our columns (internode_plan.hpp, OwnRows).
+// `ready` (the receive beside the dispatch forward, several GPUs per node: internode_plan.hpp RowReady): each row is
+// read once its ready word holds the epoch, the grid held to the threads of ready.max_grid unpack_records blocks.
 void expert_major_receive(const ExpertMajorReceive& job, uintptr_t stream, const ArrivalGate* gate = nullptr,
-                          int64_t first_row = 0, const OwnRows& own = {});
+                          int64_t first_row = 0, const OwnRows& own = {}, const RowReady& ready = {});
 
 // The receiver's table of the uncached reader, made on the device from every rank's count row (rank s's at
 // count_rows + 8 * s * row_words: tokens per destination rank, then per destination node, then per expert, the

@@ -511,6 +511,28 @@ def _packed(hop1_token: int, dest_rows: int, G: int, n: int, columns: list, src_
     return out
 
 
+def _rows_ready(ready_words: int, num_rows: int, epoch: int, timeout_secs: float, err: int, stop_flag: int,
+                stop_generation: int, rank: int, phase: int) -> bool:
+    """Whether every one of ``num_rows`` ready words (int32) reached ``epoch`` (a reader beside the dispatch
+    forward); a word still short after ``timeout_secs`` is reported (``row_not_ready``: the row, its word, the epoch)
+    and False returned, as when the rank stopped."""
+    start = time.monotonic()
+    while num_rows:
+        words = _at(ready_words, 4 * num_rows, torch.int32)
+        short = (words < epoch).nonzero()
+        if not len(short):
+            break
+        if _stopped(stop_flag, stop_generation):
+            return False
+        if time.monotonic() - start > timeout_secs:
+            r = int(short[0])
+            _report(err, (stop_flag, stop_generation), ERROR_CODES["row_not_ready"], rank, -1, r, phase, int(words[r]),
+                    epoch)
+            return False
+        time.sleep(1e-4)
+    return True
+
+
 def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, columns: list, ids_out: int,
                    weights_out: int, ids_offset: int, weights_offset: int, num_topk: int, expert_lo: int,
                    experts_per_rank: int, src_idx_offset: int, src_idx_out: int, arrival_offset: int,
@@ -537,21 +559,9 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
         if not words[READ_GO]:
             return
         num_rows = words[READ_ROWS]
-    if ready_words and num_rows:
-        start = time.monotonic()
-        while True:
-            words = _at(ready_words, 4 * num_rows, torch.int32)
-            short = (words < ready_epoch).nonzero()
-            if not len(short):
-                break
-            if _stopped(stop_flag, stop_generation):
-                return
-            if time.monotonic() - start > ready_timeout_secs:
-                r = int(short[0])
-                _report(err, (stop_flag, stop_generation), ERROR_CODES["row_not_ready"], rank, -1, r, phase,
-                        int(words[r]), ready_epoch)
-                return
-            time.sleep(1e-4)
+    if ready_words and not _rows_ready(ready_words, num_rows, ready_epoch, ready_timeout_secs, err, stop_flag,
+                                       stop_generation, rank, phase):
+        return
     if not 0 <= first_row <= num_rows:
         raise ValueError(f"unpack_records: first_row {first_row} outside 0..{num_rows}")
     if dims and (first_row or bool(own) == (arrival_offset >= 0)):
@@ -669,11 +679,13 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
                          em_token: int, em_slot: int, em_expert: int, em_weights: int, src_idx_offset: int,
                          src_idx_out: int, arrival_offset: int, arrival_out: int, stream: int,
                          gate: "ArrivalGate | None" = None, first_row: int = 0, own: "tuple | None" = None,
-                         dims: int = 0) -> None:
+                         dims: int = 0, ready_words: int = 0, ready_epoch: int = 0, ready_timeout_secs: float = 0.0,
+                         ready_blocks: int = 0, err: int = 0, stop_flag: int = 0, stop_generation: int = 0,
+                         rank: int = -1, phase: int = 0) -> None:
     """expert_major_receive_kernel: each final row's payload to the expert-major rows of its local experts, placed
     from the record's ids and pair ranks (the plan's columns and slot_of written), or from slot_of when given;
-    src_idx / arrival, ``own`` and ``dims`` as unpack_records. Waits for every row first when gated (``first_row``
-    only orders reads)."""
+    src_idx / arrival, ``own``, ``dims`` and the ready words as unpack_records. Waits for every row first when gated
+    or given ready words (``first_row`` only orders reads)."""
     def bad(what: str) -> None:
         raise ValueError(f"expert_major_receive: {what}")
     if not 0 <= topk <= fake_expert_major.MAX_TOPK:
@@ -686,6 +698,9 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
         if ids_offset < 0 or ids_offset % 8 or ranks_offset < 0 or ranks_offset % 4 or \
                 (em_weights and (weights_offset < 0 or weights_offset % 4)):
             bad("the records need the ids (8-byte aligned), the pair ranks and, with em_weights, the weights")
+    if ready_words and (gate is not None or own is not None or ready_epoch < 1):
+        bad("ready words (the receive beside the dispatch forward) need an epoch >= 1, no gate and no own rows from "
+            "the columns")
     if dims and (first_row or slots_given or bool(own) == (arrival_offset >= 0)):
         bad("read before the counts takes no first_row (it comes from the device) and no slots, and our own rows' "
             "tokens with one GPU per node (arrival = row), none with several (the final rows, after the forward)")
@@ -711,6 +726,9 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
     if own is not None and own[0] + own[1] > n:
         bad("our own rows end past the rows")
     if gate is not None and not gate.wait_rows(range(n)):
+        return
+    if ready_words and not _rows_ready(ready_words, n, ready_epoch, ready_timeout_secs, err, stop_flag,
+                                       stop_generation, rank, phase):
         return
     rows = _at(src, (n - 1) * src_stride + src_stride).as_strided((n, src_stride), (src_stride, 1))
     fields = [(x_offset, x_bytes), (scales_offset, 4 * num_scales if out_scales else 0)]

@@ -977,9 +977,10 @@ def test_with_the_unpack_beside_the_forward_each_gpu_unpacks_rows_its_forwarders
     node every rank-major dispatch's forwarders mark each final row they write with the forward's epoch, and each GPU
     unpacks its rows once marked, on the second stream, then ends with the node barrier at the same epoch; every
     output matches the reference (each row read only once its word was marked: the stand-in waits for every word).
-    Expert-major receives keep the barrier before their copy. With one GPU per node nothing changes. Dispatches
-    launched before the count read ("The forward before the count read") unpack beside their forward too: with
-    several GPUs per node some read so."""
+    Expert-major copies after the hop keep the barrier before them. With one GPU per node nothing changes.
+    Dispatches launched before the count read ("The forward before the count read") unpack beside their forward too:
+    with several GPUs per node some read so (expert-major receives read so: the reads-before-the-count-read test of
+    expert-major dispatches)."""
     out = run_distributed(_unpacks_beside_forward, world, G, ALL, timeout=240,
                           env=dict(ENV, UCCL_EP_UNPACK_BESIDE_FORWARD="1"))
     assert all(done == len(ALL) for done, *_ in out), out
@@ -1015,6 +1016,36 @@ def test_an_unpack_whose_row_is_never_marked_reports_the_row_and_leaves_it_unwri
     fake.unpack_records(src.data_ptr(), stride, rows, rows, [(out.data_ptr(), 16, 0)], 0, 0, 0, 0, 0, 0, 0, 16, 0,
                         -1, 0, 0, **dict(kw, stop_generation=2))
     assert torch.equal(out, src[:, :16])
+
+
+def test_an_expert_major_receive_whose_row_is_never_marked_reports_the_row_and_leaves_its_rows_unwritten():
+    """expert_major_receive with ready words (the stand-in's; the receive beside the forward): a row whose word never
+    reaches the epoch is reported after the deadline as row_not_ready (row, word, epoch) and its expert-major rows are
+    not written; with every word marked each row reaches the rows slot_of names. The GPU twin is in
+    test_internode_gpu.py."""
+    rows, stride, x_bytes = 4, 48, 32
+    src = torch.randint(0, 255, (rows, stride), dtype=torch.uint8)
+    out = torch.full((2 * rows, x_bytes), 7, dtype=torch.uint8)
+    slot_of = torch.tensor([[5, -1], [0, 3], [6, 1], [-1, -1]], dtype=torch.int32)
+    words = torch.tensor([3, 3, 2, 3], dtype=torch.int32)
+    err = fake.ErrorWord()
+    stop = ctypes.c_int32(0)
+    kw = dict(ready_words=words.data_ptr(), ready_epoch=3, ready_timeout_secs=0.05, err=ctypes.addressof(err),
+              stop_flag=ctypes.addressof(stop), stop_generation=1, rank=5, phase=3)
+
+    def receive(**more):
+        fake.expert_major_receive(src.data_ptr(), stride, rows, 0, x_bytes, 0, 0, out.data_ptr(), 0, 2 * rows, 2, True,
+                                  slot_of.data_ptr(), -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 40, 0, -1, 0, 0,
+                                  **dict(kw, **more))
+    receive()
+    assert (err.code, err.aux, err.observed, err.expected, err.rank) == (fake.ERROR_CODES["row_not_ready"], 2, 2, 3, 5)
+    assert bool((out == 7).all()), "a receive wrote rows before every row it reads was marked"
+    words[2] = 3
+    stop.value = 0
+    receive(stop_generation=2)
+    for r, k in ((0, 0), (1, 0), (1, 1), (2, 0), (2, 1)):
+        assert torch.equal(out[int(slot_of[r, k])], src[r, :x_bytes]), (r, k)
+    assert bool((out[[2, 4, 7]] == 7).all()), "rows no pair names were written"
 
 
 def _setup_with_own_setting(rank, world, G, name, value_of_last_rank):
@@ -1299,12 +1330,14 @@ EM_READ_COUNTERS = ("reads_before_counts", "reads_before_counts_declined", "expe
 
 
 @pytest.mark.parametrize("in_reader", ["always", "never"], ids=["reader", "copy"])
-@pytest.mark.parametrize("world,G", [(2, 1), (4, 1), (4, 2)], ids=["2x1", "4x1", "2x2"])
+@pytest.mark.parametrize("world,G,beside", [(2, 1, "0"), (4, 1, "0"), (4, 2, "0"), (4, 2, "1")],
+                         ids=["2x1", "4x1", "2x2", "2x2-beside"])
 def test_an_expert_major_dispatch_whose_reader_writes_the_rows_reads_before_the_count_read_and_every_output_matches(
-        world, G, in_reader):
+        world, G, beside, in_reader):
     """An uncached expert-major dispatch whose reader writes the expert-major rows (always) launches that reader
     behind notify's wait, as a rank-major one does (with several GPUs per node after the forward before the count
-    read, reading the final rows after its barrier): its gate, rows and our own rows' place from
+    read, reading the final rows after its barrier, or with UCCL_EP_UNPACK_BESIDE_FORWARD on the second stream as
+    its forwarders mark them, "The unpack beside the forward"): its gate, rows and our own rows' place from
     the count rows, its places and the plan's sizes from the same rows (expert_major_places), into expert-major rows
     allocated before the counts -- num_worst_tokens, else the rows the last such dispatch of that size filled plus
     the slack -- and hands back where the counts do not fit them (skew after a random case; a rank that received
@@ -1314,10 +1347,24 @@ def test_an_expert_major_dispatch_whose_reader_writes_the_rows_reads_before_the_
     rank-major dispatches between them) equals the reference."""
     cases = [ALL[0], ALL[6], ALL[6], ALL[9], ("dropped", False, True, 0, 10), ALL[8], ALL[1],
              ("skewed", False, True, 0, 11), ALL[6]]
-    out = run_distributed(_cases_counting, world, G, cases, ("packs_and_pushes_during_notify",) + EM_READ_COUNTERS,
-                          timeout=180, env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader))
+    out = run_distributed(_cases_counting, world, G, cases,
+                          ("packs_and_pushes_during_notify",) + EM_READ_COUNTERS
+                          + ("unpacks_beside_forward", "expert_major_receives_beside_forward"),
+                          timeout=180, env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader,
+                                                UCCL_EP_UNPACK_BESIDE_FORWARD=beside))
     em_cases = sum(1 for c in cases if c[2])
-    for done, fused, read, declined, em_read, places, reads in out:
+    # beside the forward: every read before the counts launched so (those that went, at least), the expert-major
+    # receives among them where the reader writes the rows
+    # beside the forward: every read before the counts launched so (those that went, at least), the expert-major
+    # receives among them where the reader writes the rows
+    for row in out:
+        read_before, em_read_before, unpacks, em_beside = row[2], row[4], row[7], row[8]
+        if beside == "1":
+            assert unpacks >= read_before and em_beside >= em_read_before, row
+            assert (em_beside > 0) == (in_reader == "always"), row
+        else:
+            assert unpacks == em_beside == 0, row
+    for done, fused, read, declined, em_read, places, reads, *_ in out:
         assert done == len(cases) and fused == len(cases) - 1, (done, fused)
         assert read + declined <= fused and em_read <= read, (read, declined, em_read)
         if in_reader == "never":

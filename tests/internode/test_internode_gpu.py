@@ -956,6 +956,40 @@ def test_on_a_gpu_an_unpack_whose_row_is_never_marked_reports_the_row_and_leaves
         cx.clear_error()
 
 
+def test_on_a_gpu_an_expert_major_receive_whose_row_is_never_marked_reports_the_row_and_leaves_its_rows_unwritten():
+    """expert_major_receive with ready words on one GPU (the receive beside the forward; slots given): the rows whose
+    words hold the epoch reach the rows slot_of names, the one whose word never does is reported after the GPU
+    deadline as row_not_ready (row, word, epoch) and its expert-major rows are not written."""
+    k = native.module().internode
+    with _one_rank_context(gpu_timeout_secs=1.0) as cx:
+        dev = torch.device("cuda", 0)
+        rows, stride, x_bytes = 64, 256, 128
+        src = torch.randint(0, 255, (rows, stride), dtype=torch.uint8, device=dev)
+        out = torch.full((2 * rows, x_bytes), 7, dtype=torch.uint8, device=dev)
+        perm = torch.randperm(2 * rows, device=dev).to(torch.int32)
+        slot_of = torch.full((rows, 2), -1, dtype=torch.int32, device=dev)
+        slot_of[:, 0] = perm[:rows]
+        slot_of[::3, 1] = perm[rows:rows + (rows + 2) // 3]  # (every third row reaches a second row)
+        words = torch.full((rows,), 3, dtype=torch.int32, device=dev)
+        words[37] = 2
+        k.expert_major_receive(src.data_ptr(), stride, rows, 0, x_bytes, 0, 0, out.data_ptr(), 0, 2 * rows, 2, True,
+                               slot_of.data_ptr(), -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 128, 0, -1, 0,
+                               torch.cuda.current_stream().cuda_stream, ready_words=words.data_ptr(), ready_epoch=3,
+                               ready_timeout_secs=1.0, ready_blocks=8, err=cx.error_word_ptr,
+                               stop_flag=cx.stop_flag_ptr, stop_generation=cx.stop_generation, rank=0, phase=3)
+        torch.cuda.synchronize(dev)
+        e = cx.error_fields()
+        assert (e["code"], e["aux"], e["observed"], e["expected"]) == (
+            dict(k.ERROR_CODES)["row_not_ready"], 37, 2, 3), e
+        assert "final row 37" in cx.error_message(), cx.error_message()
+        for r in range(rows):
+            for q in slot_of[r][slot_of[r] >= 0].tolist():
+                want = torch.full((x_bytes,), 7, dtype=torch.uint8, device=dev) if r == 37 else src[r, :x_bytes]
+                assert torch.equal(out[q], want), (r, q, "the rows of a row whose word was never marked were written"
+                                                   if r == 37 else "a marked row was not received")
+        cx.clear_error()
+
+
 def test_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named():
     """raise_flags and the wait for a node's flags (the dispatch forward's node barrier) on one GPU."""
     k = native.module().internode
@@ -1126,26 +1160,28 @@ def _expert_major_reads_before_counts(rank, world, G, cases):
     try:
         done = compare_cases(nat, ref, dev, rank, world, cases, 1)
         return (done, nat.packs_and_pushes_during_notify, nat.reads_before_counts, nat.reads_before_counts_declined,
-                nat.expert_major_reads_before_counts)
+                nat.expert_major_reads_before_counts, nat.expert_major_receives_beside_forward)
     finally:
         nat.destroy()
 
 
-@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+@pytest.mark.parametrize("world,G,beside", [(2, 1, "0"), (4, 2, "0"), (4, 2, "1")], ids=["2x1", "2x2", "2x2-beside"])
 def test_on_gpus_an_expert_major_dispatch_whose_reader_writes_the_rows_reads_before_the_count_read_and_matches(world,
-                                                                                                             G):
+                                                                                                             G, beside):
     """The GPU twin of the CPU test (2 x 1 and 2 x 2, UCCL_EP_EXPERT_MAJOR_IN_READER=always): an uncached expert-major
     dispatch pushed during notify launches its reader behind notify's wait -- gate, rows and our own rows' place from
-    the count rows (with several GPUs per node after the forward before the count read, reading the final rows),
-    places and plan sizes from the same rows (expert_major_places), padding and reader told by the device words
-    whether to run -- into expert-major rows sized before the counts, or hands back (the skewed case). Every output,
-    the rank-major dispatches' between them included, equals the reference bit for bit."""
+    the count rows (with several GPUs per node after the forward before the count read, reading the final rows after
+    its barrier, or with UCCL_EP_UNPACK_BESIDE_FORWARD on the second stream as its forwarders mark them), places and
+    plan sizes from the same rows (expert_major_places), padding and reader told by the device words whether to run --
+    into expert-major rows sized before the counts, or hands back (the skewed case). Every output, the rank-major
+    dispatches' between them included, equals the reference bit for bit."""
     _need(world)
     cases = [ALL[0], ALL[6], ALL[6], ALL[9], ("dropped", False, True, 0, 10), ALL[8], ALL[1],
              ("skewed", False, True, 0, 11), ALL[6]]
     out = run_distributed(_expert_major_reads_before_counts, world, G, cases, timeout=300,
                           env={"UCCL_EP_EXPERT_MAJOR_IN_READER": "always", "UCCL_EP_CPU_TIMEOUT_SECS": "60",
-                               "UCCL_EP_GPU_TIMEOUT_SECS": "60"})
-    for done, fused, read, declined, em_read in out:
+                               "UCCL_EP_GPU_TIMEOUT_SECS": "60", "UCCL_EP_UNPACK_BESIDE_FORWARD": beside})
+    for done, fused, read, declined, em_read, em_beside in out:
         assert done == len(cases) and fused == len(cases) - 1 >= read + declined, (done, fused, read, declined)
         assert em_read >= 2, em_read
+        assert (em_beside >= em_read) if beside == "1" else em_beside == 0, (em_read, em_beside)
