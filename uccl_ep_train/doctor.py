@@ -391,11 +391,19 @@ class Doctor:
         if short is None:
             self.add("loopback_queues", "pass", f"{have}: enough hardware work queues for the loopback's copies")
             return
+        # Only the proxy threads' own copies share our queues; the copy agent makes them in a process of its own
+        agent = self.settings.emulation.loopback_copy_agent
+        if agent == "on":
+            self.add("loopback_queues", "pass", f"{have}: {short[0]}, but UCCL_EP_LOOPBACK_COPY_AGENT=on: the copy "
+                     "agent, not this process, makes the loopback's copies")
+            return
+        where = ("ranks that share a GPU, where UCCL_EP_LOOPBACK_COPY_AGENT=auto leaves the copies to the proxy "
+                 "threads" if agent == "auto" else "UCCL_EP_LOOPBACK_COPY_AGENT=off")
         self.add("loopback_queues", "warn",
-                 f"{have}: {short[0]}; a run over the loopback (one host playing nodes) may stall at the GPU "
-                 "deadline with a copy queued behind a spinning kernel. The verbs transport is not affected",
-                 f"CUDA_DEVICE_MAX_CONNECTIONS={short[1]} or more for emulated-node runs (docs/internode.md, "
-                 "\"Hardware work queues\")")
+                 f"{have}: {short[0]}; a run over the loopback (one host playing nodes) with {where} may stall at "
+                 "the GPU deadline with a copy queued behind a spinning kernel. The verbs transport is not affected",
+                 f"CUDA_DEVICE_MAX_CONNECTIONS={short[1]} or more for emulated-node runs where the proxy threads "
+                 "copy (docs/internode.md, \"Hardware work queues\")")
 
     # ------------------------------------------------------------------------------------------ output
     def host_summary(self) -> str:

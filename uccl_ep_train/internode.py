@@ -105,7 +105,9 @@ class _DeviceView:
 _GROUP_SETTINGS = {"UCCL_EP_PIPELINED_COMBINE_GATHER": "pipelined_combine_gather",
                    "UCCL_EP_FORWARD_NODE_BARRIER": "forward_node_barrier",
                    "UCCL_EP_PACK_AND_PUSH": "pack_and_push",
-                   "UCCL_EP_UNPACK_BESIDE_FORWARD": "unpack_beside_forward"}
+                   "UCCL_EP_UNPACK_BESIDE_FORWARD": "unpack_beside_forward",
+                   # the unpack beside the forward waits for ready words that only a gated forwarder writes
+                   "UCCL_EP_GATED_ARRIVALS": "gated_arrivals"}
 
 
 def group_settings_disagree(per_rank: List[Tuple[Any, ...]], names: Tuple[str, ...]) -> Optional[str]:
@@ -270,13 +272,14 @@ class Pending(NamedTuple):
 class PlannedAhead:
     """The shapes and hop plans a call makes for its handle's next calls during its own hop (_plan_ahead), keyed as
     on the handle: what those calls would make at their first use. The caller puts them on the handle once its hop
-    is drained (_adopt_plans)."""
+    is drained (_adopt_plans); tables staged while a reader spun are copied at the next call's entry
+    (_commit_staged_plans)."""
 
     dispatch_shapes: dict = field(default_factory=dict)
     combine_shapes: dict = field(default_factory=dict)
     hop_plans: dict = field(default_factory=dict)
     # tables written and allocated while a reader spun (UploadStaging.Staged), whose copies the next call's entry
-    # queues (_adopt_plans)
+    # queues (_commit_staged_plans)
     staged: list = field(default_factory=list)
 
 
@@ -423,7 +426,7 @@ class NativeInternodeBackend:
                                  "does not call bind_internode)")
         self._k = _C.internode
         if self.G > self._k.FORWARD_MAX_TARGETS:  # (its destinations sit in one block's shared memory)
-            raise InternodeError(f"{self.G} GPUs per node: the dispatch forward (forward_rows) takes at most "
+            raise InternodeError(f"{self.G} GPUs per node: the dispatch forward (forward_arrivals) takes at most "
                                  f"{self._k.FORWARD_MAX_TARGETS}")
         # a CPU device means the CPU stand-in of _C.internode (tests/internode/fake_internode_native.py)
         self.device = ctx.device if ctx.device.index is not None or ctx.device.type != "cuda" else \
@@ -981,7 +984,8 @@ class NativeInternodeBackend:
         """Group barrier in stream order, through the proxies: every rank pushes a zero-byte signal to every other
         rank behind all its earlier work on the stream, then waits (GPU, with the GPU deadline) for one from each,
         then the host drains. When it returns, every rank's earlier kernels -- its reads of its areas, its stores
-        into peers' NVL areas -- are complete, and the writes its proxy made for them have landed. It replaced a
+        into peers' NVL areas -- are complete. The network writes they pushed on other lanes may still be in flight
+        (the proxy threads are not ordered with each other): the receivers' own counter waits cover those. It replaced a
         gloo barrier over TCP (~1 ms per barrier with 4 processes; docs/internode.md)."""
         rows = [[r, 0, 0, 0, 1, self._barrier_slot, 0] for r in range(self.R) if r != self.rank]
         self._push_and_wait(rows, [(self._barrier_slot, self.R - 1)], "barrier", 1, what, fixed=True)
@@ -1244,7 +1248,7 @@ class NativeInternodeBackend:
         """Where a call's planning for the next calls goes ("Planning ahead"): before its gated reader's launch, with
         its upload, while at least half of the hop's records are still to land -- the wire is busy for a while yet,
         so the planning costs nothing there; else after the launch, while the reader reads what is in (its tables
-        staged, their copies queued after the drain). One read of the hop's counters."""
+        staged, their copies queued at the next call's entry). One read of the hop's counters."""
         if not pending or not pending.records:
             return False
         left = self._cx.signals_short([(slot, self._expected[slot]) for slot in pending.slots])
@@ -1367,7 +1371,7 @@ class NativeInternodeBackend:
     def _upload_hop_plans(self, plans: List[HopPlan], staged: Optional[list] = None) -> None:
         """The plans' tables (each whole, and its head and tail) to the device in one upload: each upload costs ~10-18
         us of host time. ``staged``: only written and allocated (UploadStaging.stage: no copy queued, for while a
-        reader spins), the Staged appended to the list for a commit after the drain."""
+        reader spins), the Staged appended to the list, committed at the next call's entry."""
         rows: List[List[int]] = []
         for p in plans:
             rows += p.rows + p.head_rows + p.tail_rows
@@ -1676,8 +1680,8 @@ class NativeInternodeBackend:
         combine the backward's. Before the reader or wait spins, as the call's other uploads there: nothing may be
         launched after it ("Drains"). A guess whose areas do not fit is skipped: the call that needs it raises.
         ``upload`` False: for while a gated reader spins, when nothing may be queued behind it ("Drains"): the
-        tables are staged (written into the pinned area, allocated from torch's cache) and _adopt_plans queues their
-        copies once the call has drained."""
+        tables are staged (written into the pinned area, allocated from torch's cache) and their copies are queued
+        at the next call's entry (_commit_staged_plans)."""
         G = self.G
         for kind, size in guesses:
             try:
@@ -1697,13 +1701,13 @@ class NativeInternodeBackend:
                     ahead.hop_plans[key] = self._combine_hop(counts, size, shape.areas)
             except InternodeError:
                 continue
-        # while a reader spins: written and allocated now, the copies queued after the drain (_adopt_plans)
+        # while a reader spins: written and allocated now, the copies queued at the next call's entry
         self._upload_plans_ahead(ahead, stage=not upload and self._staging is not None)
         self._lap(step)
 
     def _commit_staged_plans(self) -> None:
-        """Queue the copies of the plan tables staged by an earlier call (_adopt_plans), before any launch of this
-        call: a handle's next call may read them."""
+        """Queue the copies of the plan tables an earlier call staged (handed over by _adopt_plans), before any launch
+        of this call: a handle's next call may read them."""
         if self._staged_plans:
             stream = self._stream()
             for st in self._staged_plans:
@@ -1713,7 +1717,7 @@ class NativeInternodeBackend:
     def _upload_plans_ahead(self, ahead: PlannedAhead, stage: bool = False) -> None:
         """The device tables of plans made ahead that are still on the host -- the hop plans' in one upload, the
         forward row bases of the dispatch shapes (several GPUs per node); ``stage``: only staged (UploadStaging.stage,
-        into ``ahead.staged``, whose copies the next call's entry queues: _adopt_plans), nothing queued."""
+        into ``ahead.staged``, whose copies the next call's entry queues: _commit_staged_plans), nothing queued."""
         staged = ahead.staged if stage else None
         self._upload_hop_plans([p for p in ahead.hop_plans.values() if p.rows and p.table is None], staged)
         for shape in ahead.dispatch_shapes.values():
@@ -1999,8 +2003,9 @@ class NativeInternodeBackend:
                                dense: List[torch.Tensor], tables: SendPlan, em_in_reader: bool = False
                                ) -> Optional[ReadingBeforeCounts]:
         """Whether this uncached dispatch launches its reader before the host reads the count matrix (docs/internode.md,
-        "Reading before the count read"), and for how many rows: with one GPU per node, a gated reader, the
-        records packed and pushed during notify by one launch (``pushed_in_one_launch``), and a row count known
+        "Reading before the count read"; with several GPUs per node the forwarder's receive, "The forward before the
+        count read"), and for how many rows: a gated reader, the records packed and pushed during notify by one
+        launch (``pushed_in_one_launch``), and a row count known
         before the counts -- num_worst_tokens, or the rows the last dispatch of T tokens received plus
         UCCL_EP_READ_BEFORE_COUNTS_SLACK (capped by the receive area). None: the reader follows the host's plan.
         An expert-major receive only where its reader writes the expert-major rows (``em_in_reader``): the copy after

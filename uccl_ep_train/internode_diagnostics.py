@@ -11,8 +11,8 @@ def describe_fifo_states(states: Sequence[dict], rank: int) -> str:
     """One clause on this rank's command FIFOs for an error message. A FIFO whose kernels reserved more slots
     (device head) than its proxy took (tail) either still has commands queued (slots full from the tail on) or lost a
     push: the slot at the tail is empty, so the proxy waits there forever, and no watchdog fires because nothing is
-    queued or in flight from its point of view. That is the question the "last chunk of a lane never arrived"
-    failures leave open (docs/internode.md, "Open")."""
+    queued or in flight from its point of view. That is what the "last chunk of a lane never arrived" failures
+    needed to tell apart (the cause was teardown: docs/internode.md, "Teardown")."""
     odd = []
     for f in states:
         head, tail, full = int(f["device_head"]), int(f["tail"]), int(f["full"])

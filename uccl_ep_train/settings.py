@@ -254,7 +254,7 @@ class KernelSettings:
         "handle packs its records for the other nodes while notify exchanges the counts (docs/internode.md, Packing "
         "during notify); 0: after notify", _bool))
     push_during_notify: bool = field(default=True, metadata=_meta(
-        "UCCL_EP_PUSH_DURING_NOTIFY", "internode, one GPU per node: the records packed during notify are pushed "
+        "UCCL_EP_PUSH_DURING_NOTIFY", "internode: the records packed during notify are pushed "
         "then too, by a kernel that waits on the GPU for every count row and places each block from them "
         "(docs/internode.md, Push during notify); 0: the push waits for the host's plan after notify", _bool))
     read_before_counts: bool = field(default=True, metadata=_meta(

@@ -6,9 +6,10 @@ synchronization rules), and py-spy on 2x H200 put those copies at 16-20 % of a c
 values are written into a pinned area allocated once at setup -- a first pinned allocation may synchronize, which
 must not happen while a kernel of ours spins -- and one asynchronous copy per table takes them to the device.
 
-A slot may be written again only once the copy that read it has run. The backend drains its stream after every
-wait, and every copy queued before a drain has run when the drain returns; so the area is reused from its start
-after each drain (``drained``) and filled front to back in between. A full area, or a second stream while the first
+A slot may be written again only once the copy that read it has run. Every copy queued before a drain of the stream
+has run when the drain returns, so the backend calls ``drained`` after each of its drains (notify's, and after every
+wait where drains are on: docs/internode.md, "Drains") and the area is reused from its start; in between it fills
+front to back. A full area, or a second stream while the first
 one's slots wait for a drain, fall back to the pageable copy: slower, never wrong.
 
 An upload may also be split in two: ``stage`` writes the values and takes the device tensor from torch's cache (no

@@ -1,6 +1,6 @@
 // An arrival gate: lets a kernel that reads a receive area (unpack the dispatch's records, add the combine's partial
 // sums) start while the hop is still running, reading each row as soon as the chunk that carries it has landed
-// instead of after the whole hop (docs/internode.md, "Consuming arrivals as they land"). Plain C++: the bindings
+// instead of after the whole hop (docs/internode.md, "Gated arrivals"). Plain C++: the bindings
 // compile it with the host compiler.
 //
 // What makes it possible: a sender cuts each block into chunks of `per_chunk` records and sends chunk c through lane

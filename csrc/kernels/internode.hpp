@@ -230,9 +230,9 @@ class Context {
   // The emulated NIC's busy runs (LoopbackWire): only over the loopback with a bandwidth cap; throws otherwise.
   void start_wire_log(size_t capacity);
   std::vector<WireRun> stop_wire_log(uint64_t* dropped);
-  // Device address of the error word (for scatter_rows' range check).
+  // Device address of the error word (every kernel's failure report).
   uintptr_t error_word_ptr() const { return reinterpret_cast<uintptr_t>(error_dev_); }
-  // The stop flag (StopFlag) for scatter_rows: its device address and the generation to launch with.
+  // The stop flag (StopFlag) every kernel tests: its device address and the generation to launch with.
   uintptr_t stop_flag_ptr() const { return reinterpret_cast<uintptr_t>(stop_dev_); }
   int32_t stop_generation() const { return stop_generation_; }
 

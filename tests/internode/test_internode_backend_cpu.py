@@ -1062,7 +1062,7 @@ def _setup_with_own_setting(rank, world, G, name, value_of_last_rank):
 
 
 @pytest.mark.parametrize("name", ["UCCL_EP_PIPELINED_COMBINE_GATHER", "UCCL_EP_FORWARD_NODE_BARRIER",
-                                  "UCCL_EP_PACK_AND_PUSH"])
+                                  "UCCL_EP_PACK_AND_PUSH", "UCCL_EP_GATED_ARRIVALS"])
 def test_a_synchronization_setting_that_differs_between_ranks_is_refused_at_setup_on_every_rank_naming_it(name):
     """A rank that took the other way would wait for flags or barriers its peers never send, until the GPU deadline:
     setup compares these settings across the group and every rank raises, naming the setting and who holds what."""

@@ -172,6 +172,21 @@ def test_few_cuda_hardware_queues_are_flagged_for_loopback_runs_with_the_value_t
     assert checks["loopback_queues"].status == "pass"
 
 
+def test_few_cuda_hardware_queues_pass_where_the_copy_agent_makes_the_loopback_copies():
+    """The copy agent is a process of its own, so its copies never share the training process's queues: with it on,
+    CUDA_DEVICE_MAX_CONNECTIONS=1 is fine; on auto the warning names the runs it still concerns (ranks sharing a
+    GPU), and off names the setting."""
+    _, checks = _run("p5en", {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "UCCL_EP_LOOPBACK_COPY_AGENT": "on"})
+    c = checks["loopback_queues"]
+    assert c.status == "pass" and "copy agent, not this process" in c.detail, c.detail
+    _, checks = _run("p5en", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    c = checks["loopback_queues"]
+    assert c.status == "warn" and "ranks that share a GPU" in c.detail, c.detail
+    _, checks = _run("p5en", {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "UCCL_EP_LOOPBACK_COPY_AGENT": "off"})
+    c = checks["loopback_queues"]
+    assert c.status == "warn" and "UCCL_EP_LOOPBACK_COPY_AGENT=off" in c.detail, c.detail
+
+
 def test_kernels_built_for_a_gpus_arch_specific_variant_pass_the_build_check_on_that_gpu():
     """Session 23: on an H100 (9.0) the module built from TORCH_CUDA_ARCH_LIST="9.0a" ("90a") failed native_build
     with "kernels are built for sm_90a"; sm_90a code runs on every 9.0 GPU. Another number still fails."""
