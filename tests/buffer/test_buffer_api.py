@@ -302,7 +302,7 @@ def test_buffer_fp8_tuple_payload_passes_through_and_caches(outcomes):
     expect(outcomes, "fp8_tuple_round_trips_through_buffer")
 
 
-def test_buffer_expert_major_receive_and_num_worst_tokens(outcomes):
+def test_buffer_expert_major_receive_and_num_worst_tokens_padding_match_the_reference(outcomes):
     expect(outcomes, "expert_major_and_num_worst_tokens")
 
 
@@ -328,7 +328,7 @@ def test_uccl_ep_backend_native_environment_forces_native_backend():
     expect(results, "env")
 
 
-def test_config_recommendations_and_size_hints():
+def test_recommended_configs_use_the_buffers_sms_and_size_hints_grow_with_tokens_and_need_no_rdma_on_one_node():
     from uccl_ep_train import Buffer, Config
     for ranks in (1, 2, 3, 4, 8, 12, 16, 64, 256):
         for config in (Buffer.get_dispatch_config(ranks), Buffer.get_combine_config(ranks)):

@@ -9,6 +9,7 @@ ranks play a forwarder and a source on one GPU-style-fed FIFO each (reorder 8, o
 """
 import time
 
+import numpy as np
 import pytest
 
 from uccl_ep_train import native
@@ -50,13 +51,19 @@ def _receiver_sees(cs, timeout):
 
 
 def test_close_delivers_every_write_before_it_stops_the_proxy():
+    """Every chunk's counter and bytes: the receiver gets the sender's random bytes, not just the signals."""
     C = native.module()
     cs = _pair(delay_us=20_000)
+    rng = np.random.default_rng(7)
     try:
+        for c in cs:
+            c.data()[:] = rng.integers(0, 256, DATA, dtype=np.uint8)
+        sent = cs[0].data()[:CHUNKS_OUT * CHUNK].copy()  # (the sender's buffer goes with its close)
         _network_hop(C, cs)
         cs[0].close()
         assert _receiver_sees(cs, timeout=2.0) == 3 * CHUNKS_OUT
         assert not cs[1].proxy.failed
+        assert np.array_equal(cs[1].data()[32768:32768 + CHUNKS_OUT * CHUNK], sent)
     finally:
         for c in cs:
             c.close()

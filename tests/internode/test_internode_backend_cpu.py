@@ -177,14 +177,23 @@ def _cases_without_expert_counts(rank, world, G, cases, iters):
     from uccl_ep_train import internode
 
     internode.NOTIFY_MAX_EXPERTS = 1
-    return _cases(rank, world, G, cases, iters)
+    read = internode.counts_from_rows
+    with_expert_counts = []  # per count matrix read: whether it carried per-expert counts
+
+    def counts_from_rows(*a, **kw):
+        counts = read(*a, **kw)
+        with_expert_counts.append(counts.expert_counts is not None)
+        return counts
+    internode.counts_from_rows = counts_from_rows
+    return _cases(rank, world, G, cases, iters), with_expert_counts
 
 
 @pytest.mark.parametrize("world,G", [(4, 2)], ids=["2x2"])
 def test_without_per_expert_counts_in_notify_the_received_ids_are_counted_and_outputs_still_match(world, G):
     cases = [ALL[0], ALL[3], ALL[6], ALL[8]]  # random, dropped, expert-major, FP8 expert-major with worst tokens
     out = run_distributed(_cases_without_expert_counts, world, G, cases, 1, timeout=120, env=ENV)
-    assert all(done == len(cases) for done, _, _ in out)
+    assert all(done == len(cases) for (done, _, _), _ in out)
+    assert all(seen and not any(seen) for _, seen in out), [seen for _, seen in out]
 
 
 def _worst_routing_in_hinted_buffers(rank, world, G, scale):
@@ -240,6 +249,8 @@ def test_one_ranks_smaller_transport_write_limit_bounds_every_ranks_chunks_and_o
     # 4 KiB writes by default here (ENV): without the group-wide limit rank 1's transport would refuse them
     out = run_distributed(_cases_with_a_small_write_limit_on_rank_1, world, G, ALL[:3], 1, timeout=120, env=ENV)
     assert all(done == 3 for done, _, _ in out)
+    # the stand-in posts one write at a time: its largest in flight is the largest write
+    assert all(0 < stats["max_inflight_bytes"] <= 2048 for _, stats, _ in out), [s for _, s, _ in out]
 
 
 def _cases_with_write_sizes(rank, world, G, cases, sizes):

@@ -9,6 +9,7 @@ copies at the forwarder, add them in local-rank order, send the partial sums bac
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -48,12 +49,14 @@ class _Network:
         self.num_lanes = num_lanes
         self.late = []
         self.lanes = {}  # (src, dst, slot) -> FIFOs seen: a destination slot must be fed by one FIFO only
+        self.blocks = self.writes = 0  # push-table rows with records, and the signalled writes they took
 
     def execute(self, push_table, src: int) -> None:
         for row in push_table:
             assert len(row) == 7, row
             dst, loff, roff, st, recs, first_slot, hint = row
             per = inn.chunk_records(st, self.chunk_bytes)
+            self.blocks += recs > 0
             for c, first in enumerate(range(0, recs, per)):  # as push_chunks: chunk c through FIFO (hint + c) % L
                 fifo = (hint + c) % self.num_lanes
                 slot = first_slot + fifo
@@ -68,6 +71,7 @@ class _Network:
                 else:
                     self.late.append((dst, b, data))
                 self.signals[dst][slot] += n
+                self.writes += 1
 
     def land_late_writes(self) -> None:
         for dst, b, data in self.late:
@@ -87,9 +91,9 @@ def _scatter(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, what: str
 
 
 def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes: int, mode: str = "contract",
-              num_lanes: int = 1):
+              num_lanes: int = 1, network: Optional[list] = None):
     """Run the plan for every rank; return (final recv_x per rank, src_idx per rank, combined per rank, y per rank,
-    inputs)."""
+    inputs). ``network``: a list that gets the simulated _Network appended (its write counts)."""
     N = R // G
     inputs = [_inputs(r, T, H, R, kind, seed) for r in range(R)]
     counts = inn.counts_from_rows(torch.stack([inn.local_count_row(itr, G) for _, itr in inputs]), R)
@@ -100,6 +104,8 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
     L = num_lanes
     signals = [[0] * (2 * N * L) for _ in range(R)]
     net = _Network(rdma, signals, chunk_bytes, mode, L)
+    if network is not None:
+        network.append(net)
     per = inn.chunk_records(stride, chunk_bytes)
 
     for r, (x, _) in enumerate(inputs):
@@ -200,8 +206,9 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
     return recv_x, src_idx, combined, ys, inputs
 
 
-def _check_rank(rank, world, G, T, H, kind, seed, chunk_bytes, num_lanes=1):
-    recv_x, src_idx, combined, ys, inputs = _simulate(world, G, T, H, kind, seed, chunk_bytes, num_lanes=num_lanes)
+def _check_rank(rank, world, G, T, H, kind, seed, chunk_bytes, num_lanes=1, network=None):
+    recv_x, src_idx, combined, ys, inputs = _simulate(world, G, T, H, kind, seed, chunk_bytes, num_lanes=num_lanes,
+                                                      network=network)
     x, itr = inputs[rank]
     res = ref.dispatch(x, None, None, is_token_in_rank=itr, num_experts=world, ranks_per_node=G)
     assert torch.equal(res.recv_x, recv_x[rank]), "dispatch rows differ from the reference's rank-major order"
@@ -225,8 +232,19 @@ def test_simulated_internode_plan_matches_reference_dispatch_and_combine(world, 
         assert rows[0] == 37 * world and rows[1:] == [0] * (world - 1)
 
 
+def _writes_per_block(rank, world, G, T, H, kind, seed, chunk_bytes):
+    nets: list = []
+    _check_rank(rank, world, G, T, H, kind, seed, chunk_bytes, network=nets)
+    return nets[0].blocks, nets[0].writes
+
+
 def test_tiny_chunks_split_blocks_into_many_signalled_writes_and_still_match():
-    run_distributed(_check_rank, 4, 2, 53, 8, "random", 5, 64, timeout=120)
+    # 64-byte chunks hold one 48-byte record (H = 8 fp32 + meta): a write per record, where 4 KiB takes a block whole
+    tiny = run_distributed(_writes_per_block, 4, 2, 53, 8, "random", 5, 64, timeout=120)
+    whole = run_distributed(_writes_per_block, 4, 2, 53, 8, "random", 5, 4096, timeout=120)
+    for (blocks, writes), (blocks_whole, writes_whole) in zip(tiny, whole):
+        assert blocks == blocks_whole > 0 and writes_whole == blocks_whole, (blocks, writes_whole)
+        assert writes >= 4 * blocks, (blocks, writes)
 
 
 @pytest.mark.parametrize("world,G,lanes", [(4, 2, 4), (4, 1, 3), (8, 2, 8)])

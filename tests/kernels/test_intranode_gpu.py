@@ -233,7 +233,8 @@ def capture(step):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["random", "skewed", "empty", "dropped"])
-def test_copy_engine_combine_equals_sm_store_combine_bit_for_bit_at_any_chunk_size(backends, kind, dtype):
+def test_copy_engine_combine_equals_sm_store_combine_bit_for_bit_at_the_default_and_16_kib_chunks(
+        backends, kind, dtype):
     nat, ref = backends
     R, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(77 + rank)
@@ -289,7 +290,7 @@ def test_expert_major_receive_matches_reference_layout(backends, kind, worst, al
     run_case(backends, kind, 257, 2048, 4, 16, expert_major=True, align=align, worst=worst, seed=7)
 
 
-def test_expert_major_fp8_deepseek_shape(backends):
+def test_expert_major_fp8_dispatch_and_combine_match_the_reference_at_deepseek_v3_shape(backends):
     run_case(backends, "random", 1024, 7168, 8, 256, fp8=True, expert_major=True, align=128, seed=9)
 
 

@@ -59,6 +59,15 @@ def test_output_and_gradients_to_hidden_and_probs_match_the_oracle(two_ranks, na
 @pytest.mark.parametrize("name", ["sync_free_expert_major", "sync_free_local_permute"])
 def test_sync_free_mode_with_a_rank_receiving_nothing_matches_the_oracle(two_ranks, name):
     _assert_matches_oracle(two_ranks, name)
+    # "skewed" routes every token to the first half of the experts: rank 1 receives nothing, and still hands its
+    # experts the fixed number of rows (all padding), as every rank does in sync-free mode
+    kw = TWO_RANKS[name][1]
+    E, K, T, world = kw["num_experts"], kw["topk"], kw["tokens"], 2
+    seed = kw.get("seed", 7)  # hooks_case's default seed; its routing of rank r uses seed * 17 + r
+    routed = sum(hook_cases.routing(T, E, K, seed * 17 + r, "skewed")[0] for r in range(world))
+    assert [r for r in range(world) if not routed[:, r * E // world:(r + 1) * E // world].any()] == [1]
+    per_token = min(K, E // world) if name.endswith("expert_major") else K
+    assert all(results[name]["received"] == T * world * per_token for results in two_ranks), two_ranks
 
 
 def test_fp8_dispatch_stays_within_fp8_rounding_of_the_oracle(two_ranks):

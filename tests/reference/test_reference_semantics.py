@@ -6,6 +6,7 @@ of one named check on every rank.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.reference import ep_oracle as oracle
@@ -330,3 +331,11 @@ def test_count_ids_equals_bincount_of_the_in_range_ids_and_never_reads_back_to_t
     assert torch.equal(count_ids(ids, 32), torch.bincount(kept, minlength=32))
     assert count_ids(torch.full((4, 2), -1), 7).tolist() == [0] * 7  # everything dropped
     assert count_ids(ids, 32).dtype == torch.int64 and count_ids(ids, 32).shape == (32,)
+    # No host read: on "meta" tensors (shapes, no data) every op whose output depends on the values fails, as
+    # bincount and a boolean mask do; count_ids runs there
+    meta = ids.to("meta")
+    assert count_ids(meta, 32).shape == (32,)
+    with pytest.raises(NotImplementedError):
+        torch.bincount(meta.reshape(-1).clamp(min=0), minlength=32)
+    with pytest.raises(NotImplementedError):
+        meta[meta >= 0]

@@ -34,7 +34,7 @@ def test_doctor_on_this_machine_reports_missing_gpu_and_nic_and_exits_0():
     assert "0 failed" in proc.stdout
 
 
-def test_json_report_schema(capsys):
+def test_json_report_has_every_section_and_its_summary_and_exit_code_agree_with_the_checks(capsys):
     code = cli.main(["doctor", "--json", "--sysfs-root", os.path.join(FIXTURES, "cx7_roce")])
     report = json.loads(capsys.readouterr().out)
     assert set(report) >= {"version", "host", "sysfs_root", "host_summary", "summary", "checks", "topology",

@@ -117,9 +117,17 @@ def test_a_lane_of_the_agent_serves_one_endpoint_only():
 
 
 def test_an_endpoint_without_an_agent_copies_itself_and_the_setting_is_checked():
+    C = native.module()
     c = _comm(env={})  # auto: host memory is copied by the proxy threads
     try:
         assert c.copy_agent is None and c.options["loopback_copy_agent"] == ""
+        _random_halves(c, 11)
+        c.connect_infos([c.local_infos()])
+        c.start()
+        c.proxy.push(0, C.command.write_signal(0, 4096, 512, HALF + 1024, 2, 1))  # (to itself: one rank)
+        c.wait_signal(2, 1, 10.0)
+        assert np.array_equal(c.data()[HALF + 1024:HALF + 1024 + 4096], c.data()[512:512 + 4096])
+        assert not c.data()[HALF:HALF + 1024].any() and not c.data()[HALF + 1024 + 4096:].any()
     finally:
         c.close()
     with pytest.raises(native.module().ProxyError, match="copy agent"):

@@ -92,11 +92,15 @@ def test_a_log_out_of_room_counts_the_runs_it_dropped_and_reading_it_refuses_the
 
 
 def test_without_a_bandwidth_cap_there_is_no_wire_to_log():
+    C = native.module()
     cs = _pair()
     try:
         with pytest.raises(ValueError, match="no emulated wire"):
             cs[0].proxy.start_wire_log(16)
-        assert np.all(cs[0].signals() == 0)
+        _send(C, cs[0], 1, 3, 0)  # ... and writes still go, uncapped, with no log kept or asked for
+        _wait(cs[1], 0, 3)
+        with pytest.raises(ValueError, match="no emulated wire"):
+            cs[0].proxy.stop_wire_log()
     finally:
         for c in cs:
             c.close()
