@@ -371,8 +371,10 @@ def test_outputs_also_match_when_arrivals_are_read_only_after_the_whole_hop(worl
     session 10); every other test here runs the gated readers, which start with the hop."""
     _need(world)
     env = {"UCCL_EP_GATED_ARRIVALS": "0", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
-    out = run_distributed(_cases, world, G, ALL[:5], 1, timeout=420, env=env)
-    assert all(done == 5 for done, _ in out)
+    out = run_distributed(_cases_counting, world, G, ALL[:5], ("forwards_during_hop", "own_rows_read_from_columns"),
+                          timeout=420, env=env)
+    # (both happen only in gated readers: forwards during the hop with several GPUs per node, own rows with one)
+    assert all(done == 5 and forwarded == 0 and own == 0 for done, forwarded, own in out), out
 
 
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
@@ -1030,8 +1032,10 @@ def test_outputs_also_match_with_records_packed_and_pushed_in_separate_launches(
     here writes and pushes a hop's records in one launch."""
     _need(world)
     env = {"UCCL_EP_PACK_AND_PUSH": "0", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
-    out = run_distributed(_cases, world, G, ALL[:5], 1, timeout=420, env=env)
-    assert all(done == 5 for done, _ in out)
+    out = run_distributed(_cases_counting, world, G, ALL[:5], ("packs_and_pushes", "pipelined_gathers"), timeout=420,
+                          env=env)
+    # (the pipelined gather's forwarders sum and push in pack_and_push: off with it)
+    assert all(done == 5 and sum(n.values()) == 0 and gathers == 0 for done, n, gathers in out), out
 
 
 def test_a_rank_whose_wait_failed_pushes_no_command_and_scatters_no_row():
