@@ -332,6 +332,10 @@ class ReadingBeforeCounts:
     tokens: int = 0
     fwd_dest: Optional[torch.Tensor] = None
     epoch: int = 0
+    # the counters' bases for the kernel that reads the count rows: by value, or (more than READ_MAX_COUNTERS) a
+    # device table uploaded before notify (_counter_bases)
+    bases: List[int] = field(default_factory=list)
+    bases_table: Optional[torch.Tensor] = None
 
     @property
     def rows(self) -> int:
@@ -617,10 +621,10 @@ class NativeInternodeBackend:
         # docs/internode.md, "Planning ahead": with several GPUs per node the dispatch's planning sits between its
         # count read and its return, with the GPU waiting behind it; at first use it hides behind the caller's work
         self.plan_ahead = s.kernel.plan_ahead == "on" or (s.kernel.plan_ahead == "auto" and self.G == 1)
-        # docs/internode.md, "Reading before the count read": the setting, where it can apply (the counters' bases fit
-        # the gate kernel's arguments; with several GPUs per node, "The forward before the count read", the forward
-        # ends with the node barrier over NVLink, which the GPU raises and waits for without the host)
-        self.read_before_counts = (bool(s.kernel.read_before_counts) and self.N * self.L <= self._k.READ_MAX_COUNTERS
+        # docs/internode.md, "Reading before the count read": the setting, where it can apply (with several GPUs per
+        # node, "The forward before the count read", the forward ends with the node barrier over NVLink, which the GPU
+        # raises and waits for without the host)
+        self.read_before_counts = (bool(s.kernel.read_before_counts)
                                    and (self.G == 1 or bool(s.kernel.forward_node_barrier)))
         self.read_slack = float(s.kernel.read_before_counts_slack)
         # ... and every other condition of it fixed at setup (pack and push during notify: _reading_before_counts)
@@ -697,9 +701,10 @@ class NativeInternodeBackend:
             # its kernel's first launch now, with nothing spinning: the first real one queues behind notify's spinning
             # wait, where a lazy module load might wait for that wait ("Drains"); the zero rows make words only
             zeros = torch.zeros((self.R, 2 * self.R), dtype=torch.int64, device=self.device)
-            self._k.gate_from_count_rows(zeros.data_ptr(), 2 * self.R, self.R, self.rank, self.L,
-                                         [0] * (self.N * self.L), 16, 0, 0, 0, self._read_gate.data_ptr(),
-                                         self._read_dims.data_ptr(), self._stream())
+            bases, table = self._counter_bases([0] * (self.N * self.L))
+            self._k.gate_from_count_rows(zeros.data_ptr(), 2 * self.R, self.R, self.rank, self.L, bases, 16, 0, 0, 0,
+                                         self._read_gate.data_ptr(), self._read_dims.data_ptr(), self._stream(),
+                                         counter_bases_table=_address(table))
             self._drain("setup: the reader-before-counts kernel's first launch")
         elif self.read_before_counts:
             self._first_launches_before_counts()
@@ -750,9 +755,11 @@ class NativeInternodeBackend:
         dev, G = self.device, self.G
         zeros = torch.zeros((self.R, 2 * self.R), dtype=torch.int64, device=dev)
         dims = self._fwd_dims.data_ptr()
-        self._k.forward_from_count_rows(zeros.data_ptr(), 2 * self.R, self.R, G, self.rank, self.L,
-                                        [0] * (self.N * self.L), 16, 16, -1, 0, 0, 0, 0, self._read_gate.data_ptr(),
-                                        self._fwd_blocks.data_ptr(), self._fwd_limits.data_ptr(), dims, self._stream())
+        bases, table = self._counter_bases([0] * (self.N * self.L))
+        self._k.forward_from_count_rows(zeros.data_ptr(), 2 * self.R, self.R, G, self.rank, self.L, bases, 16, 16, -1,
+                                        0, 0, 0, 0, self._read_gate.data_ptr(), self._fwd_blocks.data_ptr(),
+                                        self._fwd_limits.data_ptr(), dims, self._stream(),
+                                        counter_bases_table=_address(table))
         layout = _record_layout((16,), G)
         column = torch.zeros((1, 16), dtype=torch.uint8, device=dev)
         plan = torch.zeros(1 + G, dtype=torch.int64, device=dev)  # token 0, its dest rows
@@ -2029,7 +2036,7 @@ class NativeInternodeBackend:
             expert_rows = args.num_worst_tokens or (math.ceil(seen * (1 + self.read_slack)) if seen else 0)
             if spec is None or not spec[0] or not expert_rows:  # (nothing received last time: no guess)
                 return None
-            return self._with_forward_dest(ReadingBeforeCounts(
+            return self._before_notify(ReadingBeforeCounts(
                 spec, bool(args.num_worst_tokens), layout, args.num_tokens_per_expert.numel() // self.R,
                 _column_args(dense, layout), tables.hop1_token.data_ptr(), expert_rows=expert_rows,
                 alignment=args.expert_alignment, own_dest_rows=tables.dest_rows.data_ptr(), tokens=T))
@@ -2039,7 +2046,7 @@ class NativeInternodeBackend:
         spec = self._read_spec(*self._next_read)
         if spec is None:
             return None
-        reading = self._with_forward_dest(ReadingBeforeCounts(
+        reading = self._before_notify(ReadingBeforeCounts(
             spec, bool(args.num_worst_tokens), layout, args.num_tokens_per_expert.numel() // self.R,
             _column_args(dense, layout), tables.hop1_token.data_ptr(), own_dest_rows=tables.dest_rows.data_ptr(),
             tokens=T))
@@ -2048,13 +2055,25 @@ class NativeInternodeBackend:
             reading.outs, reading.topk_idx, reading.weights, reading.src_idx, reading.arrival = spare[1]
         return reading
 
-    def _with_forward_dest(self, reading: ReadingBeforeCounts) -> ReadingBeforeCounts:
-        """With several GPUs per node, the forward's output for as many arrivals as the receive half holds, made now:
-        once notify's wait is queued, an allocation that reaches cudaMalloc may wait on it."""
+    def _before_notify(self, reading: ReadingBeforeCounts) -> ReadingBeforeCounts:
+        """What the kernels launched behind notify's wait take that must exist before it is queued: the counters'
+        bases (this call's: the counters move only after the count read), and with several GPUs per node the
+        forward's output for as many arrivals as the receive half holds (once notify's wait is queued, an allocation
+        that reaches cudaMalloc may wait on it)."""
+        reading.bases, reading.bases_table = self._counter_bases(self._expected[:self.N * self.L])
         if self.G > 1:
             reading.fwd_dest = torch.empty((self.half_rdma // reading.layout.stride, self.G), dtype=torch.int64,
                                            device=self.device)
         return reading
+
+    def _counter_bases(self, values: List[int]) -> Tuple[List[int], Optional[torch.Tensor]]:
+        """Counter bases for gate_from_count_rows / forward_from_count_rows: as kernel arguments while they fit
+        (READ_MAX_COUNTERS, nodes x lanes: 4 nodes at the default 32 lanes), else in a device table uploaded now.
+        Called before notify's wait is queued, so the drain after the matrix's copy covers the upload (staged uploads
+        may be reused only after a drain that follows them: upload_staging.py)."""
+        if len(values) <= self._k.READ_MAX_COUNTERS:
+            return list(values), None
+        return [], self._upload(np.asarray(values, dtype=np.int64))
 
     def _read_spec(self, T: int, worst: int, area_rows: int, payload: tuple, K: int) -> Optional[tuple]:
         """(rows, payload dtypes and row shapes, top-k) of the outputs of a read before the counts: num_worst_tokens
@@ -2106,9 +2125,10 @@ class NativeInternodeBackend:
             self._launch_forward_before_counts(reading, rows_at, send_top)
             return
         stride = reading.layout.stride
-        self._k.gate_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, self.rank, self.L,
-                                     self._expected[:self.N * self.L], stride, send_top, self.half_rdma, rows,
-                                     self._read_gate.data_ptr(), self._read_dims.data_ptr(), self._stream())
+        self._k.gate_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, self.rank, self.L, reading.bases, stride,
+                                     send_top, self.half_rdma, rows, self._read_gate.data_ptr(),
+                                     self._read_dims.data_ptr(), self._stream(),
+                                     counter_bases_table=_address(reading.bases_table))
         gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
                                      self._phases["dispatch_network"])
         experts = reading.experts_per_rank
@@ -2132,12 +2152,11 @@ class NativeInternodeBackend:
         stride, dims = layout.stride, self._fwd_dims.data_ptr()
         recv = self._cx.rdma_ptr + self.half_rdma
         beside = self.unpack_beside_forward and self._ready_rows > 0
-        self._k.forward_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, G, self.rank, self.L,
-                                        self._expected[:self.N * self.L], stride, layout.final_bytes, send_top,
-                                        self.half_rdma, self.half_nvl, reading.rows,
-                                        self._ready_rows if beside else 0, self._read_gate.data_ptr(),
+        self._k.forward_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, G, self.rank, self.L, reading.bases,
+                                        stride, layout.final_bytes, send_top, self.half_rdma, self.half_nvl,
+                                        reading.rows, self._ready_rows if beside else 0, self._read_gate.data_ptr(),
                                         self._fwd_blocks.data_ptr(), self._fwd_limits.data_ptr(), dims,
-                                        self._stream())
+                                        self._stream(), counter_bases_table=_address(reading.bases_table))
         self._k.pack_records(0, recv, 0, 0, stride, reading.own_tokens, reading.own_dest_rows, G, reading.tokens,
                              reading.own_columns, layout.src_idx_offset, layout.dest_rows_offset, self._stream(),
                              own_dims=dims)
@@ -3305,6 +3324,11 @@ def _upload_values(values: Any, dtype: Any, device: torch.device) -> torch.Tenso
     non-blocking copy is staged by the driver at once, so the host memory may go right away (a blocking .to()
     synchronizes the stream). Built through numpy: torch.tensor on a list costs 2-4x the host time."""
     return torch.from_numpy(np.asarray(values, dtype=dtype)).to(device, non_blocking=True)
+
+
+def _address(t: Optional[torch.Tensor]) -> int:
+    """A tensor's device address for a native call, 0 for none."""
+    return t.data_ptr() if t is not None else 0
 
 
 def _chain(*steps: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:

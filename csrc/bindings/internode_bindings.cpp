@@ -290,9 +290,10 @@ void bind_internode(py::module_& m) {
   k.def("gate_from_count_rows", &in::gate_from_count_rows, py::arg("count_rows"), py::arg("row_words"),
         py::arg("num_ranks"), py::arg("rank"), py::arg("num_lanes"), py::arg("counter_bases"), py::arg("stride"),
         py::arg("send_limit"), py::arg("receive_bytes"), py::arg("capacity_rows"), py::arg("table_out"),
-        py::arg("dims_out"), py::arg("stream"),
+        py::arg("dims_out"), py::arg("stream"), py::arg("counter_bases_table") = 0,
         "one GPU per node, after every count row landed: the dispatch's gate table (a row per other rank sending "
-        "us records; counter_bases: every counter's value before the call, source-major, at most READ_MAX_COUNTERS) "
+        "us records; counter_bases: every counter's value before the call, source-major, at most READ_MAX_COUNTERS; "
+        "more: empty, and counter_bases_table their device int64 array) "
         "and the words (go, rows, first row, gate rows, our "
         "own records' first index and count) of a reader launched before the host read the counts; go when our "
         "records were packed (fit send_limit bytes), our arrivals were pushed (fit receive_bytes) and fit "
@@ -304,8 +305,10 @@ void bind_internode(py::module_& m) {
         py::arg("receive_bytes"), py::arg("final_limit"), py::arg("capacity_rows"), py::arg("ready_rows"),
         py::arg("table_out"),
         py::arg("blocks_out"), py::arg("limits_out"), py::arg("dims_out"), py::arg("stream"),
+        py::arg("counter_bases_table") = 0,
         "several GPUs per node, after every count row landed: the forward dispatch's gate table (a row per other node "
-        "sending us records; counter_bases: every counter's value before the call, node-major), block table "
+        "sending us records; counter_bases: every counter's value before the call, node-major, as in "
+        "gate_from_count_rows), block table "
         "[nodes, 1 + ranks_per_node], each local GPU's final rows (limits_out) and FORWARD_DIMS words (the "
         "forward's, then the unpack's) of a forwarder launched before the host read the counts "
         "(internode_plan.forward_before_counts); ready_rows: the final rows with a ready word (the unpack beside the "

@@ -294,6 +294,8 @@ __global__ void __launch_bounds__(kPackThreads) unpack_records_kernel(
 // gate_from_count_rows (internode_plan.hpp): one thread; the rows are small (ranks + nodes words read per rank).
 struct ReadBases {
   long long v[kReadMaxCounters];
+  const long long* table;  // non-null: the bases are here (more than kReadMaxCounters of them), not in v
+  __device__ long long at(int i) const { return table ? table[i] : v[i]; }
 };
 
 // A gate-table row (arrival_gate.cuh): the block of `records` from source node `source` at our arrival row `first`,
@@ -304,7 +306,7 @@ __device__ void write_gate_row(long long* row, long long first, long long record
   row[kGateRecords] = records;
   row[kGateSlot] = static_cast<long long>(source) * lanes;
   row[kGateHint] = our_node;
-  for (int f = 0; f < lanes; ++f) row[kGateBase + f] = bases.v[source * lanes + f];
+  for (int f = 0; f < lanes; ++f) row[kGateBase + f] = bases.at(source * lanes + f);
 }
 
 __global__ void gate_from_count_rows_kernel(const long long* rows, long long row_words, int R, int rank, int lanes,
@@ -530,10 +532,34 @@ void unpack_records(uintptr_t src, int64_t src_stride, int64_t num_rows, int64_t
   check_launch("unpack_records");
 }
 
+namespace {
+
+// The counter bases of gate_from_count_rows / forward_from_count_rows: `want` of them (sources x lanes), by value
+// (at most kReadMaxCounters) or, with counter_bases empty, in the device table counter_bases_table.
+ReadBases read_bases(const char* what, const std::vector<int64_t>& counter_bases, uintptr_t counter_bases_table,
+                     size_t want, const char* sources) {
+  ReadBases bases{};
+  if (counter_bases_table) {
+    if (!counter_bases.empty())
+      throw std::invalid_argument(std::string(what) + ": give the counter bases by value or in counter_bases_table, "
+                                  "not both");
+    bases.table = reinterpret_cast<const long long*>(counter_bases_table);
+    return bases;
+  }
+  if (counter_bases.size() != want || counter_bases.size() > size_t(kReadMaxCounters))
+    throw std::invalid_argument(std::string(what) + ": give " + sources + " x lanes counter bases, at most " +
+                                std::to_string(kReadMaxCounters) + " by value (more: counter_bases_table), got " +
+                                std::to_string(counter_bases.size()));
+  for (size_t i = 0; i < counter_bases.size(); ++i) bases.v[i] = counter_bases[i];
+  return bases;
+}
+
+}  // namespace
+
 void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int rank, int num_lanes,
                           const std::vector<int64_t>& counter_bases, int64_t stride, int64_t send_limit,
                           int64_t receive_bytes, int64_t capacity_rows, uintptr_t table_out, uintptr_t dims_out,
-                          uintptr_t stream) {
+                          uintptr_t stream, uintptr_t counter_bases_table) {
   if (num_ranks < 1 || rank < 0 || rank >= num_ranks || num_lanes < 1)
     throw std::invalid_argument("gate_from_count_rows: rank outside 0.." + std::to_string(num_ranks - 1) +
                                 " or no lane");
@@ -542,11 +568,8 @@ void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks
                                 "node: 2 x ranks)");
   if (!count_rows || !table_out || !dims_out)
     throw std::invalid_argument("gate_from_count_rows: null count rows, table or dims");
-  if (counter_bases.size() != size_t(num_ranks) * size_t(num_lanes) || counter_bases.size() > size_t(kReadMaxCounters))
-    throw std::invalid_argument("gate_from_count_rows: give ranks x lanes counter bases, at most " +
-                                std::to_string(kReadMaxCounters) + ", got " + std::to_string(counter_bases.size()));
-  ReadBases bases{};
-  for (size_t i = 0; i < counter_bases.size(); ++i) bases.v[i] = counter_bases[i];
+  const ReadBases bases = read_bases("gate_from_count_rows", counter_bases, counter_bases_table,
+                                     size_t(num_ranks) * size_t(num_lanes), "ranks");
   if (stride <= 0 || capacity_rows < 0) throw std::invalid_argument("gate_from_count_rows: bad stride or capacity");
   gate_from_count_rows_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const long long*>(count_rows), row_words, num_ranks, rank, num_lanes,
@@ -559,7 +582,8 @@ void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ra
                              int num_lanes, const std::vector<int64_t>& counter_bases, int64_t stride,
                              int64_t final_bytes, int64_t send_limit, int64_t receive_bytes, int64_t final_limit,
                              int64_t capacity_rows, int64_t ready_rows, uintptr_t table_out, uintptr_t blocks_out,
-                             uintptr_t limits_out, uintptr_t dims_out, uintptr_t stream) {
+                             uintptr_t limits_out, uintptr_t dims_out, uintptr_t stream,
+                             uintptr_t counter_bases_table) {
   if (ranks_per_node < 2 || num_ranks % ranks_per_node || rank < 0 || rank >= num_ranks || num_lanes < 1)
     throw std::invalid_argument("forward_from_count_rows: several GPUs per node dividing the ranks, a rank in 0.." +
                                 std::to_string(num_ranks - 1) + " and a lane");
@@ -568,13 +592,10 @@ void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ra
     throw std::invalid_argument("forward_from_count_rows: a count row has at least ranks + nodes words");
   if (!count_rows || !table_out || !blocks_out || !limits_out || !dims_out)
     throw std::invalid_argument("forward_from_count_rows: null count rows, table, blocks, limits or dims");
-  if (counter_bases.size() != size_t(nodes) * size_t(num_lanes) || counter_bases.size() > size_t(kReadMaxCounters))
-    throw std::invalid_argument("forward_from_count_rows: give nodes x lanes counter bases, at most " +
-                                std::to_string(kReadMaxCounters) + ", got " + std::to_string(counter_bases.size()));
+  const ReadBases bases = read_bases("forward_from_count_rows", counter_bases, counter_bases_table,
+                                     size_t(nodes) * size_t(num_lanes), "nodes");
   if (stride <= 0 || final_bytes <= 0 || capacity_rows < 0 || ready_rows < 0)
     throw std::invalid_argument("forward_from_count_rows: bad stride, final row bytes, capacity or ready rows");
-  ReadBases bases{};
-  for (size_t i = 0; i < counter_bases.size(); ++i) bases.v[i] = counter_bases[i];
   forward_from_count_rows_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const long long*>(count_rows), row_words, num_ranks, ranks_per_node, rank, num_lanes, bases,
       stride, final_bytes, send_limit, receive_bytes, final_limit, capacity_rows, ready_rows,

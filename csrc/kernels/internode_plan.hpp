@@ -149,13 +149,14 @@ enum ReadDim : int {
 // rank sending us records, its counters' bases from counter_bases: every counter's value before this call, lane f
 // of source s at s * num_lanes + f) and the ReadDim words. Go when the pack during notify packed (our records fit
 // send_limit bytes), the others pushed (our arrivals fit receive_bytes) and they fit capacity_rows outputs: the
-// host applies the same rule to the same counts afterwards. One thread. The bases travel as kernel arguments (no
-// upload before the launch), so at most kReadMaxCounters of them (source ranks x lanes).
+// host applies the same rule to the same counts afterwards. One thread. Up to kReadMaxCounters bases (source ranks x
+// lanes) travel as kernel arguments (no upload before the launch); more come as counter_bases_table, a device int64
+// array uploaded before notify's wait (counter_bases then empty).
 constexpr int kReadMaxCounters = 128;
 void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int rank, int num_lanes,
                           const std::vector<int64_t>& counter_bases, int64_t stride, int64_t send_limit,
                           int64_t receive_bytes, int64_t capacity_rows, uintptr_t table_out, uintptr_t dims_out,
-                          uintptr_t stream);
+                          uintptr_t stream, uintptr_t counter_bases_table = 0);
 
 // Several GPUs per node, the forward dispatch's forwarder launched before the host read the counts (docs/internode.md,
 // "The forward before the count read"): from every rank's count row (tokens per destination rank, then per
@@ -168,13 +169,14 @@ void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks
 // notify (they fit send_limit bytes), our arrivals fit receive_bytes and every local GPU's final rows fit final_limit
 // bytes of final_bytes each; the unpack when the forward goes, our final rows fit capacity_rows and, with ready_rows
 // (the unpack beside the forward: final rows with a ready word; 0: none), every local GPU's final rows have a word.
-// The host applies the same rule (internode_plan.forward_before_counts). One thread.
+// The host applies the same rule (internode_plan.forward_before_counts). One thread. Counter bases as in
+// gate_from_count_rows: by value up to kReadMaxCounters, else counter_bases_table.
 constexpr int kForwardDims = 2 * kReadDims;
 void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int ranks_per_node, int rank,
                              int num_lanes, const std::vector<int64_t>& counter_bases, int64_t stride,
                              int64_t final_bytes, int64_t send_limit, int64_t receive_bytes, int64_t final_limit,
                              int64_t capacity_rows, int64_t ready_rows, uintptr_t table_out, uintptr_t blocks_out,
-                             uintptr_t limits_out, uintptr_t dims_out, uintptr_t stream);
+                             uintptr_t limits_out, uintptr_t dims_out, uintptr_t stream, uintptr_t counter_bases_table = 0);
 
 // The pipelined combine gather's table (gather_tiles' by_arrival) at a handle's first combine, in one call: out
 // (int32 [targets, max_arrivals]) set to -1, then out[f, arrival[r]] = r for each received row r, f being the local

@@ -770,9 +770,22 @@ def expert_major_receive(src: int, src_stride: int, num_rows: int, x_offset: int
             _at(out, 8 * n, torch.int64).copy_(val.to(torch.int64))
 
 
+def _read_bases(what: str, counter_bases: list, table: int, want: int, sources: str) -> list:
+    """read_bases (internode_plan.cu): ``want`` counter bases by value (at most READ_MAX_COUNTERS) or, with
+    ``counter_bases`` empty, from the device table at ``table`` (read when the kernel runs)."""
+    if table:
+        if counter_bases:
+            raise ValueError(f"{what}: give the counter bases by value or in counter_bases_table, not both")
+        return _at(table, 8 * want, torch.int64).tolist()
+    if len(counter_bases) != want or len(counter_bases) > READ_MAX_COUNTERS:
+        raise ValueError(f"{what}: give {sources} x lanes counter bases, at most {READ_MAX_COUNTERS} by value (more: "
+                         f"counter_bases_table), got {len(counter_bases)}")
+    return list(counter_bases)
+
+
 def gate_from_count_rows(count_rows: int, row_words: int, num_ranks: int, rank: int, num_lanes: int,
                          counter_bases: list, stride: int, send_limit: int, receive_bytes: int, capacity_rows: int,
-                         table_out: int, dims_out: int, stream: int) -> None:
+                         table_out: int, dims_out: int, stream: int, counter_bases_table: int = 0) -> None:
     """gate_from_count_rows_kernel: internode_plan.read_before_counts on the count rows at ``count_rows``; the gate
     table to ``table_out``, the words to ``dims_out``."""
     if num_ranks < 1 or not 0 <= rank < num_ranks or num_lanes < 1:
@@ -782,9 +795,8 @@ def gate_from_count_rows(count_rows: int, row_words: int, num_ranks: int, rank: 
                          "2 x ranks)")
     if not (count_rows and table_out and dims_out):
         raise ValueError("gate_from_count_rows: null count rows, table or dims")
-    if len(counter_bases) != num_ranks * num_lanes or len(counter_bases) > READ_MAX_COUNTERS:
-        raise ValueError(f"gate_from_count_rows: give ranks x lanes counter bases, at most {READ_MAX_COUNTERS}, got "
-                         f"{len(counter_bases)}")
+    counter_bases = _read_bases("gate_from_count_rows", counter_bases, counter_bases_table, num_ranks * num_lanes,
+                                "ranks")
     if stride <= 0 or capacity_rows < 0:
         raise ValueError("gate_from_count_rows: bad stride or capacity")
     R = num_ranks
@@ -800,7 +812,8 @@ def gate_from_count_rows(count_rows: int, row_words: int, num_ranks: int, rank: 
 def forward_from_count_rows(count_rows: int, row_words: int, num_ranks: int, ranks_per_node: int, rank: int,
                             num_lanes: int, counter_bases: list, stride: int, final_bytes: int, send_limit: int,
                             receive_bytes: int, final_limit: int, capacity_rows: int, ready_rows: int, table_out: int,
-                            blocks_out: int, limits_out: int, dims_out: int, stream: int) -> None:
+                            blocks_out: int, limits_out: int, dims_out: int, stream: int,
+                            counter_bases_table: int = 0) -> None:
     """forward_from_count_rows_kernel: internode_plan.forward_before_counts on the count rows at ``count_rows``; the
     gate table, block table, final rows per local GPU and words to their outputs."""
     G = ranks_per_node
@@ -812,9 +825,7 @@ def forward_from_count_rows(count_rows: int, row_words: int, num_ranks: int, ran
         raise ValueError("forward_from_count_rows: a count row has at least ranks + nodes words")
     if not (count_rows and table_out and blocks_out and limits_out and dims_out):
         raise ValueError("forward_from_count_rows: null count rows, table, blocks, limits or dims")
-    if len(counter_bases) != N * num_lanes or len(counter_bases) > READ_MAX_COUNTERS:
-        raise ValueError(f"forward_from_count_rows: give nodes x lanes counter bases, at most {READ_MAX_COUNTERS}, "
-                         f"got {len(counter_bases)}")
+    counter_bases = _read_bases("forward_from_count_rows", counter_bases, counter_bases_table, N * num_lanes, "nodes")
     if stride <= 0 or final_bytes <= 0 or capacity_rows < 0 or ready_rows < 0:
         raise ValueError("forward_from_count_rows: bad stride, final row bytes, capacity or ready rows")
     rows = _at(count_rows, 8 * R * row_words, torch.int64).view(R, row_words)

@@ -1336,6 +1336,41 @@ def test_a_dispatch_pushed_during_notify_reads_before_the_host_reads_the_counts_
     assert [row[2:] for row in out] == [(0, 0, 0, 0)] * world
 
 
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_more_counter_bases_than_kernel_arguments_hold_go_in_a_device_table_and_reads_before_the_count_read_match(
+        world, G):
+    """Nodes x lanes past READ_MAX_COUNTERS (here 2 nodes x 80 lanes: 160; at the default 32 lanes, groups of more than
+    4 nodes) used to turn reading before the count read off. The bases now go to the kernel that reads the count rows
+    as a device table uploaded before notify (by value that kernel refuses more than READ_MAX_COUNTERS), and the
+    dispatches still read before the count read, every output equal to the reference."""
+    env = dict(ENV, UCCL_EP_NUM_PROXY_THREADS="2", UCCL_EP_FIFOS_PER_THREAD="40")
+    assert (world // G) * 80 > fake.READ_MAX_COUNTERS
+    cases = ALL[:4] + [ALL[7]]
+    out = run_distributed(_cases_counting, world, G, cases, READ_COUNTERS, timeout=180, env=env)
+    for done, fused, read, declined, _ in out:
+        assert done == len(cases) and fused == len(cases) - 1 and read + declined == fused, (done, fused, read)
+    assert sum(row[2] for row in out) >= world, out
+
+
+def test_the_count_row_kernels_take_counter_bases_by_value_up_to_the_limit_or_in_a_table_not_both():
+    """The stand-in's checks, as internode_plan.cu's read_bases makes them: 2 ranks x 65 lanes are 130 bases."""
+    lanes = fake.READ_MAX_COUNTERS // 2 + 1
+    rows = torch.tensor([[2, 0, 2, 0], [3, 1, 3, 1]], dtype=torch.int64)  # rank 1 sends rank 0 three records
+    table = torch.zeros((2, fake.GATE_COLUMNS + lanes), dtype=torch.int64)
+    dims = torch.zeros(fake.READ_DIMS, dtype=torch.int64)
+    bases = torch.randint(0, 1 << 40, (2 * lanes,), dtype=torch.int64)
+    args = (rows.data_ptr(), 4, 2, 0, lanes)
+    with pytest.raises(ValueError, match="at most 128 by value \\(more: counter_bases_table\\), got 130"):
+        fake.gate_from_count_rows(*args, bases.tolist(), 16, 0, 0, 0, table.data_ptr(), dims.data_ptr(), 0)
+    with pytest.raises(ValueError, match="not both"):
+        fake.gate_from_count_rows(*args, [0], 16, 0, 0, 0, table.data_ptr(), dims.data_ptr(), 0,
+                                  counter_bases_table=bases.data_ptr())
+    fake.gate_from_count_rows(*args, [], 16, 1 << 20, 1 << 20, 64, table.data_ptr(), dims.data_ptr(), 0,
+                              counter_bases_table=bases.data_ptr())
+    assert dims[:4].tolist() == [1, 5, 0, 1], dims  # go, 5 arrivals, ours first, one gate row: rank 1's block
+    assert torch.equal(table[0, fake.GATE_COLUMNS:], bases[lanes:]), "rank 1's lanes take their bases from the table"
+
+
 EM_READ_COUNTERS = ("reads_before_counts", "reads_before_counts_declined", "expert_major_reads_before_counts",
                     "expert_major_places_on_device", "expert_major_reads")
 

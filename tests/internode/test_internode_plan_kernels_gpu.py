@@ -257,7 +257,8 @@ def test_send_plan_written_with_the_count_row_and_pack_counted_from_it_on_the_de
         assert torch.equal(send[S1:], before[S1:]), "records were written past the ones counted"
 
 
-@pytest.mark.parametrize("R,rank,lanes", [(2, 0, 4), (2, 1, 1), (4, 2, 3), (8, 0, 2)])
+# (2, 1, 65): more counter bases than the kernel takes as arguments, given in a device table
+@pytest.mark.parametrize("R,rank,lanes", [(2, 0, 4), (2, 1, 1), (4, 2, 3), (8, 0, 2), (2, 1, 65)])
 @pytest.mark.parametrize("limits", ["go", "not_packed", "too_many_rows", "arrivals_too_big"])
 @pytest.mark.parametrize("pad", [False, True])
 def test_a_reader_before_the_count_read_takes_its_gate_rows_and_own_records_from_the_count_rows_on_the_device(
@@ -292,8 +293,10 @@ def test_a_reader_before_the_count_read_takes_its_gate_rows_and_own_records_from
     d_rows = rows.to(DEV)
     table = torch.full((R, 4 + lanes), -7, dtype=torch.int64, device=DEV)
     dims = torch.full((READ_DIMS,), -7, dtype=torch.int64, device=DEV)
-    K_.gate_from_count_rows(d_rows.data_ptr(), words, R, rank, lanes, bases.tolist(), stride, send_limit, receive,
-                            cap, table.data_ptr(), dims.data_ptr(), STREAM())
+    d_bases = bases.to(DEV)
+    by_value, in_table = ([], d_bases.data_ptr()) if R * lanes > K_.READ_MAX_COUNTERS else (bases.tolist(), 0)
+    K_.gate_from_count_rows(d_rows.data_ptr(), words, R, rank, lanes, by_value, stride, send_limit, receive,
+                            cap, table.data_ptr(), dims.data_ptr(), STREAM(), counter_bases_table=in_table)
     with pytest.raises(ValueError, match="counter bases"):  # one per (source, lane), no more than the kernel takes
         K_.gate_from_count_rows(d_rows.data_ptr(), words, R, rank, lanes, bases.tolist()[1:], stride, send_limit,
                                 receive, cap, table.data_ptr(), dims.data_ptr(), STREAM())
@@ -451,7 +454,8 @@ def test_places_kernel_makes_the_readers_table_and_plan_sizes_from_the_count_row
                                STREAM())
 
 
-@pytest.mark.parametrize("N,G,rank,lanes", [(2, 2, 1, 2), (2, 4, 6, 1), (3, 2, 2, 3), (4, 2, 7, 2)])
+# (2, 2, 1, 65): more counter bases than the kernel takes as arguments, given in a device table
+@pytest.mark.parametrize("N,G,rank,lanes", [(2, 2, 1, 2), (2, 4, 6, 1), (3, 2, 2, 3), (4, 2, 7, 2), (2, 2, 1, 65)])
 @pytest.mark.parametrize("limits", ["go", "not_packed", "arrivals_too_big", "final_rows_too_big", "outputs_too_small",
                                     "rows_without_ready_words"])
 def test_a_forward_before_the_count_read_takes_the_hosts_tables_from_the_count_rows_and_packs_only_our_own_records(
@@ -506,7 +510,12 @@ def test_a_forward_before_the_count_read_takes_the_hosts_tables_from_the_count_r
     dims = torch.full((FORWARD_DIMS,), -7, dtype=torch.int64, device=DEV)
     args = (stride, final_bytes, send_limit, receive, final_limit, cap, ready_rows, d_table.data_ptr(),
             d_blocks.data_ptr(), d_finals.data_ptr(), dims.data_ptr(), STREAM())
-    K_.forward_from_count_rows(d_rows.data_ptr(), words, R, G, rank, lanes, bases, *args)
+    d_bases = torch.tensor(bases, dtype=torch.int64, device=DEV)
+    if N * lanes > K_.READ_MAX_COUNTERS:
+        K_.forward_from_count_rows(d_rows.data_ptr(), words, R, G, rank, lanes, [], *args,
+                                   counter_bases_table=d_bases.data_ptr())
+    else:
+        K_.forward_from_count_rows(d_rows.data_ptr(), words, R, G, rank, lanes, bases, *args)
     with pytest.raises(ValueError, match="counter bases"):  # one per (node, lane)
         K_.forward_from_count_rows(d_rows.data_ptr(), words, R, G, rank, lanes, bases[1:], *args)
     with pytest.raises(ValueError, match="several GPUs per node"):
