@@ -541,7 +541,7 @@ class NativeInternodeBackend:
         self._nvl = _raw_bytes(self._cx.nvl_ptr, self.nvl_bytes, self.device)
         # The notify area (one count row per rank, at the end of the RDMA region) is the count exchange through the
         # proxies; with very many ranks it would eat the region, and notify falls back to a gloo all_gather.
-        # A row: [tokens per rank | per node | per expert | per (rank, top-k slot)]; the area holds R of the widest
+        # A row: [tokens per rank | per node | per expert, up to NOTIFY_MAX_EXPERTS]; the area holds R of the widest
         # (a call packs its rows at the width it uses).
         self._notify_row = _align(8 * notify_row_words(self.R, self.N))
         notify_bytes = self.R * self._notify_row
