@@ -2267,9 +2267,9 @@ class NativeInternodeBackend:
             self._launch_forward_before_counts(reading, rows_at, send_top)
             return
         dims = self._read_dims.data_ptr()
-        self._k.gate_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, self.rank, self.L,
-                                     self._expected[:self.N * self.L], stride, send_top, self.half_rdma, rows,
-                                     self._read_gate.data_ptr(), dims, self._stream())
+        self._k.gate_from_count_rows(rows_at.ptr, rows_at.row_words, self.R, self.rank, self.L, reading.bases, stride,
+                                     send_top, self.half_rdma, rows, self._read_gate.data_ptr(), dims, self._stream(),
+                                     counter_bases_table=_address(reading.bases_table))
         gate = self._cx.arrival_gate(self._read_gate.data_ptr(), self.N - 1, self._per_chunk(stride),
                                      self._phases["dispatch_network"])
         final = _raw_bytes(self._cx.rdma_ptr + self.half_rdma, rows * stride, self.device).view(rows, stride)

@@ -1350,6 +1350,11 @@ def test_more_counter_bases_than_kernel_arguments_hold_go_in_a_device_table_and_
     for done, fused, read, declined, _ in out:
         assert done == len(cases) and fused == len(cases) - 1 and read + declined == fused, (done, fused, read)
     assert sum(row[2] for row in out) >= world, out
+    # ... and expert-major receives written by their reader (the second random one and the FP8 worst-tokens one)
+    cases = [ALL[0], ALL[6], ALL[6], ALL[8]]
+    out = run_distributed(_cases_counting, world, G, cases, ("expert_major_reads_before_counts",), timeout=180,
+                          env=dict(env, UCCL_EP_EXPERT_MAJOR_IN_READER="always"))
+    assert all(done == len(cases) and em_read >= 2 for done, em_read in out), out
 
 
 def test_the_count_row_kernels_take_counter_bases_by_value_up_to_the_limit_or_in_a_table_not_both():
@@ -1399,8 +1404,6 @@ def test_an_expert_major_dispatch_whose_reader_writes_the_rows_reads_before_the_
                           timeout=180, env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader,
                                                 UCCL_EP_UNPACK_BESIDE_FORWARD=beside))
     em_cases = sum(1 for c in cases if c[2])
-    # beside the forward: every read before the counts launched so (those that went, at least), the expert-major
-    # receives among them where the reader writes the rows
     # beside the forward: every read before the counts launched so (those that went, at least), the expert-major
     # receives among them where the reader writes the rows
     for row in out:
