@@ -5,10 +5,11 @@ count per step (`bench internode`'s host steps: dispatch.pack, combine.gather, .
 CUDA and which are Python. The stand-in runs the backend's own Python; its uploads go through an upload staging area
 as on a GPU. Views (view, slice, select, t, ...) are not counted, nor what the stand-in's kernels do inside.
 
-    python3 scripts/count_host_ops.py [--world 4] [--ranks-per-node 2] [--sync-free]
+    python3 scripts/count_host_ops.py [--world 4] [--ranks-per-node 2] [--sync-free] [--ops]
 
 Prints rank 0's counts for one forward pair (an uncached dispatch, then a combine of its handle) after two warm-up
-pairs: per step, torch ops, native calls (kernels and context) and uploads.
+pairs: per step, torch ops, native calls (kernels and context) and uploads; with --ops, which torch ops and native
+calls they were.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ VIEWS = {"detach", "view", "slice", "select", "alias", "t", "as_strided", "lift_
          "unsqueeze", "expand"}
 
 
-def _count(rank, world, G, T=1024, H=256, E=64, K=8, sync_free=False):
+def _count(rank, world, G, T=1024, H=256, E=64, K=8, sync_free=False, ops=False):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import test_internode_backend_cpu as stand_in
@@ -48,9 +49,11 @@ def _count(rank, world, G, T=1024, H=256, E=64, K=8, sync_free=False):
             if name.startswith("_") or not callable(f) or isinstance(f, type):
                 continue
 
-            def counted(*a, _f=f, **k):
+            def counted(*a, _f=f, _name=name, **k):
                 if not inside[0]:
                     step["native"] += 1
+                    if ops:
+                        step[f"  {_name}"] += 1
                 inside[0] += 1
                 try:
                     return _f(*a, **k)
@@ -77,6 +80,8 @@ def _count(rank, world, G, T=1024, H=256, E=64, K=8, sync_free=False):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not inside[0] and func.overloadpacket.__name__ not in VIEWS:
                 step["torch ops"] += 1
+                if ops:
+                    step[f"  aten.{func.overloadpacket.__name__}"] += 1
             return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(rank)
@@ -104,13 +109,18 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--sync-free", action="store_true")
+    p.add_argument("--ops", action="store_true", help="also name each step's torch ops and native calls")
     a = p.parse_args(argv)
     env = {"UCCL_EP_NUM_PROXY_THREADS": "2", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60",
            "UCCL_EP_RANKS_PER_NODE": str(a.ranks_per_node)}
-    out = run_distributed(functools.partial(_count, G=a.ranks_per_node, sync_free=a.sync_free), a.world,
+    out = run_distributed(functools.partial(_count, G=a.ranks_per_node, sync_free=a.sync_free, ops=a.ops), a.world,
                           backend="gloo", timeout=600, env=env)
     for name, c in out[0].items():
-        print(f"{name:40s} " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+        totals = {k: v for k, v in c.items() if not k.startswith("  ")}
+        print(f"{name:40s} " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))
+        for k, v in sorted(c.items()):
+            if k.startswith("  "):
+                print(f"{'':40s} {k.strip()} x{v}")
     return 0
 
 
