@@ -8,7 +8,8 @@ From Megatron's TransformerConfig (the flags users already pass):
 | ``moe_router_dtype`` | ``fp64`` keeps permuted probs in float64 (as flex does); else float32 |
 | ``moe_shared_expert_overlap`` | shared expert runs on its own stream, overlapping dispatch/combine |
 | ``moe_expert_capacity_factor`` | the router drops tokens over capacity; dropped slots are sent as -1 |
-| ``moe_flex_dispatcher_num_sms`` | when set, SMs for the kernels (like DeepEP's), else UCCL_EP_NUM_SMS |
+
+``moe_flex_dispatcher_num_sms`` (flex's knob) is not read: the kernels' SMs come from UCCL_EP_NUM_SMS.
 
 From uccl-ep-train's settings (environment, uccl_ep_train.settings; the ``dispatcher`` group there):
 
