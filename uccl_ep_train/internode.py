@@ -989,11 +989,12 @@ class NativeInternodeBackend:
 
     def _barrier(self, what: str) -> None:
         """Group barrier in stream order, through the proxies: every rank pushes a zero-byte signal to every other
-        rank behind all its earlier work on the stream, then waits (GPU, with the GPU deadline) for one from each,
-        then the host drains. When it returns, every rank's earlier kernels -- its reads of its areas, its stores
-        into peers' NVL areas -- are complete. The network writes they pushed on other lanes may still be in flight
-        (the proxy threads are not ordered with each other): the receivers' own counter waits cover those. It replaced a
-        gloo barrier over TCP (~1 ms per barrier with 4 processes; docs/internode.md)."""
+        rank behind all its earlier work on the stream, then waits (GPU, with the GPU deadline) for one from each;
+        the host drains after it where drains are on (_settle). Work queued after it runs once every rank's earlier
+        kernels -- its reads of its areas, its stores into peers' NVL areas -- are complete. The network writes they
+        pushed on other lanes may still be in flight (the proxy threads are not ordered with each other): the
+        receivers' own counter waits cover those. It replaced a gloo barrier over TCP (~1 ms per barrier with 4
+        processes; docs/internode.md)."""
         rows = [[r, 0, 0, 0, 1, self._barrier_slot, 0] for r in range(self.R) if r != self.rank]
         self._push_and_wait(rows, [(self._barrier_slot, self.R - 1)], "barrier", 1, what, fixed=True)
 
