@@ -1357,6 +1357,20 @@ def test_more_counter_bases_than_kernel_arguments_hold_go_in_a_device_table_and_
     assert all(done == len(cases) and em_read >= 2 for done, em_read in out), out
 
 
+@pytest.mark.parametrize("world,G", [(8, 1), (8, 2)], ids=["8x1", "4x2"])
+def test_eight_ranks_at_the_default_lanes_read_before_the_count_read_on_both_sides_of_the_argument_limit(world, G):
+    """The production lane count (4 proxy threads x 8 FIFOs: 32 lanes) with 8 ranks: 8 nodes x 32 lanes = 256 counter
+    bases go in the device table, 4 nodes x 32 = 128 exactly fit the kernel's arguments. Both read before the count
+    read, and every output equals the reference."""
+    env = dict(ENV, UCCL_EP_NUM_PROXY_THREADS="4", UCCL_EP_FIFOS_PER_THREAD="8")
+    cases = ALL[:4] + [ALL[6], ALL[7]]
+    out = run_distributed(_cases_counting, world, G, cases, READ_COUNTERS, timeout=300, env=env)
+    for done, fused, read, declined, _ in out:
+        # (the expert-major case is the first of its kind: no row guess, so it neither reads before nor declines)
+        assert done == len(cases) and fused == len(cases) - 1 and read + declined == fused - 1, (done, fused, read)
+        assert read >= 2, read  # the worst-tokens case and one more at least
+
+
 def test_the_count_row_kernels_take_counter_bases_by_value_up_to_the_limit_or_in_a_table_not_both():
     """The stand-in's checks, as internode_plan.cu's read_bases makes them: 2 ranks x 65 lanes are 130 bases."""
     lanes = fake.READ_MAX_COUNTERS // 2 + 1
