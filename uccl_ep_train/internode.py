@@ -1056,7 +1056,7 @@ class NativeInternodeBackend:
             tpe = tokens_per_expert if tokens_per_expert.device == self.device else tokens_per_expert.to(self.device)
             tpe = _dense(tpe, tpe.dtype if tpe.dtype in (torch.int32, torch.int64) else torch.int64)
         self._k.count_row(out.data_ptr(), itr.data_ptr(), itr.size(0), self.R, self.G,
-                          tpe.data_ptr() if tpe is not None else 0, tpe is not None and tpe.dtype == torch.int64,
+                          _address(tpe), tpe is not None and tpe.dtype == torch.int64,
                           tpe.numel() if tpe is not None else 0, self._stream(),
                           send_plan=self._table_addresses(plan) if plan is not None else None)
 
@@ -1248,7 +1248,7 @@ class NativeInternodeBackend:
             self._expected[slot] += count
         t = self._upload(table) if table else None
         self._keep_w = t  # alive until the gated launch has run (the drain in _gated_done)
-        return Pending(self._cx.arrival_gate(t.data_ptr() if t is not None else 0, len(table), hop.per_chunk,
+        return Pending(self._cx.arrival_gate(_address(t), len(table), hop.per_chunk,
                                              self._phases[phase]), t0, [slot for slot, _ in hop.waits],
                        records=sum(count for _, count in hop.waits))
 
@@ -1980,13 +1980,12 @@ class NativeInternodeBackend:
         ``ready`` (our ready words, the forward's epoch): each row read once its word holds the epoch, on ``stream``
         (default: ours), the grid held to UCCL_EP_UNPACK_BESIDE_FORWARD_BLOCKS."""
         K = ids.size(1) if ids is not None else 0
-        ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
         self._k.unpack_records(
             src, src_stride, n, out_rows,
             [(o.data_ptr(), layout.column_bytes[i], layout.column_offsets[i]) for i, o in enumerate(outs)],
-            ptr(ids), ptr(weights), layout.column_offsets[ids_column] if K else 0,
+            _address(ids), _address(weights), layout.column_offsets[ids_column] if K else 0,
             layout.column_offsets[ids_column + 1] if K else 0, K, expert_lo, experts_per_rank,
-            layout.src_idx_offset, ptr(src_idx), layout.arrival_offset if self.G > 1 else -1, ptr(arrival),
+            layout.src_idx_offset, _address(src_idx), layout.arrival_offset if self.G > 1 else -1, _address(arrival),
             self._stream() if stream is None else stream, gate=gate, first_row=first_row, **before,
             **self._ready_args(ready))
 
@@ -2778,7 +2777,7 @@ class NativeInternodeBackend:
         nbytes = self._k.expert_major_pair_ranks_workspace_bytes(T, K, num_experts)
         work = torch.empty(nbytes, dtype=torch.uint8, device=self.device) if nbytes else None
         self._k.expert_major_pair_ranks(topk_idx.data_ptr(), T, K, num_experts, ranks.data_ptr(), self._stream(),
-                                        workspace=work.data_ptr() if work is not None else 0, workspace_bytes=nbytes)
+                                        workspace=_address(work), workspace_bytes=nbytes)
         return ranks
 
     def _expert_major_pad(self, info: torch.Tensor, alignment: int, rows: int, out: List[torch.Tensor],
@@ -2787,11 +2786,11 @@ class NativeInternodeBackend:
         with ``em`` marked empty in its plan; one launch, before the reader, which writes only the other rows.
         ``go``: the device words of a reader launched before the count read (nothing done when they say no);
         ``stream``: the reader's (default: ours)."""
-        ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
         self._k.expert_major_pad(info.data_ptr(), info.numel() - 2, alignment, rows, _row_bytes(out[0]),
                                  out[1][0].numel() if len(out) > 1 else 0, out[0].data_ptr(),
-                                 ptr(out[1]) if len(out) > 1 else 0, ptr(em and em.token), ptr(em and em.slot),
-                                 ptr(em and em.expert), ptr(em and em.weights), self._expert_major_grid("copy"),
+                                 _address(out[1]) if len(out) > 1 else 0, _address(em and em.token),
+                                 _address(em and em.slot), _address(em and em.expert), _address(em and em.weights),
+                                 self._expert_major_grid("copy"),
                                  self._stream() if stream is None else stream, go=go)
 
     def _expert_major_read(self, final: torch.Tensor, layout: RecordLayout, out: List[torch.Tensor], rows: int,
@@ -2822,7 +2821,6 @@ class NativeInternodeBackend:
         n = final.size(0)
         if counted:
             self.expert_major_reads["uncached" if em is not None else "cached"] += 1
-        ptr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
         ids = len(out)  # the top-k ids' column, then the weights and the pair ranks
         scales = len(out) > 1
         places = em.places.data_ptr() if em is not None else 0
@@ -2832,9 +2830,10 @@ class NativeInternodeBackend:
             out[0].data_ptr(), out[1].data_ptr() if scales else 0, rows, topk, em is None, slot_of.data_ptr(),
             layout.column_offsets[ids] if em else -1, layout.column_offsets[ids + 1] if em else -1,
             layout.column_offsets[ids + 2] if em else -1, self.rank * experts_per_rank, experts_per_rank, self.R,
-            places, places + 8 * (self.R + 1) if em else 0, ptr(em and em.token), ptr(em and em.slot),
-            ptr(em and em.expert), ptr(em and em.weights), layout.src_idx_offset, ptr(src_idx),
-            layout.arrival_offset if self.G > 1 else -1, ptr(arrival), self._stream() if stream is None else stream,
+            places, places + 8 * (self.R + 1) if em else 0, _address(em and em.token), _address(em and em.slot),
+            _address(em and em.expert), _address(em and em.weights), layout.src_idx_offset, _address(src_idx),
+            layout.arrival_offset if self.G > 1 else -1, _address(arrival),
+            self._stream() if stream is None else stream,
             gate=gate, first_row=first_row, own=own, dims=dims, **self._ready_args(ready))
 
     def _expert_major_copy(self, h: InternodeHandle, sources: List[Tuple[int, int]], like: List[torch.Tensor],
@@ -3059,9 +3058,9 @@ class NativeInternodeBackend:
         w = torch.empty((nrecv, h.num_topk), dtype=torch.float32, device=self.device) if ew is not None else None
         if nrecv:  # (a rank that received nothing may still hold num_worst_tokens padding rows)
             self._k.expert_major_partials(
-                x.data_ptr(), ew.data_ptr() if ew is not None else 0, h.slot_of.data_ptr(),
+                x.data_ptr(), _address(ew), h.slot_of.data_ptr(),
                 h.expert_major_info.data_ptr(), nrecv, x.size(1), x.element_size(), h.num_topk, rows.data_ptr(),
-                w.data_ptr() if w is not None else 0,
+                _address(w),
                 self._expert_major_grid("partials_f32" if x.dtype == torch.float32 else "partials_bf16"),
                 self._stream())
         return rows, w
@@ -3072,7 +3071,7 @@ class NativeInternodeBackend:
         makes, summed by the packers as they write each record, so the wire does not wait for a pass over every
         expert-major row first (docs/internode.md, "Expert-major sums in the pack")."""
         return (x.data_ptr(), pay, x.dtype == torch.float32, h.slot_of.data_ptr(), h.num_topk,
-                ew.data_ptr() if ew is not None else 0, pay)
+                _address(ew), pay)
 
     def _next_epoch(self, epoch: int, setting: str) -> int:
         """The epoch after ``epoch`` for a kind of NVLink flags (every rank counts its calls alike), refused before the
