@@ -10,9 +10,10 @@ package. Record on the GPU machine (py-spy from a carried wheel; scripts/gpu-che
 
 Each line of the raw format is a stack, outermost frame first, frames "function (path:line)" joined by ";", then a
 space and its sample count. A sample belongs to a call when its stack passes through the backend's dispatch or
-combine (uccl_ep_train/internode.py); dispatches are split by whether the stack also passes through
-_uncached_dispatch. It is charged to the innermost frame of uccl_ep_train, and counted as waiting when that frame's
-function is one of the waits (default: _drain, the host polling its stream's mark).
+combine (uccl_ep_train/internode/, or uccl_ep_train/internode.py in profiles made before session 48); dispatches are
+split by whether the stack also passes through _uncached_dispatch. It is charged to the innermost frame of
+uccl_ep_train, and counted as waiting when that frame's function is one of the waits (default: _drain, the host
+polling its stream's mark).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import sys
 from typing import Dict, Iterable, List, Optional, Tuple
 
 PACKAGE = "uccl_ep_train/"
-BACKEND = "uccl_ep_train/internode.py"
+# the backend's package, and the one file it was before session 48 (older profiles in docs/benchmarks/)
+BACKEND = ("uccl_ep_train/internode/", "uccl_ep_train/internode.py")
 WAITS = ("_drain",)
 _FRAME = re.compile(r"^(?P<func>.+?) \((?P<path>.+):(?P<line>\d+)\)$")
 
@@ -35,9 +37,14 @@ def parse_frame(frame: str) -> Optional[Tuple[str, str, int]]:
     return (m["func"].rpartition(".")[2], m["path"], int(m["line"])) if m else None
 
 
+def in_backend(path: str) -> bool:
+    """Whether a frame's file is the internode backend's."""
+    return BACKEND[0] in path or path.endswith(BACKEND[1])
+
+
 def call_kind(frames: List[Optional[Tuple[str, str, int]]]) -> Optional[str]:
     """"uncached dispatch", "cached dispatch" or "combine" for a stack inside one of the backend's calls, else None."""
-    names = {f[0] for f in frames if f and f[1].endswith(BACKEND)}
+    names = {f[0] for f in frames if f and in_backend(f[1])}
     if "combine" in names:
         return "combine"
     if "dispatch" in names:

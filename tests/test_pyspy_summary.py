@@ -47,6 +47,22 @@ def test_samples_inside_each_call_kind_split_into_waits_and_work_by_the_innermos
     assert ps.summarize(RAW, ps.WAITS + ("_gather_in_tiles",))["combine"]["waiting"] == 6
 
 
+def test_the_backend_package_is_read_like_the_one_file_it_was():
+    # since session 48 the backend's methods sit in uccl_ep_train/internode/, one module per part of a call
+    where = {"dispatch": "dispatch", "_uncached_dispatch": "dispatch", "_cached_dispatch": "dispatch",
+             "_drain": "drains", "_dispatch_shape": "dispatch", "combine": "combine", "_gather_in_tiles": "combine"}
+    package = []
+    for line in RAW:
+        for name, module in where.items():
+            line = line.replace(f"{name} ({SITE}/internode.py:", f"{name} ({SITE}/internode/{module}.py:")
+        package.append(line)
+    assert all(f"{SITE}/internode.py:" not in line for line in package)
+    old, new = ps.summarize(RAW), ps.summarize(package)
+    assert {k: (v["samples"], v["waiting"]) for k, v in new.items()} == \
+        {k: (v["samples"], v["waiting"]) for k, v in old.items()} == \
+        {"uncached dispatch": (12, 7), "cached dispatch": (4, 0), "combine": (6, 1)}
+
+
 def test_the_script_prints_each_call_kinds_share_of_waiting_and_its_top_frames(tmp_path):
     raw = tmp_path / "prof.raw"
     raw.write_text("".join(RAW))

@@ -5,7 +5,7 @@ from the notify counts: the wire record layout, who sends how many records to wh
 at its destination, the push tables the ``push_chunks`` kernel turns into WRITE_SIGNAL commands, the counter targets
 each rank waits for, and the limits of the command format. tests/internode/test_internode_planning.py executes these
 plans with a byte-level simulator of the proxies and NVLink against reference.py on CPU; the backend that runs them
-on GPUs is uccl_ep_train/internode.py.
+on GPUs is uccl_ep_train/internode/.
 """
 from __future__ import annotations
 

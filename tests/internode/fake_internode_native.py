@@ -1371,7 +1371,7 @@ def unlink_shared_host_memory_names() -> None:
             pass
 
 
-#: What ``uccl_ep_train.native.module()`` returns once install() ran: the parts of ``_C`` internode.py touches.
+#: What ``uccl_ep_train.native.module()`` returns once install() ran: the parts of ``_C`` the backend touches.
 NATIVE = SimpleNamespace(internode=sys.modules[__name__], verbs=SimpleNamespace(available=False),
                          unlink_shared_host_memory_names=unlink_shared_host_memory_names, gpu_backend="NONE")
 

@@ -141,7 +141,7 @@ def check_a_failed_rank_sends_and_forwards_nothing(cx, scatter_rows, dev):
     received. After clear_error(), steps launched with the new generation move data again, while one launched with
     the failed generation (queued behind the failure) still does nothing.
     ``cx``: a one-rank InternodeContext (the native one or the CPU stand-in); ``dev``: where its regions live."""
-    from uccl_ep_train.internode import _raw_bytes
+    from uccl_ep_train.internode.columns import _raw_bytes
 
     rdma = _raw_bytes(cx.rdma_ptr, cx.rdma_bytes, dev)
     rdma[:4096] = torch.randint(0, 256, (4096,), dtype=torch.uint8, device=dev)
@@ -732,7 +732,7 @@ def check_forward_rows_sends_each_row_to_every_gpu_that_needs_it(cx, forward_row
     the launch's generation nothing moves. Destination bases only 8-, 4- or 1-byte aligned take narrower words
     (on a GPU, 16-byte stores there fault). Three targets carved from the RDMA region stand in for the node's GPUs.
     ``cx``: a one-rank InternodeContext (the native one or the CPU stand-in); ``dev``: where its regions live."""
-    from uccl_ep_train.internode import _raw_bytes
+    from uccl_ep_train.internode.columns import _raw_bytes
 
     row_bytes, src_stride, dst_stride, offset = shape
     G, n, cap, span = 3, 37, 50, 8192

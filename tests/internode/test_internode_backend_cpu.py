@@ -134,7 +134,7 @@ def _raw_hop(rank, world, G):
     import torch.distributed as dist
 
     from uccl_ep_train.backends import DispatchArgs
-    from uccl_ep_train.internode import _record_layout, _row_bytes
+    from uccl_ep_train.internode.columns import _record_layout, _row_bytes
 
     nat, ref = _backends(rank, world, G)
     try:
@@ -174,17 +174,17 @@ def test_the_raw_hop_moves_the_send_areas_bytes_where_the_push_table_points_and_
 
 def _cases_without_expert_counts(rank, world, G, cases, iters):
     """More experts than a notify row holds (the cap lowered to 1): the receiver counts the received expert ids."""
-    from uccl_ep_train import internode
+    from uccl_ep_train.internode import NativeInternodeBackend, notify
 
-    internode.NOTIFY_MAX_EXPERTS = 1
-    read = internode.counts_from_rows
+    NativeInternodeBackend.notify_max_experts = 1  # (this rank's process only)
+    read = notify.counts_from_rows
     with_expert_counts = []  # per count matrix read: whether it carried per-expert counts
 
     def counts_from_rows(*a, **kw):
         counts = read(*a, **kw)
         with_expert_counts.append(counts.expert_counts is not None)
         return counts
-    internode.counts_from_rows = counts_from_rows
+    notify.counts_from_rows = counts_from_rows
     return _cases(rank, world, G, cases, iters), with_expert_counts
 
 
@@ -551,7 +551,9 @@ def _plans_made_ahead(rank, world, G):
     """An uncached dispatch (bf16 with top-k weights), then a combine of its handle: the hop plans the handle holds
     after each, whether every plan equals the one its call would make at first use and has its device table, the
     plans made ahead in all, and what a planning guess whose areas do not fit leaves behind."""
-    from uccl_ep_train.internode import PlannedAhead, _align, _record_layout
+    from uccl_ep_train.internode.columns import _record_layout
+    from uccl_ep_train.internode.handle import PlannedAhead
+    from uccl_ep_train.internode_plan import _align
 
     nat, _ = _backends(rank, world, G)
     try:
@@ -673,7 +675,7 @@ def _expert_major_plans(rank, world, G):
     reader's launch (rank-major unpack or the expert-major reader), the expert-major copy's launch and the planning of
     the handle's next combine; whether anything was staged, whether the combine's plan equals the one it would make
     itself, and the pairs a case run matched."""
-    from uccl_ep_train.internode import _align
+    from uccl_ep_train.internode_plan import _align
 
     nat, ref = _backends(rank, world, G)
     order = []
@@ -773,14 +775,14 @@ def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_
 def _expert_major_with_poisoned_outputs(rank, world, G, cases):
     """compare_cases with every output row allocated full of 0x7F bytes, so that a row nobody writes (padding, the
     num_worst_tokens tail) cannot equal the reference's zeros; returns (pairs compared, expert-major reads)."""
-    import uccl_ep_train.internode as internode
+    from uccl_ep_train.internode import NativeInternodeBackend
 
     def poisoned(like, rows):
         out = torch.empty((rows,) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device)
         out.view(torch.uint8).fill_(0x7F)
         return out
 
-    internode._empty_rows = poisoned
+    NativeInternodeBackend._empty_rows = staticmethod(poisoned)  # (this rank's process only)
     nat, ref = _backends(rank, world, G)
     try:
         done = compare_cases(nat, ref, torch.device("cpu"), rank, world, cases, 1, unweighted=True)
@@ -1286,7 +1288,8 @@ def test_planning_goes_before_the_reader_while_at_least_half_the_hops_records_ar
     """_plan_before_reader: with half or more of a hop's records still to land the wire is busy for a while, and the
     next calls' planning (with its upload) goes before the reader's launch; with less the reader goes first. The
     counters' targets are the backend's running ones; no hop, or one with nothing to land, plans after."""
-    from uccl_ep_train.internode import NativeInternodeBackend, Pending
+    from uccl_ep_train.internode import NativeInternodeBackend
+    from uccl_ep_train.internode.call_state import Pending
 
     b = NativeInternodeBackend.__new__(NativeInternodeBackend)  # no context: only the decision is exercised
     b._expected = [0, 60, 40]

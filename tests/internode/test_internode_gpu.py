@@ -97,6 +97,15 @@ def _need(world, gpus=2):
         pytest.skip(f"needs {gpus} GPUs (UCCL_EP_TEST_SHARE_GPU=1: ranks share the GPUs there are)")
 
 
+def _need_gpu_per_rank(world):
+    """The copy agent's cases: by default (UCCL_EP_LOOPBACK_COPY_AGENT=auto) it moves the loopback's bytes only where
+    every rank has a GPU of its own; ranks that share one keep the proxy threads' copies and the drains
+    (docs/internode.md, "Two processes per GPU"), so there these cases do not apply, even with
+    UCCL_EP_TEST_SHARE_GPU."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs a GPU per rank ({world}): ranks sharing a GPU get no copy agent by default")
+
+
 @pytest.mark.parametrize("world,G", TOPOLOGIES)
 def test_every_output_matches_reference_over_routings_dtypes_and_layouts(world, G):
     _need(world)
@@ -214,7 +223,7 @@ def test_with_the_copy_agent_every_output_matches_without_drains_on_the_legacy_d
     queues -- where the proxy threads' own copies stalled until the GPU deadline (the test's pageable reads, and the
     first launches of torch's kernels, behind our spinning waits: docs/internode.md, "Drains"). Every output equals
     the reference."""
-    _need(2)
+    _need_gpu_per_rank(2)
     _every_output_without_drains(which, {"UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"},
                                  copy_agent=True)
 
@@ -256,7 +265,7 @@ def test_with_the_copy_agent_a_caller_that_frees_memory_and_reads_while_our_wait
     returns (no drains, the defaults with a GPU per rank): cudaFree through torch.cuda.empty_cache() and a pageable
     read on the legacy default stream while our reader spins, over a slow wire so that it spins long. The copy agent
     copies in another process, so the calls finish and equal the reference."""
-    _need(2)
+    _need_gpu_per_rank(2)
     env = {"UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "30", "UCCL_EP_LOOPBACK_BW_GBPS": "1"}
     out = run_distributed(_frees_and_reads_while_our_waits_spin, 2, 1, timeout=300, env=env)
     for rank, (rounds, agent, drains) in enumerate(out):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from uccl_ep_train import internode as inn
 from uccl_ep_train import internode_plan as plan
 from uccl_ep_train import reference as ref
+from uccl_ep_train.internode.handle import HopPlan
 
 
 def _inputs(rank: int, T: int, H: int, R: int, kind: str, seed: int):
@@ -55,7 +55,7 @@ class _Network:
         for row in push_table:
             assert len(row) == 7, row
             dst, loff, roff, st, recs, first_slot, hint = row
-            per = inn.chunk_records(st, self.chunk_bytes)
+            per = plan.chunk_records(st, self.chunk_bytes)
             self.blocks += recs > 0
             for c, first in enumerate(range(0, recs, per)):  # as push_chunks: chunk c through FIFO (hint + c) % L
                 fifo = (hint + c) % self.num_lanes
@@ -63,7 +63,7 @@ class _Network:
                 self.lanes.setdefault((src, dst, slot), set()).add(fifo)
                 n = min(per, recs - first)
                 a, b = loff + first * st, roff + first * st
-                assert b % 16 == 0 and a % 16 == 0 and n * st <= inn.CMD_MAX_BYTES and n <= inn.CMD_MAX_VALUE
+                assert b % 16 == 0 and a % 16 == 0 and n * st <= plan.CMD_MAX_BYTES and n <= plan.CMD_MAX_VALUE
                 assert b + n * st <= self.rdma[dst].numel() and a + n * st <= self.rdma[src].numel()
                 data = self.rdma[src][a:a + n * st].clone()
                 if self.mode == "contract":
@@ -84,7 +84,7 @@ def _scatter(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, what: str
     bad = (idx >= dst.size(0)) | (idx < -1)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        raise inn.InternodeError(f"{what}: destination row {int(idx[i])} (list position {i}) is outside the "
+        raise plan.InternodeError(f"{what}: destination row {int(idx[i])} (list position {i}) is outside the "
                                  f"{dst.size(0)} rows of the area")
     sel = idx >= 0
     dst[idx[sel]] = rows[sel]
@@ -96,9 +96,9 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
     inputs). ``network``: a list that gets the simulated _Network appended (its write counts)."""
     N = R // G
     inputs = [_inputs(r, T, H, R, kind, seed) for r in range(R)]
-    counts = inn.counts_from_rows(torch.stack([inn.local_count_row(itr, G) for _, itr in inputs]), R)
-    plans = [inn.send_plan(itr, counts, r, G) for r, (_, itr) in enumerate(inputs)]
-    layout = inn.record_layout([H * 4], G)
+    counts = plan.counts_from_rows(torch.stack([plan.local_count_row(itr, G) for _, itr in inputs]), R)
+    plans = [plan.send_plan(itr, counts, r, G) for r, (_, itr) in enumerate(inputs)]
+    layout = plan.record_layout([H * 4], G)
     stride, half = layout.stride, 1 << 22
     rdma = [torch.full((2 * half,), STALE, dtype=torch.uint8) for _ in range(R)]
     L = num_lanes
@@ -106,31 +106,32 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
     net = _Network(rdma, signals, chunk_bytes, mode, L)
     if network is not None:
         network.append(net)
-    per = inn.chunk_records(stride, chunk_bytes)
+    per = plan.chunk_records(stride, chunk_bytes)
 
     for r, (x, _) in enumerate(inputs):
         p = plans[r]
         S1 = p.hop1_token.numel()
         assert S1 == sum(p.node_send) and list(p.dest_rows.shape) == [S1, G]
-        inn.pack_records(rdma[r][:S1 * stride].view(S1, stride), [x], p, layout)
+        plan.pack_records(rdma[r][:S1 * stride].view(S1, stride), [x], p, layout)
     for r in range(R):
         node = r // G
-        recv = inn.recv_counts(counts, r, G)
-        own, so, ro = plans[r].node_send[node], inn.block_offsets(plans[r].node_send, stride), inn.block_offsets(recv, stride)
+        recv = plan.recv_counts(counts, r, G)
+        own = plans[r].node_send[node]
+        so, ro = plan.block_offsets(plans[r].node_send, stride), plan.block_offsets(recv, stride)
         rdma[r][half + ro[node]:half + ro[node] + own * stride] = rdma[r][so[node]:so[node] + own * stride]
-        rows = inn.dispatch_push_rows(counts, plans[r], r, G, stride, half, L)
+        rows = plan.dispatch_push_rows(counts, plans[r], r, G, stride, half, L)
         assert all(row[6] == row[0] // G for row in rows), "FIFO hint must be the destination node"
         net.execute(rows, r)
-    final = [torch.full((inn.num_recv_rows(counts, r), layout.final_bytes), STALE, dtype=torch.uint8)
+    final = [torch.full((plan.num_recv_rows(counts, r), layout.final_bytes), STALE, dtype=torch.uint8)
              for r in range(R)]
-    written = [torch.zeros(inn.num_recv_rows(counts, r), dtype=torch.int64) for r in range(R)]
+    written = [torch.zeros(plan.num_recv_rows(counts, r), dtype=torch.int64) for r in range(R)]
     fwd = []
     for f in range(R):
-        waits = inn.dispatch_waits(counts, f, G, per, L)
-        assert sum(c for _, c in waits) == sum(n for m, n in enumerate(inn.recv_counts(counts, f, G)) if m != f // G)
+        waits = plan.dispatch_waits(counts, f, G, per, L)
+        assert sum(c for _, c in waits) == sum(n for m, n in enumerate(plan.recv_counts(counts, f, G)) if m != f // G)
         for slot, c in waits:
             assert signals[f][slot] == c, (f, slot)  # exactly: nothing more arrives on a counter than awaited
-        A = sum(inn.recv_counts(counts, f, G))
+        A = sum(plan.recv_counts(counts, f, G))
         arrivals = rdma[f][half:half + A * stride].view(A, stride)
         dest = plan.stamp_arrivals(arrivals, layout.arrival_offset, layout.dest_rows_offset, G,
                                   plan.bases_per_arrival(plan.forward_block_bases(counts, f, G)))
@@ -146,14 +147,14 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
     for r in range(R):
         assert bool((written[r] == 1).all()), f"rank {r}: every final row must be written exactly once"
     recv_x = [final[r][:, :H * 4].contiguous().view(torch.float32) for r in range(R)]
-    src_idx = [inn.int32_column(final[r], layout.src_idx_offset) for r in range(R)]
-    arrival = [inn.int32_column(final[r], layout.arrival_offset) for r in range(R)]
+    src_idx = [plan.int32_column(final[r], layout.src_idx_offset) for r in range(R)]
+    arrival = [plan.int32_column(final[r], layout.arrival_offset) for r in range(R)]
 
     # combine: y = per-rank transform of the received rows (fresh values, not the payload)
     ys = [recv_x[r] * (r + 1.5) + 0.25 for r in range(R)]
     C = H
-    cstride = inn._align(4 * C)
-    gather = [torch.zeros((G, max(1, sum(inn.recv_counts(counts, f, G))), C)) for f in range(R)]
+    cstride = plan._align(4 * C)
+    gather = [torch.zeros((G, max(1, sum(plan.recv_counts(counts, f, G))), C)) for f in range(R)]
     for d in range(R):
         src_rank = torch.repeat_interleave(torch.arange(R), counts.rank_counts[:, d])
         fl = src_rank % G
@@ -161,13 +162,13 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
         for j in range(G):
             f = node * G + j
             sel = (fl == j).nonzero(as_tuple=True)[0]
-            A_f = sum(inn.recv_counts(counts, f, G))
+            A_f = sum(plan.recv_counts(counts, f, G))
             _scatter(gather[f][d % G][:A_f], arrival[d][sel], ys[d][sel],
                      f"rank {d}, combine gather to local GPU {j} (rank {f})")
     rdma = [torch.full((2 * half,), STALE, dtype=torch.uint8) for _ in range(R)]
     net.rdma = rdma
     dispatch_signals = [list(v) for v in signals]
-    areas = inn.combine_areas(counts, G, cstride, half)
+    areas = plan.combine_areas(counts, G, cstride, half)
     for f in range(R):
         A = fwd[f].size(0)
         partial = torch.zeros((A, C))
@@ -177,18 +178,18 @@ def _simulate(R: int, G: int, T: int, H: int, kind: str, seed: int, chunk_bytes:
         rdma[f][sb:sb + A * cstride].view(A, cstride)[:, :4 * C] = partial.view(torch.uint8)
     for f in range(R):
         node = f // G
-        recv = inn.recv_counts(counts, f, G)
+        recv = plan.recv_counts(counts, f, G)
         back = counts.node_counts[f].tolist()
         own = recv[node]
-        bo, ao = inn.block_offsets(back, cstride), inn.block_offsets(recv, cstride)
+        bo, ao = plan.block_offsets(back, cstride), plan.block_offsets(recv, cstride)
         sb, rb = areas.send_base[f], areas.recv_base[f]
         rdma[f][rb + bo[node]:rb + bo[node] + own * cstride] = rdma[f][sb + ao[node]:sb + ao[node] + own * cstride]
-        rows = inn.combine_push_rows(counts, f, G, cstride, areas, L)
+        rows = plan.combine_push_rows(counts, f, G, cstride, areas, L)
         assert all(row[6] == row[0] // G for row in rows), "FIFO hint must be the destination node"
         net.execute(rows, f)
     combined = []
     for s in range(R):
-        for slot, c in inn.combine_waits(counts, s, G, inn.chunk_records(cstride, chunk_bytes), L):
+        for slot, c in plan.combine_waits(counts, s, G, plan.chunk_records(cstride, chunk_bytes), L):
             assert signals[s][slot] - dispatch_signals[s][slot] == c, (s, slot)
         back = plans[s].node_send
         S1 = sum(back)
@@ -255,11 +256,11 @@ def test_chunks_spread_over_every_proxy_fifo_with_one_counter_per_fifo_still_mat
 
 
 def test_chunk_lanes_rotate_from_the_hint_and_add_up_to_the_block():
-    got = inn.chunk_lanes(10, 3, 1, 4)
+    got = plan.chunk_lanes(10, 3, 1, 4)
     assert got == [1, 3, 3, 3] and sum(got) == 10
-    assert inn.chunk_lanes(0, 5, 2, 3) == [0, 0, 0]
-    assert inn.chunk_lanes(7, 100, 5, 4) == [0, 7, 0, 0]  # one chunk: FIFO hint % L
-    waits = inn.lane_waits([(8, 10)], 3, 1, 4)
+    assert plan.chunk_lanes(0, 5, 2, 3) == [0, 0, 0]
+    assert plan.chunk_lanes(7, 100, 5, 4) == [0, 7, 0, 0]  # one chunk: FIFO hint % L
+    waits = plan.lane_waits([(8, 10)], 3, 1, 4)
     assert waits == [(8, 1), (9, 3), (10, 3), (11, 3)]
 
 
@@ -268,7 +269,7 @@ def test_a_signal_that_overtakes_its_bytes_is_caught_by_the_forward_range_check(
     """The loopback bug of issue 5 (G=2 failures): the immediate was published before the device copy ran. The
     forwarder then reads stale records; their dest_row must be rejected by the range check (kernel: scatter_rows
     with dst_rows, error kErrScatterRange naming rank, phase, target and row), not written out of bounds."""
-    with pytest.raises(inn.InternodeError, match=r"rank \d+, dispatch forward to local GPU \d+ .*outside"):
+    with pytest.raises(plan.InternodeError, match=r"rank \d+, dispatch forward to local GPU \d+ .*outside"):
         _simulate(world, G, 37, 16, "random", 3, 4096, mode="signal_first")
     _simulate(world, G, 37, 16, "random", 3, 4096, mode="contract")  # the same plan is fine when bytes land first
 
@@ -277,12 +278,12 @@ def test_push_rows_route_each_destination_through_its_own_fifo_hint_in_every_cal
     G, R = 2, 8
     for seed in range(3):
         _, itr = _inputs(1, 29, 4, R, "random", seed)
-        rows = [inn.local_count_row(_inputs(r, 29, 4, R, "random", seed)[1], G) for r in range(R)]
-        counts = inn.counts_from_rows(torch.stack(rows), R)
-        plan = inn.send_plan(itr, counts, 1, G)
-        for row in inn.dispatch_push_rows(counts, plan, 1, G, 64, 1 << 20, 4):
+        rows = [plan.local_count_row(_inputs(r, 29, 4, R, "random", seed)[1], G) for r in range(R)]
+        counts = plan.counts_from_rows(torch.stack(rows), R)
+        sp = plan.send_plan(itr, counts, 1, G)
+        for row in plan.dispatch_push_rows(counts, sp, 1, G, 64, 1 << 20, 4):
             assert row[6] == row[0] // G and row[5] == 0  # slots 0..3 = source node 0's lanes, hint = dest node
-        for row in inn.combine_push_rows(counts, 1, G, 64, inn.combine_areas(counts, G, 64, 1 << 20), 4):
+        for row in plan.combine_push_rows(counts, 1, G, 64, plan.combine_areas(counts, G, 64, 1 << 20), 4):
             assert row[6] == row[0] // G and row[5] == (R // G + 0) * 4
 
 
@@ -290,60 +291,61 @@ def test_gpu_error_context_names_the_counter_its_feeder_and_the_target_rank():
     codes = {"wait_timeout": 1, "push_timeout": 2, "encode": 3, "scatter_range": 4, "aborted": 5,
              "records_unwritten": 6}
     # the failure of issue 5: rank 3 (node 1, local 1 of 2x2) waited on slot 0
-    msg = inn.describe_gpu_error({"code": 1, "slot": 0, "aux": 0}, 3, 2, 2, codes)
+    msg = plan.describe_gpu_error({"code": 1, "slot": 0, "aux": 0}, 3, 2, 2, codes)
     assert "dispatch records from node 0" in msg and "rank 1's proxy" in msg and "forwarder rank 3" in msg
-    msg = inn.describe_gpu_error({"code": 1, "slot": 3, "aux": 0}, 0, 2, 2, codes)
+    msg = plan.describe_gpu_error({"code": 1, "slot": 3, "aux": 0}, 0, 2, 2, codes)
     assert "combine partial sums from node 1" in msg and "forwarder rank 2" in msg
-    assert "outside" in inn.slot_meaning(9, 0, 2, 2)
+    assert "outside" in plan.slot_meaning(9, 0, 2, 2)
     # with 4 FIFOs per proxy: slot 6 = dispatch from node 1 through FIFO 2; slot 13 = combine from node 1, FIFO 1
-    assert "dispatch records from node 1" in inn.slot_meaning(6, 0, 2, 2, 4) and "FIFO 2" in inn.slot_meaning(6, 0, 2, 2, 4)
-    assert "combine partial sums from node 1" in inn.slot_meaning(13, 0, 2, 2, 4)
-    assert "barrier" in inn.slot_meaning(16, 0, 2, 2, 4)  # the one slot after the 2 x N x L data counters
-    assert "rank 3" in inn.describe_gpu_error({"code": 4, "slot": 1, "aux": 5}, 2, 2, 2, codes)
-    assert "node 1" in inn.describe_gpu_error({"code": 2, "slot": 0, "aux": 2}, 0, 2, 2, codes)
-    assert "destination rank 2 is node 1" in inn.describe_gpu_error({"code": 6, "slot": 5, "aux": 2}, 0, 2, 2, codes)
-    assert inn.describe_gpu_error({"code": 0}, 0, 2, 2, codes) == ""
+    assert "dispatch records from node 1" in plan.slot_meaning(6, 0, 2, 2, 4)
+    assert "FIFO 2" in plan.slot_meaning(6, 0, 2, 2, 4)
+    assert "combine partial sums from node 1" in plan.slot_meaning(13, 0, 2, 2, 4)
+    assert "barrier" in plan.slot_meaning(16, 0, 2, 2, 4)  # the one slot after the 2 x N x L data counters
+    assert "rank 3" in plan.describe_gpu_error({"code": 4, "slot": 1, "aux": 5}, 2, 2, 2, codes)
+    assert "node 1" in plan.describe_gpu_error({"code": 2, "slot": 0, "aux": 2}, 0, 2, 2, codes)
+    assert "destination rank 2 is node 1" in plan.describe_gpu_error({"code": 6, "slot": 5, "aux": 2}, 0, 2, 2, codes)
+    assert plan.describe_gpu_error({"code": 0}, 0, 2, 2, codes) == ""
 
 
 def test_record_layout_is_16_byte_aligned_and_grows_with_ranks_per_node_without_a_cap():
     for G in (1, 2, 8, 9, 72):
-        lay = inn.record_layout([7168 * 2, 56 * 4, 8 * 8, 8 * 4], G)
+        lay = plan.record_layout([7168 * 2, 56 * 4, 8 * 8, 8 * 4], G)
         assert lay.stride % 16 == 0 and lay.final_bytes % 16 == 0
         assert lay.stride >= lay.dest_rows_offset + 4 * G
         assert lay.final_bytes <= lay.stride
 
 
 def test_chunking_respects_byte_cap_value_bits_and_rejects_unencodable_records():
-    assert inn.chunk_records(16, 1 << 40) == inn.CMD_MAX_VALUE
-    assert inn.chunk_records(1024, 2 << 20) == 2048
-    assert inn.chunk_records(4096, 100) == 1  # one record larger than the cap still goes alone
-    with pytest.raises(inn.InternodeError, match="multiple of 16"):
-        inn.chunk_records(24, 1 << 20)
-    with pytest.raises(inn.InternodeError, match="24-bit"):
-        inn.chunk_records(inn.CMD_MAX_BYTES + 16, 1 << 20)
+    assert plan.chunk_records(16, 1 << 40) == plan.CMD_MAX_VALUE
+    assert plan.chunk_records(1024, 2 << 20) == 2048
+    assert plan.chunk_records(4096, 100) == 1  # one record larger than the cap still goes alone
+    with pytest.raises(plan.InternodeError, match="multiple of 16"):
+        plan.chunk_records(24, 1 << 20)
+    with pytest.raises(plan.InternodeError, match="24-bit"):
+        plan.chunk_records(plan.CMD_MAX_BYTES + 16, 1 << 20)
 
 
 def test_writes_are_a_quarter_of_the_inflight_byte_cap_so_several_overlap_except_for_tiny_caps():
-    assert inn.chunk_bytes(2 << 20) == 512 << 10  # the IB/RoCE default: four writes in flight per proxy thread
-    assert inn.chunk_bytes(8 << 20) == 2 << 20    # EFA's default
-    assert inn.chunk_bytes(4096) == 4096          # tiny caps (tests, Thor-2-style tuning) are used whole
+    assert plan.chunk_bytes(2 << 20) == 512 << 10  # the IB/RoCE default: four writes in flight per proxy thread
+    assert plan.chunk_bytes(8 << 20) == 2 << 20    # EFA's default
+    assert plan.chunk_bytes(4096) == 4096          # tiny caps (tests, Thor-2-style tuning) are used whole
 
 
 def test_topology_limits_come_from_the_command_format_not_fixed_gpu_or_node_counts():
-    assert inn.check_topology(4096, 128) >= 64
-    assert inn.check_topology(64, 1) == 512  # 64 nodes of 1 GPU: no 20-node limit
-    assert inn.check_topology(1024, 8, 4) == 1536  # 128 nodes x 4 FIFOs x 2 phases + 1 barrier, in 512-slot pages
+    assert plan.check_topology(4096, 128) >= 64
+    assert plan.check_topology(64, 1) == 512  # 64 nodes of 1 GPU: no 20-node limit
+    assert plan.check_topology(1024, 8, 4) == 1536  # 128 nodes x 4 FIFOs x 2 phases + 1 barrier, in 512-slot pages
     with pytest.raises(ValueError, match="FIFOs"):
-        inn.check_topology(2048, 1, 8)  # 2048 nodes x 8 FIFOs x 2 > 14-bit slots
+        plan.check_topology(2048, 1, 8)  # 2048 nodes x 8 FIFOs x 2 > 14-bit slots
     with pytest.raises(ValueError, match="12-bit"):
-        inn.check_topology(8192, 8)
+        plan.check_topology(8192, 8)
     with pytest.raises(ValueError, match="must divide"):
-        inn.check_topology(6, 4)
+        plan.check_topology(6, 4)
 
 
 def test_area_check_names_rank_area_rows_and_setting():
-    with pytest.raises(inn.InternodeError, match=r"rank 1: the dispatch receive \(RDMA\) area needs 3200 bytes"):
-        inn.check_area("dispatch receive (RDMA)", [1, 100], 32, 1024, "num_rdma_bytes")
+    with pytest.raises(plan.InternodeError, match=r"rank 1: the dispatch receive \(RDMA\) area needs 3200 bytes"):
+        plan.check_area("dispatch receive (RDMA)", [1, 100], 32, 1024, "num_rdma_bytes")
 
 
 def _topk(rank: int, T: int, K: int, E: int, seed: int, skew: bool) -> torch.Tensor:
@@ -424,22 +426,22 @@ def test_word_columns_is_the_same_bytes_as_the_byte_slice_in_the_widest_words_th
 
 def test_combine_rows_sit_at_the_top_of_each_half_and_overlap_is_found_on_any_rank():
     G, R, T = 2, 4, 40
-    rows = [inn.local_count_row(_inputs(r, T, 4, R, "skewed", 3)[1], G) for r in range(R)]
-    counts = inn.counts_from_rows(torch.stack(rows), R)
+    rows = [plan.local_count_row(_inputs(r, T, 4, R, "skewed", 3)[1], G) for r in range(R)]
+    counts = plan.counts_from_rows(torch.stack(rows), R)
     stride, cstride = 96, 64
-    sends = [sum(inn.recv_counts(counts, r, G)) for r in range(R)]
+    sends = [sum(plan.recv_counts(counts, r, G)) for r in range(R)]
     backs = [int(counts.node_counts[r].sum()) for r in range(R)]
-    extents = inn.dispatch_extents(counts, G, stride)
+    extents = plan.dispatch_extents(counts, G, stride)
     assert extents == ([b * stride for b in backs], [a * stride for a in sends])
     roomy = 1 << 20
-    areas = inn.combine_areas(counts, G, cstride, roomy)
+    areas = plan.combine_areas(counts, G, cstride, roomy)
     assert [b + a * cstride for b, a in zip(areas.send_base, sends)] == [roomy] * R  # sent rows end at the half
     assert [b + n * cstride for b, n in zip(areas.recv_base, backs)] == [2 * roomy] * R  # received: at the top
-    assert not inn.combine_overlaps_dispatch(areas, extents, roomy)
+    assert not plan.combine_overlaps_dispatch(areas, extents, roomy)
     # just enough for the busiest rank's dispatch and combine side by side, then one 16-byte unit less
     tight = max(max(b * stride + a * cstride, a * stride + b * cstride) for a, b in zip(sends, backs))
-    assert not inn.combine_overlaps_dispatch(inn.combine_areas(counts, G, cstride, tight), extents, tight)
-    assert inn.combine_overlaps_dispatch(inn.combine_areas(counts, G, cstride, tight - 16), extents, tight - 16)
+    assert not plan.combine_overlaps_dispatch(plan.combine_areas(counts, G, cstride, tight), extents, tight)
+    assert plan.combine_overlaps_dispatch(plan.combine_areas(counts, G, cstride, tight - 16), extents, tight - 16)
 
 
 @pytest.mark.parametrize("R,G", [(2, 1), (8, 2), (64, 8), (16, 16)])
@@ -448,15 +450,15 @@ def test_per_rank_totals_derived_at_once_equal_their_per_rank_definitions(R, G):
     they must give what the definitions give rank by rank: arrivals of r from node n come from rank n * G + local(r)."""
     N = R // G
     g = torch.Generator().manual_seed(R * G)
-    counts = inn.Counts(torch.randint(0, 50, (R, R), generator=g), torch.randint(0, 50, (R, N), generator=g))
+    counts = plan.Counts(torch.randint(0, 50, (R, R), generator=g), torch.randint(0, 50, (R, N), generator=g))
     t = counts.totals(G)
     for r in range(R):
         node, local = divmod(r, G)
         arrivals = [int(counts.node_counts[n * G + local, node]) for n in range(N)]
-        assert inn.recv_counts(counts, r, G) == arrivals
+        assert plan.recv_counts(counts, r, G) == arrivals
         assert t.arrivals[r] == sum(arrivals)
         assert t.sends[r] == int(counts.node_counts[r].sum())
-        assert t.final_rows[r] == inn.num_recv_rows(counts, r) == int(counts.rank_counts[:, r].sum())
+        assert t.final_rows[r] == plan.num_recv_rows(counts, r) == int(counts.rank_counts[:, r].sum())
         ends = plan.recv_row_ends(counts, r)
         assert ends == [int(counts.rank_counts[:s + 1, r].sum()) for s in range(R)]
 
@@ -472,7 +474,7 @@ def test_a_gated_row_is_ready_exactly_when_the_chunk_carrying_it_has_landed(R, G
     before left them; and the watcher of a gated launch stops each lane where the host-side wait would."""
     N = R // G
     g = torch.Generator().manual_seed(seed)
-    counts = inn.Counts(torch.randint(0, 12, (R, R), generator=g), torch.randint(0, 20, (R, N), generator=g))
+    counts = plan.Counts(torch.randint(0, 12, (R, R), generator=g), torch.randint(0, 20, (R, N), generator=g))
     for r in range(R):
         node = r // G
         for blocks, waits in ((plan.dispatch_gate_blocks(counts, r, G, lanes), plan.dispatch_waits(counts, r, G, per,
@@ -518,30 +520,30 @@ def test_a_gated_row_is_ready_exactly_when_the_chunk_carrying_it_has_landed(R, G
 
 def test_a_cached_dispatch_after_a_combine_skips_its_barrier_only_with_traffic_between_all_nodes_and_room():
     R, G = 4, 2
-    full = inn.Counts(torch.full((R, R), 5), torch.full((R, 2), 5))
+    full = plan.Counts(torch.full((R, R), 5), torch.full((R, 2), 5))
     stride, cstride, half = 64, 48, 1 << 20
-    areas = inn.combine_areas(full, G, cstride, half)
+    areas = plan.combine_areas(full, G, cstride, half)
     assert plan.sends_to_every_node(full, G)
     assert plan.dispatch_may_skip_entry_barrier(full, full, areas, G, stride, half)
     # rank 3 sent nothing to node 0 in the dispatch before that combine: node 0 never answered it, so nothing proves
     # node 0 is done with that dispatch's arrivals
-    gap = inn.Counts(full.rank_counts.clone(), full.node_counts.clone())
+    gap = plan.Counts(full.rank_counts.clone(), full.node_counts.clone())
     gap.node_counts[3, 0] = 0
     assert not plan.sends_to_every_node(gap, G)
-    assert not plan.dispatch_may_skip_entry_barrier(full, gap, inn.combine_areas(gap, G, cstride, half), G, stride,
+    assert not plan.dispatch_may_skip_entry_barrier(full, gap, plan.combine_areas(gap, G, cstride, half), G, stride,
                                                     half)
     # ... or in this dispatch (the combine after it could not skip its own)
     assert not plan.dispatch_may_skip_entry_barrier(gap, full, areas, G, stride, half)
     # a rank's own node needs no traffic, and one node is trivially complete
-    own_only = inn.Counts(full.rank_counts.clone(), full.node_counts.clone())
+    own_only = plan.Counts(full.rank_counts.clone(), full.node_counts.clone())
     own_only.node_counts[0, 0] = own_only.node_counts[3, 1] = 0
     assert plan.sends_to_every_node(own_only, G)
-    assert plan.sends_to_every_node(inn.Counts(torch.zeros((2, 2)), torch.zeros((2, 1))), 2)
+    assert plan.sends_to_every_node(plan.Counts(torch.zeros((2, 2)), torch.zeros((2, 1))), 2)
     # the dispatch's rows must stay below the combine's on every rank
     tight = max(b * stride + a * cstride for a, b in zip(full.totals(G).arrivals, full.totals(G).sends))
-    assert plan.dispatch_may_skip_entry_barrier(full, full, inn.combine_areas(full, G, cstride, tight), G, stride,
+    assert plan.dispatch_may_skip_entry_barrier(full, full, plan.combine_areas(full, G, cstride, tight), G, stride,
                                                 tight)
-    assert not plan.dispatch_may_skip_entry_barrier(full, full, inn.combine_areas(full, G, cstride, tight - 16), G,
+    assert not plan.dispatch_may_skip_entry_barrier(full, full, plan.combine_areas(full, G, cstride, tight - 16), G,
                                                     stride, tight - 16)
 
 
@@ -579,7 +581,7 @@ def test_chunk_lanes_counts_the_records_the_push_kernel_sends_through_each_lane(
 
 
 def test_the_rest_of_a_hop_is_every_record_range_without_the_heads_records():
-    hop = inn.HopPlan([], None, [], [], 8, head_first=10, head_records=16)
+    hop = HopPlan([], None, [], [], 8, head_first=10, head_records=16)
     # the head inside one range, at its start, across none, and ranges left empty by it are dropped
     assert hop.rest_of([(0, 5), (10, 40)]) == [(0, 5), (26, 40)]
     assert hop.rest_of([(10, 26)]) == []
