@@ -49,7 +49,8 @@ for step in "${steps[@]}"; do
   case $step in
     # (faulthandler: a rank whose peer failed hangs in the next collective; its stack then shows where)
     kernels) run kernels 150 "${tr2[@]}" -m pytest -x -q -rf -o faulthandler_timeout=60 tests/kernels/test_intranode_gpu.py ;;
-    internode_shared)  # one GPU hosting every rank (a 1-GPU machine), 2 x 2 included (~3 min on one H200)
+    internode_shared)  # one GPU hosting every rank (a 1-GPU machine); at most 2 ranks per GPU, so 2 x 2 only
+      # with UCCL_EP_TEST_MAX_RANKS_PER_GPU=4 (it stalls there: docs/internode.md, "Hardware work queues")
       UCCL_EP_TEST_SHARE_GPU=1 run internode_shared "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 \
         tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
     internode_mps)  # the same tests with the GPU shared through MPS: the ranks' kernels run at the same time, as on

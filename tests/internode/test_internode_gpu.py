@@ -83,18 +83,24 @@ def _cases(rank, world, G, cases, iters, H=256):
 
 # (world, ranks per node): 2 nodes x 1 GPU, and 2 nodes x 2 ranks (on 2 GPUs two processes per GPU, on 4 GPUs one
 # each; the topology with an NVLink forwarding hop); with 4 GPUs also 4 nodes x 1 GPU.
-# UCCL_EP_TEST_TOPOLOGIES="world:G,..." adds more, e.g. "8:4,6:2" with UCCL_EP_TEST_SHARE_GPU=1 on one GPU: several
-# GPUs per node and more source nodes than 2 x 2 has, as production clusters run (8 GPUs per node).
+# UCCL_EP_TEST_TOPOLOGIES="world:G,..." adds more, e.g. "8:4,6:2" with UCCL_EP_TEST_SHARE_GPU=1 (and
+# UCCL_EP_TEST_MAX_RANKS_PER_GPU raised to the ranks per GPU) on few GPUs: several GPUs per node and more source nodes
+# than 2 x 2 has, as production clusters run (8 GPUs per node).
 TOPOLOGIES = [(2, 1), (4, 2)] + ([(4, 1)] if torch.cuda.device_count() >= 4 else []) + [
     tuple(int(v) for v in t.split(":")) for t in os.environ.get("UCCL_EP_TEST_TOPOLOGIES", "").split(",") if t.strip()]
 
 
 def _need(world, gpus=2):
     """UCCL_EP_TEST_SHARE_GPU=1 runs the multi-GPU cases on whatever GPUs there are, one GPU hosting several ranks
-    (time-sliced contexts: correct, but slow, docs/internode.md "Two processes per GPU"), e.g. on a 1-GPU machine."""
+    (time-sliced contexts: correct, but slow, docs/internode.md "Two processes per GPU"), e.g. on a 1-GPU machine --
+    at most UCCL_EP_TEST_MAX_RANKS_PER_GPU (2) on one: four ranks on one GPU stall over the loopback whatever the
+    commit (docs/internode.md, "Hardware work queues"), and under MPS one stall fails every later case."""
     have = torch.cuda.device_count()
     if have < gpus and not (os.environ.get("UCCL_EP_TEST_SHARE_GPU") == "1" and have >= 1):
         pytest.skip(f"needs {gpus} GPUs (UCCL_EP_TEST_SHARE_GPU=1: ranks share the GPUs there are)")
+    most = int(os.environ.get("UCCL_EP_TEST_MAX_RANKS_PER_GPU", "2"))
+    if have < world and -(-world // have) > most:
+        pytest.skip(f"{world} ranks on {have} GPU(s) puts more than {most} on one (UCCL_EP_TEST_MAX_RANKS_PER_GPU)")
 
 
 def _need_gpu_per_rank(world):
