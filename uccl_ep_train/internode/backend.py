@@ -111,15 +111,34 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
         if self.rdma_bytes > CMD_MAX_REGION:
             raise ValueError(f"num_rdma_bytes={self.rdma_bytes} exceeds the 4 GiB a command can address "
                              "(28-bit offsets in 16-byte units)")
+        gathered = self._start_proxies(s, slots)
+        self._lay_out_regions(s, gathered)
+        self._choose_ways(s)
+        self._first_launches()
+        self._destroyed = False
+        track(self)
+        self.last_traffic = None
+        # Benchmarks set this to time the network hop alone (push -> last signal) with CUDA events: phase -> [ms]
+        self.network_timing: Optional[dict] = None
+        # ... and this to split the host's wall time of each call into its steps: step -> [seconds, calls]
+        self.host_timing: Optional[dict] = None
+        self._lap_t = 0.0
+        # ... and this to read the pack-and-push launches' GPU stamps (start_kernel_timeline)
+        self.kernel_timeline: Optional[KernelTimeline] = None
+
+    def _start_proxies(self, s: Any, slots: int) -> List[Any]:
+        """Setup, step 1: the transport chosen alike on every rank, who moves the loopback's bytes, the native context
+        with its proxies, and what every rank tells the others (proxy endpoints, NVL IPC handle, write limits, GPU,
+        the settings they must share); returns that, by rank. The proxies are connected, not yet started."""
         t, p, e = s.transport, s.proxy, s.emulation
-        ranks = dist.get_process_group_ranks(ctx.group) if ctx.group is not None else list(range(self.R))
+        ranks = dist.get_process_group_ranks(self.ctx.group) if self.ctx.group is not None else list(range(self.R))
         self._gloo = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=self.cpu_timeout))
         from uccl_ep_train import comm
 
         self.transport = select_internode_transport(
             t.transport, self.rank, self.R, self._gloo,
             lambda: comm.gpu_nics(s, self.local, pci_address=device_pci_address(self.device)),
-            verbs_built=bool(getattr(getattr(_C, "verbs", None), "available", False)))
+            verbs_built=bool(getattr(getattr(native.module(), "verbs", None), "available", False)))
         default_bytes = comm.DEFAULT_INFLIGHT_BYTES_EFA if self.transport.efa else comm.DEFAULT_INFLIGHT_BYTES
         self.inflight_bytes = t.ib_max_inflight_bytes if t.ib_max_inflight_bytes is not None else default_bytes
         # whether this GPU is shared through MPS (None: unknown, or not asked): what the loopback's copies need of
@@ -182,6 +201,12 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
         self.max_write_bytes = min(int(g[2]) for g in gathered) or CMD_MAX_BYTES
         self.write_bytes = min(min(int(g[3]) for g in gathered), self.max_write_bytes)
         self._cx.proxy_connect([[gathered[r][0][i] for r in range(self.R)] for i in range(p.num_threads)])
+        return gathered
+
+    def _lay_out_regions(self, s: Any, gathered: List[Any]) -> None:
+        """Setup, step 2: where everything sits in the NVL and RDMA regions (final rows, gather blocks, flags, ready
+        words; the receive and send halves, the notify area), the node's peers' NVL regions opened, and the proxies
+        started once every rank is connected."""
         # the NVL region: final rows below half_nvl, the combine's gather blocks above, the flags among the node's GPUs
         # at the end (several GPUs per node: the gather's tile flags, then the forward's), which start below every
         # epoch on every rank before the barrier
@@ -237,6 +262,10 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
         self._notify_slot = self._barrier_slot + 1
         self._fixed_tables: dict = {}  # (phase, row bytes) -> device push table that never changes (barrier, notify)
         self._zero_rows: dict = {}  # payload bytes -> zero row (combine: a node without a partial sum adds it)
+
+    def _choose_ways(self, s: Any) -> None:
+        """Setup, step 3: the ways the calls take (the kernel settings, resolved for this topology and transport), the
+        state each way keeps between calls, and the counters tests and benchmarks read."""
         drains = drain_after_waits(s.kernel.drain_after_waits, self.transport.name, self._copy_agent is not None)
         self._drain_after_waits = self.device.type == "cuda" and drains
         # sync-free dispatches return before the count read only without drains (the CPU stand-in, which never
@@ -366,6 +395,10 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
         self.forward_node_barriers = 0  # dispatch forwards that ended with the node barrier over NVLink (G > 1)
         self._phases = dict(self._k.PHASES)
         self._codes = dict(self._k.ERROR_CODES)
+
+    def _first_launches(self) -> None:
+        """Setup, step 4: each kernel a call launches behind a spinning wait, launched once now with nothing spinning
+        (a lazy module load at its first real launch could wait for that wait: docs/internode.md, "Drains")."""
         if self.read_before_counts and self.G == 1:
             # its kernel's first launch now, with nothing spinning: the first real one queues behind notify's spinning
             # wait, where a lazy module load might wait for that wait ("Drains"); the zero rows make words only
@@ -381,16 +414,6 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
             self._first_forward_launches()
         if self.pipelined_gather:
             self._first_gather_launches()
-        self._destroyed = False
-        track(self)
-        self.last_traffic = None
-        # Benchmarks set this to time the network hop alone (push -> last signal) with CUDA events: phase -> [ms]
-        self.network_timing: Optional[dict] = None
-        # ... and this to split the host's wall time of each call into its steps: step -> [seconds, calls]
-        self.host_timing: Optional[dict] = None
-        self._lap_t = 0.0
-        # ... and this to read the pack-and-push launches' GPU stamps (start_kernel_timeline)
-        self.kernel_timeline: Optional[KernelTimeline] = None
 
     def _first_forward_launches(self) -> None:
         """The forwarder's reader's first launches (gated and not), with nothing spinning: the first real one queues

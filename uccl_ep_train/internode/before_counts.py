@@ -20,7 +20,8 @@ from uccl_ep_train.internode.call_state import CountRows, ReadingBeforeCounts, U
 
 class BeforeCounts:
     """Launches the readers that go before the count read, and returns before it. A part of NativeInternodeBackend
-    (backend.py), which composes these parts; the state they share is set in its __init__."""
+    (backend.py), which composes these parts; the state they share is set up there (its __init__ and the setup steps it
+    calls)."""
 
     def _reading_before_counts(self, args: DispatchArgs, T: int, layout: RecordLayout, pushed_in_one_launch: bool,
                                dense: List[torch.Tensor], tables: SendPlan, em_in_reader: bool = False

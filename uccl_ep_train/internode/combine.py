@@ -18,7 +18,7 @@ from uccl_ep_train.internode.handle import InternodeHandle, HopPlan, CombineShap
 
 class Combine:
     """Combines the experts' outputs back at their source ranks. A part of NativeInternodeBackend (backend.py), which
-    composes these parts; the state they share is set in its __init__."""
+    composes these parts; the state they share is set up there (its __init__ and the setup steps it calls)."""
 
     def combine(self, x: torch.Tensor, handle: InternodeHandle, topk_weights: Optional[torch.Tensor], config: Any
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

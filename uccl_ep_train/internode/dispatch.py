@@ -31,7 +31,7 @@ def _chain(*steps: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]
 
 class Dispatch:
     """Dispatches tokens to their experts' ranks. A part of NativeInternodeBackend (backend.py), which composes these
-    parts; the state they share is set in its __init__."""
+    parts; the state they share is set up there (its __init__ and the setup steps it calls)."""
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         from uccl_ep_train.reference import get_dispatch_layout

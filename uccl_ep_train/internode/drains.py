@@ -51,7 +51,8 @@ def check_stream_without_drains(drains: bool, transport: str, stream: int, rank:
 
 class Drains:
     """How the host waits for its stream and turns a failed wait into an InternodeError. A part of
-    NativeInternodeBackend (backend.py), which composes these parts; the state they share is set in its __init__."""
+    NativeInternodeBackend (backend.py), which composes these parts; the state they share is set up there (its __init__
+    and the setup steps it calls)."""
 
     def _stream(self) -> int:
         return native.stream_handle(self.device)  # 0 for the CPU stand-in: synchronous, no stream

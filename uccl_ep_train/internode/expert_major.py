@@ -28,7 +28,7 @@ def reads_expert_major_rows(mode: str, spin_blocks: int, starts_with_hop: bool) 
 
 class ExpertMajorReceive:
     """Plans and copies expert-major receives. A part of NativeInternodeBackend (backend.py), which composes these
-    parts; the state they share is set in its __init__."""
+    parts; the state they share is set up there (its __init__ and the setup steps it calls)."""
 
     def _expert_major_rows(self, nrecv: int, topk: int, raw: List[int], aligned: List[int], worst: int,
                            like: List[torch.Tensor], places_from: Optional[Tuple[int, int, int]] = None

@@ -14,7 +14,7 @@ from uccl_ep_train.internode_plan import InternodeError, RecordLayout, Counts, n
 
 class NvlinkForward:
     """Forwards arrivals to the node's GPUs and ends the forward. A part of NativeInternodeBackend (backend.py), which
-    composes these parts; the state they share is set in its __init__."""
+    composes these parts; the state they share is set up there (its __init__ and the setup steps it calls)."""
 
     def _scatter(self, dst: int, dst_stride: int, dst_idx: int, src: int, src_stride: int, src_idx: int, n: int,
                  row_bytes: int, dst_rows: int, phase: str) -> None:

@@ -19,7 +19,8 @@ from uccl_ep_train.internode.call_state import Pending
 
 class NetworkHops:
     """Pushes records through the proxies and waits for the other nodes' records. A part of NativeInternodeBackend
-    (backend.py), which composes these parts; the state they share is set in its __init__."""
+    (backend.py), which composes these parts; the state they share is set up there (its __init__ and the setup steps it
+    calls)."""
 
     def _barrier(self, what: str) -> None:
         """Group barrier in stream order, through the proxies: every rank pushes a zero-byte signal to every other

@@ -20,7 +20,7 @@ from uccl_ep_train.internode.call_state import CountRows
 
 class CountExchange:
     """The count exchange and the work that rides on it. A part of NativeInternodeBackend (backend.py), which composes
-    these parts; the state they share is set in its __init__."""
+    these parts; the state they share is set up there (its __init__ and the setup steps it calls)."""
 
     def _notify(self, is_token_in_rank: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
                 then: Optional[Callable[[torch.Tensor, CountRows], None]] = None,

@@ -12,7 +12,7 @@ from uccl_ep_train.internode.handle import InternodeHandle, PlannedAhead
 
 class PlanningAhead:
     """Plans a handle's next calls during the current call's hop. A part of NativeInternodeBackend (backend.py), which
-    composes these parts; the state they share is set in its __init__."""
+    composes these parts; the state they share is set up there (its __init__ and the setup steps it calls)."""
 
     @staticmethod
     def _guesses(payload_bytes: Tuple[int, ...], hidden: int, num_topk: int) -> Tuple[list, list]:

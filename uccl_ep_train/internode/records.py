@@ -12,7 +12,7 @@ from uccl_ep_train.internode.columns import _address, _column_args, _ranges_arou
 
 class Records:
     """Packs and unpacks records. A part of NativeInternodeBackend (backend.py), which composes these parts; the state
-    they share is set in its __init__."""
+    they share is set up there (its __init__ and the setup steps it calls)."""
 
     def _record_ranges(self, plan: SendPlan) -> Tuple[List[Tuple[int, int]], Tuple[int, int]]:
         """(the other nodes' records, our own node's) as ranges of the record list, which runs by node."""
