@@ -258,6 +258,19 @@ def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning()
     assert "rank 1 shares its GPU (0000:19:00.0) with rank(s) [0]" in text and "held to 264 blocks" in text
 
 
+def test_more_than_two_ranks_sharing_a_gpu_through_mps_are_warned_of_the_stall_seen_there():
+    from uccl_ep_train.internode_transport import SHARED_GPU_WARNING, shared_gpu_warning
+
+    plain = SHARED_GPU_WARNING.format(rank=2, gpu="g", others=[0], blocks=16)
+    # two ranks on the GPU, or time-sliced (MPS off or unknown): the shared-GPU warning alone
+    assert shared_gpu_warning(2, "g", [0], 16, 2, True) == plain
+    assert shared_gpu_warning(2, "g", [0], 16, 4, False) == plain
+    assert shared_gpu_warning(2, "g", [0], 16, 4, None) == plain
+    crowded = shared_gpu_warning(2, "g", [0], 16, 4, True)
+    assert crowded.startswith(plain) and "4 ranks share this GPU through MPS" in crowded
+    assert "at most two ranks on a GPU" in crowded and "Hardware work queues" in crowded
+
+
 def test_ranks_sharing_a_gpu_through_mps_split_the_spinning_share_and_time_sliced_ranks_each_take_it():
     """Under MPS the ranks' kernels run at once: four ranks of 66 blocks each on a 132-SM H100 left the loopback's
     copy kernels no SM (session 23), so they split the share; time-sliced contexts (MPS off or unknown) run one at a

@@ -23,7 +23,7 @@ from uccl_ep_train.internode_plan import (InternodeError, NOTIFY_MAX_EXPERTS, CM
                                           READ_DIMS, READ_GO, FORWARD_DIMS, GATE_FIXED_COLUMNS as GATE_FIXED,
                                           GATHER_MAX_TILES, GATHER_MIN_TILE_ROWS, node_flag_bytes, ready_word_rows,
                                           ready_word_bytes)
-from uccl_ep_train.internode_transport import (SHARED_GPU_WARNING, device_pci_address, loopback_queue_hazard,
+from uccl_ep_train.internode_transport import (shared_gpu_warning, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
                                                shared_gpu_spin_blocks, use_copy_agent)
 from uccl_ep_train.cpu_placement import rank_cpus
@@ -193,8 +193,8 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             on_gpu = sum(1 for g in gathered if g[4] == gpu)
             self._cx.spin_blocks = shared_gpu_spin_blocks(sms, on_gpu, mps)
-            warnings.warn(SHARED_GPU_WARNING.format(rank=self.rank, gpu=gpu, others=others,
-                                                    blocks=self._cx.spin_blocks), RuntimeWarning, stacklevel=2)
+            warnings.warn(shared_gpu_warning(self.rank, gpu, others, self._cx.spin_blocks, on_gpu, mps),
+                          RuntimeWarning, stacklevel=2)
         # Every rank cuts chunks the same way (receivers derive their lanes from it), so the smallest largest write
         # of any rank's transport bounds them all (EFA devices may take less than a chunk: efadv max_rdma_size), and
         # so does the smallest chunk any rank's settings ask for.
