@@ -1,7 +1,7 @@
 """Notify: every rank's counts on every rank, through the proxies (or gloo past the notify area), and the send plan
 made from our own counts; with it, the records of the next dispatch packed and pushed while the counts are still
-being exchanged (docs/internode.md, "Barriers and notify through the proxies",
-"Packing during notify", "Push during notify")."""
+being exchanged (docs/internode.md, "Barriers and notify through the proxies", "Packing during notify", "Push during
+notify")."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
