@@ -104,7 +104,7 @@ def _answer_state_requests(rank: int, results) -> None:
 
 def _live_state() -> str:
     """What this rank's communication objects say about themselves (the parent asks when another rank failed)."""
-    diagnostics = sys.modules.get("uccl_ep_train.internode_diagnostics")
+    diagnostics = sys.modules.get("uccl_ep_train.internode.diagnostics")
     return diagnostics.live_state() if diagnostics is not None else "no internode backend imported"
 
 

@@ -306,7 +306,7 @@ class Buffer:
                                  ranks_per_node: int, element_size: int = 2) -> Tuple[int, int]:
         """(num_nvl_bytes, num_rdma_bytes) for the native internode backend when the group spans several nodes
         (its staged areas hold a whole call for the worst-case routing; docs/internode.md, "Buffers of one rank")."""
-        from uccl_ep_train.internode_plan import bytes_needed
+        from uccl_ep_train.internode.plan import bytes_needed
 
         return bytes_needed(num_max_tokens_per_rank, hidden, num_topk, num_ranks, ranks_per_node, element_size)
 

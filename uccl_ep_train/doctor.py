@@ -378,7 +378,7 @@ class Doctor:
         """Enough CUDA hardware work queues for the loopback's copies (docs/internode.md, "Hardware work queues").
         Only runs over the loopback (one host playing nodes) need them; the driver is asked about MPS last, after
         the self-test's fork."""
-        from uccl_ep_train.internode_transport import loopback_queue_shortfall, mps_enabled
+        from uccl_ep_train.internode.transport import loopback_queue_shortfall, mps_enabled
 
         if not self.topo.gpus or self.settings is None:
             return

@@ -208,7 +208,7 @@ void bind_internode(py::module_& m) {
       py::arg("out"), py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"),
       py::arg("ranks_per_node"), py::arg("tokens_per_expert"), py::arg("tpe_int64"), py::arg("num_experts"),
       py::arg("stream"), py::arg("send_plan") = py::none(),
-      "this rank's notify row (internode_plan.local_count_row) as int64 at `out`, one launch; send_plan "
+      "this rank's notify row (internode.plan.local_count_row) as int64 at `out`, one launch; send_plan "
       "(dest_row_all, hop1_token, dest_rows, row_of addresses): the same launch also writes our send plan as "
       "send_plan does with node_base 0");
   k.def(
@@ -221,7 +221,7 @@ void bind_internode(py::module_& m) {
       py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"), py::arg("ranks_per_node"),
       py::arg("node_base"), py::arg("dest_row_all"), py::arg("hop1_token"), py::arg("dest_rows"),
       py::arg("row_of"), py::arg("stream"),
-      "the device tables of internode_plan.send_plan, one launch; node_base 0: each node's first "
+      "the device tables of internode.plan.send_plan, one launch; node_base 0: each node's first "
       "record counted from is_token_in_rank (the send list running by node)");
   k.def(
       "pack_records",
@@ -241,7 +241,7 @@ void bind_internode(py::module_& m) {
       py::arg("columns"), py::arg("src_idx_offset"), py::arg("dest_rows_offset"), py::arg("stream"),
       py::arg("node_counts") = 0, py::arg("num_nodes") = 0, py::arg("skip_node") = -1, py::arg("send_limit") = -1,
       py::arg("own_dims") = 0,
-      "the wire records of internode_plan.pack_records, one launch; columns: (src, row bytes, record offset); "
+      "the wire records of internode.plan.pack_records, one launch; columns: (src, row bytes, record offset); "
       "records [own_first, own_first + own_count) go to own_dst. node_counts (device int64 [num_nodes]): the "
       "records are counted on the device instead (num_records: the tables' capacity), node skip_node's are not "
       "written, and none is when all pass send_limit bytes; own_dims (forward_from_count_rows' forward words): "
@@ -311,7 +311,7 @@ void bind_internode(py::module_& m) {
         "gate_from_count_rows), block table "
         "[nodes, 1 + ranks_per_node], each local GPU's final rows (limits_out) and FORWARD_DIMS words (the "
         "forward's, then the unpack's) of a forwarder launched before the host read the counts "
-        "(internode_plan.forward_before_counts); ready_rows: the final rows with a ready word (the unpack beside the "
+        "(internode.plan.forward_before_counts); ready_rows: the final rows with a ready word (the unpack beside the "
         "forward), 0: none");
 
   k.def("gather_rows_by_arrival", &in::gather_rows_by_arrival, py::arg("out"), py::arg("targets"),
@@ -434,7 +434,7 @@ void bind_internode(py::module_& m) {
         py::arg("num_ranks"), py::arg("num_nodes"), py::arg("rank"), py::arg("num_local_experts"),
         py::arg("alignment"), py::arg("places"), py::arg("info"), py::arg("stream"), py::arg("dims") = 0,
         py::arg("capacity_rows") = -1,
-        "the uncached expert-major reader's table (internode_plan.expert_major_places' layout, int64) and the plan's "
+        "the uncached expert-major reader's table (internode.plan.expert_major_places' layout, int64) and the plan's "
         "sizes (int32 [rows, 0, pairs per local expert]) made on the device from notify's count rows, one launch; "
         "dims (gate_from_count_rows' words): their go cleared when the expert-major rows pass capacity_rows");
 

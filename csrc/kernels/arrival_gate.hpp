@@ -7,7 +7,7 @@
 // (hint + c) % lanes, and every lane's counter is fed by one FIFO, so it moves in that lane's order (the proxy's
 // sequencer restores it when the NIC reorders). Chunks before c on c's lane are whole, so row i of a block has landed
 // once counter[first_slot + lane] >= base[lane] + (c / lanes) * per_chunk + min(per_chunk, records - c * per_chunk),
-// base being the counter's value before this call. uccl_ep_train/internode_plan.py (`gate_threshold`) is the
+// base being the counter's value before this call. uccl_ep_train/internode/plan.py (`gate_threshold`) is the
 // definition the tests hold this to.
 //
 // Who polls: the counters live in host memory, and a gated kernel has hundreds of blocks. Each polling over PCIe made

@@ -51,7 +51,7 @@ void expert_major_receive(const ExpertMajorReceive& job, uintptr_t stream, const
 
 // The receiver's table of the uncached reader, made on the device from every rank's count row (rank s's at
 // count_rows + 8 * s * row_words: tokens per destination rank, then per destination node, then per expert, the
-// count rows of notify) instead of uploaded from the host's copy: `places` (int64, internode_plan.expert_major_places'
+// count rows of notify) instead of uploaded from the host's copy: `places` (int64, internode.plan.expert_major_places'
 // layout: [num_ranks + 1] source rows, then [num_ranks, L, 2]) and `info` (int32 [2 + L]: rows received, 0, pairs per
 // local expert: the plan's sizes), each expert's segment padded to `alignment`. One block; L <= kPlacesMaxExperts.
 // With `dims` (a reader launched before the count read: gate_from_count_rows' words, written before on the stream)

@@ -1,7 +1,7 @@
 // Internode planning on the GPU: the notify count row, the send plan and the wire records of a dispatch, one launch
 // each (internode_plan.hpp). As torch operations they cost ~20-40 us of host time per launch and a dozen launches per
 // step, while the GPU waited: ~0.8 ms of the 3.7 ms dispatch on 2x H200 (session 7 profile). The torch functions of
-// uccl_ep_train/internode_plan.py remain the definition the tests hold these kernels to.
+// uccl_ep_train/internode/plan.py remain the definition the tests hold these kernels to.
 #include "kernels/internode_plan.hpp"
 
 #include <algorithm>
@@ -409,7 +409,7 @@ void count_row(uintptr_t out, uintptr_t is_token_in_rank, int64_t num_tokens, in
   const int64_t bins = num_ranks + num_ranks / ranks_per_node;
   if (bins > kCountRowMaxBins)
     throw std::invalid_argument("count_row: " + std::to_string(bins) + " bins exceed " +
-                                std::to_string(kCountRowMaxBins) + " (use internode_plan.local_count_row)");
+                                std::to_string(kCountRowMaxBins) + " (use internode.plan.local_count_row)");
   if (num_tokens > 0 && !is_token_in_rank) throw std::invalid_argument("count_row: null is_token_in_rank");
   const CountRowArgs c{reinterpret_cast<long long*>(out), reinterpret_cast<const bool*>(is_token_in_rank), num_tokens,
                        num_ranks, ranks_per_node, reinterpret_cast<const void*>(tokens_per_expert), tpe_int64,

@@ -1,4 +1,4 @@
-// Host API of the internode planning kernels: the per-call tables of uccl_ep_train/internode_plan.py (the notify
+// Host API of the internode planning kernels: the per-call tables of uccl_ep_train/internode/plan.py (the notify
 // count row, the send plan, the wire records) and, at the receiver, the records' columns back out of the final rows,
 // each in one launch instead of a dozen torch operations. The torch
 // functions stay the definition; tests/internode/test_internode_plan_kernels_gpu.py compares both on random routings.
@@ -15,7 +15,7 @@ namespace uccl_ep::internode {
 // The widest count row count_row counts (its shared-memory bins: per rank, per node).
 constexpr int kCountRowMaxBins = 12288;
 
-// The tables of a send plan (internode_plan.send_plan): dest_row_all (int64 [T, R], -1 = not sent), hop1_token (int64
+// The tables of a send plan (internode.plan.send_plan): dest_row_all (int64 [T, R], -1 = not sent), hop1_token (int64
 // [S1], by node then token), dest_rows (int64 [S1, G]) and row_of (int32 [N, T], -1 = not sent to that node).
 struct SendPlanTables {
   uintptr_t dest_row_all = 0, hop1_token = 0, dest_rows = 0, row_of = 0;
@@ -169,7 +169,7 @@ void gate_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks
 // notify (they fit send_limit bytes), our arrivals fit receive_bytes and every local GPU's final rows fit final_limit
 // bytes of final_bytes each; the unpack when the forward goes, our final rows fit capacity_rows and, with ready_rows
 // (the unpack beside the forward: final rows with a ready word; 0: none), every local GPU's final rows have a word.
-// The host applies the same rule (internode_plan.forward_before_counts). One thread. Counter bases as in
+// The host applies the same rule (internode.plan.forward_before_counts). One thread. Counter bases as in
 // gate_from_count_rows: by value up to kReadMaxCounters, else counter_bases_table.
 constexpr int kForwardDims = 2 * kReadDims;
 void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ranks, int ranks_per_node, int rank,
@@ -180,7 +180,7 @@ void forward_from_count_rows(uintptr_t count_rows, int64_t row_words, int num_ra
 
 // The pipelined combine gather's table (gather_tiles' by_arrival) at a handle's first combine, in one call: out
 // (int32 [targets, max_arrivals]) set to -1, then out[f, arrival[r]] = r for each received row r, f being the local
-// index of row r's source (internode_plan.source_local_of_rows: the source s is the first with row_ends[s] > r, int64
+// index of row r's source (internode.plan.source_local_of_rows: the source s is the first with row_ends[s] > r, int64
 // [num_sources] cumulative, and f = s % targets). An arrival outside [0, max_arrivals) is reported (kErrScatterRange:
 // slot f, aux r, observed the arrival, expected max_arrivals) and not written. Torch took ~7 launches and an upload
 // for it: ~200 us of a forward combine's host time before its push on 4x H200 (session 43).

@@ -13,7 +13,7 @@ Proxy::TransportFactory make_transport_factory(const TransportSpec& spec, int ra
     if (vc.devices.empty())
       throw std::invalid_argument(who + ": transport 'verbs' needs at least one RDMA device (ib_devices); "
                                   "uccl_ep_train.comm.proxy_options and "
-                                  "internode_transport.resolve_internode_transport pick them with topology.plan() "
+                                  "internode.transport.resolve_internode_transport pick them with topology.plan() "
                                   "(UCCL_IB_HCA narrows the choice)");
     if (!vc.gid_index.empty() && vc.gid_index.size() != vc.devices.size())
       throw std::invalid_argument(who + ": the GID indices must name one per device in ib_devices (" +

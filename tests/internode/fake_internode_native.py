@@ -10,7 +10,7 @@ format checks, the same ``encode`` error word), copying each chunk's bytes and T
 destination's slot + lane; ``wait_signals`` polling until every slot reaches its target, recording ``wait_timeout``
 after the GPU deadline and returning early once the error word is set (``abort_waits``); ``scatter_rows`` with the
 ``scatter_range`` check; ``arrival_gate`` and the gated ``unpack_records`` / ``sum_node_partials``, which wait for
-the counter of every row they read by the kernels' rule (internode_plan.gate_threshold) before reading it; the error
+the counter of every row they read by the kernels' rule (internode.plan.gate_threshold) before reading it; the error
 word at a raw address; diagnostics with the real keys.
 
 A counter is one int64 per (slot, writer rank): only that writer adds to it and a slot's value is the sum over
@@ -38,7 +38,7 @@ import torch
 from tests import fake_expert_major
 from tests.shared_memory_files import map_file, sweep_leftovers
 
-from uccl_ep_train.internode_plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
+from uccl_ep_train.internode.plan import (CMD_MAX_BYTES, CMD_MAX_RANKS, CMD_MAX_REGION, CMD_MAX_SLOTS, CMD_MAX_VALUE,
                                           CMD_UNIT, FORWARD_DIMS, GATE_FIXED_COLUMNS, READ_BLOCKS, READ_DIMS,
                                           READ_FIRST_ROW, READ_GO, READ_OWN_COUNT, READ_OWN_FIRST, READ_ROWS,
                                           SLOT_PAGE, Counts, RecordLayout, forward_before_counts, gate_lane_target,
@@ -406,7 +406,7 @@ def raise_flags(flags: int, n: int, epoch: int, stream: int, stop_flag: int = 0,
 
 def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int,
               tokens_per_expert: int, tpe_int64: bool, num_experts: int, stream: int, send_plan: Optional[Tuple[int, int, int, int]] = None) -> None:
-    """count_row_kernel (csrc/kernels/internode_plan.cu): internode_plan.local_count_row written at ``out``; with
+    """count_row_kernel (csrc/kernels/internode_plan.cu): internode.plan.local_count_row written at ``out``; with
     ``send_plan`` (the four tables' addresses) also our send plan, as send_plan with node_base 0."""
     T, R = num_tokens, num_ranks
     itr = _at(is_token_in_rank, T * R, torch.bool).view(T, R)
@@ -420,7 +420,7 @@ def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, 
 
 def send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int, node_base: int,
               dest_row_all: int, hop1_token: int, dest_rows: int, row_of: int, stream: int) -> None:
-    """send_plan_kernel: internode_plan.send_plan's device tables, from the node bases the host passes (0: counted
+    """send_plan_kernel: internode.plan.send_plan's device tables, from the node bases the host passes (0: counted
     from the tokens)."""
     _write_send_plan(is_token_in_rank, num_tokens, num_ranks, ranks_per_node, node_base, dest_row_all, hop1_token,
                      dest_rows, row_of)
@@ -428,7 +428,7 @@ def send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_
 
 def _write_send_plan(is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int, node_base: int,
                      dest_row_all: int, hop1_token: int, dest_rows: int, row_of: int) -> None:
-    """The tables of internode_plan.send_plan, from counts that give these node bases (this rank = 1)."""
+    """The tables of internode.plan.send_plan, from counts that give these node bases (this rank = 1)."""
     T, R, G = num_tokens, num_ranks, ranks_per_node
     N = R // G
     if T <= 0:
@@ -452,7 +452,7 @@ def pack_records(send: int, own_dst: int, own_first: int, own_count: int, stride
                  dest_rows: int, ranks_per_node: int, num_records: int, columns: list, src_idx_offset: int,
                  dest_rows_offset: int, stream: int, node_counts: int = 0, num_nodes: int = 0, skip_node: int = -1,
                  send_limit: int = -1, own_dims: int = 0) -> None:
-    """pack_records_kernel: internode_plan.pack_records, the records [own_first, own_first + own_count) at
+    """pack_records_kernel: internode.plan.pack_records, the records [own_first, own_first + own_count) at
     ``own_dst`` instead of ``send``; with ``node_counts``, the records counted from them (num_records: the tables'
     capacity), node ``skip_node``'s not written, and none when all pass ``send_limit`` bytes. With ``own_dims``
     (forward_from_count_rows' forward words): only our own node's records, their range from the words, to own_dst
@@ -616,7 +616,7 @@ def unpack_records(src: int, src_stride: int, num_rows: int, out_rows: int, colu
 def expert_major_places(count_rows: int, row_words: int, num_ranks: int, num_nodes: int, rank: int,
                         num_local_experts: int, alignment: int, places: int, info: int, stream: int, dims: int = 0,
                         capacity_rows: int = -1) -> None:
-    """expert_major_places_kernel: from every rank's count row, internode_plan.expert_major_places' table and the
+    """expert_major_places_kernel: from every rank's count row, internode.plan.expert_major_places' table and the
     plan's sizes (int32 [rows received, 0, pairs per local expert]), with the kernel's checks; with ``dims``, their go
     word cleared when the padded segments pass ``capacity_rows``."""
     if dims and capacity_rows < 0:
@@ -786,7 +786,7 @@ def _read_bases(what: str, counter_bases: list, table: int, want: int, sources: 
 def gate_from_count_rows(count_rows: int, row_words: int, num_ranks: int, rank: int, num_lanes: int,
                          counter_bases: list, stride: int, send_limit: int, receive_bytes: int, capacity_rows: int,
                          table_out: int, dims_out: int, stream: int, counter_bases_table: int = 0) -> None:
-    """gate_from_count_rows_kernel: internode_plan.read_before_counts on the count rows at ``count_rows``; the gate
+    """gate_from_count_rows_kernel: internode.plan.read_before_counts on the count rows at ``count_rows``; the gate
     table to ``table_out``, the words to ``dims_out``."""
     if num_ranks < 1 or not 0 <= rank < num_ranks or num_lanes < 1:
         raise ValueError(f"gate_from_count_rows: rank outside 0..{num_ranks - 1} or no lane")
@@ -814,7 +814,7 @@ def forward_from_count_rows(count_rows: int, row_words: int, num_ranks: int, ran
                             receive_bytes: int, final_limit: int, capacity_rows: int, ready_rows: int, table_out: int,
                             blocks_out: int, limits_out: int, dims_out: int, stream: int,
                             counter_bases_table: int = 0) -> None:
-    """forward_from_count_rows_kernel: internode_plan.forward_before_counts on the count rows at ``count_rows``; the
+    """forward_from_count_rows_kernel: internode.plan.forward_before_counts on the count rows at ``count_rows``; the
     gate table, block table, final rows per local GPU and words to their outputs."""
     G = ranks_per_node
     if G < 2 or num_ranks % G or not 0 <= rank < num_ranks or num_lanes < 1:

@@ -873,7 +873,7 @@ def check_forward_arrivals_forwards_each_record_once_landed_with_its_arrival_sta
     last chunk never comes: the wait fails at the GPU deadline naming lane 0's counter, and the record it carries
     reaches no target. Last, ungated, a record whose row at target 1 is past that area's rows is reported (target 1,
     its row) and not written."""
-    from uccl_ep_train.internode_plan import record_layout
+    from uccl_ep_train.internode.plan import record_layout
 
     payload, offset = shape
     G, n, per, hint, slot, cap = 3, 10, 3, 1, 7, 50

@@ -11,7 +11,7 @@ import torch
 
 import fake_internode_native as fake
 from uccl_ep_train import native
-from uccl_ep_train.internode_plan import source_local_of_rows
+from uccl_ep_train.internode.plan import source_local_of_rows
 
 IMPLS = ["stand-in"]
 if torch.cuda.is_available() and native.available() and hasattr(native.module(), "internode"):

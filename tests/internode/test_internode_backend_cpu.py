@@ -553,7 +553,7 @@ def _plans_made_ahead(rank, world, G):
     plans made ahead in all, and what a planning guess whose areas do not fit leaves behind."""
     from uccl_ep_train.internode.columns import _record_layout
     from uccl_ep_train.internode.handle import PlannedAhead
-    from uccl_ep_train.internode_plan import _align
+    from uccl_ep_train.internode.plan import _align
 
     nat, _ = _backends(rank, world, G)
     try:
@@ -602,7 +602,7 @@ def _forward_bases_uploads(rank, world, G):
     """An uncached dispatch (bf16 with top-k weights) and a combine of its handle, which plans the backward's cached
     dispatch of another record layout: how often the forward block bases went through _upload, and whether the
     backward's shape reads the device copy the forward dispatch uploaded."""
-    from uccl_ep_train.internode_plan import forward_block_bases
+    from uccl_ep_train.internode.plan import forward_block_bases
 
     nat, _ = _backends(rank, world, G)
     try:
@@ -675,7 +675,7 @@ def _expert_major_plans(rank, world, G):
     reader's launch (rank-major unpack or the expert-major reader), the expert-major copy's launch and the planning of
     the handle's next combine; whether anything was staged, whether the combine's plan equals the one it would make
     itself, and the pairs a case run matched."""
-    from uccl_ep_train.internode_plan import _align
+    from uccl_ep_train.internode.plan import _align
 
     nat, ref = _backends(rank, world, G)
     order = []

@@ -1,8 +1,8 @@
-"""What a rank reports about itself when something fails (uccl_ep_train/internode_diagnostics.py): the FIFO clause of
+"""What a rank reports about itself when something fails (uccl_ep_train/internode/diagnostics.py): the FIFO clause of
 every InternodeError, and the state the test harness asks the ranks still running for (tests/distributed.py)."""
 from __future__ import annotations
 
-from uccl_ep_train import internode_diagnostics as diag
+from uccl_ep_train.internode import diagnostics as diag
 
 
 def test_fifo_clause_tells_a_lost_push_from_queued_commands_and_stays_short_when_all_were_taken():

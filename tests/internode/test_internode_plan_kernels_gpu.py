@@ -1,4 +1,4 @@
-"""The planning kernels (csrc/kernels/internode_plan.cu) against the torch definitions in internode_plan.py, on one
+"""The planning kernels (csrc/kernels/internode_plan.cu) against the torch definitions in internode/plan.py, on one
 GPU: the notify count row, the send plan and the packed wire records must be equal, element for element, over
 random, skewed, empty and dropped routings, topologies from 2 x 1 to 8 nodes x 8 GPUs, and column widths that force
 every vector width of the pack kernel."""
@@ -18,7 +18,7 @@ if not (native.available() and hasattr(native.module(), "internode")):
     pytest.skip("uccl_ep_train._C has no internode submodule", allow_module_level=True)
 
 from internode_cases import _routing  # noqa: E402
-from uccl_ep_train.internode_plan import (Counts, _bytes_of, local_count_row, pack_records,  # noqa: E402
+from uccl_ep_train.internode.plan import (Counts, _bytes_of, local_count_row, pack_records,  # noqa: E402
                                           record_layout, send_plan)
 from uccl_ep_train.reference import get_dispatch_layout  # noqa: E402
 
@@ -263,13 +263,13 @@ def test_send_plan_written_with_the_count_row_and_pack_counted_from_it_on_the_de
 @pytest.mark.parametrize("pad", [False, True])
 def test_a_reader_before_the_count_read_takes_its_gate_rows_and_own_records_from_the_count_rows_on_the_device(
         R, rank, lanes, limits, pad):
-    """gate_from_count_rows writes the gate table and words internode_plan.read_before_counts defines, from random
+    """gate_from_count_rows writes the gate table and words internode.plan.read_before_counts defines, from random
     count rows (one GPU per node: a source with no record for us gets no gate row); unpack_records given those words
     unpacks the rows they name -- our own block's rows straight from our columns at the send list's tokens (never
     packed), every other row from the arrivals -- cut at the rows received or padded with zero rows, and does
     nothing at all when the words say no (its outputs keep their sentinel). A field that lies in none of the
     columns given is refused before the launch."""
-    from uccl_ep_train.internode_plan import READ_DIMS, READ_GO, read_before_counts
+    from uccl_ep_train.internode.plan import READ_DIMS, READ_GO, read_before_counts
 
     g = torch.Generator().manual_seed(R * 100 + rank * 10 + lanes)
     words = 2 * R + 3
@@ -418,9 +418,9 @@ def test_pad_kernel_zeroes_exactly_the_rows_no_pair_fills_and_marks_them_empty_i
 @pytest.mark.parametrize("R,G,L,alignment", [(2, 1, 32, 1), (4, 2, 3, 8), (8, 4, 256, 128), (2, 1, 1, 4)])
 def test_places_kernel_makes_the_readers_table_and_plan_sizes_from_the_count_rows_as_the_host_does(R, G, L, alignment):
     """expert_major_places from every rank's count row on the device (rows wider than their words, as notify's area
-    lays them out) against internode_plan.expert_major_places and the plan's sizes (rows received, 0, pairs per local
+    lays them out) against internode.plan.expert_major_places and the plan's sizes (rows received, 0, pairs per local
     expert) the host uploaded before: equal for every rank, with sources and experts that send nothing."""
-    from uccl_ep_train.internode_plan import counts_from_rows, expert_major_places, recv_expert_counts
+    from uccl_ep_train.internode.plan import counts_from_rows, expert_major_places, recv_expert_counts
 
     N, E = R // G, R * L
     g = torch.Generator().manual_seed(R * 1000 + L * 10 + alignment)
@@ -460,7 +460,7 @@ def test_places_kernel_makes_the_readers_table_and_plan_sizes_from_the_count_row
                                     "rows_without_ready_words"])
 def test_a_forward_before_the_count_read_takes_the_hosts_tables_from_the_count_rows_and_packs_only_our_own_records(
         N, G, rank, lanes, limits):
-    """forward_from_count_rows writes what internode_plan.forward_before_counts defines from random count rows, and
+    """forward_from_count_rows writes what internode.plan.forward_before_counts defines from random count rows, and
     that is what the host's forward after the count read uses: the gate table of dispatch_gate_blocks, the block
     table of forward_block_bases, each local GPU's final rows; the forward goes only when our records were pushed
     during notify, our arrivals fit the receive area and every local GPU's final rows fit, the unpack only when the
@@ -468,7 +468,7 @@ def test_a_forward_before_the_count_read_takes_the_hosts_tables_from_the_count_r
     and only those, into our own block among the arrivals, byte for byte as the host's pack of that range does, and
     nothing when the forward does not go. With ready words (the unpack beside the forward) the unpack goes only when
     every local GPU's final rows have one."""
-    from uccl_ep_train.internode_plan import (FORWARD_DIMS, READ_DIMS, READ_FIRST_ROW, READ_GO, READ_OWN_COUNT,
+    from uccl_ep_train.internode.plan import (FORWARD_DIMS, READ_DIMS, READ_FIRST_ROW, READ_GO, READ_OWN_COUNT,
                                               READ_OWN_FIRST, dispatch_gate_blocks, forward_before_counts,
                                               forward_block_bases, gate_rows)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from uccl_ep_train import internode_plan as plan
+from uccl_ep_train.internode import plan
 from uccl_ep_train import reference as ref
 from uccl_ep_train.internode.handle import HopPlan
 

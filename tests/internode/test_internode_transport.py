@@ -12,8 +12,8 @@ import torch
 
 from tests.distributed import run_distributed
 from uccl_ep_train import comm, topology
-from uccl_ep_train.internode_plan import InternodeError
-from uccl_ep_train.internode_transport import resolve_internode_transport, select_internode_transport
+from uccl_ep_train.internode.plan import InternodeError
+from uccl_ep_train.internode.transport import resolve_internode_transport, select_internode_transport
 from uccl_ep_train.settings import load_settings
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "sysfs")
@@ -179,7 +179,7 @@ def test_by_default_the_host_drains_after_network_waits_only_where_the_proxy_thr
 
 
 def test_the_internode_loopback_takes_a_copy_agent_by_default_only_where_each_rank_has_a_gpu_of_its_own():
-    from uccl_ep_train.internode_transport import use_copy_agent
+    from uccl_ep_train.internode.transport import use_copy_agent
     from uccl_ep_train.settings import SettingsError, load_settings
 
     assert load_settings({}).emulation.loopback_copy_agent == "auto"
@@ -246,7 +246,7 @@ def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning()
     """2 nodes x 2 ranks on 2 GPUs (ranks 0 and 2 on GPU a, 1 and 3 on GPU b): each rank's network peer of the other
     node shares its GPU, so the loopback's copies between them run as kernels on that GPU; same-node sharing, one GPU
     per rank and unknown GPUs (the CPU stand-in) name nobody."""
-    from uccl_ep_train.internode_transport import SHARED_GPU_WARNING, other_nodes_on_this_gpu
+    from uccl_ep_train.internode.transport import SHARED_GPU_WARNING, other_nodes_on_this_gpu
 
     gpus = ["a", "b", "a", "b"]
     assert [other_nodes_on_this_gpu(gpus, r, 2) for r in range(4)] == [[2], [3], [0], [1]]
@@ -259,7 +259,7 @@ def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning()
 
 
 def test_more_than_two_ranks_sharing_a_gpu_through_mps_are_warned_of_the_stall_seen_there():
-    from uccl_ep_train.internode_transport import SHARED_GPU_WARNING, shared_gpu_warning
+    from uccl_ep_train.internode.transport import SHARED_GPU_WARNING, shared_gpu_warning
 
     plain = SHARED_GPU_WARNING.format(rank=2, gpu="g", others=[0], blocks=16)
     # two ranks on the GPU, or time-sliced (MPS off or unknown): the shared-GPU warning alone
@@ -275,7 +275,7 @@ def test_ranks_sharing_a_gpu_through_mps_split_the_spinning_share_and_time_slice
     """Under MPS the ranks' kernels run at once: four ranks of 66 blocks each on a 132-SM H100 left the loopback's
     copy kernels no SM (session 23), so they split the share; time-sliced contexts (MPS off or unknown) run one at a
     time and each keeps it. Never below one block."""
-    from uccl_ep_train.internode_transport import SHARED_GPU_SPIN_SM_FRACTION, shared_gpu_spin_blocks
+    from uccl_ep_train.internode.transport import SHARED_GPU_SPIN_SM_FRACTION, shared_gpu_spin_blocks
 
     assert SHARED_GPU_SPIN_SM_FRACTION == 0.5
     assert shared_gpu_spin_blocks(132, 4, True) == 16
@@ -288,7 +288,7 @@ def test_loopback_warns_when_few_hardware_queues_could_put_its_copies_behind_spi
     """CUDA_DEVICE_MAX_CONNECTIONS=1, and MPS without the variable, both stalled the loopback's copies behind the
     backend's spinning kernels on one H200 until the GPU deadline (session 22); 8 (the default) ran, and 8 or 32
     set under MPS. The warning names the value to set; a value the driver cannot read is left to the driver."""
-    from uccl_ep_train.internode_transport import loopback_queue_hazard
+    from uccl_ep_train.internode.transport import loopback_queue_hazard
 
     one = loopback_queue_hazard(3, "1", mps=False, proxy_threads=4)
     assert one is not None and one.startswith("rank 3: the loopback transport")
@@ -307,10 +307,10 @@ def test_mps_state_is_unknown_rather_than_an_error_where_the_driver_cannot_say(m
     """Without libcuda (CI, the CPU stand-in) the MPS question has no answer: None, never an exception."""
     import ctypes
 
-    from uccl_ep_train import internode_transport
+    from uccl_ep_train.internode import transport
 
     def no_driver(name, *a, **k):
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
-    assert internode_transport.mps_enabled(0) is None
+    assert transport.mps_enabled(0) is None

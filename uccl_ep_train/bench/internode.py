@@ -572,7 +572,7 @@ def run(args) -> int:
 
     from uccl_ep_train.backends import BackendContext, DispatchArgs
     from uccl_ep_train.internode import NativeInternodeBackend
-    from uccl_ep_train.internode_transport import use_copy_agent
+    from uccl_ep_train.internode.transport import use_copy_agent
     from uccl_ep_train.settings import load_settings
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -754,7 +754,7 @@ def run(args) -> int:
 
     if args.share_gpu:
         if rank == 0:
-            from uccl_ep_train.internode_transport import mps_enabled
+            from uccl_ep_train.internode.transport import mps_enabled
 
             mps = mps_enabled(torch.cuda.current_device())
             shared = {"shared_gpu": True, "world": world, "nodes": args.emulate_nodes, "mps": mps,

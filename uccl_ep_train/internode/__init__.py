@@ -5,9 +5,9 @@ a per-node block of records that the GPU hands to the proxy as WRITE_SIGNAL comm
 signal counters and copies every record over NVLink to the GPUs of its node that need it. Combine reduces within the
 node at the forwarder and sends one fp32 partial sum per (token, node) back; the source adds them in node order.
 
-What every rank must agree on before a byte moves (offsets, push tables, waits, limits) is pure planning in
-internode_plan.py, proven on CPU against reference.py. This package drives the native module (``_C.internode``), one
-module per part of a call; NativeInternodeBackend (backend.py) composes them:
+What every rank must agree on before a byte moves (offsets, push tables, waits, limits) is pure planning in plan.py,
+proven on CPU against reference.py. The rest of this package drives the native module (``_C.internode``), one module
+per part of a call; NativeInternodeBackend (backend.py) composes them:
 
     backend.py         setup (regions, proxy bootstrap, agreed settings), teardown, benchmark probes
     dispatch.py        dispatch: uncached and cached, the two hops of per-token columns
@@ -22,9 +22,13 @@ module per part of a call; NativeInternodeBackend (backend.py) composes them:
     drains.py          when the host waits for its stream; failed waits as errors
     handle.py, call_state.py, columns.py   the data the parts pass along
 
-The transport choice is in internode_transport.py, what a rank reports about a failure in internode_diagnostics.py.
+and beside them, used by the parts and by other layers:
+
+    plan.py            the planning every rank agrees on (pure torch; the kernels' definitions)
+    transport.py       the transport choice (loopback or verbs), alike on every rank
+    diagnostics.py     what a rank reports about a failure (FIFOs, proxy threads, live state)
 """
-from uccl_ep_train.internode_plan import InternodeError
+from uccl_ep_train.internode.plan import InternodeError
 from uccl_ep_train.internode.backend import NativeInternodeBackend, group_settings_disagree
 from uccl_ep_train.internode.drains import check_stream_without_drains, drain_after_waits
 from uccl_ep_train.internode.expert_major import reads_expert_major_rows

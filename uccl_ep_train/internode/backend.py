@@ -16,14 +16,14 @@ import torch.distributed as dist
 
 from uccl_ep_train import native
 from uccl_ep_train.backends import BackendContext, DispatchResult
-from uccl_ep_train.internode_diagnostics import track
+from uccl_ep_train.internode.diagnostics import track
 from uccl_ep_train.kernel_timeline import KernelTimeline
-from uccl_ep_train.internode_plan import (InternodeError, NOTIFY_MAX_EXPERTS, CMD_UNIT, CMD_MAX_BYTES, CMD_MAX_REGION,
+from uccl_ep_train.internode.plan import (InternodeError, NOTIFY_MAX_EXPERTS, CMD_UNIT, CMD_MAX_BYTES, CMD_MAX_REGION,
                                           check_topology, Counts, chunk_bytes, _align, notify_row_words, CombineAreas,
                                           READ_DIMS, READ_GO, FORWARD_DIMS, GATE_FIXED_COLUMNS as GATE_FIXED,
                                           GATHER_MAX_TILES, GATHER_MIN_TILE_ROWS, node_flag_bytes, ready_word_rows,
                                           ready_word_bytes)
-from uccl_ep_train.internode_transport import (shared_gpu_warning, device_pci_address, loopback_queue_hazard,
+from uccl_ep_train.internode.transport import (shared_gpu_warning, device_pci_address, loopback_queue_hazard,
                                                mps_enabled, other_nodes_on_this_gpu, select_internode_transport,
                                                shared_gpu_spin_blocks, use_copy_agent)
 from uccl_ep_train.cpu_placement import rank_cpus
@@ -79,7 +79,7 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
     #: The process that moves this rank's loopback bytes (loopback_copy_agent.CopyAgent), or None: the proxy threads
     #: copy (over verbs there is nothing to copy).
     _copy_agent: Optional[Any] = None
-    #: The most experts whose counts notify's rows carry (internode_plan.NOTIFY_MAX_EXPERTS; tests lower it to take the
+    #: The most experts whose counts notify's rows carry (internode.plan.NOTIFY_MAX_EXPERTS; tests lower it to take the
     #: other way: the receiver counts the received ids).
     notify_max_experts: int = NOTIFY_MAX_EXPERTS
     #: How every output of a call is allocated (tests poison the rows, so that a row nobody writes cannot pass).

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from uccl_ep_train.backends import DispatchArgs, DispatchResult
-from uccl_ep_train.internode_plan import (InternodeError, RecordLayout, Counts, SendPlan, recv_counts, num_recv_rows,
+from uccl_ep_train.internode.plan import (InternodeError, RecordLayout, Counts, SendPlan, recv_counts, num_recv_rows,
                                           dispatch_waits, READ_DIMS, READ_GO, read_before_counts, forward_before_counts)
 from uccl_ep_train.internode.columns import _raw_bytes, _address, _column_args, _aligned_counts
 from uccl_ep_train.internode.handle import InternodeHandle

@@ -9,7 +9,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from uccl_ep_train.internode_plan import RecordLayout
+from uccl_ep_train.internode.plan import RecordLayout
 
 
 class Pending(NamedTuple):

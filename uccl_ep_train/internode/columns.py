@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 import torch
 
-from uccl_ep_train.internode_plan import RecordLayout, record_layout
+from uccl_ep_train.internode.plan import RecordLayout, record_layout
 
 
 class _DeviceView:

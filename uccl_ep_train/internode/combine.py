@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from uccl_ep_train.internode_plan import (Counts, recv_counts, block_offsets, check_area, _align, recv_row_ends,
+from uccl_ep_train.internode.plan import (Counts, recv_counts, block_offsets, check_area, _align, recv_row_ends,
                                           source_local_of_rows, dispatch_nvlink_rows, combine_nvlink_rows, CombineAreas,
                                           combine_areas, combine_overlaps_dispatch, GATHER_MAX_TILES, gather_tile_rows)
 from uccl_ep_train.internode.columns import _address, _dense, _ranges_around

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_train.backends import DispatchArgs, DispatchResult
-from uccl_ep_train.internode_plan import (InternodeError, RecordLayout, Counts, SendPlan, recv_counts, block_offsets,
+from uccl_ep_train.internode.plan import (InternodeError, RecordLayout, Counts, SendPlan, recv_counts, block_offsets,
                                           num_recv_rows, forward_block_bases, check_area, _align, expert_major_places,
                                           recv_expert_counts, dispatch_extents, dispatch_may_skip_entry_barrier,
                                           READ_GO)

@@ -9,8 +9,8 @@ from typing import Optional
 
 
 from uccl_ep_train import native
-from uccl_ep_train.internode_diagnostics import describe_fifo_states, timeout_hint
-from uccl_ep_train.internode_plan import InternodeError, describe_gpu_error
+from uccl_ep_train.internode.diagnostics import describe_fifo_states, timeout_hint
+from uccl_ep_train.internode.plan import InternodeError, describe_gpu_error
 
 
 def drain_after_waits(setting: str, transport: str = "loopback", copy_agent: bool = False) -> bool:

@@ -7,7 +7,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from uccl_ep_train.internode_plan import InternodeError, RecordLayout
+from uccl_ep_train.internode.plan import InternodeError, RecordLayout
 from uccl_ep_train.internode.columns import _address, _row_bytes
 from uccl_ep_train.internode.handle import InternodeHandle
 from uccl_ep_train.internode.call_state import ExpertMajorRows

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from uccl_ep_train.internode_plan import InternodeError, RecordLayout, Counts, num_recv_rows
+from uccl_ep_train.internode.plan import InternodeError, RecordLayout, Counts, num_recv_rows
 
 
 class NvlinkForward:

@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from uccl_ep_train.internode_plan import Counts, SendPlan, CombineAreas
+from uccl_ep_train.internode.plan import Counts, SendPlan, CombineAreas
 from uccl_ep_train.internode.columns import _upload_values
 
 

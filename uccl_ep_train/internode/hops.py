@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from uccl_ep_train.kernel_timeline import COMBINE, DISPATCH
-from uccl_ep_train.internode_plan import (InternodeError, Counts, SendPlan, chunk_records, dispatch_push_rows,
+from uccl_ep_train.internode.plan import (InternodeError, Counts, SendPlan, chunk_records, dispatch_push_rows,
                                           dispatch_waits, combine_push_rows, combine_waits, CombineAreas,
                                           dispatch_gate_blocks, combine_gate_blocks, gate_rows, split_push_head)
 from uccl_ep_train.internode.columns import _upload_values, _address

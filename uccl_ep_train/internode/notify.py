@@ -9,9 +9,9 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from uccl_ep_train.internode_diagnostics import timeout_hint
+from uccl_ep_train.internode.diagnostics import timeout_hint
 from uccl_ep_train.kernel_timeline import DISPATCH_DURING_NOTIFY
-from uccl_ep_train.internode_plan import (InternodeError, RecordLayout, Counts, local_count_row, counts_from_rows,
+from uccl_ep_train.internode.plan import (InternodeError, RecordLayout, Counts, local_count_row, counts_from_rows,
                                           SendPlan, recv_counts, dispatch_waits, _align,
                                           dispatch_push_rows_before_counts)
 from uccl_ep_train.internode.columns import _address, _dense, _column_args
@@ -147,7 +147,7 @@ class CountExchange:
         return read if defer else read()
 
     def _send_plan(self, is_token_in_rank: torch.Tensor, counts: Counts) -> SendPlan:
-        """internode_plan.send_plan with its device tables made by one launch (send_plan kernel); the host part (how
+        """internode.plan.send_plan with its device tables made by one launch (send_plan kernel); the host part (how
         many records go to each node, where each node's run starts) comes from the counts."""
         node_send = [int(c) for c in counts.node_counts[self.rank].tolist()]
         node_base = self._upload([sum(node_send[:m]) for m in range(self.N)])  # each torch op costs ~5-10 us here

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Tuple
 
 
-from uccl_ep_train.internode_plan import InternodeError, Counts, SendPlan, _align
+from uccl_ep_train.internode.plan import InternodeError, Counts, SendPlan, _align
 from uccl_ep_train.internode.columns import _record_layout
 from uccl_ep_train.internode.handle import InternodeHandle, PlannedAhead
 

@@ -6,7 +6,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from uccl_ep_train.internode_plan import RecordLayout, SendPlan
+from uccl_ep_train.internode.plan import RecordLayout, SendPlan
 from uccl_ep_train.internode.columns import _address, _column_args, _ranges_around
 
 
@@ -21,7 +21,7 @@ class Records:
 
     def _pack(self, rows: List[torch.Tensor], plan: SendPlan, layout: RecordLayout, own_offset: int,
               ranges: List[Tuple[int, int]]) -> None:
-        """internode_plan.pack_records (pack_records kernel) into the send area, except the records of our own node,
+        """internode.plan.pack_records (pack_records kernel) into the send area, except the records of our own node,
         which go to ``own_offset`` of the RDMA region (their receive block). ``rows``: the columns, contiguous
         (_dense). ``ranges``: which records of the list (by node, see _record_ranges), a launch each."""
         own_first, own = sum(plan.node_send[:self.node]), plan.node_send[self.node]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from uccl_ep_train.internode_plan import InternodeError
+from uccl_ep_train.internode.plan import InternodeError
 
 if TYPE_CHECKING:
     from uccl_ep_train.comm import GpuNics
