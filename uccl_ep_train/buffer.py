@@ -303,12 +303,16 @@ class Buffer:
 
     @staticmethod
     def get_internode_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_ranks: int,
-                                 ranks_per_node: int, element_size: int = 2) -> Tuple[int, int]:
+                                 ranks_per_node: int, element_size: int = 2,
+                                 combine_element_size: int = 2) -> Tuple[int, int]:
         """(num_nvl_bytes, num_rdma_bytes) for the native internode backend when the group spans several nodes
-        (its staged areas hold a whole call for the worst-case routing; docs/internode.md, "Buffers of one rank")."""
+        (its staged areas hold a whole call for the worst-case routing; docs/internode.md, "Buffers of one rank").
+        ``element_size``: the dispatched payload's; ``combine_element_size``: the combined x's (2: BF16, 4: float32;
+        a float32 combine needs twice the BF16 bytes)."""
         from uccl_ep_train.internode.plan import bytes_needed
 
-        return bytes_needed(num_max_tokens_per_rank, hidden, num_topk, num_ranks, ranks_per_node, element_size)
+        return bytes_needed(num_max_tokens_per_rank, hidden, num_topk, num_ranks, ranks_per_node, element_size,
+                            combine_element_size)
 
     def _check_hidden_fits(self, hidden: int, element_size: int, config: Config) -> None:
         hidden_bytes = hidden * max(element_size, 2)

@@ -33,6 +33,11 @@ def one_rank_context(context_class, **args):
 
 
 def _routing(kind, T, K, E, R, g):
+    if kind == "every_rank":  # each token to K distinct experts covering every rank: what the buffer hints size for
+        assert R <= K <= E, (R, K, E)
+        local, j = E // R, torch.arange(K)
+        turn = torch.randint(0, local, (T, 1), generator=g)
+        return (j % R) * local + (j // R + turn) % local
     scores = torch.rand((T, E), generator=g)
     if kind == "skewed":
         scores[:, :K] += 10.0
@@ -133,6 +138,41 @@ def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=Fa
                 (t1.nvlink_bytes, t1.network_bytes, t1.logical_bytes), f"{tag}: traffic"
             done += 1
     return done
+
+
+# Every token to every rank: rank-major BF16, FP8 with scales, expert-major
+EVERY_RANK_CASES = [("every_rank", False, False, 0, 20), ("every_rank", True, False, 0, 21),
+                    ("every_rank", False, True, 0, 22)]
+
+
+def worst_routing_in_hinted_buffers(backends, rank, world, G):
+    """In buffers of exactly Buffer.get_internode_bytes_hint for compare_cases' largest rank (BF16 combines, the
+    default), EVERY_RANK_CASES match the reference; a float32 combine (twice the partial row) is then refused before
+    any launch, and the next calls match again. ``backends(nvl, rdma)`` gives (native, reference, device) for those
+    sizes. Returns (cases done, the refusal's message, or None if nothing refused)."""
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.buffer import Buffer
+    from uccl_ep_train.internode import InternodeError
+
+    T_max, H, K, E = 96 + 13 * (world - 1), 256, 4, 4 * world  # compare_cases' shapes
+    nat, ref, dev = backends(*Buffer.get_internode_bytes_hint(T_max, H, K, world, G))
+    try:
+        done = compare_cases(nat, ref, dev, rank, world, EVERY_RANK_CASES, 1, H=H)
+        g = torch.Generator().manual_seed(23 + rank)
+        T = 96 + 13 * rank
+        idx = _routing("every_rank", T, K, E, world, g).to(dev)
+        tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
+        r = nat.dispatch(DispatchArgs(torch.randn((T, H), generator=g).to(torch.bfloat16).to(dev), None, None, tpr,
+                                      tpn, itr, tpe, idx, torch.rand((T, K), generator=g).to(dev)))
+        refused = None
+        try:
+            nat.combine(r.recv_x.float(), r.handle, r.recv_topk_weights, None)
+        except InternodeError as exc:
+            refused = str(exc)
+        done += compare_cases(nat, ref, dev, rank, world, EVERY_RANK_CASES[:1], 1, H=H)
+        return done, refused
+    finally:
+        nat.destroy()
 
 
 def check_a_failed_rank_sends_and_forwards_nothing(cx, scatter_rows, dev):

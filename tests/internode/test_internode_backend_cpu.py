@@ -21,7 +21,7 @@ from tests.distributed import run_distributed
 
 import fake_internode_native as fake
 from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_small_after_a_push_during_notify,
-                             one_rank_context,
+                             EVERY_RANK_CASES, one_rank_context, worst_routing_in_hinted_buffers,
                              check_a_failed_rank_sends_and_forwards_nothing,
                              FORWARD_ROW_SHAPES, FORWARD_ROW_SHAPE_IDS,
                              check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
@@ -44,7 +44,7 @@ ENV = {"UCCL_EP_NUM_PROXY_THREADS": "2", "UCCL_EP_FIFOS_PER_THREAD": "2", "UCCL_
        "UCCL_EP_CPU_TIMEOUT_SECS": "30", "UCCL_EP_GPU_TIMEOUT_SECS": "30"}
 
 
-def _backends(rank, world, G, rdma=RDMA):
+def _backends(rank, world, G, rdma=RDMA, nvl=None):
     import torch.distributed as dist
 
     from uccl_ep_train.backends import BackendContext
@@ -54,7 +54,8 @@ def _backends(rank, world, G, rdma=RDMA):
 
     fake.install()
     ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G,
-                         device=torch.device("cpu"), num_nvl_bytes=NVL, num_rdma_bytes=rdma, settings=load_settings())
+                         device=torch.device("cpu"), num_nvl_bytes=NVL if nvl is None else nvl, num_rdma_bytes=rdma,
+                         settings=load_settings())
     return NativeInternodeBackend(ctx), ReferenceBackend(ctx)
 
 
@@ -196,8 +197,9 @@ def test_without_per_expert_counts_in_notify_the_received_ids_are_counted_and_ou
     assert all(seen and not any(seen) for _, seen in out), [seen for _, seen in out]
 
 
-def _worst_routing_in_hinted_buffers(rank, world, G, scale):
-    """Every token to every rank (one expert on each), in buffers of ``scale`` x Buffer.get_internode_bytes_hint."""
+def _worst_routing_in_hinted_buffers(rank, world, G, scale, combine_dtype="bfloat16", combine_element_size=2):
+    """Every token to every rank (one expert on each), in buffers of ``scale`` x Buffer.get_internode_bytes_hint for
+    combines of ``combine_element_size``, the combine's x in ``combine_dtype``."""
     import torch.distributed as dist
 
     from uccl_ep_train.backends import BackendContext, DispatchArgs
@@ -206,7 +208,7 @@ def _worst_routing_in_hinted_buffers(rank, world, G, scale):
     from uccl_ep_train.settings import load_settings
 
     T, H, E = 40, 256, 2 * world
-    nvl, rdma = Buffer.get_internode_bytes_hint(T, H, world, world, G)
+    nvl, rdma = Buffer.get_internode_bytes_hint(T, H, world, world, G, combine_element_size=combine_element_size)
     fake.install()
     ctx = BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G,
                          device=torch.device("cpu"), num_nvl_bytes=int(nvl * scale), num_rdma_bytes=int(rdma * scale),
@@ -219,7 +221,7 @@ def _worst_routing_in_hinted_buffers(rank, world, G, scale):
         tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
         try:
             r = nat.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
-            nat.combine(r.recv_x, r.handle, r.recv_topk_weights, None)
+            nat.combine(r.recv_x.to(getattr(torch, combine_dtype)), r.handle, r.recv_topk_weights, None)
         except InternodeError as exc:
             return str(exc)
         return int(r.recv_x.size(0))
@@ -235,6 +237,35 @@ def test_buffers_sized_by_the_internode_hint_hold_the_worst_routing_and_half_of_
     assert run_distributed(_worst_routing_in_hinted_buffers, world, G, 1.0, timeout=120, env=env) == [40 * world] * world
     small = run_distributed(_worst_routing_in_hinted_buffers, world, G, 0.5, timeout=120, env=env)
     assert all(isinstance(m, str) and "area needs" in m and "raise num_" in m for m in small), small
+
+
+def _hinted(rank, world, G):
+    return worst_routing_in_hinted_buffers(
+        lambda nvl, rdma: (*_backends(rank, world, G, rdma=rdma, nvl=nvl), torch.device("cpu")), rank, world, G)
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
+def test_every_token_to_every_rank_matches_in_buffers_of_exactly_the_hint_and_a_float32_combine_is_refused(world, G):
+    """Every output equals the reference, FP8 and expert-major too, in buffers of exactly the hint; a float32
+    combine in them is refused naming the setting, on every rank alike, and the calls after it match."""
+    for done, refused in run_distributed(_hinted, world, G, timeout=180, env=ENV):
+        assert done == len(EVERY_RANK_CASES) + 1, done
+        assert refused is not None and "area needs" in refused and "raise num_" in refused, refused
+
+
+def test_a_float32_combine_in_buffers_hinted_for_bfloat16_is_refused_clearly_and_fits_the_float32_hint():
+    """The hint sizes combines in BF16 by default (a float32 partial row is the widest row and would double both
+    regions); a caller that combines in float32 says so with combine_element_size=4."""
+    from uccl_ep_train.buffer import Buffer
+
+    refused = run_distributed(_worst_routing_in_hinted_buffers, 4, 2, 1.0, "float32", 2, timeout=120, env=ENV)
+    assert all(isinstance(m, str) and "area needs" in m and "raise num_" in m for m in refused), refused
+    assert run_distributed(_worst_routing_in_hinted_buffers, 4, 2, 1.0, "float32", 4, timeout=120,
+                           env=ENV) == [40 * 4] * 4
+    bf16, fp32 = (Buffer.get_internode_bytes_hint(4096, 7168, 8, 16, 8, combine_element_size=c) for c in (2, 4))
+    assert fp32[0] > 1.9 * bf16[0] and fp32[1] > 1.9 * bf16[1], (bf16, fp32)  # DeepSeek-V3 shape, 2 nodes x 8 GPUs
+    with pytest.raises(ValueError, match="combine_element_size must be 2"):
+        Buffer.get_internode_bytes_hint(40, 256, 4, 4, 2, combine_element_size=1)
 
 
 def _cases_with_a_small_write_limit_on_rank_1(rank, world, G, cases, iters):

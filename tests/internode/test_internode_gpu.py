@@ -34,7 +34,8 @@ if not (native.available() and hasattr(native.module(), "internode")):
 from tests.distributed import run_distributed  # noqa: E402
 
 from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # noqa: E402  (shared with
-                             EXPERT_MAJOR_CASES, OWN_ROW_CASES, check_a_failed_rank_sends_and_forwards_nothing,
+                             EVERY_RANK_CASES, worst_routing_in_hinted_buffers, EXPERT_MAJOR_CASES, OWN_ROW_CASES,
+                             check_a_failed_rank_sends_and_forwards_nothing,
                              one_rank_context,
                              FORWARD_ROW_SHAPES, FORWARD_ROW_SHAPE_IDS,
                              check_forward_rows_sends_each_row_to_every_gpu_that_needs_it,
@@ -54,7 +55,7 @@ RDMA = 64 << 20
 NVL = 64 << 20
 
 
-def _backends(rank, world, G, rdma=RDMA):
+def _backends(rank, world, G, rdma=RDMA, nvl=NVL):
     """(native backend on this rank's GPU, reference backend on CPU, the GPU)."""
     import torch.distributed as dist
 
@@ -67,7 +68,7 @@ def _backends(rank, world, G, rdma=RDMA):
     torch.cuda.set_device(dev)
     s = load_settings()
     mk = lambda d: BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=d,
-                                  num_nvl_bytes=NVL, num_rdma_bytes=rdma, settings=s)
+                                  num_nvl_bytes=nvl, num_rdma_bytes=rdma, settings=s)
     return NativeInternodeBackend(mk(dev)), ReferenceBackend(mk(torch.device("cpu"))), dev
 
 
@@ -1145,6 +1146,25 @@ def test_on_gpus_an_area_too_small_for_records_pushed_during_notify_raises_on_ev
         assert "dispatch receive (RDMA)" in err and "num_rdma_bytes" in err, f"rank {rank}: {err}"
         assert in_step, f"rank {rank}: the dispatch counters are not at their targets after the error"
         assert pushed == 1 and done == 1, (rank, pushed, done)
+
+
+def _hinted(rank, world, G):
+    return worst_routing_in_hinted_buffers(lambda nvl, rdma: _backends(rank, world, G, rdma=rdma, nvl=nvl),
+                                           rank, world, G)
+
+
+@pytest.mark.parametrize("world,G", TOPOLOGIES)
+def test_on_gpus_every_token_to_every_rank_matches_in_buffers_of_exactly_the_hint_and_a_float32_combine_is_refused(
+        world, G):
+    """The GPU twin of the CPU test: in buffers of exactly Buffer.get_internode_bytes_hint (BF16 combines) every
+    token sent to every rank matches the reference, rank-major, FP8 and expert-major; a float32 combine is refused
+    naming the setting before any launch, and the calls after it match."""
+    _need(world)
+    out = run_distributed(_hinted, world, G, timeout=300, env={"UCCL_EP_CPU_TIMEOUT_SECS": "60",
+                                                                "UCCL_EP_GPU_TIMEOUT_SECS": "60"})
+    for done, refused in out:
+        assert done == len(EVERY_RANK_CASES) + 1, done
+        assert refused is not None and "area needs" in refused and "raise num_" in refused, refused
 
 
 @pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
