@@ -140,9 +140,12 @@ def compare_cases(nat, ref, dev, rank, world, cases, iters, H=256, unweighted=Fa
     return done
 
 
-# Every token to every rank: rank-major BF16, FP8 with scales, expert-major
+# Every token to every rank: rank-major BF16, FP8 with scales, expert-major; then sync-free, rank-major (a row per
+# token of every rank) and expert-major (num_worst_tokens past every (token, local expert) pair, as Megatron's
+# dispatcher asks: tokens x ranks x min(top-k, local experts))
 EVERY_RANK_CASES = [("every_rank", False, False, 0, 20), ("every_rank", True, False, 0, 21),
-                    ("every_rank", False, True, 0, 22)]
+                    ("every_rank", False, True, 0, 22), ("every_rank", False, False, 1, 23),
+                    ("every_rank", True, True, 2048, 24)]
 
 
 def worst_routing_in_hinted_buffers(backends, rank, world, G):

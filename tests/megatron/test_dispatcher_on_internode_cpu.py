@@ -222,3 +222,45 @@ def test_without_drains_megatron_moelayer_in_sync_free_mode_matches_allgather_ov
         assert r["out_norm"] > 0
         assert r["out"] < EXACT and r["grad_x"] < EXACT and r["grad_params"] < EXACT, (rank, r)
         assert r["uccl_before_counts"] == STEPS - 1, (rank, r)  # every step's dispatch after the first
+
+
+def _buffer_sizes_asked(rank: int, world: int) -> list:
+    """(num_nvl_bytes, num_rdma_bytes) of the Buffer get_buffer makes for a sync-free expert-major DeepSeek-V3 layer
+    (4096 tokens, hidden 7168, top-8, num_worst_tokens as the dispatcher asks), recorded instead of allocated: with
+    the group split into emulated nodes (UCCL_EP_RANKS_PER_NODE=2), then as one node."""
+    import torch.distributed as dist
+
+    from uccl_ep_train import buffer as buffer_module
+    from uccl_ep_train.megatron import dispatcher
+
+    class Recorded(buffer_module.Buffer):
+        def __init__(self, group, num_nvl_bytes, num_rdma_bytes):  # (no regions, no backend: only the sizes)
+            self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+
+    buffer_module.Buffer, real = Recorded, buffer_module.Buffer
+    asked = []
+    try:
+        for per_node in ("2", "4"):
+            os.environ["UCCL_EP_RANKS_PER_NODE"] = per_node
+            dispatcher.release_buffers()
+            b = dispatcher.get_buffer(dist.group.WORLD, 7168 * 2, 4096, 8, num_worst_tokens=4096 * world * 8)
+            asked.append((b.num_nvl_bytes, b.num_rdma_bytes))
+    finally:
+        buffer_module.Buffer = real
+        dispatcher.release_buffers()
+    return asked
+
+
+def test_a_buffer_for_emulated_nodes_is_sized_by_the_internode_hint_alone_not_grown_by_num_worst_tokens():
+    """Across nodes only the internode backend runs, and none of its areas grows with num_worst_tokens (the sync-free
+    outputs are torch tensors), so the dispatcher sizes the Buffer by the internode hint alone. Asking for the
+    intranode hint too, as it did until session 49, made the NVL region hold every (token, local expert) row of a
+    one-node receive: 15 GB per GPU at this shape on 2 x 8 GPUs. On one node that hint is still the one asked."""
+    from uccl_ep_train.buffer import Buffer
+
+    world = 4
+    for (inter_nvl, inter_rdma), (one_node_nvl, _) in run_distributed(_buffer_sizes_asked, world, timeout=120):
+        nvl, rdma = Buffer.get_internode_bytes_hint(4096, 7168, 8, world, 2)
+        assert (inter_nvl, inter_rdma) == (nvl, rdma), ((inter_nvl, inter_rdma), (nvl, rdma))
+        assert one_node_nvl == Buffer.get_nvl_bytes_hint(4096, 7168, 8, world, num_worst_tokens=4096 * world * 8)
+        assert one_node_nvl > 4 * inter_nvl, (one_node_nvl, inter_nvl)

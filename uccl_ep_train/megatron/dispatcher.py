@@ -79,16 +79,19 @@ def get_buffer(group, hidden_bytes: int, num_tokens: int = 0, num_topk: int = 0,
     num_ranks = torch.distributed.get_world_size(group)
     per_node = _resolve_ranks_per_node(None, load_settings(), num_ranks)  # as the Buffer will resolve it
     nvl, rdma = _buffer_sizes(Buffer, num_ranks, hidden_bytes, per_node)
-    if num_tokens and hasattr(Buffer, "get_nvl_bytes_hint"):
+    # The hints take the hidden size in BF16 units of a row's bytes, so float32 rows are sized right as twice as wide.
+    if num_tokens and per_node < num_ranks and hasattr(Buffer, "get_internode_bytes_hint"):
+        # Across nodes (real or emulated) the internode backend runs, alone: its staged areas must hold a whole call
+        # (without this the RDMA hint was asked for one node, 0 bytes, and the backend refused large layers), and
+        # nothing of it grows with num_worst_tokens, whose outputs are torch tensors. The intranode hint does grow
+        # with it: asked here too until session 49, it made a sync-free expert-major DeepSeek-V3 layer on 2 x 8
+        # GPUs allocate 15.0 GB of NVL buffer per GPU where 1.9 GB hold every call.
+        inter_nvl, inter_rdma = Buffer.get_internode_bytes_hint(num_tokens, hidden_bytes // 2, num_topk, num_ranks,
+                                                                per_node)
+        nvl, rdma = max(nvl, inter_nvl), max(rdma, inter_rdma)
+    elif num_tokens and hasattr(Buffer, "get_nvl_bytes_hint"):
         nvl = max(nvl, Buffer.get_nvl_bytes_hint(num_tokens, hidden_bytes // 2, num_topk, num_ranks,
                                                  num_worst_tokens=num_worst_tokens))
-    if num_tokens and hasattr(Buffer, "get_internode_bytes_hint"):
-        # Across nodes (real or emulated) the internode backend's staged areas must hold a whole call; without this
-        # the RDMA hint was asked for one node (0 bytes), the backend fell back to 256 MiB and refused large layers.
-        if per_node < num_ranks:
-            inter_nvl, inter_rdma = Buffer.get_internode_bytes_hint(num_tokens, hidden_bytes // 2, num_topk,
-                                                                    num_ranks, per_node)
-            nvl, rdma = max(nvl, inter_nvl), max(rdma, inter_rdma)
     with _BUFFERS_LOCK:
         buf = _BUFFERS.get(group)
         if buf is None or getattr(buf, "num_nvl_bytes", nvl) < nvl or getattr(buf, "num_rdma_bytes", rdma) < rdma:
