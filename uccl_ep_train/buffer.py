@@ -289,9 +289,10 @@ class Buffer:
 
     @staticmethod
     def get_nvl_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_ranks: int,
-                           element_size: int = 2, num_worst_tokens: int = 0) -> int:
+                           element_size: int = 2, num_worst_tokens: int = 0, combine_element_size: int = 2) -> int:
         """num_nvl_bytes for the native intranode backend (direct placement sizes for the worst-case routing;
-        ``num_worst_tokens``: the largest sync-free row count the caller will pass to dispatch).
+        ``num_worst_tokens``: the largest sync-free row count the caller will pass to dispatch;
+        ``combine_element_size``: the combined x's, 2 for BF16, 4 for float32).
 
         DeepEP's ``Config.get_nvl_buffer_size_hint`` sizes ring buffers and is too small for this design; use the
         larger of the two when a Buffer may run either backend.
@@ -299,7 +300,7 @@ class Buffer:
         from uccl_ep_train.intranode import nvl_bytes_needed
 
         return nvl_bytes_needed(num_max_tokens_per_rank, num_ranks, hidden, num_topk, element_size,
-                                num_worst_rows=num_worst_tokens)
+                                num_worst_rows=num_worst_tokens, combine_element_size=combine_element_size)
 
     @staticmethod
     def get_internode_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_ranks: int,

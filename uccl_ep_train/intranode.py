@@ -20,19 +20,23 @@ from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
 
 
 def nvl_bytes_needed(num_max_tokens_per_rank: int, num_ranks: int, hidden: int, num_topk: int,
-                     element_size: int = 2, num_worst_rows: int = 0) -> int:
+                     element_size: int = 2, num_worst_rows: int = 0, combine_element_size: int = 2) -> int:
     """num_nvl_bytes that lets any routing of up to ``num_max_tokens_per_rank`` tokens per rank go through.
 
     Direct placement sizes for the worst case, every token of every rank landing on one rank: the dispatch receive
     area (payload, FP8 scales, top-k ids and weights, source index per row) and the combine area share the buffer,
-    so the larger of the two is needed. Combine copies cross the link in x's dtype; this sizes for float32 x (the
-    widest combine input). ``num_worst_rows``: the sync-free row count a caller passes as num_worst_tokens, when it
-    exceeds tokens x ranks (expert-major rows: one per token and selected local expert).
+    so the larger of the two is needed. Combine copies cross the link in x's dtype: ``combine_element_size`` 2 for
+    BF16 (the default since session 49; it was sized as float32 before, twice the combine area a BF16 step uses), 4
+    for float32. ``num_worst_rows``: the sync-free row count a caller passes as num_worst_tokens, when it exceeds
+    tokens x ranks (expert-major rows: one per token and selected local expert).
     """
+    if combine_element_size not in (2, 4):
+        raise ValueError(f"combine_element_size must be 2 (bfloat16 combine) or 4 (float32), "
+                         f"not {combine_element_size}")
     rows = max(num_max_tokens_per_rank * num_ranks, num_worst_rows)
     num_scales = (hidden + 127) // 128
     dispatch = rows * (hidden * element_size + 4 * num_scales + 12 * num_topk + 4) + 5 * 16
-    combine = rows * (2 * (2 * hidden) + 4 * num_topk) + 2 * 16  # combine areas count in bf16 units
+    combine = rows * (combine_element_size * hidden + 4 * num_topk) + 2 * 16  # (combine_bytes_needed's sum)
     return max(dispatch, combine)
 
 

@@ -7,14 +7,17 @@ from uccl_ep_train.buffer import Buffer
 from uccl_ep_train.intranode import NativeIntranodeBackend
 
 
+@pytest.mark.parametrize("combine_element_size", [2, 4], ids=["bf16-combine", "fp32-combine"])
 @pytest.mark.parametrize("tokens,hidden,topk,ranks", [(4096, 7168, 8, 2), (1, 2048, 1, 8), (8192, 2048, 4, 3)])
-def test_nvl_bytes_hint_admits_every_token_of_every_rank_on_one_rank(tokens, hidden, topk, ranks):
-    hint = Buffer.get_nvl_bytes_hint(tokens, hidden, topk, ranks)
+def test_nvl_bytes_hint_admits_every_token_of_every_rank_on_one_rank(tokens, hidden, topk, ranks,
+                                                                      combine_element_size):
+    hint = Buffer.get_nvl_bytes_hint(tokens, hidden, topk, ranks, combine_element_size=combine_element_size)
     backend = SimpleNamespace(num_ranks=ranks)
     worst_rows = tokens * ranks
     dispatch_need = NativeIntranodeBackend.dispatch_bytes_needed(backend, worst_rows, 2 * hidden, hidden // 128, topk)
-    # expert-major partial sums cross as fp32: the combine area is counted in bf16 units, so 2 * hidden of them
-    combine_need = NativeIntranodeBackend.combine_bytes_needed(backend, tokens, 2 * hidden, topk)
+    # the combine area counts in bf16 units: a float32 row (expert-major partials too) is two units per channel
+    combine_need = NativeIntranodeBackend.combine_bytes_needed(backend, tokens, hidden * combine_element_size // 2,
+                                                               topk)
     assert hint >= dispatch_need and hint >= combine_need
     # and not wildly more: the hint is what users allocate on every GPU
     assert hint < 1.01 * max(dispatch_need, combine_need) + 4096

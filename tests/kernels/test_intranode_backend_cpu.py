@@ -287,6 +287,49 @@ def test_half_the_hinted_buffer_refuses_the_worst_routing_with_the_size_needed_o
         assert "a rank receives 80" in msg and "use num_nvl_bytes >=" in msg and cleared, msg
 
 
+def _worst_in_exactly_the_hint(rank, world, combine_element_size, combine_dtype):
+    """Every token to every rank in a buffer of exactly Buffer.get_nvl_bytes_hint for combines of
+    ``combine_element_size``, the combine's x in ``combine_dtype``: (the combined x equals the reference's, or the
+    refusal's message, and whether nothing was launched for the refused combine)."""
+    from uccl_ep_train.backends import DispatchArgs
+    from uccl_ep_train.buffer import Buffer
+
+    T, H = 40, 1024  # (a float32 combine row is then wider than the dispatch row that sets the BF16 hint)
+    nat, ref = _backends(rank, world, nvl=Buffer.get_nvl_bytes_hint(T, H, world, world,
+                                                                    combine_element_size=combine_element_size))
+    try:
+        g = torch.Generator().manual_seed(5 + rank)
+        idx = (torch.arange(world) * 2).expand(T, world).contiguous()
+        x, w = torch.randn((T, H), generator=g).to(torch.bfloat16), torch.rand((T, world), generator=g)
+        out = []
+        for b in (ref, nat):
+            tpr, tpn, tpe, itr = b.get_dispatch_layout(idx, 2 * world)
+            r = b.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
+            before = dict(nat._cx.launches)
+            try:
+                out.append(b.combine(r.recv_x.to(getattr(torch, combine_dtype)), r.handle, r.recv_topk_weights,
+                                     None)[0])
+            except ValueError as exc:
+                return str(exc), nat._cx.launches == before
+        return torch.equal(out[0], out[1]), True
+    finally:
+        nat.destroy()
+
+
+def test_the_worst_routing_combines_in_exactly_the_hint_and_a_float32_combine_needs_the_float32_hint():
+    """The hint sizes combines in BF16 by default (a float32 combine area is twice as large and set the hint for
+    every caller until session 49); a float32 combine in it is refused with the size it needs before any launch, and
+    fits the hint asked with combine_element_size=4."""
+    from uccl_ep_train.buffer import Buffer
+
+    assert run_distributed(_worst_in_exactly_the_hint, 2, 2, "bfloat16", timeout=60, env=ENV) == [(True, True)] * 2
+    for msg, nothing_launched in run_distributed(_worst_in_exactly_the_hint, 2, 2, "float32", timeout=60, env=ENV):
+        assert "need num_nvl_bytes >= " in msg and nothing_launched, msg
+    assert run_distributed(_worst_in_exactly_the_hint, 2, 4, "float32", timeout=60, env=ENV) == [(True, True)] * 2
+    with pytest.raises(ValueError, match="combine_element_size must be 2"):
+        Buffer.get_nvl_bytes_hint(40, 256, 2, 2, combine_element_size=8)
+
+
 def test_stand_in_layout_kernel_counts_each_token_once_per_rank_and_node_and_skips_dropped_ids():
     idx = torch.tensor([[0, 1, 5], [-1, 7, 6], [2, -1, 9]], dtype=torch.int64)  # 8 experts: 9 is out of range
     per_rank, per_node = torch.empty(4, dtype=torch.int32), torch.empty(2, dtype=torch.int32)

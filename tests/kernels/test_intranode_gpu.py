@@ -456,3 +456,39 @@ def test_too_small_buffer_reports_the_size_needed(group):
                                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w))
     finally:
         nat.destroy()
+
+
+def test_every_token_to_every_rank_combines_in_exactly_the_hint_and_a_float32_combine_needs_the_float32_hint(group):
+    """The GPU twin of the CPU test: in a buffer of exactly Buffer.get_nvl_bytes_hint (BF16 combines, the default)
+    the worst routing dispatches and combines as the reference does; a float32 combine there is refused with the
+    size it needs, and fits the hint asked with combine_element_size=4."""
+    from uccl_ep_train.buffer import Buffer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    T, H = 256, 2048
+    gen = torch.Generator().manual_seed(71 + rank)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    idx = (torch.arange(world, device=dev) * 2).expand(T, world).contiguous()  # every token to every rank
+    x, _, w = make_inputs(T, H, world, False, gen)
+    for combine_element_size, dtype, fits in ((2, torch.bfloat16, True), (2, torch.float32, False),
+                                              (4, torch.float32, True)):
+        nvl = Buffer.get_nvl_bytes_hint(T, H, world, world, combine_element_size=combine_element_size)
+        ctx = BackendContext(group=group, rank=rank, num_ranks=world, ranks_per_node=world, device=dev,
+                             num_nvl_bytes=nvl, num_rdma_bytes=0, settings=load_settings())
+        nat, ref = NativeIntranodeBackend(ctx), ReferenceBackend(ctx)
+        try:
+            received, combined = [], []
+            for b in (ref, nat):
+                tpr, tpn, tpe, itr = b.get_dispatch_layout(idx, 2 * world)
+                r = b.dispatch(DispatchArgs(x, None, None, tpr, tpn, itr, tpe, idx, w))
+                received.append(r.recv_x)
+                if b is nat and not fits:
+                    with pytest.raises(ValueError, match="need num_nvl_bytes >= "):
+                        b.combine(r.recv_x.to(dtype), r.handle, r.recv_topk_weights, None)
+                    break
+                combined.append(b.combine(r.recv_x.to(dtype), r.handle, r.recv_topk_weights, None)[0])
+            same(received[1], received[0], f"recv_x in exactly the hint ({combine_element_size}, {dtype})")
+            if fits:  # (sums within float32 rounding, as the other combine checks)
+                torch.testing.assert_close(combined[1].float(), combined[0].float(), rtol=1e-2, atol=1e-2)
+        finally:
+            nat.destroy()
