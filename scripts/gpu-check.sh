@@ -8,7 +8,8 @@
 # (py-spy samples of the ranks' main threads in the emulated calls, summarized by scripts/pyspy_summary.py),
 # profile_internode (torch.profiler and cProfile tables of the emulated 2-node calls), internode_shared (the internode
 # GPU tests with every rank on one GPU, for 1-GPU machines), internode_mps (the same under MPS: ranks' kernels at the
-# same time), fifo (GPU producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2
+# same time), internode_mps_agent (the same with the copy agent forced on and up to 4 ranks per GPU: 2 x 2 on one
+# GPU), fifo (GPU producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2
 # ranks case alone, with CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency
 # with staggered watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered
 # case, LOOPS times).
@@ -40,6 +41,22 @@ run() {  # run NAME SECONDS CMD...: one step, its output appended to the log, it
   local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt" >>"$log"
 }
+under_mps() {  # under_mps NAME [VAR=VALUE...]: the internode GPU tests, every rank on the GPU(s) there are, inside
+  # an MPS daemon of their own, stopped whatever the tests do (a stalled run leaves MPS faulting later clients)
+  local name=$1; shift
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/uccl-ep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/uccl-ep-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d >>"$log" 2>&1; then
+    trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+    run "$name" "${INTERNODE_SECS:-420}" env UCCL_EP_TEST_SHARE_GPU=1 CUDA_DEVICE_MAX_CONNECTIONS=8 "$@" python3 -m \
+      pytest -q -rf --durations=8 tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"}
+    echo quit | nvidia-cuda-mps-control >>"$log" 2>&1
+    trap - EXIT
+  else
+    echo "$name rc=127 (nvidia-cuda-mps-control did not start)" | tee -a "$OUT/summary.txt" >>"$log"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
 ngpu=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")}
 tr2=(torchrun --standalone --nproc-per-node "${ngpu:-2}")  # every GPU of the host (NGPU overrides)
 
@@ -55,19 +72,14 @@ for step in "${steps[@]}"; do
         tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
     internode_mps)  # the same tests with the GPU shared through MPS: the ranks' kernels run at the same time, as on
       # separate GPUs. The loopback needs CUDA_DEVICE_MAX_CONNECTIONS set under MPS (docs/internode.md, "Hardware work
-      # queues"); 8 leaves MPS room for the 2 x 2 cases' four clients. MPS is stopped whatever the tests do.
-      export CUDA_MPS_PIPE_DIRECTORY=/tmp/uccl-ep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/uccl-ep-mps-log
-      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-      if nvidia-cuda-mps-control -d >>"$log" 2>&1; then
-        trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
-        UCCL_EP_TEST_SHARE_GPU=1 CUDA_DEVICE_MAX_CONNECTIONS=8 run internode_mps "${INTERNODE_SECS:-420}" python3 -m \
-          pytest -q -rf --durations=8 tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"}
-        echo quit | nvidia-cuda-mps-control >>"$log" 2>&1
-        trap - EXIT
-      else
-        echo "internode_mps rc=127 (nvidia-cuda-mps-control did not start)" | tee -a "$OUT/summary.txt" >>"$log"
-      fi
-      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+      # queues"); 8 leaves MPS room for the 2 x 2 cases' four clients.
+      under_mps internode_mps ;;
+    internode_mps_agent)  # as internode_mps, with the copy agent forced on and up to four ranks on one GPU: 2 x 2
+      # on a 1-GPU machine. The agent's copies run in MPS clients of their own, so none waits in a hardware queue
+      # behind a spinning kernel, and the drains are off as with a GPU per rank (session 49: 4-2 and 2x2 cases pass
+      # where, with the proxy threads' copies, every_output[4-2] stalled 5 runs of 5). The copy agent's own cases
+      # still skip on a shared GPU (they check the default, auto).
+      under_mps internode_mps_agent UCCL_EP_TEST_MAX_RANKS_PER_GPU=4 UCCL_EP_LOOPBACK_COPY_AGENT=on ;;
     moelayer) run moelayer 180 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
     copy_agent)  # the defaults with a GPU per rank: the loopback's copy agent moves the bytes, no drains, the legacy
       # default stream (docs/internode.md, "The copy agent"); then Megatron's MoELayer and hooks the same way
