@@ -69,14 +69,17 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
                  element_size: int = 2, combine_element_size: int = 2) -> Tuple[int, int]:
     """(num_nvl_bytes, num_rdma_bytes) that the staged internode path needs for up to ``num_tokens`` tokens per rank
     under the worst routing (every token to every rank). The areas hold a whole call: RDMA halves for the records a
-    rank sends (one per token and node) and receives (one per token of each source node) or the combine's partial
-    sums, whichever row is wider; NVL halves for the final rows (a token of every rank) and the combine gather (one
-    block per local GPU), plus the notify rows. The price of staging: ring buffers with credits would need far less.
+    rank sends (one per token and node) and receives (one per token of each source node) *and* the last combine's
+    partial sums at their top, since a dispatch right after a combine packs its records during notify below those
+    sums (a sync-free one that returns before the count read must, or it raises); NVL halves for the final rows (a
+    token of every rank) and the combine gather (one block per local GPU), whichever row is wider, plus the notify
+    rows. The price of staging: ring buffers with credits would need far less.
 
     ``element_size``: the dispatch payload's (2 for BF16; FP8 with its scales is narrower). ``combine_element_size``:
-    the combine input's, whose rows cross in x's dtype (2 for BF16, 4 for float32). Sizing every combine as float32,
-    as this did until session 49, asked for twice the bytes a BF16 step uses, since a partial row is then the widest
-    row of all. A combine wider than the hint raises InternodeError naming the setting, before any kernel."""
+    the combine input's, whose rows cross in x's dtype (2 for BF16, 4 for float32). Until session 49 every combine
+    was sized as float32 and the RDMA halves held the wider row only: that doubled the NVL region for BF16 steps and
+    was short for float32 ones (records plus float32 sums). A combine wider than the hint raises InternodeError
+    naming the setting, before any kernel."""
     if combine_element_size not in (2, 4):
         raise ValueError(f"combine_element_size must be 2 (bfloat16 combine) or 4 (float32), "
                          f"not {combine_element_size}")
@@ -86,7 +89,7 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
     record = record_layout([hidden * element_size, num_topk * 8, num_topk * 4, num_topk * 4], G)
     partial = _align(combine_element_size * hidden + 4 * num_topk)  # a combine wire row: payload, then fp32 weights
     notify = num_ranks * _align(8 * notify_row_words(num_ranks, N))
-    rdma = 2 * N * num_tokens * max(record.stride, partial) + notify
+    rdma = 2 * N * num_tokens * (record.stride + partial) + notify
     final = 2 * num_ranks * num_tokens * max(record.final_bytes, partial)
     # (room for the ready words of UCCL_EP_UNPACK_BESIDE_FORWARD, which take ~1/512 of what lies below the flags)
     nvl = final + (_align(final // 511 + 8192, 4096) if G > 1 else 0) + node_flag_bytes(G)
