@@ -2,7 +2,8 @@
 loopback proxy) makes meanwhile. The kernel here is torch.cuda._sleep (3 s); a call that holds the other thread's
 copy until the kernel ends would, behind one of our spinning waits, stall it until its deadline (docs/internode.md,
 "Drains"). Each call is made once before it is timed, so lazy module loading is out of it. Run on a GPU machine:
-python3 scripts/probe_blocking_torch_calls.py; CUDA_MODULE_LOADING=EAGER python3 scripts/probe_blocking_torch_calls.py"""
+python3 scripts/probe_blocking_torch_calls.py;
+CUDA_MODULE_LOADING=EAGER python3 scripts/probe_blocking_torch_calls.py"""
 import threading
 import time
 
@@ -14,7 +15,9 @@ def cycles_per_second() -> float:
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); torch.cuda._sleep(100_000_000); b.record()
+        a.record()
+        torch.cuda._sleep(100_000_000)
+        b.record()
     b.synchronize()
     return 100_000_000 / (a.elapsed_time(b) / 1e3)
 
@@ -44,7 +47,8 @@ def main() -> None:
     }
     main_stream = torch.cuda.Stream()
     warm = threading.Thread(target=lambda: dst.copy_(src))  # the thread's first CUDA call sets its device up
-    warm.start(); warm.join(30)
+    warm.start()
+    warm.join(30)
     for name, call in calls.items():
         if name != "torch.cuda.empty_cache()":  # once before: a first launch loads its kernels' module (lazy loading)
             call()

@@ -55,7 +55,8 @@ class Config:
         if self.num_sms < 2 or self.num_sms % 2:
             raise ValueError(f"Config.num_sms={self.num_sms} must be an even number >= 2 (SMs pair up per channel)")
         if not 0 < self.num_max_nvl_chunked_send_tokens < self.num_max_nvl_chunked_recv_tokens:
-            raise ValueError(f"Config needs 0 < num_max_nvl_chunked_send_tokens ({self.num_max_nvl_chunked_send_tokens})"
+            raise ValueError(f"Config needs 0 < num_max_nvl_chunked_send_tokens "
+                             f"({self.num_max_nvl_chunked_send_tokens})"
                              f" < num_max_nvl_chunked_recv_tokens ({self.num_max_nvl_chunked_recv_tokens})")
         send, recv = self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens
         if send <= 0 or recv <= 0:

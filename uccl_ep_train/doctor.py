@@ -270,10 +270,11 @@ class Doctor:
             self.add("fork_safety", "pass", f"kernel {major}.{minor} (>= 5.13) copies pinned DMA pages on fork(): "
                      "ibv_fork_init() is not needed")
         else:
-            self.add("fork_safety", "warn", f"kernel {major}.{minor} is older than 5.13 and neither RDMAV_FORK_SAFE nor "
-                     "IBV_FORK_SAFE is set: uccl-ep-train does not call ibv_fork_init(), so after a fork() "
-                     "(DataLoader workers, subprocess) registered host memory (the proxies' signal buffers) can be "
-                     "silently corrupted: the parent's next write moves the page while the NIC keeps the old one",
+            self.add("fork_safety", "warn", f"kernel {major}.{minor} is older than 5.13 and neither "
+                     "RDMAV_FORK_SAFE nor IBV_FORK_SAFE is set: uccl-ep-train does not call ibv_fork_init(), so "
+                     "after a fork() (DataLoader workers, subprocess) registered host memory (the proxies' signal "
+                     "buffers) can be silently corrupted: the parent's next write moves the page while the NIC keeps "
+                     "the old one",
                      "export RDMAV_FORK_SAFE=1 in the job's environment (libibverbs reads it when it loads, so set it "
                      "before the training process starts), or run on a kernel >= 5.13")
 

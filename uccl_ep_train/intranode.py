@@ -356,7 +356,8 @@ class NativeIntranodeBackend:
         x_off, s_off = self._k.dispatch_area_offsets(cap, hidden_bytes, num_scales, h.num_topk)
         base = self._cx.buffer_ptr
         out_x = torch.empty((rows, H), dtype=recv_x.dtype, device=dev)
-        out_scales = torch.empty((rows, num_scales), dtype=torch.float32, device=dev) if recv_scales is not None else None
+        out_scales = (torch.empty((rows, num_scales), dtype=torch.float32, device=dev)
+                      if recv_scales is not None else None)
         em_token = torch.empty(rows, dtype=torch.int64, device=dev)
         em_slot = torch.empty(rows, dtype=torch.int64, device=dev)
         em_expert = torch.empty(rows, dtype=torch.int64, device=dev)
@@ -378,7 +379,8 @@ class NativeIntranodeBackend:
         experts' rows in top-k slot order in fp32, rounded once to x's dtype; and the rank-major weights [rows, K]
         (0 on slots that are not local). Rows from recv_info[0] on (sync-free padding) are left unwritten; combine_send
         never reads them. A kernel of its own on local_sms SMs (0: the whole GPU), not fused into the communication
-        kernel that holds num_sms SMs: it reads every expert-major row and is bound by HBM, not NVLink (docs/intranode.md)."""
+        kernel that holds num_sms SMs: it reads every expert-major row and is bound by HBM, not NVLink
+        (docs/intranode.md)."""
         if weights is not None and (weights.dim() != 1 or weights.numel() < h.num_recv_rows):
             raise ValueError(f"expert-major combine takes one weight per row ([{h.num_recv_rows}] float32), "
                              f"got {tuple(weights.shape)}")

@@ -1,4 +1,5 @@
-"""Pure-torch dispatch/combine over torch.distributed: the semantics every kernel must reproduce, and a fallback backend.
+"""Pure-torch dispatch/combine over torch.distributed: the semantics every kernel must reproduce, and a fallback
+backend.
 
 Runs wherever torch.distributed runs (gloo on CPU, NCCL on GPU). Notation: R ranks, G ranks per node, N = R / G nodes,
 rank r = node * G + local; E experts, L = E / R local experts (rank r owns experts [r*L, (r+1)*L)); T tokens on a rank,

@@ -186,7 +186,8 @@ class KernelSettings:
         _bool))
     copy_chunk_bytes: int = field(default=8 << 20, metadata=_meta(
         "UCCL_EP_COPY_CHUNK_BYTES", "bytes per copy-engine transfer of that combine; a flag follows each, so smaller "
-        "chunks start the sum sooner, but each transfer costs ~5 us of idle engine on H200 (docs/intranode.md)", _int(16384)))
+        "chunks start the sum sooner, but each transfer costs ~5 us of idle engine on H200 (docs/intranode.md)",
+        _int(16384)))
     copy_streams: int = field(default=2, metadata=_meta(
         "UCCL_EP_COPY_STREAMS", "copy streams of that combine, one copy engine each: the peer at distance k (mod "
         "ranks) uses stream (k - 1) mod n, so up to n peers are sent to at once (on 4x H200, 2 beat 1 and 3)",
@@ -336,7 +337,8 @@ class DispatcherSettings:
         "UCCL_EP_SYNC_FREE", "no host sync: fixed-size outputs, token counts stay on the device (CUDA graphs)",
         _bool))
     num_worst_tokens: int = field(default=0, metadata=_meta(
-        "UCCL_EP_NUM_WORST_TOKENS", "rows received per rank in sync-free mode (0: the worst case, tokens x ranks, x min(top-k, local experts) with the expert-major receive)", _int(0)))
+        "UCCL_EP_NUM_WORST_TOKENS", "rows received per rank in sync-free mode (0: the worst case, tokens x ranks, x "
+        "min(top-k, local experts) with the expert-major receive)", _int(0)))
     expert_major: bool = field(default=True, metadata=_meta(
         "UCCL_EP_EXPERT_MAJOR", "receive tokens grouped by local expert, skipping permute/unpermute", _bool))
 

@@ -273,7 +273,8 @@ def check_argument_errors(rank, world, g):
 CHECKS = checks_in(globals(), leave_out=("check_argument_errors", "check_backend_setting_from_environment"))
 ARGUMENT_CASES = ["payload_dtype", "fp8_scales_dtype", "fp8_scales_shape", "fp8_hidden_multiple", "topk_idx_dtype",
                   "topk_weights_dtype", "x_not_2d", "topk_rows_mismatch", "topk_weights_shape", "device", "contiguity",
-                  "expert_id_too_large", "expert_id_below_minus_one", "repeated_expert", "expert_id_changed_after_layout", "experts_not_divisible",
+                  "expert_id_too_large", "expert_id_below_minus_one", "repeated_expert",
+                  "expert_id_changed_after_layout", "experts_not_divisible",
                   "hidden_exceeds_buffer", "cached_handle_tokens", "cached_with_topk", "combine_rows",
                   "combine_without_handle", "missing_layout", "is_token_in_rank_shape",
                   "allocate_on_comm_stream_needs_event", "previous_event_type", "expert_alignment",

@@ -19,7 +19,8 @@ VARIANTS = ["release-store", "relaxed-store+fence/64", "warp+fence/call", "write
 
 
 def _has_gpu() -> bool:
-    return shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    return (shutil.which("nvidia-smi") is not None
+            and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0)
 
 
 def _cuda_module():
@@ -33,7 +34,8 @@ def _cuda_module():
 def test_gpu_producers_push_every_command_exactly_once_in_order(tmp_path):
     exe = tmp_path / "gpu_fifo_check"
     subprocess.run([NVCC, "-std=c++17", "-O2", "-arch=sm_90", "-DUCCL_EP_WITH_CUDA=1",
-                    f"-I{ROOT}/csrc/include", f"-I{ROOT}/csrc", os.path.join(os.path.dirname(__file__), "gpu_fifo_check.cu"),
+                    f"-I{ROOT}/csrc/include", f"-I{ROOT}/csrc",
+                    os.path.join(os.path.dirname(__file__), "gpu_fifo_check.cu"),
                     f"{ROOT}/csrc/proxy/fifo.cpp", "-o", str(exe)], check=True)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     print(r.stdout)

@@ -60,7 +60,8 @@ def check_exact(results: dict[int, dict]) -> None:
     for rank in range(WORLD):
         r = results[rank]
         assert r["ok"], r.get("error")
-        assert r["mismatch"] == 0, f"rank {rank}: {r['mismatch']} bytes differ from the model, first at {r['first_mismatch']}"
+        assert r["mismatch"] == 0, (f"rank {rank}: {r['mismatch']} bytes differ from the model, "
+                                    f"first at {r['first_mismatch']}")
         for s in r["stats"]:
             assert s["max_inflight_writes"] <= r["options"]["max_inflight_writes"]
             assert s["max_inflight_bytes"] <= r["options"]["max_inflight_bytes"]

@@ -97,7 +97,8 @@ def test_watchdog_names_the_barrier_that_never_completes(C):
     try:
         cs[0].push(1, C.command.barrier())
         t0 = time.time()
-        with pytest.raises(C.ProxyError, match=r"rank 0 proxy thread 0: no progress .* fifo 1 barrier epoch 0 has 0 of 1"):
+        with pytest.raises(C.ProxyError,
+                           match=r"rank 0 proxy thread 0: no progress .* fifo 1 barrier epoch 0 has 0 of 1"):
             cs[0].wait_idle(10)
         assert time.time() - t0 < 3
     finally:

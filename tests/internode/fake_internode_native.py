@@ -405,7 +405,8 @@ def raise_flags(flags: int, n: int, epoch: int, stream: int, stop_flag: int = 0,
 
 
 def count_row(out: int, is_token_in_rank: int, num_tokens: int, num_ranks: int, ranks_per_node: int,
-              tokens_per_expert: int, tpe_int64: bool, num_experts: int, stream: int, send_plan: Optional[Tuple[int, int, int, int]] = None) -> None:
+              tokens_per_expert: int, tpe_int64: bool, num_experts: int, stream: int,
+              send_plan: Optional[Tuple[int, int, int, int]] = None) -> None:
     """count_row_kernel (csrc/kernels/internode_plan.cu): internode.plan.local_count_row written at ``out``; with
     ``send_plan`` (the four tables' addresses) also our send plan, as send_plan with node_base 0."""
     T, R = num_tokens, num_ranks
@@ -1309,9 +1310,10 @@ class InternodeContext:
             5: "GPU waits aborted by the host (the proxy failed)",
             6: f"pack_and_push: the records of chunk {e.slot} (for rank {e.aux}) were not all written within {secs} s: "
                f"{e.observed} of {e.expected} (a packer block never ran?)",
-            7: f"NVLink flags: local GPU {e.slot} did not raise flag {e.aux} (a tile of our combine arrivals, or 0: its "
-               f"dispatch forward) within {secs} s: the flag is at {e.observed}, waited for epoch {e.expected} (that "
-               "rank stopped, or never reached this call)"}.get(e.code, f"unknown GPU error code {e.code}")
+            7: f"NVLink flags: local GPU {e.slot} did not raise flag {e.aux} (a tile of our combine arrivals, or 0: "
+               f"its dispatch forward) within {secs} s: the flag is at {e.observed}, waited for epoch {e.expected} "
+               "(that rank stopped, or never reached this call)",
+        }.get(e.code, f"unknown GPU error code {e.code}")
 
     def _stop_now(self) -> tuple:
         return self.stop_flag_ptr, self._generation

@@ -457,7 +457,8 @@ def check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named(cx, rai
     sync()
     assert time.monotonic() - t0 < 30, "the wait went far past its deadline"
     e = cx.error_fields()
-    assert (e["code"], e["slot"], e["aux"], e["observed"], e["expected"]) == (codes["node_flag_timeout"], 1, 0, 0, epoch)
+    assert ((e["code"], e["slot"], e["aux"], e["observed"], e["expected"])
+            == (codes["node_flag_timeout"], 1, 0, 0, epoch))
     msg = cx.error_message()
     assert "local GPU 1 did not raise flag 0" in msg and f"waited for epoch {epoch}" in msg, msg
     # a stopped rank (the error above set its stop flag) raises nothing

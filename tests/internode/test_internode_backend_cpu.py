@@ -112,7 +112,8 @@ def test_each_rank_of_a_host_gives_its_proxy_its_own_share_of_the_proxy_cpus(wor
 
 
 @pytest.mark.parametrize("world,G,tight", [(2, 1, 256 << 10), (4, 2, 300 << 10)], ids=["2x1", "2x2"])
-def test_entry_barriers_are_skipped_after_the_other_kind_of_call_only_where_its_traffic_and_areas_allow(world, G, tight):
+def test_entry_barriers_are_skipped_after_the_other_kind_of_call_only_where_its_traffic_and_areas_allow(
+        world, G, tight):
     cases = ALL[:3]  # random, skewed, empty routing
     # roomy: per (case, iteration) the first combine follows the cached dispatch and skips the barrier; the second
     # (without weights) follows a combine, so it must not; the third follows the second cached dispatch and skips it
@@ -234,7 +235,8 @@ def _worst_routing_in_hinted_buffers(rank, world, G, scale, combine_dtype="bfloa
 def test_buffers_sized_by_the_internode_hint_hold_the_worst_routing_and_half_of_it_is_refused_clearly(world, G, beside):
     """(2x2-ready-words: the hint leaves room for the ready words of UCCL_EP_UNPACK_BESIDE_FORWARD below the flags.)"""
     env = dict(ENV, UCCL_EP_UNPACK_BESIDE_FORWARD=beside)
-    assert run_distributed(_worst_routing_in_hinted_buffers, world, G, 1.0, timeout=120, env=env) == [40 * world] * world
+    assert (run_distributed(_worst_routing_in_hinted_buffers, world, G, 1.0, timeout=120, env=env)
+            == [40 * world] * world)
     small = run_distributed(_worst_routing_in_hinted_buffers, world, G, 0.5, timeout=120, env=env)
     assert all(isinstance(m, str) and "area needs" in m and "raise num_" in m for m in small), small
 
@@ -795,8 +797,9 @@ def test_an_expert_major_receive_equals_the_reference_whether_the_reader_writes_
         out = run_distributed(_cases_counting_as_on_a_shared_gpu, world, G, EXPERT_MAJOR_CASES, counters,
                               timeout=180, env=ENV)
     else:
-        out = [r + (None,) for r in run_distributed(_cases_counting, world, G, EXPERT_MAJOR_CASES, counters,
-                                                    timeout=180, env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader))]
+        out = [r + (None,) for r in run_distributed(
+            _cases_counting, world, G, EXPERT_MAJOR_CASES, counters,
+            timeout=180, env=dict(ENV, UCCL_EP_EXPERT_MAJOR_IN_READER=in_reader))]
     n = len(EXPERT_MAJOR_CASES)
     for done, reads, places_on_device, early in out:
         assert done == n, done

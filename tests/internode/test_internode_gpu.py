@@ -67,8 +67,10 @@ def _backends(rank, world, G, rdma=RDMA, nvl=NVL):
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     s = load_settings()
-    mk = lambda d: BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=d,
-                                  num_nvl_bytes=nvl, num_rdma_bytes=rdma, settings=s)
+
+    def mk(d):
+        return BackendContext(group=dist.group.WORLD, rank=rank, num_ranks=world, ranks_per_node=G, device=d,
+                              num_nvl_bytes=nvl, num_rdma_bytes=rdma, settings=s)
     return NativeInternodeBackend(mk(dev)), ReferenceBackend(mk(torch.device("cpu"))), dev
 
 
@@ -421,8 +423,8 @@ def test_slow_writes_of_the_last_combine_are_delivered_before_teardown(world, G)
     peer are still in its proxy. destroy() must deliver them before it stops the proxy (it used to drop them, and the
     peer timed out with all but the last chunk of a lane: the old intermittent 2 x 2 failure)."""
     _need(world)
-    env = {"UCCL_EP_LOOPBACK_DELAY_US": "20000", "UCCL_IB_MAX_INFLIGHT_NORMAL": "1", "UCCL_IB_MAX_INFLIGHT_BYTES": "4096",
-           "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
+    env = {"UCCL_EP_LOOPBACK_DELAY_US": "20000", "UCCL_IB_MAX_INFLIGHT_NORMAL": "1",
+           "UCCL_IB_MAX_INFLIGHT_BYTES": "4096", "UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60"}
     out = run_distributed(_cases, world, G, ALL[:2], 1, timeout=420, env=env)
     assert all(done == 2 for done, _ in out)
 

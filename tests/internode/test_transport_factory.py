@@ -1,7 +1,7 @@
 """The shared transport factory (csrc/proxy/transport_factory.cpp), which both the standalone Proxy binding and the
 internode Context build their proxies with, exercised through the Proxy binding: verbs over the recording fake ibv
-table (no NIC), its argument checks, and loopback's per-GPU bandwidth cap: one wire shared by the proxy threads. The internode
-Context needs a GPU; what these prove about the factory holds for it because it calls the same function."""
+table (no NIC), its argument checks, and loopback's per-GPU bandwidth cap: one wire shared by the proxy threads. The
+internode Context needs a GPU; what these prove about the factory holds for it because it calls the same function."""
 from __future__ import annotations
 
 import gc

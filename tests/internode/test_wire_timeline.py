@@ -128,7 +128,8 @@ def _launch(start_ns, all_in_us=None, end_us=None):
 
 def test_each_call_gets_the_reader_of_the_launch_that_began_in_its_window_on_the_host_clock():
     offset = 7_000 * US  # GPU timer ahead of the steady clock
-    calls = [CallWindow("a", 0, 1000 * US), CallWindow("b", 2000 * US, 3000 * US), CallWindow("c", 4000 * US, 5000 * US)]
+    calls = [CallWindow("a", 0, 1000 * US), CallWindow("b", 2000 * US, 3000 * US),
+             CallWindow("c", 4000 * US, 5000 * US)]
     launches = [_launch(offset + 50 * US, 900, 910),      # in call a
                 _launch(offset + 2100 * US),              # in call b, but its hop had no gated reader
                 _launch(offset + 6000 * US, 10, 20)]      # in no call

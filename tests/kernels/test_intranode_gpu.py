@@ -54,7 +54,8 @@ def backends(group):
     nat, ref = NativeIntranodeBackend(ctx), ReferenceBackend(ctx)
     import uccl_ep_train.intranode as intranode
 
-    saved, intranode.COPY_ENGINE_MIN_BYTES = intranode.COPY_ENGINE_MIN_BYTES, 0  # the copy-engine receive at every shape
+    # the copy-engine receive at every shape
+    saved, intranode.COPY_ENGINE_MIN_BYTES = intranode.COPY_ENGINE_MIN_BYTES, 0
     yield nat, ref
     intranode.COPY_ENGINE_MIN_BYTES = saved
     nat.destroy()

@@ -40,7 +40,7 @@ def test_entry_point_applies_the_patch_then_runs_megatron_lms_script_as_main(tmp
                            str(checkout), "--mock-data", "--moe-token-dispatcher-type", "uccl"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    line = next(out_line for out_line in proc.stdout.splitlines() if out_line.startswith("RESULT"))
     assert line == "RESULT True True beside the script ['--mock-data', '--moe-token-dispatcher-type', 'uccl']"
 
 
@@ -106,5 +106,5 @@ def test_real_primus_patch_runner_applies_the_patch_only_when_the_config_asks_fo
     proc = subprocess.run([sys.executable, "-c", REAL_PRIMUS], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + sys.path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    line = next(out_line for out_line in proc.stdout.splitlines() if out_line.startswith("RESULT"))
     assert line == "RESULT 0 False 1 True", line

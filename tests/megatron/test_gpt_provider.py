@@ -215,8 +215,8 @@ def _check_model_and_data(facts: dict, local_experts: int) -> None:
     assert facts["params_dtype"] == "torch.bfloat16" and not facts["mtp"] and facts["sharded_keys"] > 0
     layers = facts["layers"]
     assert len(layers) == 4
-    assert all(l["mla"] and l["attention"] == "MLASelfAttention" for l in layers)
-    assert all(l["core_attention"] == "MLADotProductAttention" for l in layers)  # local impl, MLA-capable
+    assert all(layer["mla"] and layer["attention"] == "MLASelfAttention" for layer in layers)
+    assert all(layer["core_attention"] == "MLADotProductAttention" for layer in layers)  # local impl, MLA-capable
     assert layers[0]["mlp"] == "MLP" and "dispatcher" not in layers[0]  # --moe-layer-freq ([0]*1+[1]*3)
     for moe in layers[1:]:
         assert moe["mlp"] == "MoELayer" and moe["is_uccl"] and moe["dispatcher"] == "UCCLTokenDispatcher"

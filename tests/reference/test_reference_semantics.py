@@ -202,8 +202,8 @@ def check_traffic(rank, world, g):
 
 
 def check_gradients(rank, world, g):
-    """Reference autograd (each rank backpropagates its own loss through the collectives) vs autograd of a single-process
-    formulation over the gathered global inputs whose loss is the sum of every rank's loss."""
+    """Reference autograd (each rank backpropagates its own loss through the collectives) vs autograd of a
+    single-process formulation over the gathered global inputs whose loss is the sum of every rank's loss."""
     from uccl_ep_train import reference as ref
     per, alignment = NUM_EXPERTS // world, 2
 

@@ -87,8 +87,9 @@ def test_qp_error_event_fails_the_transport_naming_device_event_and_the_qps_peer
     assert ts[1].poll(8) == [] and _all_acked()
 
 
-@pytest.mark.parametrize("event,subject", [("IBV_EVENT_CQ_ERR", "on the completion queue of mlx5_0, serving ranks 0, 1"),
-                                           ("IBV_EVENT_DEVICE_FATAL", "carrying ranks 0, 1")])
+@pytest.mark.parametrize("event,subject", [
+    ("IBV_EVENT_CQ_ERR", "on the completion queue of mlx5_0, serving ranks 0, 1"),
+    ("IBV_EVENT_DEVICE_FATAL", "carrying ranks 0, 1")])
 def test_cq_and_device_errors_fail_the_transport_naming_every_rank_on_that_device(fake_nics, buffers, event, subject):
     ts = _connected(fake_nics, buffers)
     if event == "IBV_EVENT_CQ_ERR":

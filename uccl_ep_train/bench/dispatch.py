@@ -210,7 +210,8 @@ def _case(backend, T: int, H: int, K: int, E: int, iters: int, warmup: int, deep
     t_nccl = _time(lambda: dist.all_to_all_single(recv_buf, send_buf, recv_counts, send_counts), iters, warmup)
 
     for name, us, row in (("dispatch_bf16", t_bf16, row_bf16), ("dispatch_fp8", t_fp8, row_fp8),
-                          ("dispatch_bf16_cached", t_cached, row_bf16), ("dispatch_bf16_syncfree", t_syncfree, row_bf16),
+                          ("dispatch_bf16_cached", t_cached, row_bf16),
+                          ("dispatch_bf16_syncfree", t_syncfree, row_bf16),
                           (f"dispatch_bf16_{alt}", t_bf16_alt, row_bf16),
                           (f"dispatch_bf16_cached_{alt}", t_cached_alt, row_bf16),
                           ("combine_bf16", t_combine, row_bf16), ("combine_bf16_sm_stores", t_combine_sm, row_bf16),

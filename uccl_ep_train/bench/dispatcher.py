@@ -9,7 +9,8 @@ backward round trip, timed with CUDA events over ``--iters`` after ``--warmup``,
 rank's mean. Every dispatcher sees the same hidden states and routing (seeded). ``flex`` runs only when DeepEP is
 importable. ``uccl-sync-free`` is ``uccl`` in sync-free mode (UCCL_EP_SYNC_FREE: worst-case row counts, no host read
 of the token counts; not in the default list; ``--sync-free-rows N`` receives N rows per rank instead of the worst
-case, as UCCL_EP_NUM_WORST_TOKENS does in training). The default shape is DeepSeek-V3's: 4096 tokens per rank, hidden 7168, top-8 of 256 experts.
+case, as UCCL_EP_NUM_WORST_TOKENS does in training). The default shape is DeepSeek-V3's: 4096 tokens per rank,
+hidden 7168, top-8 of 256 experts.
 The identity experts are timed alone too (``stand_in_experts``, over the rows the first dispatcher produced), so the
 dispatcher's own share of a round trip is the round trip minus that.
 """

@@ -154,7 +154,8 @@ def parse_env_file(path: str | os.PathLike, environ: Mapping[str, str] | None = 
         defaulted = _DEFAULTED.match(value)
         if defaulted:
             if defaulted.group(1) != name:
-                raise RecipeError(f"{path}:{lineno}: {name} defaults from ${{{defaulted.group(1)}}}; use ${{{name}:-...}}")
+                raise RecipeError(f"{path}:{lineno}: {name} defaults from ${{{defaulted.group(1)}}}; "
+                                  f"use ${{{name}:-...}}")
             # What bash expands: the value set earlier in these files, else the caller's.
             current = out[name] if name in out else environ.get(name, "")
             value = current or defaulted.group(2)

@@ -18,10 +18,11 @@ From uccl-ep-train's settings (environment, uccl_ep_train.settings; the ``dispat
 | ``async_comm`` | UCCL_EP_ASYNC_COMM | True | dispatch/combine on the Buffer's communication stream (CUDA) |
 | ``fp8_dispatch`` | UCCL_EP_DISPATCH_FP8 | False | send tokens as FP8 e4m3 + per-128-channel scales |
 | ``sync_free`` | UCCL_EP_SYNC_FREE | False | no host sync: fixed-size outputs, counts stay on the device |
-| ``num_worst_tokens`` | UCCL_EP_NUM_WORST_TOKENS | 0 | rows received in sync-free mode (0: the worst case, tokens x ranks, x min(top-k, local experts) with the expert-major receive) |
+| ``num_worst_tokens`` | UCCL_EP_NUM_WORST_TOKENS | 0 | sync-free rows received (0: the worst case, see below) |
 | ``expert_major`` | UCCL_EP_EXPERT_MAJOR | True | receive in expert-major order when the Buffer can |
 
-The constructor's ``options=`` overrides them.
+The worst case of ``num_worst_tokens`` = 0 is tokens x ranks, times min(top-k, local experts) with the
+expert-major receive. The constructor's ``options=`` overrides them.
 """
 from __future__ import annotations
 
