@@ -258,7 +258,9 @@ def test_ranks_of_other_nodes_on_this_gpu_are_named_for_the_shared_gpu_warning()
     assert "rank 1 shares its GPU (0000:19:00.0) with rank(s) [0]" in text and "held to 264 blocks" in text
 
 
-def test_more_than_two_ranks_sharing_a_gpu_through_mps_are_warned_of_the_stall_seen_there():
+def test_more_than_two_ranks_sharing_a_gpu_through_mps_are_warned_of_the_stall_seen_there_unless_the_agent_copies():
+    """The stall needs the proxy threads' copies: with the copy agent four ranks on one GPU under MPS passed (session
+    49), so the warning names that setting and is not given where the agent copies."""
     from uccl_ep_train.internode.transport import SHARED_GPU_WARNING, shared_gpu_warning
 
     plain = SHARED_GPU_WARNING.format(rank=2, gpu="g", others=[0], blocks=16)
@@ -269,6 +271,8 @@ def test_more_than_two_ranks_sharing_a_gpu_through_mps_are_warned_of_the_stall_s
     crowded = shared_gpu_warning(2, "g", [0], 16, 4, True)
     assert crowded.startswith(plain) and "4 ranks share this GPU through MPS" in crowded
     assert "at most two ranks on a GPU" in crowded and "Hardware work queues" in crowded
+    assert "UCCL_EP_LOOPBACK_COPY_AGENT=on" in crowded
+    assert shared_gpu_warning(2, "g", [0], 16, 4, True, copy_agent=True) == plain
 
 
 def test_ranks_sharing_a_gpu_through_mps_split_the_spinning_share_and_time_sliced_ranks_each_take_it():

@@ -193,8 +193,8 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             on_gpu = sum(1 for g in gathered if g[4] == gpu)
             self._cx.spin_blocks = shared_gpu_spin_blocks(sms, on_gpu, mps)
-            warnings.warn(shared_gpu_warning(self.rank, gpu, others, self._cx.spin_blocks, on_gpu, mps),
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(shared_gpu_warning(self.rank, gpu, others, self._cx.spin_blocks, on_gpu, mps,
+                                             copy_agent=self._copy_agent is not None), RuntimeWarning, stacklevel=2)
         # Every rank cuts chunks the same way (receivers derive their lanes from it), so the smallest largest write
         # of any rank's transport bounds them all (EFA devices may take less than a chunk: efadv max_rdma_size), and
         # so does the smallest chunk any rank's settings ask for.

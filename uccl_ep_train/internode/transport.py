@@ -80,16 +80,19 @@ SHARED_GPU_WARNING = (
 # ... and where more than two ranks share the GPU through MPS: seen to stall (session 48: the 2 x 2 every-output case
 # on one H200 failed in 5 of 5 runs at the default lanes, before and after session 47's changes alike)
 CROWDED_MPS_WARNING = (
-    " {ranks} ranks share this GPU through MPS: there the loopback's copies have been seen to wait behind the spinning "
-    "waits until the GPU deadline, and a stalled run leaves MPS failing later clients; keep at most two ranks on a GPU "
-    "(docs/internode.md, \"Hardware work queues\").")
+    " {ranks} ranks share this GPU through MPS and the proxy threads make the loopback's copies: there those copies "
+    "have been seen to wait behind the spinning waits until the GPU deadline, and a stalled run leaves MPS failing "
+    "later clients. Set UCCL_EP_LOOPBACK_COPY_AGENT=on (its copies are another MPS client's; four ranks on one GPU "
+    "passed so in session 49) or keep at most two ranks on a GPU (docs/internode.md, \"Hardware work queues\").")
 
 
 def shared_gpu_warning(rank: int, gpu: str, others: List[int], blocks: int, ranks_on_gpu: int,
-                       mps: Optional[bool]) -> str:
-    """SHARED_GPU_WARNING for ``rank``, with CROWDED_MPS_WARNING where more than two ranks share the GPU under MPS."""
+                       mps: Optional[bool], copy_agent: bool = False) -> str:
+    """SHARED_GPU_WARNING for ``rank``, with CROWDED_MPS_WARNING where more than two ranks share the GPU under MPS and
+    the proxy threads copy (no ``copy_agent``)."""
     text = SHARED_GPU_WARNING.format(rank=rank, gpu=gpu, others=others, blocks=blocks)
-    return text + (CROWDED_MPS_WARNING.format(ranks=ranks_on_gpu) if mps and ranks_on_gpu > 2 else "")
+    crowded = mps and ranks_on_gpu > 2 and not copy_agent
+    return text + (CROWDED_MPS_WARNING.format(ranks=ranks_on_gpu) if crowded else "")
 
 
 # CU_DEVICE_ATTRIBUTE_MPS_ENABLED (cuda.h, CUDA >= 12.3): contexts on the device are shared through MPS.
