@@ -108,6 +108,12 @@ class Backend(Protocol):
     def destroy(self) -> None: ...
 
 
+def check_combine_element_size(size: int) -> None:
+    """The buffer hints' ``combine_element_size``: a combine's rows cross in x's dtype, bfloat16 or float32."""
+    if size not in (2, 4):
+        raise ValueError(f"combine_element_size must be 2 (bfloat16 combine) or 4 (float32), not {size}")
+
+
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here; the message says why and what to change."""
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_train import native
-from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult
+from uccl_ep_train.backends import BackendContext, DispatchArgs, DispatchResult, check_combine_element_size
 
 
 def nvl_bytes_needed(num_max_tokens_per_rank: int, num_ranks: int, hidden: int, num_topk: int,
@@ -30,9 +30,7 @@ def nvl_bytes_needed(num_max_tokens_per_rank: int, num_ranks: int, hidden: int, 
     for float32. ``num_worst_rows``: the sync-free row count a caller passes as num_worst_tokens, when it exceeds
     tokens x ranks (expert-major rows: one per token and selected local expert).
     """
-    if combine_element_size not in (2, 4):
-        raise ValueError(f"combine_element_size must be 2 (bfloat16 combine) or 4 (float32), "
-                         f"not {combine_element_size}")
+    check_combine_element_size(combine_element_size)
     rows = max(num_max_tokens_per_rank * num_ranks, num_worst_rows)
     num_scales = (hidden + 127) // 128
     dispatch = rows * (hidden * element_size + 4 * num_scales + 12 * num_topk + 4) + 5 * 16

@@ -16,6 +16,8 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from uccl_ep_train.backends import check_combine_element_size
+
 
 #: Command-format limits (csrc/include/uccl_ep/command.hpp); mirrored here so planning can check without _C.
 CMD_UNIT = 16
@@ -80,9 +82,7 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
     was sized as float32 and the RDMA halves held the wider row only: that doubled the NVL region for BF16 steps and
     was short for float32 ones (records plus float32 sums). A combine wider than the hint raises InternodeError
     naming the setting, before any kernel."""
-    if combine_element_size not in (2, 4):
-        raise ValueError(f"combine_element_size must be 2 (bfloat16 combine) or 4 (float32), "
-                         f"not {combine_element_size}")
+    check_combine_element_size(combine_element_size)
     G = ranks_per_node
     N = num_ranks // G
     # x, top-k ids, weights and (expert-major in the reader) the pairs' ranks; FP8 + scales is narrower
