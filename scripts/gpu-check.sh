@@ -7,8 +7,8 @@
 # diagnostics: profile (torch.profiler tables of dispatch/combine and of the dispatcher round trip), pyspy_internode
 # (py-spy samples of the ranks' main threads in the emulated calls, summarized by scripts/pyspy_summary.py),
 # profile_internode (torch.profiler and cProfile tables of the emulated 2-node calls), internode_shared (the internode
-# GPU tests with every rank on one GPU, for 1-GPU machines), internode_mps (the same under MPS: ranks' kernels at the
-# same time), internode_mps_agent (the same with the copy agent forced on and up to 4 ranks per GPU: 2 x 2 on one
+# GPU tests with every rank on one GPU, time-sliced: stalls seen in session 50), internode_mps (the same under MPS:
+# ranks' kernels at the same time; how ranks share a GPU, on 1 or 2 GPUs), internode_mps_agent (the same with the copy agent forced on and up to 4 ranks per GPU: 2 x 2 on one
 # GPU), fifo (GPU producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2
 # ranks case alone, with CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency
 # with staggered watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered
@@ -66,10 +66,12 @@ for step in "${steps[@]}"; do
   case $step in
     # (faulthandler: a rank whose peer failed hangs in the next collective; its stack then shows where)
     kernels) run kernels 150 "${tr2[@]}" -m pytest -x -q -rf -o faulthandler_timeout=60 tests/kernels/test_intranode_gpu.py ;;
-    internode_shared)  # one GPU hosting every rank (a 1-GPU machine); at most 2 ranks per GPU, so 2 x 2 only
-      # with UCCL_EP_TEST_MAX_RANKS_PER_GPU=4 (it stalls there: docs/internode.md, "Hardware work queues")
-      UCCL_EP_TEST_SHARE_GPU=1 run internode_shared "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 \
-        tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
+    internode_shared)  # one GPU hosting every rank (a 1-GPU machine), time-sliced (no MPS); at most 2 ranks per
+      # GPU, so 2 x 2 only with UCCL_EP_TEST_MAX_RANKS_PER_GPU=4 (it stalls there: docs/internode.md, "Hardware work
+      # queues"). Time-sliced ranks stalled in session 50 (every_output[2-1] here; 8 of the 2 x 2 cases on 2x H200),
+      # so the tests skip them unless UCCL_EP_TEST_TIME_SLICED=1, which this step sets: it checks whether they still do
+      UCCL_EP_TEST_SHARE_GPU=1 UCCL_EP_TEST_TIME_SLICED=1 run internode_shared "${INTERNODE_SECS:-420}" python3 -m \
+        pytest -q -rf --durations=8 tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
     internode_mps)  # the same tests with the GPU shared through MPS: the ranks' kernels run at the same time, as on
       # separate GPUs. The loopback needs CUDA_DEVICE_MAX_CONNECTIONS set under MPS (docs/internode.md, "Hardware work
       # queues"); 8 leaves MPS room for the 2 x 2 cases' four clients.
@@ -87,7 +89,8 @@ for step in "${steps[@]}"; do
         tests/internode/test_internode_gpu.py -k "copy_agent or legacy_default_stream"
       run copy_agent_megatron 300 python3 -m pytest -q -rf tests/megatron/test_moelayer_gpu.py \
         tests/megatron/test_dispatcher_on_internode_gpu.py ;;
-    internode) run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode \
+    internode)  # a GPU per rank; cases of more ranks than GPUs skip without MPS (time-sliced: internode_mps runs them)
+      run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode \
                  ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
     bench_dispatch) run bench_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --json "$OUT/dispatch.json" ;;
     bench_dispatch_24)  # every kernel of a call on 24 SMs, local ones included (DeepEP's rule), headline shape only

@@ -32,6 +32,29 @@ def one_rank_context(context_class, **args):
         cx.destroy()
 
 
+def gpu_sharing_skip_reason(world, have, gpus, env, mps):
+    """Why the GPU cases of ``world`` ranks (asking ``gpus`` GPUs) cannot run on ``have`` GPUs, or None. ``env``: the
+    environment; ``mps``: whether the driver says the GPUs are shared through MPS (None: it cannot say).
+    UCCL_EP_TEST_SHARE_GPU=1 lets ranks share the GPUs there are, e.g. on a 1-GPU machine; at most
+    UCCL_EP_TEST_MAX_RANKS_PER_GPU (2) on one: four ranks on one GPU stall when the proxy threads copy
+    (docs/internode.md, "Hardware work queues"); with the copy agent under MPS they did not (session 49:
+    `scripts/gpu-check.sh internode_mps_agent` raises it to 4). And ranks share a GPU only under MPS: time-sliced,
+    2 x 2 on 2x H200 stalled in 8 cases and 2 x 1 on one H200 in one, cases that pass under MPS (session 50);
+    UCCL_EP_TEST_TIME_SLICED=1 runs them anyway (`scripts/gpu-check.sh internode_shared`)."""
+    if have < gpus and not (env.get("UCCL_EP_TEST_SHARE_GPU") == "1" and have >= 1):
+        return f"needs {gpus} GPUs (UCCL_EP_TEST_SHARE_GPU=1: ranks share the GPUs there are)"
+    if have >= world:
+        return None
+    most = int(env.get("UCCL_EP_TEST_MAX_RANKS_PER_GPU", "2"))
+    if -(-world // have) > most:
+        return f"{world} ranks on {have} GPU(s) puts more than {most} on one (UCCL_EP_TEST_MAX_RANKS_PER_GPU)"
+    if mps is False and env.get("UCCL_EP_TEST_TIME_SLICED") != "1":
+        return (f"{world} ranks on {have} GPU(s) would share them time-sliced (no MPS), where such cases stalled "
+                "(session 50): run them under MPS (scripts/gpu-check.sh internode_mps), or set "
+                "UCCL_EP_TEST_TIME_SLICED=1")
+    return None
+
+
 def _routing(kind, T, K, E, R, g):
     if kind == "every_rank":  # each token to K distinct experts covering every rank: what the buffer hints size for
         assert R <= K <= E, (R, K, E)

@@ -32,9 +32,11 @@ if not (native.available() and hasattr(native.module(), "internode")):
                 allow_module_level=True)
 
 from tests.distributed import run_distributed  # noqa: E402
+from uccl_ep_train.internode.transport import mps_enabled  # noqa: E402
 
 from internode_cases import (ALL, area_too_small_after_a_push_during_notify,  # noqa: E402  (shared with
-                             EVERY_RANK_CASES, worst_routing_in_hinted_buffers, EXPERT_MAJOR_CASES, OWN_ROW_CASES,
+                             gpu_sharing_skip_reason, EVERY_RANK_CASES, worst_routing_in_hinted_buffers,
+                             EXPERT_MAJOR_CASES, OWN_ROW_CASES,
                              check_a_failed_rank_sends_and_forwards_nothing,
                              one_rank_context,
                              FORWARD_ROW_SHAPES, FORWARD_ROW_SHAPE_IDS,
@@ -94,17 +96,11 @@ TOPOLOGIES = [(2, 1), (4, 2)] + ([(4, 1)] if torch.cuda.device_count() >= 4 else
 
 
 def _need(world, gpus=2):
-    """UCCL_EP_TEST_SHARE_GPU=1 runs the multi-GPU cases on whatever GPUs there are, one GPU hosting several ranks
-    (time-sliced contexts: correct, but slow, docs/internode.md "Two processes per GPU"), e.g. on a 1-GPU machine --
-    at most UCCL_EP_TEST_MAX_RANKS_PER_GPU (2) on one: four ranks on one GPU stall over the loopback when the proxy
-    threads copy (docs/internode.md, "Hardware work queues"), and under MPS one stall fails every later case. With
-    the copy agent under MPS they did not (session 49): `scripts/gpu-check.sh internode_mps_agent` raises it to 4."""
+    """Skip where these GPUs cannot host ``world`` ranks (internode_cases.gpu_sharing_skip_reason says why)."""
     have = torch.cuda.device_count()
-    if have < gpus and not (os.environ.get("UCCL_EP_TEST_SHARE_GPU") == "1" and have >= 1):
-        pytest.skip(f"needs {gpus} GPUs (UCCL_EP_TEST_SHARE_GPU=1: ranks share the GPUs there are)")
-    most = int(os.environ.get("UCCL_EP_TEST_MAX_RANKS_PER_GPU", "2"))
-    if have < world and -(-world // have) > most:
-        pytest.skip(f"{world} ranks on {have} GPU(s) puts more than {most} on one (UCCL_EP_TEST_MAX_RANKS_PER_GPU)")
+    reason = gpu_sharing_skip_reason(world, have, gpus, os.environ, mps_enabled(0) if have < world else None)
+    if reason:
+        pytest.skip(reason)
 
 
 def _need_gpu_per_rank(world):

@@ -264,15 +264,32 @@ def test_more_than_two_ranks_sharing_a_gpu_through_mps_are_warned_of_the_stall_s
     from uccl_ep_train.internode.transport import SHARED_GPU_WARNING, shared_gpu_warning
 
     plain = SHARED_GPU_WARNING.format(rank=2, gpu="g", others=[0], blocks=16)
-    # two ranks on the GPU, or time-sliced (MPS off or unknown): the shared-GPU warning alone
+    # two ranks on the GPU under MPS, or MPS unknown: the shared-GPU warning alone
     assert shared_gpu_warning(2, "g", [0], 16, 2, True) == plain
-    assert shared_gpu_warning(2, "g", [0], 16, 4, False) == plain
     assert shared_gpu_warning(2, "g", [0], 16, 4, None) == plain
     crowded = shared_gpu_warning(2, "g", [0], 16, 4, True)
     assert crowded.startswith(plain) and "4 ranks share this GPU through MPS" in crowded
     assert "at most two ranks on a GPU" in crowded and "Hardware work queues" in crowded
     assert "UCCL_EP_LOOPBACK_COPY_AGENT=on" in crowded
     assert shared_gpu_warning(2, "g", [0], 16, 4, True, copy_agent=True) == plain
+
+
+def test_ranks_time_sliced_on_a_shared_gpu_are_warned_of_the_stalls_seen_there_and_sent_to_mps():
+    """Without MPS (the driver says so) two ranks on a GPU stalled until the GPU deadline in session 50, where under
+    MPS they passed: the warning says so and names what to run instead, whatever the ranks per GPU and whoever copies.
+    Where the driver cannot say (None: no libcuda, an old driver), no such claim is made."""
+    from uccl_ep_train.internode.transport import SHARED_GPU_WARNING, TIME_SLICED_WARNING, shared_gpu_warning
+
+    plain = SHARED_GPU_WARNING.format(rank=1, gpu="g", others=[0], blocks=66)
+    for ranks_on_gpu in (2, 4):
+        for agent in (False, True):
+            text = shared_gpu_warning(1, "g", [0], 66, ranks_on_gpu, False, copy_agent=agent)
+            assert text == plain + TIME_SLICED_WARNING
+    assert "time-sliced" in TIME_SLICED_WARNING and "stalled until the GPU deadline" in TIME_SLICED_WARNING
+    assert "nvidia-cuda-mps-control -d" in TIME_SLICED_WARNING
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=8" in TIME_SLICED_WARNING
+    assert shared_gpu_warning(1, "g", [0], 66, 2, None) == plain
+    assert shared_gpu_warning(1, "g", [0], 66, 2, True) == plain
 
 
 def test_ranks_sharing_a_gpu_through_mps_split_the_spinning_share_and_time_sliced_ranks_each_take_it():

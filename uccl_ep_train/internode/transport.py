@@ -86,13 +86,26 @@ CROWDED_MPS_WARNING = (
     "passed so in session 49) or keep at most two ranks on a GPU (docs/internode.md, \"Hardware work queues\").")
 
 
+# ... and where the driver says the GPU is not shared through MPS: its contexts are time-sliced, and there the calls
+# stalled in session 50 (2x H200: 8 of the 2 x 2 cases with two ranks per GPU; one H200: every_output at 2 x 1, a
+# 96-byte copy between the two ranks never ran in 60 s), where under MPS the same cases passed
+TIME_SLICED_WARNING = (
+    " This GPU is not shared through MPS, so its ranks' contexts are time-sliced: there calls have stalled until the "
+    "GPU deadline, a loopback copy between two of them never running (session 50). Share a GPU between ranks only "
+    "under MPS (nvidia-cuda-mps-control -d, with CUDA_DEVICE_MAX_CONNECTIONS=8), as scripts/gpu-check.sh "
+    "internode_mps does.")
+
+
 def shared_gpu_warning(rank: int, gpu: str, others: List[int], blocks: int, ranks_on_gpu: int,
                        mps: Optional[bool], copy_agent: bool = False) -> str:
     """SHARED_GPU_WARNING for ``rank``, with CROWDED_MPS_WARNING where more than two ranks share the GPU under MPS and
-    the proxy threads copy (no ``copy_agent``)."""
+    the proxy threads copy (no ``copy_agent``), and TIME_SLICED_WARNING where the driver says there is no MPS (not
+    where it cannot say: ``mps`` None)."""
     text = SHARED_GPU_WARNING.format(rank=rank, gpu=gpu, others=others, blocks=blocks)
     crowded = mps and ranks_on_gpu > 2 and not copy_agent
-    return text + (CROWDED_MPS_WARNING.format(ranks=ranks_on_gpu) if crowded else "")
+    if crowded:
+        return text + CROWDED_MPS_WARNING.format(ranks=ranks_on_gpu)
+    return text + (TIME_SLICED_WARNING if mps is False else "")
 
 
 # CU_DEVICE_ATTRIBUTE_MPS_ENABLED (cuda.h, CUDA >= 12.3): contexts on the device are shared through MPS.
