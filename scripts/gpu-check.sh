@@ -33,6 +33,8 @@ UCCL_EP_PYTHON=$(command -v python3) UCCL_EP_WITH_GPU=CUDA UCCL_EP_SETUP_LOG=$OU
   || { echo "build failed" >>"$log"; tail -40 "$OUT/build.log" >>"$log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 ))s" >>"$log"
 
+# The internode steps run pytest with -v: a step cut at its time limit loses pytest's summary, and each case's line
+# still names what passed and failed (session 50 had to name its failures from their places in a progress line).
 run() {  # run NAME SECONDS CMD...: one step, its output appended to the log, its status to the summary
   local name=$1 secs=$2; shift 2
   local s; s=$(date +%s)
@@ -49,7 +51,7 @@ under_mps() {  # under_mps NAME [VAR=VALUE...]: the internode GPU tests, every r
   if nvidia-cuda-mps-control -d >>"$log" 2>&1; then
     trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
     run "$name" "${INTERNODE_SECS:-420}" env UCCL_EP_TEST_SHARE_GPU=1 CUDA_DEVICE_MAX_CONNECTIONS=8 "$@" python3 -m \
-      pytest -q -rf --durations=8 tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"}
+      pytest -v --tb=short -rf --durations=8 tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"}
     echo quit | nvidia-cuda-mps-control >>"$log" 2>&1
     trap - EXIT
   else
@@ -71,7 +73,7 @@ for step in "${steps[@]}"; do
       # queues"). Time-sliced ranks stalled in session 50 (every_output[2-1] here; 8 of the 2 x 2 cases on 2x H200),
       # so the tests skip them unless UCCL_EP_TEST_TIME_SLICED=1, which this step sets: it checks whether they still do
       UCCL_EP_TEST_SHARE_GPU=1 UCCL_EP_TEST_TIME_SLICED=1 run internode_shared "${INTERNODE_SECS:-420}" python3 -m \
-        pytest -q -rf --durations=8 tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
+        pytest -v --tb=short -rf --durations=8 tests/internode ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
     internode_mps)  # the same tests with the GPU shared through MPS: the ranks' kernels run at the same time, as on
       # separate GPUs. The loopback needs CUDA_DEVICE_MAX_CONNECTIONS set under MPS (docs/internode.md, "Hardware work
       # queues"); 8 leaves MPS room for the 2 x 2 cases' four clients.
@@ -85,12 +87,12 @@ for step in "${steps[@]}"; do
     moelayer) run moelayer 180 python3 -m pytest -x -q -rf tests/megatron/test_moelayer_gpu.py ;;
     copy_agent)  # the defaults with a GPU per rank: the loopback's copy agent moves the bytes, no drains, the legacy
       # default stream (docs/internode.md, "The copy agent"); then Megatron's MoELayer and hooks the same way
-      run copy_agent_internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 \
+      run copy_agent_internode "${INTERNODE_SECS:-420}" python3 -m pytest -v --tb=short -rf --durations=8 \
         tests/internode/test_internode_gpu.py -k "copy_agent or legacy_default_stream"
       run copy_agent_megatron 300 python3 -m pytest -q -rf tests/megatron/test_moelayer_gpu.py \
         tests/megatron/test_dispatcher_on_internode_gpu.py ;;
     internode)  # a GPU per rank; cases of more ranks than GPUs skip without MPS (time-sliced: internode_mps runs them)
-      run internode "${INTERNODE_SECS:-420}" python3 -m pytest -q -rf --durations=8 tests/internode \
+      run internode "${INTERNODE_SECS:-420}" python3 -m pytest -v --tb=short -rf --durations=8 tests/internode \
                  ${INTERNODE_K:+-k "$INTERNODE_K"} ;;
     bench_dispatch) run bench_dispatch 120 "${tr2[@]}" -m uccl_ep_train bench dispatch --json "$OUT/dispatch.json" ;;
     bench_dispatch_24)  # every kernel of a call on 24 SMs, local ones included (DeepEP's rule), headline shape only
