@@ -54,6 +54,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="uncached dispatches with num_worst_tokens (every token of every rank; expert-major: x min("
                         "top-k, local experts)): with UCCL_EP_DRAIN_AFTER_WAITS=never they return before the count "
                         "read (docs/internode.md, \"Sync-free dispatch\")")
+    p.add_argument("--sync-free-rows", type=int, default=0, metavar="N",
+                   help="with --sync-free: rows each rank receives (its num_worst_tokens), as UCCL_EP_NUM_WORST_TOKENS "
+                        "or a capacity factor sets them in training; 0: the worst case above. Every row past the "
+                        "received ones is zeroed each call, so the worst case costs expert-major receives ~470 MB "
+                        "of stores per call at the default shape on 2 x 1. Fewer rows than a rank receives is an "
+                        "error, raised by the next call")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rdma-bytes", type=int, default=2 << 30)
@@ -89,6 +95,26 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "side with --profile: time-sliced GPU timings mean nothing, and there are no baselines "
                         "(NCCL refuses two ranks on one GPU), so only rank 0's raw times and host steps are printed")
     p.set_defaults(func=run)
+
+
+def check_sync_free_rows(args) -> None:
+    """Stop the bench, before any process group, where --sync-free-rows cannot apply."""
+    if args.sync_free_rows < 0:
+        raise SystemExit(f"--sync-free-rows must be >= 0 (0: the worst case), got {args.sync_free_rows}")
+    if args.sync_free_rows and not args.sync_free:
+        raise SystemExit("--sync-free-rows needs --sync-free (it sets the sync-free dispatches' num_worst_tokens)")
+
+
+def num_worst_tokens(args, world: int) -> int:
+    """The num_worst_tokens of the bench's uncached dispatches: 0 without --sync-free; else --sync-free-rows, or
+    where that is 0 the worst case, every token of every rank (expert-major: one row per (token, local expert), at
+    most min(top-k, local experts) per token)."""
+    check_sync_free_rows(args)
+    if not args.sync_free:
+        return 0
+    if args.sync_free_rows:
+        return args.sync_free_rows
+    return args.tokens * world * (min(args.topk, args.experts // world) if args.expert_major else 1)
 
 
 # What the timings of ranks sharing a GPU mean, by whether the GPU is shared through MPS (None: unknown).
@@ -575,6 +601,7 @@ def run(args) -> int:
     from uccl_ep_train.internode.transport import use_copy_agent
     from uccl_ep_train.settings import load_settings
 
+    check_sync_free_rows(args)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.share_gpu:
         local %= torch.cuda.device_count()
@@ -619,9 +646,7 @@ def run(args) -> int:
         scales = torch.rand((T, H // 128), device=dev, generator=g) + 0.5
     w = torch.rand((T, K), device=dev, generator=g)
     tpr, tpn, tpe, itr = nat.get_dispatch_layout(idx, E)
-    worst = 0
-    if args.sync_free:
-        worst = T * world * (min(K, E // world) if args.expert_major else 1)
+    worst = num_worst_tokens(args, world)
 
     def fresh():  # the arguments of an uncached dispatch
         return DispatchArgs(x, scales, None, tpr, tpn, itr, tpe, idx, w, expert_major=args.expert_major,
@@ -810,7 +835,7 @@ def run(args) -> int:
 
     row = {
         "world": world, "ranks_per_node": G, "nodes": args.emulate_nodes, "tokens": T, "hidden": H, "topk": K,
-        "fp8": args.fp8, "expert_major": args.expert_major, "sync_free": args.sync_free,
+        "fp8": args.fp8, "expert_major": args.expert_major, "sync_free": args.sync_free, "num_worst_tokens": worst,
         "loopback_bw_gbps": settings.emulation.loopback_bandwidth_gbps,
         # how long an uncached dispatch holds the host (call to return), queued behind the compute spacer and alone
         # (_host_held_by_dispatch); sync-free without drains it returns before the count read
