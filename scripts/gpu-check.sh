@@ -8,8 +8,8 @@
 # (py-spy samples of the ranks' main threads in the emulated calls, summarized by scripts/pyspy_summary.py),
 # profile_internode (torch.profiler and cProfile tables of the emulated 2-node calls), internode_shared (the internode
 # GPU tests with every rank on one GPU, time-sliced: stalls seen in session 50), internode_mps (the same under MPS:
-# ranks' kernels at the same time; how ranks share a GPU, on 1 or 2 GPUs), internode_mps_agent (the same with the copy agent forced on and up to 4 ranks per GPU: 2 x 2 on one
-# GPU), fifo (GPU producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2
+# ranks' kernels at the same time; how ranks share a GPU, on 1 or 2 GPUs), internode_mps_agent (the same with the
+# copy agent forced on and up to 4 ranks per GPU: 2 x 2 on one GPU), fifo (GPU producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2
 # ranks case alone, with CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency
 # with staggered watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered
 # case, LOOPS times).
