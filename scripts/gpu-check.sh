@@ -9,10 +9,10 @@
 # profile_internode (torch.profiler and cProfile tables of the emulated 2-node calls), internode_shared (the internode
 # GPU tests with every rank on one GPU, time-sliced: stalls seen in session 50), internode_mps (the same under MPS:
 # ranks' kernels at the same time; how ranks share a GPU, on 1 or 2 GPUs), internode_mps_agent (the same with the
-# copy agent forced on and up to 4 ranks per GPU: 2 x 2 on one GPU), fifo (GPU producers into the FIFO, tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2
-# ranks case alone, with CUDA_LAUNCH_BLOCKING=1 so an illegal access names its kernel), latency (bench proxy's latency
-# with staggered watchers and the echo floor, per push variant), internode_loop (the intermittent 2 x 2 reordered
-# case, LOOPS times).
+# copy agent forced on and up to 4 ranks per GPU: 2 x 2 on one GPU), fifo (GPU producers into the FIFO,
+# tests/host_core/test_gpu_fifo.py), internode_2x2 (the 2 nodes x 2 ranks case alone, with CUDA_LAUNCH_BLOCKING=1 so
+# an illegal access names its kernel), latency (bench proxy's latency with staggered watchers and the echo floor, per
+# push variant), internode_loop (the intermittent 2 x 2 reordered case, LOOPS times).
 # INTERNODE_K selects internode tests by pytest -k expression.
 # TRAIN_DISPATCHERS (default "uccl alltoall") picks the dispatchers the train step compares; EMULATE_NODES (default
 # "2") the node counts bench_internode plays with the host's GPUs (e.g. "2 4" on 4 GPUs: 2 x 2 and 4 x 1).
