@@ -338,7 +338,8 @@ class DispatcherSettings:
         _bool))
     num_worst_tokens: int = field(default=0, metadata=_meta(
         "UCCL_EP_NUM_WORST_TOKENS", "rows received per rank in sync-free mode (0: the worst case, tokens x ranks, x "
-        "min(top-k, local experts) with the expert-major receive)", _int(0)))
+        "min(top-k, local experts) with the expert-major receive; in Megatron with moe_expert_capacity_factor at "
+        "most local experts x ranks x the router's expert capacity)", _int(0)))
     expert_major: bool = field(default=True, metadata=_meta(
         "UCCL_EP_EXPERT_MAJOR", "receive tokens grouped by local expert, skipping permute/unpermute", _bool))
 

@@ -35,7 +35,27 @@ def hook_cases(ep: int) -> dict:
                                                        kind="skewed", options=O(sync_free=True, expert_major=False))),
         "fp8": ("hooks_case", dict(ep=ep, etp=1, num_experts=few, topk=2, tokens=8, hidden=128,
                                    options=O(fp8_dispatch=True))),
+        # Megatron's router dropped tokens over capacity (factor 0.5: 2 per expert from each rank, 8 tokens x top-2
+        # over 4 experts), so sync-free receives are sized by the capacity, not the worst case; "skewed" routing
+        # fills the first rank's experts to it
+        "sync_free_capacity_expert_major": ("hooks_case", dict(
+            ep=ep, etp=1, num_experts=few, topk=2, tokens=8, kind="skewed", capacity_factor=0.5,
+            options=O(sync_free=True, expert_major=True))),
+        "sync_free_capacity_local_permute": ("hooks_case", dict(
+            ep=ep, etp=1, num_experts=few, topk=2, tokens=8, kind="skewed", capacity_factor=0.5,
+            options=O(sync_free=True, expert_major=False))),
     }
+
+
+def capacity_bound_rows(kw: dict, world: int) -> int:
+    """Rows each rank hands its experts in a sync-free capacity case of hook_cases (``kw``, on ``world`` ranks), as
+    Megatron's router bounds them: each expert takes at most ceil(tokens x top-k / experts x factor) tokens from a
+    rank, so a rank receives at most local experts x ranks x that; the local permute then expands each row over
+    the top-k slots."""
+    E, K, T = kw["num_experts"], kw["topk"], kw["tokens"]
+    capacity = min(T, -(-T * K * kw["capacity_factor"] // E))
+    rows = (E // world) * world * int(capacity)
+    return rows if kw["options"].expert_major else rows * K
 
 
 def four_rank_cases() -> dict:
@@ -109,10 +129,13 @@ def run_identity_experts(tokens, tokens_per_expert, probs):
 
 def hooks_case(rank: int, world: int, *, ep: int, etp: int, num_experts: int, topk: int, tokens: int,
                hidden: int = HIDDEN_DEFAULT, kind: str = "random", identity: bool = False, options=None,
-               seed: int = 7, atol: float = 1e-5, steps: int = 1, device: str = "cpu"):
+               seed: int = 7, atol: float = 1e-5, steps: int = 1, device: str = "cpu",
+               capacity_factor: Optional[float] = None):
     """Run the six hooks forward and backward ``steps`` times on one dispatcher (fresh inputs and routing each step
     after the first); return the max errors against the oracle over the steps (asserted by the caller). With
-    ``device="cuda"`` the tokens, routing and experts live on this rank's GPU (several ranks may share one)."""
+    ``device="cuda"`` the tokens, routing and experts live on this rank's GPU (several ranks may share one).
+    ``capacity_factor``: the config's moe_expert_capacity_factor, and every routing goes through Megatron's own
+    token dropping at that factor first, as its router does."""
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     init_megatron(ep, etp)
@@ -121,7 +144,8 @@ def hooks_case(rank: int, world: int, *, ep: int, etp: int, num_experts: int, to
     from uccl_ep_train.megatron.options import DispatcherOptions
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    cfg = make_config(num_experts, topk, hidden)
+    cfg = make_config(num_experts, topk, hidden,
+                      **({} if capacity_factor is None else dict(moe_expert_capacity_factor=capacity_factor)))
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     nle = num_experts // ep
@@ -141,6 +165,11 @@ def hooks_case(rank: int, world: int, *, ep: int, etp: int, num_experts: int, to
         x = torch.randn(tokens, 1, hidden, generator=g).to(device)
         routing_map, probs = (t.to(device) for t in routing(tokens, num_experts, topk, seed * 17 + rank + 7919 * step,
                                                               kind))
+        if capacity_factor is not None:
+            from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+
+            probs, routing_map = apply_router_token_dropping(probs, routing_map, router_topk=topk,
+                                                             capacity_factor=capacity_factor)
         grad_out = torch.randn(tokens, 1, hidden, generator=g).to(device)
 
         # Dispatcher path.

@@ -70,6 +70,18 @@ def test_sync_free_mode_with_a_rank_receiving_nothing_matches_the_oracle(two_ran
     assert all(results[name]["received"] == T * world * per_token for results in two_ranks), two_ranks
 
 
+@pytest.mark.parametrize("name", ["sync_free_capacity_expert_major", "sync_free_capacity_local_permute"])
+def test_sync_free_rows_shrink_to_the_routers_expert_capacity_and_outputs_still_match_the_oracle(two_ranks, name):
+    # Megatron's token dropping at factor 0.5 keeps 2 tokens per expert from each rank: 8 rows per rank
+    # expert-major (2 local experts x 2 ranks x 2) instead of the worst case's 32, and the oracle still holds
+    _assert_matches_oracle(two_ranks, name)
+    kw = TWO_RANKS[name][1]
+    rows = hook_cases.capacity_bound_rows(kw, 2)
+    worst = kw["tokens"] * 2 * kw["topk"]  # the worst case either way here (top-2 = the 2 local experts)
+    assert rows < worst
+    assert all(results[name]["received"] == rows for results in two_ranks), (rows, two_ranks)
+
+
 def test_fp8_dispatch_stays_within_fp8_rounding_of_the_oracle(two_ranks):
     for results in two_ranks:
         r = results["fp8"]

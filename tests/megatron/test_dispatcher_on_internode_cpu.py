@@ -177,6 +177,20 @@ def test_sync_free_mode_with_a_rank_receiving_nothing_matches_the_oracle(topolog
     _assert_ran_on_internode(per_rank, name, G)
 
 
+@pytest.mark.parametrize("name", ["sync_free_capacity_expert_major", "sync_free_capacity_local_permute"])
+def test_sync_free_rows_shrink_to_the_routers_expert_capacity_and_outputs_still_match_the_oracle(topology, name):
+    per_rank, G = topology
+    _assert_matches_oracle(per_rank, name)
+    world = len(per_rank)
+    kw = (TWO_RANKS if G == 1 else FOUR_RANKS)[name][1]
+    rows = hook_cases.capacity_bound_rows(kw, world)
+    per_token = min(kw["topk"], kw["num_experts"] // world) if name.endswith("expert_major") else kw["topk"]
+    assert rows < kw["tokens"] * world * per_token  # smaller than the worst case
+    for rank, results in enumerate(per_rank):
+        assert results[name]["received"] == rows, (name, rank, rows, results[name])
+    _assert_ran_on_internode(per_rank, name, G)
+
+
 def test_fp8_dispatch_stays_within_fp8_rounding_of_the_oracle(topology):
     per_rank, G = topology
     for results in per_rank:

@@ -46,6 +46,29 @@ def _pg_size(group) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
 
+def sync_free_rows(num_tokens: int, comm_size: int, topk: int, num_experts: int, num_local_experts: int,
+                   expert_major: bool, capacity_factor: Optional[float] = None, asked: int = 0) -> int:
+    """Rows a rank receives in sync-free mode (the dispatch's num_worst_tokens). ``asked``
+    (UCCL_EP_NUM_WORST_TOKENS) wins. Else the worst case: every token of every rank, once per rank (rank-major) or
+    once per selected local expert (expert-major: at most min(top-k, local experts) per token). Where Megatron's
+    router drops tokens over capacity (``capacity_factor``, moe_expert_capacity_factor), an expert takes at most
+    its capacity from each rank (the router's get_capacity of num_tokens x top-k over the experts), so a rank
+    receives at most local experts x ranks x capacity (token, local expert) pairs, and so at most that many rows
+    either way: the worst case shrinks to it (at DeepSeek-V3 shape on EP 2 with factor 1.0, expert-major, from
+    65536 rows to 32768, each row past the received ones zeroed every call). With expert TP the local experts
+    are virtual, one per TP rank of each, and each still takes at most the capacity from a rank."""
+    if asked:
+        return asked
+    per_token = min(topk, num_local_experts) if expert_major else 1
+    worst = num_tokens * comm_size * per_token
+    if capacity_factor is None:
+        return worst
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    capacity = min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
+    return max(1, min(worst, num_local_experts * comm_size * capacity))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # One Buffer per communication group, grown when a layer needs more room (as DeepEP users do).
 # --------------------------------------------------------------------------------------------------------------
@@ -295,6 +318,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self.local_expert_indices = local_expert_indices
         self.num_experts = config.num_moe_experts
         self.router_topk = config.moe_router_topk
+        # the router drops tokens over each expert's capacity where this is set: it bounds the sync-free rows
+        self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
         self.options = load_options() if options is None else options
         self.comm_group = self.tp_ep_group if self.tp_ep_group is not None else self.ep_group
         self.comm_size = _pg_size(self.comm_group)
@@ -352,10 +377,9 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         num_tokens = hidden_states.shape[0]
         num_worst = 0
         if self.options.sync_free:
-            # Worst case on one rank: every token of every rank, once per rank (rank-major) or once per selected
-            # local expert (expert-major).
-            per_token = min(self.router_topk, self.num_local_experts) if self.expert_major else 1
-            num_worst = self.options.num_worst_tokens or num_tokens * self.comm_size * per_token
+            num_worst = sync_free_rows(num_tokens, self.comm_size, self.router_topk, self.num_experts,
+                                       self.num_local_experts, self.expert_major, self.capacity_factor,
+                                       self.options.num_worst_tokens)
         async_comm = self.options.async_comm and hidden_states.is_cuda
         buffer = get_buffer(self.comm_group, hidden_states.shape[-1] * max(hidden_states.element_size(), 2),
                             num_tokens, self.router_topk, num_worst)

@@ -7,7 +7,7 @@ From Megatron's TransformerConfig (the flags users already pass):
 | ``num_moe_experts``, ``moe_router_topk`` | expert count, top-k width of the routing |
 | ``moe_router_dtype`` | ``fp64`` keeps permuted probs in float64 (as flex does); else float32 |
 | ``moe_shared_expert_overlap`` | shared expert runs on its own stream, overlapping dispatch/combine |
-| ``moe_expert_capacity_factor`` | the router drops tokens over capacity; dropped slots are sent as -1 |
+| ``moe_expert_capacity_factor`` | the router drops tokens over capacity; dropped slots are sent as -1, and sync-free receives are bounded by the capacity |
 
 ``moe_flex_dispatcher_num_sms`` (flex's knob) is not read: the kernels' SMs come from UCCL_EP_NUM_SMS.
 
@@ -22,7 +22,8 @@ From uccl-ep-train's settings (environment, uccl_ep_train.settings; the ``dispat
 | ``expert_major`` | UCCL_EP_EXPERT_MAJOR | True | receive in expert-major order when the Buffer can |
 
 The worst case of ``num_worst_tokens`` = 0 is tokens x ranks, times min(top-k, local experts) with the
-expert-major receive. The constructor's ``options=`` overrides them.
+expert-major receive; with ``moe_expert_capacity_factor`` set it is at most local experts x ranks x the router's
+capacity (dispatcher.sync_free_rows). The constructor's ``options=`` overrides them.
 """
 from __future__ import annotations
 
