@@ -228,10 +228,12 @@ def hooks_case(rank: int, world: int, *, ep: int, etp: int, num_experts: int, to
 
 def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int, tokens: int, hidden: int,
                   seed: int = 3, reference: str = "allgather", device: str = "cpu", bf16: bool = False,
-                  grouped_gemm: bool = False, steps: int = 1, uccl_env: Optional[dict] = None):
+                  grouped_gemm: bool = False, steps: int = 1, uccl_env: Optional[dict] = None,
+                  capacity_factor: Optional[float] = None):
     """Megatron's real MoELayer: uccl against another dispatcher, same weights (same seed), same inputs, ``steps``
     forward and backward passes on one layer (the parameters' gradients accumulate over them in both). ``uccl_env``:
-    settings in effect while the uccl layer is built and run (e.g. UCCL_EP_SYNC_FREE=1)."""
+    settings in effect while the uccl layer is built and run (e.g. UCCL_EP_SYNC_FREE=1). ``capacity_factor``: both
+    layers' moe_expert_capacity_factor (Megatron's router drops tokens over it)."""
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
@@ -258,6 +260,8 @@ def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int
         with _environment(uccl_env if dispatcher_type == "uccl" else None):
             extra = dict(moe_token_dispatcher_type=dispatcher_type, moe_router_load_balancing_type="none",
                          use_cpu_initialization=device == "cpu", moe_router_dtype="fp32")
+            if capacity_factor is not None:
+                extra.update(moe_expert_capacity_factor=capacity_factor)
             if bf16:
                 extra.update(bf16=True, params_dtype=torch.bfloat16)
             cfg = make_config(num_experts, topk, hidden, **extra)
@@ -270,6 +274,7 @@ def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int
             results[dispatcher_type] = type(layer.token_dispatcher).__name__
             if dispatcher_type == "uccl":
                 assert isinstance(layer.token_dispatcher, UCCLTokenDispatcher)
+                worst_rows = _record_sync_free_rows(layer.token_dispatcher)
             g = torch.Generator().manual_seed(seed * 13 + rank)
             outs, grads_x = [], []
             for _ in range(steps):
@@ -284,6 +289,7 @@ def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int
             if dispatcher_type == "uccl":  # sync-free dispatches that returned before the host read the counts
                 results["uccl_before_counts"] = sum(int(getattr(b.backend, "dispatches_before_counts", 0))
                                                     for b in uccl_dispatcher._BUFFERS.values())
+                results["uccl_num_worst_tokens"] = sorted(set(worst_rows))  # each forward's (0: not sync-free)
             outputs[dispatcher_type] = (torch.cat(outs), torch.cat(grads_x),
                                         [p.grad.float().cpu().clone() for p in layer.parameters()])
     u, a = outputs["uccl"], outputs[reference]
@@ -298,6 +304,20 @@ def moelayer_case(rank: int, world: int, *, ep: int, num_experts: int, topk: int
     release_buffers()
     parallel_state.destroy_model_parallel()
     return results
+
+
+def _record_sync_free_rows(dispatcher) -> list:
+    """The num_worst_tokens each dispatch_preprocess of ``dispatcher`` chose (the list grows as it runs)."""
+    seen: list = []
+    preprocess = dispatcher.dispatch_preprocess
+
+    def recording(*args, **kwargs):
+        out = preprocess(*args, **kwargs)
+        seen.append(int(dispatcher._route.num_worst_tokens))
+        return out
+
+    dispatcher.dispatch_preprocess = recording
+    return seen
 
 
 @contextlib.contextmanager

@@ -23,6 +23,10 @@ MOELAYER_SYNC_FREE = {
     f"moelayer_sync_free_{order}": ("moelayer_case", dict(MOELAYER, uccl_env={
         "UCCL_EP_SYNC_FREE": "1", "UCCL_EP_EXPERT_MAJOR": "1" if order == "expert_major" else "0"}))
     for order in ("expert_major", "local_permute")}
+# ... and with Megatron's router dropping tokens over capacity (factor 0.5: 2 per expert from each rank), the rows
+# sized by that capacity
+MOELAYER_SYNC_FREE["moelayer_sync_free_capacity"] = ("moelayer_case", dict(
+    MOELAYER, capacity_factor=0.5, uccl_env={"UCCL_EP_SYNC_FREE": "1", "UCCL_EP_EXPERT_MAJOR": "1"}))
 TWO_RANKS = dict(hook_cases.hook_cases(2), moelayer=("moelayer_case", MOELAYER), **MOELAYER_SYNC_FREE)
 FOUR_RANKS = hook_cases.four_rank_cases()
 
@@ -106,6 +110,18 @@ def test_megatron_sequential_mlp_takes_sync_free_rows_and_matches_the_allgather_
         assert r["uccl"] == "UCCLTokenDispatcher"
         assert r["out_norm"] > 0
         assert r["out"] < EXACT and r["grad_x"] < EXACT and r["grad_params"] < EXACT, (name, r)
+
+
+def test_megatron_router_dropping_over_capacity_sizes_the_sync_free_rows_and_matches_the_allgather_dispatcher(
+        two_ranks):
+    # 8 tokens x top-2 over 4 experts at factor 0.5: capacity 2 per expert from each rank, so 2 local experts x 2
+    # ranks x 2 = 8 rows per rank (the worst case: 8 x 2 x 2 = 32), and Megatron's own router did the dropping
+    for results in two_ranks:
+        r = results["moelayer_sync_free_capacity"]
+        assert r["uccl_num_worst_tokens"] == [8], r
+        assert results["moelayer_sync_free_expert_major"]["uccl_num_worst_tokens"] == [32]  # no factor: worst case
+        assert r["out_norm"] > 0
+        assert r["out"] < EXACT and r["grad_x"] < EXACT and r["grad_params"] < EXACT, r
 
 
 def test_four_ranks_with_router_dropped_slots_match_the_oracle(four_ranks):
