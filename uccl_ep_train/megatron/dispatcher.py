@@ -34,6 +34,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from uccl_ep_train.megatron.options import DispatcherOptions, buffer_supports_expert_major, load_options
 from uccl_ep_train.reference import count_ids
@@ -63,8 +64,6 @@ def sync_free_rows(num_tokens: int, comm_size: int, topk: int, num_experts: int,
     worst = num_tokens * comm_size * per_token
     if capacity_factor is None:
         return worst
-    from megatron.core.transformer.moe.moe_utils import get_capacity
-
     capacity = min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
     return max(1, min(worst, num_local_experts * comm_size * capacity))
 

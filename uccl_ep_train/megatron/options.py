@@ -7,7 +7,7 @@ From Megatron's TransformerConfig (the flags users already pass):
 | ``num_moe_experts``, ``moe_router_topk`` | expert count, top-k width of the routing |
 | ``moe_router_dtype`` | ``fp64`` keeps permuted probs in float64 (as flex does); else float32 |
 | ``moe_shared_expert_overlap`` | shared expert runs on its own stream, overlapping dispatch/combine |
-| ``moe_expert_capacity_factor`` | the router drops tokens over capacity; dropped slots are sent as -1, and sync-free receives are bounded by the capacity |
+| ``moe_expert_capacity_factor`` | the router drops tokens over capacity; dropped slots are sent as -1 |
 
 ``moe_flex_dispatcher_num_sms`` (flex's knob) is not read: the kernels' SMs come from UCCL_EP_NUM_SMS.
 
