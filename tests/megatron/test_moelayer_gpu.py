@@ -66,3 +66,19 @@ def test_moelayer_in_sync_free_mode_without_drains_matches_alltoall_over_trainin
         assert r["uccl_backend"] == ["native-internode"], (rank, r["uccl_backend"])
         assert r["out_rel"] < BF16_REL and r["grad_x_rel"] < BF16_REL and r["grad_params_rel"] < BF16_REL, (rank, r)
         assert r["uccl_before_counts"] == steps - 1, (rank, r)
+
+
+def test_moelayer_in_sync_free_mode_with_an_expert_capacity_factor_receives_the_capacity_and_matches_alltoall():
+    # Megatron's router drops tokens over capacity at factor 1.0 (ceil(256 x 2 / 8) = 64 per expert from each rank),
+    # so each rank receives at most 4 local experts x 2 ranks x 64 = 512 expert-major rows, not the worst case's
+    # 1024 (megatron/dispatcher.py, sync_free_rows); alltoall drops the same tokens, so the outputs still match
+    results = run_distributed(functools.partial(hook_cases.moelayer_case, ep=2, num_experts=8, topk=2, tokens=256,
+                                                hidden=256, reference="alltoall", device="cuda", bf16=True,
+                                                steps=2, capacity_factor=1.0, uccl_env={"UCCL_EP_SYNC_FREE": "1"}),
+                              2, backend="nccl", timeout=300,
+                              env={"UCCL_EP_CPU_TIMEOUT_SECS": "60", "UCCL_EP_GPU_TIMEOUT_SECS": "60",
+                                   "UCCL_EP_RANKS_PER_NODE": "1"})
+    for rank, r in enumerate(results):
+        assert r["uccl_backend"] == ["native-internode"], (rank, r["uccl_backend"])
+        assert r["uccl_num_worst_tokens"] == [512], (rank, r)
+        assert r["out_rel"] < BF16_REL and r["grad_x_rel"] < BF16_REL and r["grad_params_rel"] < BF16_REL, (rank, r)
