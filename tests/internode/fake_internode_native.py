@@ -19,6 +19,11 @@ writers, so counters stay exact with several writer processes and no atomics.
 What it does not emulate: proxy threads, FIFOs and flow control (a push is done when push_chunks returns, so
 ``push_timeout`` never fires and FIFO heads always equal tails), reordering or delays of the transport, streams (all
 work is synchronous: stream order is program order), CUDA's lazy module loading, and verbs.
+
+``FAKE_JITTER_SECS`` (environment, default 0): before about a third of its writes and waits a rank sleeps up to that
+long, at random, so that races between ranks' calls show up in a few runs instead of once in many (session 50: at
+0.003 a count row overwritten by a peer one exchange ahead stalled 1 run in ~20 of the num_worst_tokens error test,
+once in many CI runs without it).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import functools
 import json
 import operator
 import os
+import random
 import sys
 import time
 import uuid
@@ -895,6 +901,8 @@ class InternodeContext:
         self.num_signal_slots, self.num_threads = int(kw["num_signal_slots"]), int(kw["num_threads"])
         self.num_fifos = self.num_threads * int(kw["fifos_per_thread"])
         self.max_write_bytes = int(os.environ.get("FAKE_MAX_WRITE_BYTES", 1 << 30))  # the transport's write limit
+        self._jitter = float(os.environ.get("FAKE_JITTER_SECS", 0))  # (the module docstring)
+        self._jitter_draw = random.Random(f"{self.rank}-{os.getpid()}-{time.time_ns()}").random
         self.spin_blocks = 0  # no grid here; the backend sets it only for ranks that share a GPU
         self.stream_waits: list = []  # (waiter, signaller) of each stream_wait, in order
         self._timeout = float(kw["gpu_timeout_secs"])
@@ -1228,8 +1236,13 @@ class InternodeContext:
                 return
             time.sleep(1e-4)
 
+    def _maybe_delay(self) -> None:
+        if self._jitter and self._jitter_draw() < 0.3:
+            time.sleep(self._jitter * self._jitter_draw())
+
     def _write(self, dst: int, nbytes: int, local: int, remote: int, slot: int, value: int) -> bool:
         """What the proxy and transport do with one WRITE_SIGNAL: the bytes land, then the counter moves."""
+        self._maybe_delay()
         if self._perr:
             return False
         if dst >= len(self._peers):
@@ -1268,6 +1281,7 @@ class InternodeContext:
         reports the first late slot with ``reported[slot]`` as the value expected, when given."""
         if not pairs:
             return True
+        self._maybe_delay()
         slots = torch.tensor([s for s, _ in pairs])
         start, nap = time.monotonic(), 2e-5
         while True:

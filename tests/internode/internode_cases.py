@@ -683,6 +683,62 @@ def _pair_matches(nat, ref, dev, idx, g, E, H=128):
     return all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+def a_peers_next_count_row_leaves_this_calls_rows_intact(nat, ref, dev, rank, world):
+    """Two uncached dispatches back to back, no combine between: rank 1 pushes its second count row as soon as its
+    first dispatch is done, and rank 0 waits until that row has landed before its own second dispatch. Returns (for
+    rank 0: whether the count rows of its first dispatch -- which its kernels may still read -- were left as they
+    were, else None; whether both dispatches' outputs and the second one's combine equal the reference's). With one
+    notify area the second row overwrote them (session 50); the areas are taken in turns."""
+    from uccl_ep_train.backends import DispatchArgs
+
+    E = 4 * world
+    g = torch.Generator().manual_seed(100 + rank)
+
+    def dispatch(idx, after_native=lambda: None):
+        # the native backend's call first, then ``after_native``: no peer can start its next call before our
+        # reference call below (a collective), so what it sees is this call's alone
+        x = torch.randn((idx.size(0), 128), generator=g).to(torch.bfloat16)
+        w = torch.rand(idx.shape, generator=g)
+        outs = []
+        for b, d in ((nat, dev), (ref, torch.device("cpu"))):
+            tpr, tpn, tpe, itr = b.get_dispatch_layout(idx.to(d), E)
+            outs.append(b.dispatch(DispatchArgs(x.to(d), None, None, tpr, tpn, itr, tpe, idx.to(d), w.to(d))))
+            if b is nat:
+                after_native()
+        return torch.equal(outs[0].recv_x.cpu(), outs[1].recv_x), outs
+
+    # every rank's first and second routings differ, so a count row of the second call differs from the first's
+    first = torch.rand((48, E), generator=g).topk(2, dim=1).indices
+    second = torch.rand((80, E), generator=g).topk(3, dim=1).indices
+
+    seen = []  # (the count rows of the first call where its kernels read them, a copy of them)
+
+    def keep_rows():
+        rows_at = nat._notify_rows_at
+        rows = _raw_bytes(rows_at.ptr, 8 * world * rows_at.row_words, dev)
+        seen.extend((rows, rows.clone()))
+
+    same_first, _ = dispatch(first, keep_rows)
+    rows, before = seen
+    intact = None
+    if rank == 0:
+        slot, target = nat._notify_slot, nat._expected[nat._notify_slot] + 1  # a peer's next row in
+        deadline = time.monotonic() + 30
+        while nat._cx.signal_value(slot) < target:
+            assert time.monotonic() < deadline, f"no peer pushed its next count row: {nat._cx.signal_value(slot)}"
+            time.sleep(0.001)
+        intact = torch.equal(rows, before)
+    same_second, outs = dispatch(second)
+    combined = [b.combine(r.recv_x, r.handle, r.recv_topk_weights, None)[0].cpu() for b, r in zip((nat, ref), outs)]
+    return intact, same_first and same_second and torch.equal(*combined)
+
+
+def _raw_bytes(ptr, nbytes, dev):
+    from uccl_ep_train.internode.columns import _raw_bytes as raw
+
+    return raw(ptr, nbytes, dev)
+
+
 def records_past_the_partial_sums(nat, ref, dev, rank, world):
     """A dispatch whose every token goes to both nodes and its combine (whose partial sums fill the top of each send
     half), then a bigger uncached dispatch whose records would reach into them, then a small one; the native backend

@@ -35,7 +35,8 @@ from internode_cases import (ALL, EXPERT_MAJOR_CASES, OWN_ROW_CASES, area_too_sm
                              check_push_after_counts_waits_for_the_count_rows_and_places_each_block_from_them,
                              check_raised_flags_end_the_wait_and_a_gpu_that_never_raises_is_named,
                              compare_cases, one_forwarder_of_a_node_forwards_after_the_count_read,
-                             records_past_the_partial_sums, too_few_worst_rows)
+                             records_past_the_partial_sums, too_few_worst_rows,
+                             a_peers_next_count_row_leaves_this_calls_rows_intact)
 
 RDMA = 16 << 20
 NVL = 16 << 20
@@ -495,7 +496,8 @@ def _scenario(rank, world, G, which):
     nat, ref = _backends(rank, world, G, rdma=2 << 20)
     try:
         return dict(past=records_past_the_partial_sums, small=area_too_small_after_a_push_during_notify,
-                    worst=too_few_worst_rows, one_after=one_forwarder_of_a_node_forwards_after_the_count_read)[which](
+                    worst=too_few_worst_rows, one_after=one_forwarder_of_a_node_forwards_after_the_count_read,
+                    row_ahead=a_peers_next_count_row_leaves_this_calls_rows_intact)[which](
             nat, ref, torch.device("cpu"), rank, world)
     finally:
         nat.destroy()
@@ -556,6 +558,18 @@ def test_a_receive_past_num_worst_tokens_raises_naming_it_on_every_rank_rank_or_
         assert "expert-major receive needs" in em_err and "raise num_worst_tokens" in em_err, f"rank {rank}: {em_err}"
         assert rm_in_step and em_in_step, f"rank {rank}: the dispatch counters are not at their targets after an error"
         assert done == 2, (rank, done)
+
+
+@pytest.mark.parametrize("world,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_a_peers_next_count_row_lands_in_the_other_notify_area_and_back_to_back_dispatches_match(world, G):
+    """A peer one count exchange ahead (two uncached dispatches back to back, or a dispatch that raised) pushes its
+    next count row while our kernels may still read this call's rows: it lands in the other notify area, so this
+    call's rows stay as they were, and both dispatches and the combine equal the reference. With one area the row
+    overwrote them, and a reader's gate computed from them waited for records never sent (a rare stall of
+    test_a_receive_past_num_worst_tokens_... in session 50)."""
+    out = run_distributed(_scenario, world, G, "row_ahead", timeout=120, env=ENV)
+    assert out[0][0] is True, "rank 0's count rows changed when a peer pushed its next row"
+    assert all(same for _, same in out), out
 
 
 def _hop_fields(p):

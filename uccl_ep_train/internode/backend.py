@@ -18,8 +18,9 @@ from uccl_ep_train import native
 from uccl_ep_train.backends import BackendContext, DispatchResult
 from uccl_ep_train.internode.diagnostics import track
 from uccl_ep_train.kernel_timeline import KernelTimeline
-from uccl_ep_train.internode.plan import (InternodeError, NOTIFY_MAX_EXPERTS, CMD_UNIT, CMD_MAX_BYTES, CMD_MAX_REGION,
-                                          check_topology, Counts, chunk_bytes, _align, notify_row_words, CombineAreas,
+from uccl_ep_train.internode.plan import (InternodeError, NOTIFY_AREAS, NOTIFY_MAX_EXPERTS, CMD_UNIT, CMD_MAX_BYTES,
+                                          CMD_MAX_REGION, check_topology, Counts, chunk_bytes, _align, notify_row_words,
+                                          CombineAreas,
                                           READ_DIMS, READ_GO, FORWARD_DIMS, GATE_FIXED_COLUMNS as GATE_FIXED,
                                           GATHER_MAX_TILES, GATHER_MIN_TILE_ROWS, node_flag_bytes, ready_word_rows,
                                           ready_word_bytes)
@@ -233,12 +234,14 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
         self._forward_targets_or = functools.reduce(operator.or_, self.peer_nvl)
         self._rdma = _raw_bytes(self._cx.rdma_ptr, self.rdma_bytes, self.device)
         self._nvl = _raw_bytes(self._cx.nvl_ptr, self.nvl_bytes, self.device)
-        # The notify area (one count row per rank, at the end of the RDMA region) is the count exchange through the
-        # proxies; with very many ranks it would eat the region, and notify falls back to a gloo all_gather.
-        # A row: [tokens per rank | per node | per expert, up to NOTIFY_MAX_EXPERTS]; the area holds R of the widest
-        # (a call packs its rows at the width it uses).
+        # The notify areas (one count row per rank each, at the end of the RDMA region) are the count exchange through
+        # the proxies, taken in turns (NOTIFY_AREAS); with very many ranks they would eat the region, and notify
+        # falls back to a gloo all_gather. A row: [tokens per rank | per node | per expert, up to
+        # NOTIFY_MAX_EXPERTS]; an area holds R of the widest (a call packs its rows at the width it uses).
         self._notify_row = _align(8 * notify_row_words(self.R, self.N))
-        notify_bytes = self.R * self._notify_row
+        self._notify_area_bytes = self.R * self._notify_row
+        self._notify_exchanges = 0  # count exchanges through the proxies so far: their turn of the areas
+        notify_bytes = NOTIFY_AREAS * self._notify_area_bytes
         self._notify_via_proxies = notify_bytes <= self.rdma_bytes // 16
         usable = self.rdma_bytes - (notify_bytes if self._notify_via_proxies else 0)
         self.half_rdma = usable // 2 // CMD_UNIT * CMD_UNIT
@@ -248,7 +251,8 @@ class NativeInternodeBackend(Dispatch, Combine, BeforeCounts, ExpertMajorReceive
         # CPU stand-in copies there too, at the wait: read from the area later, a peer's next count row could be
         # there already (a peer whose dispatch needs nothing more of ours -- a forward before the count read -- may
         # start its next notify before we read this one)
-        self._notify_host = (torch.empty(notify_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self._notify_host = (torch.empty(self._notify_area_bytes, dtype=torch.uint8,
+                                         pin_memory=self.device.type == "cuda")
                              if self._notify_via_proxies else None)
         self._notify_view_cache: dict = {}  # _notify_views
         # small tables go to the device from pinned memory allocated now (a first pinned allocation may synchronize)

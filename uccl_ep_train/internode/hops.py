@@ -153,7 +153,7 @@ class NetworkHops:
 
     def _fixed_table(self, phase: str, rows: List[List[int]]) -> torch.Tensor:
         """The device push table of rows that are the same in every call of this phase (barrier, notify), made once."""
-        key = (phase, rows[0][3])  # notify rows change width with the number of experts
+        key = (phase, rows[0][3], rows[0][1])  # notify rows change width with the experts, and place with the area
         table = self._fixed_tables.get(key)
         if table is None:
             table = self._fixed_tables[key] = self._push_table(rows)

@@ -13,7 +13,7 @@ from uccl_ep_train.internode.diagnostics import timeout_hint
 from uccl_ep_train.kernel_timeline import DISPATCH_DURING_NOTIFY
 from uccl_ep_train.internode.plan import (InternodeError, RecordLayout, Counts, local_count_row, counts_from_rows,
                                           SendPlan, recv_counts, dispatch_waits, _align,
-                                          dispatch_push_rows_before_counts)
+                                          dispatch_push_rows_before_counts, notify_area_turn)
 from uccl_ep_train.internode.columns import _address, _dense, _column_args
 from uccl_ep_train.internode.call_state import CountRows
 
@@ -44,7 +44,7 @@ class CountExchange:
         tpe = tokens_per_expert if carry else None
         self._notify_rows_at = None  # (set where the rows land on the device: _notify_through_proxies)
         if self._notify_via_proxies:
-            row = self._notify_views(width)[0]
+            row = self._notify_views(width, self._notify_turn())[0]
             self._count_row(row, is_token_in_rank, tpe, plan if then is not None else None)
             return self._notify_through_proxies(width, shape,
                                                 (lambda rows: then(row, rows)) if then is not None else None,
@@ -84,14 +84,23 @@ class CountExchange:
                           tpe.numel() if tpe is not None else 0, self._stream(),
                           send_plan=self._table_addresses(plan) if plan is not None else None)
 
-    def _notify_views(self, words: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """For count rows of ``words`` int64: (our row in the notify area, the area's R rows as bytes, their pinned
-        host copy or None), made once per width: each view costs host time before the count row leaves."""
-        views = self._notify_view_cache.get(words)
+    def _notify_turn(self) -> int:
+        """The notify area (0 .. NOTIFY_AREAS - 1) the next count exchange through the proxies uses."""
+        return notify_area_turn(self._notify_exchanges)
+
+    def _notify_area(self, turn: int) -> int:
+        """Offset in the RDMA region of notify area ``turn``."""
+        return self._notify_base + turn * self._notify_area_bytes
+
+    def _notify_views(self, words: int, turn: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """For count rows of ``words`` int64 in notify area ``turn``: (our row there, the area's R rows as bytes,
+        their pinned host copy or None), made once per width and area: each view costs host time before the count
+        row leaves."""
+        views = self._notify_view_cache.get((words, turn))
         if views is None:
-            R, base, row_bytes = self.R, self._notify_base, _align(8 * words)
+            R, base, row_bytes = self.R, self._notify_area(turn), _align(8 * words)
             own = base + self.rank * row_bytes
-            views = self._notify_view_cache[words] = (
+            views = self._notify_view_cache[words, turn] = (
                 self._rdma[own:own + 8 * words].view(torch.int64), self._rdma[base:base + R * row_bytes],
                 self._notify_host[:R * row_bytes] if self._notify_host is not None else None)
         return views
@@ -113,12 +122,16 @@ class CountExchange:
         the wire ("Push during notify"). ``ahead(rows)`` (with ``then``): launched behind the wait and the copy, and
         not waited for before the matrix is read ("Reading before the count read"). ``defer``: see _notify; the
         function it returns drains to the mark recorded behind the matrix's copy, then reads it."""
-        R, base = self.R, self._notify_base
+        # this exchange's area: the next one takes the other, since a peer may push its next row while we still read
+        # these on the device (NOTIFY_AREAS)
+        turn = self._notify_turn()
+        self._notify_exchanges += 1
+        R, base = self.R, self._notify_area(turn)
         row_bytes = _align(8 * words)
         own = base + self.rank * row_bytes
         self._lap("dispatch.notify_row")  # benchmarks: the count row's launches (and any wait they hide)
         rows = [[r, own, own, row_bytes, 1, self._notify_slot, 0] for r in range(R) if r != self.rank]
-        _, area, host = self._notify_views(words)
+        _, area, host = self._notify_views(words, turn)
         later = after = None
         carried = then is not None and row_goes_with_then
         if then is not None:

@@ -88,7 +88,7 @@ def bytes_needed(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ra
     # x, top-k ids, weights and (expert-major in the reader) the pairs' ranks; FP8 + scales is narrower
     record = record_layout([hidden * element_size, num_topk * 8, num_topk * 4, num_topk * 4], G)
     partial = _align(combine_element_size * hidden + 4 * num_topk)  # a combine wire row: payload, then fp32 weights
-    notify = num_ranks * _align(8 * notify_row_words(num_ranks, N))
+    notify = NOTIFY_AREAS * num_ranks * _align(8 * notify_row_words(num_ranks, N))
     rdma = 2 * N * num_tokens * (record.stride + partial) + notify
     final = 2 * num_ranks * num_tokens * max(record.final_bytes, partial)
     # (room for the ready words of UCCL_EP_UNPACK_BESIDE_FORWARD, which take ~1/512 of what lies below the flags)
@@ -160,6 +160,20 @@ NOTIFY_MAX_EXPERTS = 1024
 def notify_row_words(num_ranks: int, num_nodes: int) -> int:
     """int64 words a notify row may use: per rank, per node, per expert at its cap."""
     return num_ranks + num_nodes + NOTIFY_MAX_EXPERTS
+
+
+#: Notify areas in each RDMA region, taken in turns by the count exchanges through the proxies. A peer whose call
+#: needs nothing more of ours (a dispatch that raised, or one followed by another uncached dispatch) may push its
+#: next count row while our kernels still read this call's rows on the device; with one area it overwrote them (a
+#: reader's gate then waited for records never sent: session 50). A peer is at most one exchange ahead -- its next
+#: one needs our next row, which leaves behind everything we queued before -- so two areas suffice.
+NOTIFY_AREAS = 2
+
+
+def notify_area_turn(exchanges_before: int) -> int:
+    """Which notify area a count exchange uses, given how many exchanges through the proxies came before it (the same
+    on every rank: the exchange is collective)."""
+    return exchanges_before % NOTIFY_AREAS
 
 
 @dataclass
