@@ -725,7 +725,9 @@ def a_peers_next_count_row_leaves_this_calls_rows_intact(nat, ref, dev, rank, wo
         slot, target = nat._notify_slot, nat._expected[nat._notify_slot] + 1  # a peer's next row in
         deadline = time.monotonic() + 30
         while nat._cx.signal_value(slot) < target:
-            assert time.monotonic() < deadline, f"no peer pushed its next count row: {nat._cx.signal_value(slot)}"
+            assert time.monotonic() < deadline, (
+                f"rank {rank}: notify slot {slot} (count rows) stayed at {nat._cx.signal_value(slot)} for 30 s, "
+                f"waiting for {target}: no peer pushed its next count row")
             time.sleep(0.001)
         intact = torch.equal(rows, before)
     same_second, outs = dispatch(second)
