@@ -319,6 +319,14 @@ def _route_reverse(rows: torch.Tensor, plan: _Plan, num_tokens: int, num_ranks: 
     return out
 
 
+def worst_case_rows(num_tokens: int, num_ranks: int, num_topk: int, num_local_experts: int,
+                    expert_major: bool) -> int:
+    """The most rows one rank can receive from a dispatch of ``num_tokens`` tokens per rank: every token of every
+    rank, once (rank-major) or once per selected local expert (expert-major: at most min(top-k, local experts) per
+    token). A num_worst_tokens that is never too small."""
+    return num_tokens * num_ranks * (min(num_topk, num_local_experts) if expert_major else 1)
+
+
 def _align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 

@@ -109,12 +109,13 @@ def num_worst_tokens(args, world: int) -> int:
     """The num_worst_tokens of the bench's uncached dispatches: 0 without --sync-free; else --sync-free-rows, or
     where that is 0 the worst case, every token of every rank (expert-major: one row per (token, local expert), at
     most min(top-k, local experts) per token)."""
+    from uccl_ep_train.reference import worst_case_rows
+
     check_sync_free_rows(args)
     if not args.sync_free:
         return 0
-    if args.sync_free_rows:
-        return args.sync_free_rows
-    return args.tokens * world * (min(args.topk, args.experts // world) if args.expert_major else 1)
+    return args.sync_free_rows or worst_case_rows(args.tokens, world, args.topk, args.experts // world,
+                                                  args.expert_major)
 
 
 # What the timings of ranks sharing a GPU mean, by whether the GPU is shared through MPS (None: unknown).

@@ -37,7 +37,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from uccl_ep_train.megatron.options import DispatcherOptions, buffer_supports_expert_major, load_options
-from uccl_ep_train.reference import count_ids
+from uccl_ep_train.reference import count_ids, worst_case_rows
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -60,8 +60,7 @@ def sync_free_rows(num_tokens: int, comm_size: int, topk: int, num_experts: int,
     are virtual, one per TP rank of each, and each still takes at most the capacity from a rank."""
     if asked:
         return asked
-    per_token = min(topk, num_local_experts) if expert_major else 1
-    worst = num_tokens * comm_size * per_token
+    worst = worst_case_rows(num_tokens, comm_size, topk, num_local_experts, expert_major)
     if capacity_factor is None:
         return worst
     capacity = min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
